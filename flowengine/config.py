@@ -1,0 +1,135 @@
+"""Engine configuration: every knob a user can set, validated in one place.
+
+`EngineArgs` carries vLLM's argument names (`max_model_len`, `max_num_seqs`,
+`max_num_batched_tokens`, `block_size`, `enable_prefix_caching`,
+`gpu_memory_utilization`, `tensor_parallel_size`, ...), so that vLLM scripts and flags
+carry over. `LLM(**kwargs)`, `AsyncEngine(**kwargs)` and `flowengine serve --flags`
+all build one. Unknown keyword arguments raise `TypeError` naming the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+Device = Literal["auto", "cpu", "cuda"]
+Placement = Literal["inproc", "multiproc"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+# KV-cache budget on the CPU when the user gives none: enough for a few thousand
+# tokens of a small model, small enough for a 24 GiB CI machine.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """User-facing engine arguments (vLLM names). See `validate()` for the rules.
+
+    Units: `kv_cache_memory_bytes` in bytes; `gpu_memory_utilization` a fraction of
+    device memory in (0, 1]; lengths in tokens.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    dtype: Dtype = "auto"
+    load_format: LoadFormat = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    device: Device = "auto"
+    enforce_eager: bool = False
+    placement: Placement = "inproc"
+    async_scheduling: bool = False
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    max_logprobs: int = 20
+    served_model_name: tuple[str, ...] = field(default_factory=tuple)
+    disable_log_stats: bool = True
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments; an unknown name raises `TypeError` with a hint."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, names, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"unknown engine argument(s): {', '.join(hints)}")
+        if isinstance(kwargs.get("served_model_name"), (list, str)):
+            smn = kwargs["served_model_name"]
+            kwargs["served_model_name"] = (smn,) if isinstance(smn, str) else tuple(smn)
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the argument and what to change."""
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        for name, allowed in (
+            ("dtype", Dtype),
+            ("load_format", LoadFormat),
+            ("device", Device),
+            ("placement", Placement),
+            ("scheduling_policy", SchedulingPolicy),
+        ):
+            value = getattr(self, name)
+            if value not in allowed.__args__:
+                raise ValueError(f"{name} must be one of {allowed.__args__}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits the scheduler applies each step (DESIGN.md §4). All counts in tokens/seqs."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = "fcfs"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache geometry: `num_blocks` blocks of `block_size` tokens each."""
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True

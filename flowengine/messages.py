@@ -1,0 +1,134 @@
+"""Messages between actors, grouped by the channel they travel on (DESIGN.md §2).
+
+Every message is a `msgspec.Struct` (array_like, omit_defaults, gc=False) so it can
+cross a shared-memory ring with msgspec's msgpack codec; nothing here may need pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from flowengine.sampling_params import SamplingParams
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+# ---------------------------------------------------------------- channel "requests"
+class NewRequest(_Msg, tag=True):
+    """A tokenized request entering the engine (frontend -> scheduler)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+    # Tokens already delivered to the caller before an engine restart (recompute).
+    output_token_ids: list[int] = []
+    cache_salt: str | None = None
+
+
+class AbortRequest(_Msg, tag=True):
+    """Stop a request: the caller went away or a stop string matched."""
+
+    request_ids: list[str]
+
+
+class Shutdown(_Msg, tag=True):
+    """Drain and stop."""
+
+    drain_timeout_s: float = 0.0
+
+
+RequestsMsg = NewRequest | AbortRequest | Shutdown
+
+
+# ---------------------------------------------------------------- channel "steps"
+class NewRequestData(_Msg):
+    """A request the executor has not seen (or that resumes after preemption), in full.
+
+    token_ids: prompt followed by the outputs generated so far (recompute after
+    preemption); num_prompt_tokens splits them. block_ids: its whole block table.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+class CachedRequestData(_Msg):
+    """A request the executor already holds: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class StepPlan(_Msg):
+    """What to compute in one step (scheduler -> executors, broadcast).
+
+    num_scheduled_tokens[i] belongs to the i-th request of new_reqs + cached_reqs, in
+    that order. finished_req_ids: requests whose executor state can be dropped.
+    """
+
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: list[int]
+    finished_req_ids: list[str] = []
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        return [r.req_id for r in self.new_reqs] + [r.req_id for r in self.cached_reqs]
+
+
+# ---------------------------------------------------------------- channel "results"
+class TokenLogprobs(_Msg):
+    """Log-probabilities of one sampled token: top-N ids/values, the sampled token's."""
+
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    sampled_logprob: float
+    sampled_rank: int  # 1 = most likely
+
+
+class SampledTokens(_Msg):
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class StepResult(_Msg):
+    """Sampled tokens of one step (executor rank 0 -> scheduler), or an error."""
+
+    step_id: int
+    sampled: list[SampledTokens]
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- channel "outputs"
+class RequestDelta(_Msg):
+    """New tokens of one request since the last output (scheduler -> frontend)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class EngineOutputs(_Msg):
+    outputs: list[RequestDelta]
+    timestamp: float = 0.0

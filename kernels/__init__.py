@@ -1,0 +1,1 @@
+"""Triton kernels of FlowEngine, imported as ``flowengine.kernels``."""
