@@ -1,0 +1,41 @@
+"""FlowEngine: high-throughput LLM inference and serving.
+
+Public API: `LLM` (offline batches), `AsyncEngine` (async `submit()`),
+`SamplingParams`, `RequestOutput`, `CompletionOutput`, `EngineArgs`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flowengine.config import EngineArgs
+from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flowengine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from flowengine.entrypoints.llm import LLM
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Import the heavy parts (torch, transformers) only when they are used.
+    if name == "LLM":
+        from flowengine.entrypoints.llm import LLM
+
+        return LLM
+    if name == "AsyncEngine":
+        from flowengine.entrypoints.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(f"module 'flowengine' has no attribute {name!r}")

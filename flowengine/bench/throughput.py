@@ -1,0 +1,125 @@
+"""`flowengine bench throughput`: offline throughput on random prompts.
+
+    flowengine bench throughput --num-prompts 64 --input-len 128 --output-len 128 --hf
+
+Prompts are random token ids of exactly `--input-len` tokens; every request generates
+exactly `--output-len` tokens (`ignore_eos`). With `--hf`, Hugging Face transformers
+`generate` runs on the same prompts in the same process, after FlowEngine, with the
+same weights and dtype, in batches of `--hf-batch-size` (equal lengths: no padding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
+from flowengine.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    name: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    def row(self) -> str:
+        return (
+            f"| {self.name} | {self.num_requests} | {self.elapsed_s:.2f} | "
+            f"{self.num_requests / self.elapsed_s:.2f} | "
+            f"{self.output_tokens / self.elapsed_s:.1f} | "
+            f"{(self.prompt_tokens + self.output_tokens) / self.elapsed_s:.1f} |"
+        )
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, special: set[int], seed: int):
+    rng = random.Random(seed)
+    allowed = [t for t in range(min(vocab_size, 32000)) if t not in special]
+    return [[rng.choice(allowed) for _ in range(input_len)] for _ in range(num)]
+
+
+def run_flowengine(llm, prompts: list[list[int]], output_len: int) -> Result:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return Result("flowengine", len(prompts), sum(map(len, prompts)), n_out, elapsed)
+
+
+def run_hf(model_path: str, dtype: str, device: str, prompts, output_len: int, batch: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model.to(device).eval()
+    n_out = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i : i + batch], device=device)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            n_out += (out.shape[1] - ids.shape[1]) * out.shape[0]
+    elapsed = time.perf_counter() - start
+    name = f"transformers generate (batch {batch})"
+    return Result(name, len(prompts), sum(map(len, prompts)), n_out, elapsed)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="flowengine bench throughput", description=__doc__)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--hf", action="store_true", help="also run transformers generate")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="subset for transformers")
+    add_engine_args(p, model_positional=False)
+    ns = p.parse_args(argv)
+
+    from flowengine.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args_from(ns)))
+    tok = llm.get_tokenizer()
+    special = set(getattr(tok, "all_special_ids", []))
+    prompts = random_prompts(
+        ns.num_prompts, ns.input_len, llm.resolved.model_config.vocab_size, special, ns.prompt_seed
+    )
+    results = [run_flowengine(llm, prompts, ns.output_len)]
+    if ns.hf:
+        del llm
+        hf_prompts = prompts[: ns.hf_num_prompts or len(prompts)]
+        resolved = engine_args_from(ns)
+        from flowengine.engine.builder import resolve
+
+        r = resolve(resolved)
+        results.append(
+            run_hf(r.model_path, r.dtype, r.device, hf_prompts, ns.output_len, ns.hf_batch_size)
+        )
+    print(f"\ncommand: flowengine bench throughput {shlex.join(argv)}")
+    print(f"prompts: {ns.num_prompts} x {ns.input_len} in / {ns.output_len} out, ignore_eos\n")
+    print("| engine | requests | elapsed s | requests/s | output tok/s | total tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(r.row())
+    if len(results) == 2:
+        ratio = (results[0].output_tokens / results[0].elapsed_s) / (
+            results[1].output_tokens / results[1].elapsed_s
+        )
+        print(f"\noutput tok/s ratio flowengine / transformers: {ratio:.2f}x")
+    sys.stdout.flush()
+    return 0

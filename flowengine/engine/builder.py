@@ -1,0 +1,134 @@
+"""Build an engine from `EngineArgs`: resolve the model, size the KV cache, wire parts.
+
+Split in two halves that can live in different processes:
+`resolve_frontend()` (model files, tokenizer, limits) and `build_engine_core()`
+(weights, KV cache, scheduler, executor).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from flowengine.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    CacheConfig,
+    EngineArgs,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+# Default step token budget (vLLM's default for online serving with chunked prefill).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class ResolvedEngine:
+    """Everything both halves agree on, derived once from `EngineArgs`."""
+
+    args: EngineArgs
+    model_path: str
+    model_config: Any  # flowengine.model.model_config.ModelConfig
+    max_model_len: int
+    max_num_batched_tokens: int
+    device: str
+    dtype: str
+    served_model_names: tuple[str, ...]
+
+
+def resolve(args: EngineArgs) -> ResolvedEngine:
+    """Find the model files and settle the limits. Raises ValueError with what to change."""
+    import torch
+
+    from flowengine.model.model_config import ModelConfig
+    from flowengine.model.resolve import resolve_model
+
+    resolved = resolve_model(args.model, download_dir=args.download_dir, revision=args.revision)
+    model_config = ModelConfig.from_pretrained(resolved.path)
+    max_model_len = model_config.resolve_max_model_len(args.max_model_len)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 0)
+    if not args.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    name = args.model or resolved.name
+    return ResolvedEngine(
+        args=args,
+        model_path=str(resolved.path),
+        model_config=model_config,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=budget,
+        device=device,
+        dtype=dtype,
+        served_model_names=args.served_model_name or (name,),
+    )
+
+
+def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
+    """KV blocks that fit the budget: `num_kv_blocks`, else the CPU byte budget.
+
+    Raises ValueError if not even one max_model_len request fits.
+    """
+    args = resolved.args
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks
+    budget = args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} holds no KV block of {bytes_per_block} bytes; "
+            "raise it"
+        )
+    return num_blocks
+
+
+def build_engine_core(resolved: ResolvedEngine):
+    """Load weights, allocate the KV cache and return a ready `EngineCore`."""
+    import torch
+
+    from flowengine.core.scheduler import Scheduler
+    from flowengine.engine.engine_core import EngineCore
+    from flowengine.executor.executor import Executor
+    from flowengine.executor.model_runner import ModelRunner
+
+    args = resolved.args
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, resolved.dtype)
+    per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size, dtype)
+    num_blocks = num_kv_blocks_for(resolved, per_block)
+    cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
+    runner = ModelRunner(
+        resolved.model_config,
+        cache_config,
+        device=torch.device(resolved.device),
+        dtype=dtype,
+        load_format=args.load_format,
+        model_path=resolved.model_path,
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=resolved.max_num_batched_tokens,
+            max_model_len=resolved.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+        ),
+        cache_config,
+    )
+    logger.info(
+        "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+        resolved.served_model_names[0],
+        resolved.device,
+        resolved.dtype,
+        num_blocks,
+        args.block_size,
+    )
+    return EngineCore(scheduler, Executor(runner), resolved.max_model_len)

@@ -1,0 +1,151 @@
+"""Frontend side of admission: prompt → token ids, validation, fan-out of `n`.
+
+Everything a caller can get wrong is checked here, before the request reaches the
+scheduler, and raised as `ValueError`/`TypeError` with the numbers that matter. The
+engine keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowengine.messages import NewRequest
+from flowengine.sampling_params import SamplingParams
+from flowengine.tokenize.chat import apply_chat_template
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType = str | Sequence[int] | dict[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+@dataclass
+class ProcessedPrompt:
+    """A validated request, ready for the engine: one `NewRequest` per sample (`n`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    children: list[NewRequest]
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine-side id of sample `index` of a request (the id itself when n == 1)."""
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+class InputProcessor:
+    """Validates and tokenizes prompts.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (`transformers.PreTrainedTokenizerBase`).
+        max_model_len: context limit in tokens; a prompt must leave room for one token.
+        vocab_size: model vocabulary size; token ids must be in [0, vocab_size).
+        eos_token_id: id that ends generation unless `ignore_eos`.
+        max_logprobs: largest `logprobs` a request may ask for.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        max_logprobs: int = 20,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.max_logprobs = max_logprobs
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, token ids). Raises ValueError/TypeError."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TypeError("token-id prompts must be lists of int")
+            return None, ids
+        raise TypeError(
+            f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
+        )
+
+    def chat_prompt(self, conversation: Conversation) -> tuple[str, list[int]]:
+        """Apply the chat template (with the generation prompt) to one conversation."""
+        ids = apply_chat_template(self.tokenizer, conversation, add_generation_prompt=True)
+        return self.tokenizer.decode(ids), ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> ProcessedPrompt:
+        """Validate one request and fan it out into `params.n` `NewRequest`s."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if prompt_token_ids is None:
+            text, ids = self.tokenize(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
+        self.validate(ids, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        children = [
+            NewRequest(
+                child_request_id(request_id, i, params.n),
+                ids,
+                _child_params(params, i),
+                now,
+                eos_token_id=self.eos_token_id,
+                priority=priority,
+            )
+            for i in range(params.n)
+        ]
+        return ProcessedPrompt(request_id, text, ids, params, children)
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one character or token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                "and at least one token must be generated; shorten the prompt or raise "
+                "max_model_len"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}; "
+                "ask for fewer or raise max_logprobs"
+            )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Params of sample `index`: seeded samples get seed + index so they differ."""
+    child = params.clone(n=1)
+    if params.seed is not None and params.n > 1:
+        child = child.clone(seed=params.seed + index)
+    return child

@@ -1,0 +1,213 @@
+"""Frontend side of results: token-id deltas → text, stop strings, `RequestOutput`s.
+
+Runs in the frontend (DESIGN.md §7): the Detokenizer actor wraps it, and the
+in-process `LLM` calls it directly. Stop strings are matched here on characters; a
+match finishes the sample and reports its id so the engine can free its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowengine.engine.input_processor import ProcessedPrompt
+from flowengine.messages import RequestDelta, TokenLogprobs
+from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flowengine.sampling_params import SamplingParams
+from flowengine.tokenize.detokenizer import IncrementalDetokenizer
+from flowengine.tokenize.stop_checker import StopStringChecker
+
+
+@dataclass
+class _SampleState:
+    """Text state of one sample (one child request)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopStringChecker
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # What changed since the last RequestOutput (streaming deltas).
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    dirty: bool = False
+
+
+@dataclass
+class _RequestState:
+    prompt: ProcessedPrompt
+    samples: list[_SampleState]
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    """Turns engine deltas into `RequestOutput`s, per user request.
+
+    Args:
+        tokenizer: the Hugging Face tokenizer, for detokenization and logprob texts.
+        stream: True → each output carries only what is new since the previous one
+            (the `submit()` stream); False → cumulative text and token ids.
+    """
+
+    def __init__(self, tokenizer: Any, *, stream: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self._requests: dict[str, _RequestState] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, processed: ProcessedPrompt) -> None:
+        if processed.request_id in self._requests:
+            raise ValueError(f"request id {processed.request_id!r} is already in use")
+        params = processed.sampling_params
+        samples = [
+            _SampleState(
+                index=i,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    processed.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                ),
+                stop_checker=StopStringChecker(
+                    params.stop_strings, params.include_stop_str_in_output
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for i in range(params.n)
+        ]
+        self._requests[processed.request_id] = _RequestState(processed, samples)
+        for i, child in enumerate(processed.children):
+            self._child_to_parent[child.request_id] = (processed.request_id, i)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        return [] if state is None else [c.request_id for c in state.prompt.children]
+
+    def process(self, deltas: list[RequestDelta]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply deltas. Returns (outputs of requests that changed, child ids to stop).
+
+        The ids to stop are samples finished here by a stop string; the caller tells the
+        engine (as an abort) so their KV blocks are freed.
+        """
+        touched: dict[str, _RequestState] = {}
+        to_stop: list[str] = []
+        for delta in deltas:
+            where = self._child_to_parent.get(delta.req_id)
+            if where is None:
+                continue  # aborted by the caller, or finished by a stop string already
+            parent_id, index = where
+            state = self._requests[parent_id]
+            sample = state.samples[index]
+            if sample.finish_reason is not None:
+                continue
+            if delta.num_cached_tokens and index == 0:
+                state.num_cached_tokens = delta.num_cached_tokens
+            if delta.error:
+                state.error = delta.error
+            if self._apply(sample, delta, state.prompt.sampling_params):
+                to_stop.append(delta.req_id)
+            touched[parent_id] = state
+        outputs = [self._make_output(rid, st) for rid, st in touched.items()]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs, to_stop
+
+    def _apply(self, sample: _SampleState, delta: RequestDelta, params: SamplingParams) -> bool:
+        """Update one sample; True if a stop string finished it here."""
+        sample.dirty = True
+        sample.token_ids.extend(delta.new_token_ids)
+        sample.new_token_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs and sample.logprobs is not None:
+            for lp, tok in zip(delta.new_logprobs, delta.new_token_ids, strict=False):
+                entry = self._logprob_entry(lp, tok)
+                sample.logprobs.append(entry)
+                sample.new_logprobs.append(entry)
+                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp.sampled_logprob
+        finished = delta.finish_reason is not None
+        raw = sample.detokenizer.update(delta.new_token_ids) if delta.new_token_ids else ""
+        text, matched = sample.stop_checker.process(raw)
+        if matched is None and finished:
+            text += sample.stop_checker.flush()
+        sample.text += text
+        sample.new_text += text
+        if matched is not None:
+            sample.finish_reason, sample.stop_reason = "stop", matched
+            return not finished
+        if finished:
+            sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+        return False
+
+    def _logprob_entry(self, lp: TokenLogprobs, sampled: int) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        for rank, (tok, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True)):
+            entry[tok] = Logprob(value, rank + 1, self.tokenizer.decode([tok]))
+        if sampled not in entry:
+            entry[sampled] = Logprob(
+                lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([sampled])
+            )
+        return entry
+
+    def _make_output(self, request_id: str, state: _RequestState) -> RequestOutput:
+        completions = []
+        for s in state.samples:
+            if self.stream and not s.dirty:
+                continue
+            completions.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.new_text if self.stream else s.text,
+                    token_ids=list(s.new_token_ids if self.stream else s.token_ids),
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=(list(s.new_logprobs) if self.stream else s.logprobs)
+                    if s.logprobs is not None
+                    else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
+            s.new_token_ids.clear()
+            s.new_text = ""
+            s.new_logprobs.clear()
+            s.dirty = False
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt.prompt,
+            prompt_token_ids=state.prompt.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            error=state.error,
+        )
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids (to abort in the engine)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        children = [c.request_id for c in state.prompt.children]
+        self._forget(request_id)
+        return children
+
+    def _forget(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            for child in state.prompt.children:
+                self._child_to_parent.pop(child.request_id, None)

@@ -1,0 +1,50 @@
+"""`flowengine` command line: serve, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="flowengine", description="FlowEngine: LLM inference and serving"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server", add_help=False)
+    sub.add_parser("generate", help="print completions of prompts", add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ring, pipeline")
+    bench.add_argument("which", choices=["throughput", "serve", "ring", "pipeline"])
+    if not argv or argv[0] not in ("serve", "generate", "bench"):
+        parser.parse_args(argv)  # prints usage / errors
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from flowengine.entrypoints.openai.server import main as serve_main
+
+        return serve_main(rest)
+    if command == "generate":
+        from flowengine.entrypoints.generate import main as generate_main
+
+        return generate_main(rest)
+    if not rest or rest[0].startswith("-"):
+        parser.parse_args(argv)
+        return 2
+    which, rest = rest[0], rest[1:]
+    if which == "throughput":
+        from flowengine.bench.throughput import main as bench_main
+    elif which == "serve":
+        from flowengine.bench.serve import main as bench_main
+    elif which == "ring":
+        from flowengine.bench.ring import main as bench_main
+    elif which == "pipeline":
+        from flowengine.bench.pipeline import main as bench_main
+    else:
+        parser.parse_args(argv)
+        return 2
+    return bench_main(rest) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""Command-line flags for `EngineArgs`, with vLLM's names and meanings."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from flowengine.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+    """Add the engine flags (`--max-model-len`, `--block-size`, ...) to `parser`."""
+    if model_positional:
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
+        )
+    else:
+        parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--revision", default=None)
+    g.add_argument("--download-dir", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of shared prompt prefixes (default on)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache budget in bytes (CPU; on GPU it overrides --gpu-memory-utilization)",
+    )
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--placement", default="inproc", choices=["inproc", "multiproc"])
+    g.add_argument("--async-scheduling", action="store_true", help="plan step N+1 during step N")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument("--served-model-name", nargs="+", default=None)
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """Build `EngineArgs` from parsed flags (only the fields EngineArgs has)."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    values.update(overrides)
+    if "served_model_name" in values:
+        values["served_model_name"] = tuple(values["served_model_name"])
+    return EngineArgs.from_kwargs(**values)
+
+
+def env_default(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)

