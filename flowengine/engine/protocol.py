@@ -1,0 +1,80 @@
+"""What the serving layer needs from an engine: `EngineClient`.
+
+`AsyncEngine` (flowengine/entrypoints/async_engine.py) implements it in either
+placement (all actors in one process, or frontend / engine / executor processes).
+The OpenAI server and the benchmarks depend only on this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped and cannot be recovered; no request can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admission refused: the waiting queue is full. Retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics (counters are totals since start; usage a fraction)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0  # tokens looked up
+    prefix_cache_hits_total: int = 0  # tokens found
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class EngineClient(Protocol):
+    """Async engine interface used by the server.
+
+    `submit` yields `RequestOutput` deltas (new text/token ids only) until one with
+    `finished=True`; breaking out of the loop or cancelling the task aborts the request
+    and frees its KV blocks. Bad input raises `ValueError`/`TypeError` before any output;
+    `EngineDeadError` if the engine is gone; `EngineOverloadedError` if the queue is full.
+    """
+
+    model_name: str
+    max_model_len: int
+
+    def get_tokenizer(self) -> Any: ...
+
+    def submit(
+        self,
+        prompt: str | list[int] | list[dict[str, Any]],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine cannot serve."""
+        ...
+
+    def get_stats(self) -> EngineStats: ...
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stop admission, let running requests finish (bounded), then stop."""
+        ...
