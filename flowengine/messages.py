@@ -70,7 +70,7 @@ class CachedRequestData(_Msg):
     num_computed_tokens: int
 
 
-class StepPlan(_Msg):
+class StepPlan(_Msg, tag=True):
     """What to compute in one step (scheduler -> executors, broadcast).
 
     num_scheduled_tokens[i] belongs to the i-th request of new_reqs + cached_reqs, in
@@ -92,6 +92,9 @@ class StepPlan(_Msg):
         return [r.req_id for r in self.new_reqs] + [r.req_id for r in self.cached_reqs]
 
 
+StepsMsg = StepPlan | Shutdown
+
+
 # ---------------------------------------------------------------- channel "results"
 class TokenLogprobs(_Msg):
     """Log-probabilities of one sampled token: top-N ids/values, the sampled token's."""
@@ -108,7 +111,7 @@ class SampledTokens(_Msg):
     logprobs: list[TokenLogprobs] | None = None
 
 
-class StepResult(_Msg):
+class StepResult(_Msg, tag=True):
     """Sampled tokens of one step (executor rank 0 -> scheduler), or an error."""
 
     step_id: int
@@ -129,6 +132,31 @@ class RequestDelta(_Msg):
     error: str | None = None
 
 
+class SchedulerStats(_Msg):
+    """Scheduler counters for /metrics; totals since start, usage a fraction in [0, 1]."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+
 class EngineOutputs(_Msg):
     outputs: list[RequestDelta]
     timestamp: float = 0.0
+    stats: SchedulerStats | None = None
+
+
+# ---------------------------------------------------------------- executor handshake
+class ExecutorReady(_Msg, tag=True):
+    """First message of executor rank 0 on "results": the KV cache it allocated."""
+
+    num_kv_blocks: int
+    rank: int = 0
+
+
+ResultsMsg = StepResult | ExecutorReady

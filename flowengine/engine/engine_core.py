@@ -19,6 +19,38 @@ from flowengine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+def request_from_msg(msg: NewRequest, max_model_len: int) -> Request:
+    """The scheduler's `Request` for a `NewRequest`; max_tokens capped by max_model_len."""
+    params = msg.sampling_params
+    budget = max_model_len - len(msg.prompt_token_ids)
+    max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
+    request = Request(
+        msg.request_id,
+        msg.prompt_token_ids,
+        params,
+        eos_token_id=msg.eos_token_id,
+        max_tokens=max_tokens,
+        arrival_time=msg.arrival_time,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+    )
+    if msg.output_token_ids:
+        # Recompute after an engine restart: the caller already holds these tokens.
+        request.append_output_token_ids(list(msg.output_token_ids))
+    return request
+
+
+def abort_requests(scheduler: Scheduler, request_ids: list[str]) -> list[RequestDelta]:
+    """Finish live requests as aborted (frees blocks); one "abort" delta for each."""
+    live = [
+        rid
+        for rid in request_ids
+        if (r := scheduler.get_request(rid)) is not None and not r.is_finished
+    ]
+    scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+    return [RequestDelta(rid, [], finish_reason="abort") for rid in live]
+
+
 class ExecutorLike(Protocol):
     def execute_model(self, plan: StepPlan) -> StepResult: ...
 
@@ -42,33 +74,11 @@ class EngineCore:
 
     def add_request(self, msg: NewRequest) -> None:
         """Admit one tokenized request. Raises `ValueError` (nothing enters) if invalid."""
-        params = msg.sampling_params
-        budget = self.max_model_len - len(msg.prompt_token_ids)
-        max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        request = Request(
-            msg.request_id,
-            msg.prompt_token_ids,
-            params,
-            eos_token_id=msg.eos_token_id,
-            max_tokens=max_tokens,
-            arrival_time=msg.arrival_time,
-            priority=msg.priority,
-            cache_salt=msg.cache_salt,
-        )
-        if msg.output_token_ids:
-            # Recompute after an engine restart: the caller already holds these tokens.
-            request.append_output_token_ids(list(msg.output_token_ids))
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request_from_msg(msg, self.max_model_len))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests as aborted and free their blocks (unknown ids are ignored)."""
-        live = [
-            rid
-            for rid in request_ids
-            if (r := self.scheduler.get_request(rid)) is not None and not r.is_finished
-        ]
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        self._pending.extend(RequestDelta(rid, [], finish_reason="abort") for rid in live)
+        self._pending.extend(abort_requests(self.scheduler, request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from flowengine.engine.input_processor import ProcessedPrompt
-from flowengine.messages import RequestDelta, TokenLogprobs
+from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 from flowengine.sampling_params import SamplingParams
 from flowengine.tokenize.detokenizer import IncrementalDetokenizer
@@ -196,6 +198,21 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
         )
+
+    def resubmit_requests(self) -> list[NewRequest]:
+        """`NewRequest`s that recompute every unfinished sample after an engine restart.
+
+        Each carries the tokens already delivered (`output_token_ids`), so the engine
+        continues after them and the caller receives no token twice.
+        """
+        msgs = []
+        for state in self._requests.values():
+            for child, sample in zip(state.prompt.children, state.samples, strict=True):
+                if sample.finish_reason is None:
+                    msgs.append(
+                        msgspec.structs.replace(child, output_token_ids=list(sample.token_ids))
+                    )
+        return msgs
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its child ids (to abort in the engine)."""

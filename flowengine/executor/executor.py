@@ -7,7 +7,7 @@ request, so the next plan needs to carry only deltas (DESIGN.md §2, §5).
 
 from __future__ import annotations
 
-from flowengine.executor.model_runner import ModelRunner
+from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 from flowengine.sample.sampler import Sampler, SamplingState
 
@@ -25,7 +25,11 @@ class Executor:
         self.sampler = sampler if sampler is not None else Sampler()
 
     def execute_model(self, plan: StepPlan) -> StepResult:
-        output = self.runner.execute_model(plan)
+        """Forward and sample one step (the in-process engine's path)."""
+        return self.sample(plan, self.runner.execute_model(plan))
+
+    def sample(self, plan: StepPlan, output: ModelOutput) -> StepResult:
+        """Sample the step's logits and append the tokens to the runner's requests."""
         if not output.req_ids:
             return StepResult(plan.step_id, [])
         states = []

@@ -1,0 +1,58 @@
+"""Ingress actor: admission limits and request ids (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from flowengine.actors.streamer import RequestStream, StreamerActor
+from flowengine.actors.tokenizer import TokenizeJob, TokenizerActor
+from flowengine.engine.protocol import EngineOverloadedError
+from flowengine.sampling_params import SamplingParams
+
+
+class IngressActor:
+    """Admits a request: checks the queue limit, opens its stream, hands it on.
+
+    Args:
+        max_queue_len: most requests in flight (running + waiting) before new ones
+            are refused with `EngineOverloadedError` (HTTP 429/503 with Retry-After).
+    """
+
+    def __init__(
+        self, tokenizer: TokenizerActor, streamer: StreamerActor, max_queue_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.streamer = streamer
+        self.max_queue_len = max_queue_len
+        self.accepting = True
+
+    async def admit(
+        self, prompt: Any, params: SamplingParams, request_id: str | None, priority: int
+    ) -> tuple[str, RequestStream, list[str]]:
+        """Validate and enqueue; returns (request id, stream, engine-side child ids).
+
+        Raises ValueError/TypeError for bad input, EngineOverloadedError when full or
+        draining."""
+        if not self.accepting:
+            raise EngineOverloadedError("the engine is shutting down", retry_after_s=5.0)
+        if len(self.streamer) >= self.max_queue_len:
+            raise EngineOverloadedError(
+                f"{len(self.streamer)} requests in flight (max_queue_len "
+                f"{self.max_queue_len}); retry later",
+                retry_after_s=1.0,
+            )
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError("request_id must be a string")
+        rid = request_id or uuid.uuid4().hex
+        stream = self.streamer.open(rid)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self.tokenizer.inbox.send_async(TokenizeJob(rid, prompt, params, priority, future))
+        try:
+            processed = await future
+        except BaseException:
+            self.streamer.close(rid)
+            future.cancel()
+            raise
+        return rid, stream, [c.request_id for c in processed.children]

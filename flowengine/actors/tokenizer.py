@@ -1,0 +1,66 @@
+"""Tokenizer actor: chat template, encode, length checks, fan-out of `n` (DESIGN.md §1).
+
+Requests come in with a future; the actor answers it with the `ProcessedPrompt` or
+the validation error, registers the request with the Detokenizer, and only then
+sends the `NewRequest`s to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from flowengine.actors.base import Channel, InprocChannel
+from flowengine.actors.detokenizer import DetokenizerActor
+from flowengine.engine.input_processor import InputProcessor
+from flowengine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizeJob:
+    request_id: str
+    prompt: Any  # text, token ids, {"prompt_token_ids": ...} or a conversation
+    params: SamplingParams
+    priority: int
+    future: asyncio.Future
+
+
+def is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+class TokenizerActor:
+    def __init__(
+        self,
+        input_processor: InputProcessor,
+        detokenizer: DetokenizerActor,
+        requests: Channel,
+    ) -> None:
+        self.input_processor = input_processor
+        self.detokenizer = detokenizer
+        self.requests = requests
+        self.inbox = InprocChannel()
+
+    async def run(self) -> None:
+        while True:
+            job: TokenizeJob = await self.inbox.recv_async()
+            if job.future.cancelled():
+                continue
+            try:
+                processed = self._process(job)
+            except (ValueError, TypeError) as exc:
+                job.future.set_exception(exc)
+                continue
+            self.detokenizer.register(processed)
+            for child in processed.children:
+                await self.requests.send_async(child)
+            job.future.set_result(processed)
+
+    def _process(self, job: TokenizeJob):
+        ip = self.input_processor
+        if is_conversation(job.prompt):
+            text, ids = ip.chat_prompt(job.prompt)
+            return ip.process(job.request_id, text, job.params, priority=job.priority,
+                              prompt_token_ids=ids)
+        return ip.process(job.request_id, job.prompt, job.params, priority=job.priority)

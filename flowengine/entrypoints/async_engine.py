@@ -1,0 +1,256 @@
+"""`AsyncEngine`: the async `submit()` API over the actor pipeline (DESIGN.md §1, §7).
+
+    engine = AsyncEngine(max_model_len=2048)          # any EngineArgs field
+    await engine.start()
+    async for out in engine.submit("Hello", SamplingParams(max_tokens=16)):
+        print(out.outputs[0].text, end="")
+    await engine.shutdown()
+
+Placement `inproc` runs every actor in this process (the model forward in a worker
+thread); `multiproc` runs the scheduler in an engine process and each executor in its
+own process, over shared-memory rings, under a supervisor that restarts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from flowengine.actors.base import Channel, InprocChannel
+from flowengine.actors.detokenizer import DetokenizerActor
+from flowengine.actors.ingress import IngressActor
+from flowengine.actors.streamer import StreamerActor
+from flowengine.actors.tokenizer import TokenizerActor
+from flowengine.config import EngineArgs
+from flowengine.engine.input_processor import InputProcessor
+from flowengine.engine.output_processor import OutputProcessor
+from flowengine.engine.protocol import EngineDeadError, EngineStats
+from flowengine.messages import AbortRequest, Shutdown
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE_LEN = 4096
+
+
+class AsyncEngine:
+    """Async engine; implements `flowengine.engine.protocol.EngineClient`.
+
+    Args:
+        model: as for `LLM` (None = default model).
+        max_queue_len: requests in flight before `submit` raises EngineOverloadedError.
+        **engine_args: `EngineArgs` fields (vLLM names); unknown names raise TypeError.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+        **engine_args: Any,
+    ) -> None:
+        self.args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.max_queue_len = max_queue_len
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._dead: EngineDeadError | None = None
+        self._task: asyncio.Task | None = None
+        self._children: dict[str, list[str]] = {}
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN):
+        engine = cls.__new__(cls)
+        AsyncEngine.__init__(engine, max_queue_len=max_queue_len)
+        engine.args = args
+        return engine
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Load the model and start the actors (idempotent)."""
+        async with self._start_lock:
+            if self._started:
+                return
+            await self._start()
+            self._started = True
+
+    async def _start(self) -> None:
+        from flowengine.engine.builder import resolve
+        from flowengine.tokenize.tokenizer import load_tokenizer
+
+        self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
+        self.model_name = self.resolved.served_model_names[0]
+        self.max_model_len = self.resolved.max_model_len
+        self.tokenizer = await anyio.to_thread.run_sync(
+            load_tokenizer, self.args.tokenizer or self.resolved.model_path
+        )
+        if self.args.placement == "inproc":
+            self.requests, self.outputs, engine_actors = await self._start_inproc()
+        else:
+            from flowengine.actors.supervisor import Supervisor
+
+            self.supervisor = Supervisor(self.resolved, on_restart=self._on_engine_restart)
+            await self.supervisor.start()
+            self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
+            engine_actors = [self.supervisor]
+        input_processor = InputProcessor(
+            self.tokenizer,
+            max_model_len=self.max_model_len,
+            vocab_size=self.resolved.model_config.vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id,
+            max_logprobs=self.args.max_logprobs,
+        )
+        self.streamer = StreamerActor(on_orphan=self._abort_orphan)
+        self.detokenizer = DetokenizerActor(
+            OutputProcessor(self.tokenizer, stream=True),
+            self.outputs,
+            self.requests,
+            self.streamer.inbox,
+        )
+        self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
+        self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len)
+        actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
+        self._task = asyncio.get_running_loop().create_task(self._run(actors))
+
+    async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
+        from flowengine.actors.executor import ExecutorActor, SamplerActor
+        from flowengine.actors.scheduler import SchedulerActor
+        from flowengine.engine.builder import build_engine_core
+
+        core = await anyio.to_thread.run_sync(build_engine_core, self.resolved)
+        self.core = core
+        requests, steps, results, outputs = (InprocChannel() for _ in range(4))
+        sampler = SamplerActor(core.executor, results)
+        executor = ExecutorActor(core.executor, steps, sampler, results)
+        scheduler = SchedulerActor(
+            core.scheduler, self.max_model_len, requests, steps, results, outputs,
+            max_steps_in_flight=2 if self.args.async_scheduling else 1,
+        )
+        self._scheduler_actor = scheduler
+        return requests, outputs, [scheduler, executor, sampler]
+
+    async def _run(self, actors: list[Any]) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for actor in actors:
+                    tg.start_soon(actor.run, name=type(actor).__name__)
+        except BaseException as exc:  # an actor failed: the engine is dead
+            logger.error("engine stopped: %r", exc)
+            self._dead = EngineDeadError(f"the engine stopped: {exc!r}")
+            self.streamer.fail_all(self._dead)
+            if not isinstance(exc, Exception):
+                raise
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish (up to the timeout), stop."""
+        if not self._started or self._task is None:
+            return
+        self.ingress.accepting = False
+        with anyio.move_on_after(drain_timeout_s):
+            while len(self.streamer) and self._dead is None:
+                await asyncio.sleep(0.02)
+        if self._dead is None:
+            await self.requests.send_async(Shutdown())
+            with anyio.move_on_after(max(1.0, drain_timeout_s)):
+                await self._wait_engine_stopped()
+        self._task.cancel()
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.args.placement != "inproc":
+            await self.supervisor.stop()
+        self._dead = self._dead or EngineDeadError("the engine was shut down")
+        self.streamer.fail_all(self._dead)
+
+    async def _wait_engine_stopped(self) -> None:
+        if self.args.placement == "inproc":
+            # The scheduler actor returns after the drain; the executor after Shutdown.
+            await self._scheduler_actor.stopped.wait()
+        else:
+            await self.supervisor.wait_engine_stopped()
+
+    # ------------------------------------------------------------------ requests
+    async def submit(
+        self,
+        prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield `RequestOutput` deltas until one has `finished=True`.
+
+        Raises ValueError/TypeError for bad input (before any output),
+        EngineOverloadedError when the queue is full, EngineDeadError if the engine is
+        gone. Breaking out of the loop or cancelling aborts the request.
+        """
+        await self.start()
+        if self._dead is not None:
+            raise self._dead
+        rid, stream, children = await self.ingress.admit(
+            prompt, sampling_params, request_id, priority
+        )
+        self._children[rid] = children
+        try:
+            while True:
+                out = await stream.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._children.pop(rid, None)
+            if not stream.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._abort(rid, children)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request by id; its stream ends with finish_reason "abort"."""
+        children = self._children.get(request_id)
+        if children:
+            await self.requests.send_async(AbortRequest(children))
+
+    async def _abort(self, request_id: str, children: list[str]) -> None:
+        self.streamer.close(request_id)
+        self.detokenizer.forget(request_id)
+        if self._dead is None:
+            await self.requests.send_async(AbortRequest(children))
+
+    def _abort_orphan(self, child_id: str) -> None:
+        if self._dead is None:
+            asyncio.get_running_loop().create_task(
+                self.requests.send_async(AbortRequest([child_id]))
+            )
+
+    def _on_engine_restart(self) -> list[Any]:
+        """The engine restarted: recompute every live request from what was delivered."""
+        return self.detokenizer.processor.resubmit_requests()
+
+    # ------------------------------------------------------------------ introspection
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._task is not None and self._task.done():
+            raise EngineDeadError("the engine task ended")
+
+    def get_stats(self) -> EngineStats:
+        st = self.detokenizer.stats
+        return EngineStats(
+            num_running=st.num_running,
+            num_waiting=st.num_waiting,
+            kv_cache_usage=st.kv_cache_usage,
+            num_free_blocks=st.num_free_blocks,
+            num_total_blocks=st.num_total_blocks,
+            prompt_tokens_total=self.detokenizer.prompt_tokens_total,
+            generation_tokens_total=self.detokenizer.generation_tokens_total,
+            num_preemptions_total=st.num_preemptions_total,
+            prefix_cache_queries_total=st.prefix_cache_queries_total,
+            prefix_cache_hits_total=st.prefix_cache_hits_total,
+            finished_by_reason=dict(self.detokenizer.finished_by_reason),
+        )
