@@ -1,0 +1,131 @@
+"""AsyncEngine.submit() over the in-process actor pipeline, on the default model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flowengine import SamplingParams
+from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.entrypoints.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def offline(default_model_path) -> list[str]:
+    llm = LLM(default_model_path, max_model_len=1024)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+async def _collect(engine: AsyncEngine, prompt, params=GREEDY) -> tuple[str, list]:
+    text, outs = "", []
+    async for out in engine.submit(prompt, params):
+        outs.append(out)
+        text += "".join(c.text for c in out.outputs)
+    return text, outs
+
+
+def _blocks_free(engine: AsyncEngine) -> bool:
+    s = engine.core.scheduler
+    return s.num_free_blocks == s.num_total_blocks and not s.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_streams_equal_offline_text(default_model_path, offline, async_scheduling):
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=1024,
+                             async_scheduling=async_scheduling)
+        await engine.start()
+        try:
+            results = await asyncio.gather(*(_collect(engine, p) for p in PROMPTS))
+            assert [t for t, _ in results] == offline
+            for _, outs in results:
+                assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+                assert sum(len(o.outputs[0].token_ids) for o in outs) == 24
+            assert _blocks_free(engine)
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+
+
+def test_break_and_cancel_abort_and_free_blocks(default_model_path):
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=1024)
+        await engine.start()
+        try:
+            long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            agen = engine.submit("Tell me a long story.", long)
+            async for _ in agen:
+                break
+            await agen.aclose()
+
+            async def consume():
+                async for _ in engine.submit("Another long story.", long):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(200):
+                if _blocks_free(engine):
+                    break
+                await asyncio.sleep(0.05)
+            assert _blocks_free(engine)
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+
+
+def test_bad_input_raises_and_others_continue(default_model_path, offline):
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=1024)
+        await engine.start()
+        try:
+            good = asyncio.create_task(_collect(engine, PROMPTS[0]))
+            with pytest.raises(ValueError, match="empty"):
+                await _collect(engine, "")
+            with pytest.raises(ValueError, match="max_model_len is 1024"):
+                await _collect(engine, [7] * 1500)
+            with pytest.raises(TypeError):
+                await _collect(engine, 3.14)
+            text, _ = await good
+            assert text == offline[0]
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+
+
+def test_chat_messages_and_abort_by_id(default_model_path):
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=1024)
+        await engine.start()
+        try:
+            msgs = [{"role": "user", "content": "What is the capital of France?"}]
+            text, _ = await _collect(engine, msgs, SamplingParams(temperature=0, max_tokens=32))
+            assert "Paris" in text
+
+            async def run_and_abort():
+                outs = []
+                async for out in engine.submit("Go on forever:", SamplingParams(
+                        max_tokens=800, ignore_eos=True), request_id="victim"):
+                    outs.append(out)
+                    if len(outs) == 2:
+                        await engine.abort("victim")
+                return outs
+
+            outs = await run_and_abort()
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
