@@ -1,0 +1,211 @@
+"""Per-request sampling state and its batched, on-device form for one step.
+
+`SamplingMetadata.from_states` turns R `SamplingState`s into `[R]` tensors once per
+step, plus flags (`all_greedy`, `no_penalties`, `no_top_k`, ...) that let the sampler
+skip whole stages: a batch of greedy requests without penalties is one argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowengine.sampling_params import SamplingParams
+
+# Large prime mixing a request's seed with the index of the token being sampled, so
+# that (seed, i) pairs of nearby seeds do not collide for small i.
+_SEED_STRIDE = 1_000_003
+_SEED_MODULUS = 2**63
+
+
+def step_seed(seed: int, output_index: int) -> int:
+    """Seed for sampling output token number `output_index` of a request seeded `seed`.
+
+    A pure function of the request's own (seed, position): the token does not depend
+    on which requests share the batch, on the row, or on a restart that recomputes it.
+    Result in [0, 2**63).
+    """
+    return (seed * _SEED_STRIDE + output_index) % _SEED_MODULUS
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler needs from one request at this step.
+
+    prompt_token_ids feed the repetition penalty; output_token_ids (generated so far,
+    not including the token being sampled) feed all penalties, min_tokens and the
+    per-token seed; eos_token_id is masked while min_tokens is not reached.
+    """
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None = None
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Pinned host memory makes the host-to-device copy asynchronous on CUDA.
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return _to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Sampling parameters of a batch of R requests, as device tensors.
+
+    A tensor is None when no row needs its stage (the matching `no_*`/`all_*` flag is
+    then True). Rows that do not use a stage hold its neutral value (top_k = V,
+    top_p = 1, min_p = 0, penalties 1/0/0, temperature 1 for greedy rows).
+
+    Attributes:
+        temperature: [R] float32, None when every sampled row has temperature 1.
+        is_greedy: [R] bool, None when the batch is all greedy or all random.
+        top_k: [R] int64 in [1, V]; top_p: [R] float32 in (0, 1]; min_p: [R] float32.
+        prompt_token_ids / output_token_ids: [R, P] / [R, O] int64 padded with V
+            (an id one past the vocabulary, dropped after the scatter).
+        repetition_penalties / frequency_penalties / presence_penalties: [R] float32,
+            each None when no row uses it; output_token_ids is None when none is used.
+        min_tokens_rows / min_tokens_token_ids: [M] int64 pairs (row, id) to set to
+            -inf because the row has fewer than min_tokens outputs.
+        seeded_rows / row_seeds: rows with a per-request seed and the seed of this
+            step's draw (`step_seed`).
+        num_logprobs: per row, the N of `logprobs=N` or None; logprob_rows: [L] int64
+            rows with logprobs asked, max_num_logprobs: max N over them (None if L = 0).
+    """
+
+    num_reqs: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None
+    is_greedy: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    prompt_token_ids: torch.Tensor | None
+    output_token_ids: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    presence_penalties: torch.Tensor | None
+    min_tokens_rows: torch.Tensor | None
+    min_tokens_token_ids: torch.Tensor | None
+    seeded_rows: list[int]
+    row_seeds: list[int]
+    num_logprobs: list[int | None]
+    logprob_rows: torch.Tensor | None
+    max_num_logprobs: int | None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_ids is None
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    @property
+    def no_min_tokens(self) -> bool:
+        return self.min_tokens_rows is None
+
+    @classmethod
+    def from_states(
+        cls, states: list[SamplingState], vocab_size: int, device: torch.device | str
+    ) -> SamplingMetadata:
+        """Batch `states` (one per logits row, in row order) for a `[R, vocab_size]` step.
+
+        Stop/EOS ids outside [0, vocab_size) are ignored by min_tokens masking: the
+        model cannot produce them anyway.
+        """
+        device = torch.device(device)
+        num_reqs = len(states)
+        v = vocab_size
+        greedy = [s.sampling_params.is_greedy for s in states]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        temps, top_ks, top_ps, min_ps = [], [], [], []
+        reps, freqs, press = [], [], []
+        mt_rows: list[int] = []
+        mt_ids: list[int] = []
+        seeded_rows: list[int] = []
+        row_seeds: list[int] = []
+        num_logprobs: list[int | None] = []
+        for row, (s, is_greedy) in enumerate(zip(states, greedy, strict=True)):
+            p = s.sampling_params
+            temps.append(1.0 if is_greedy else p.temperature)
+            top_ks.append(v if is_greedy or p.top_k <= 0 else min(p.top_k, v))
+            top_ps.append(1.0 if is_greedy else p.top_p)
+            min_ps.append(0.0 if is_greedy else p.min_p)
+            reps.append(p.repetition_penalty)
+            freqs.append(p.frequency_penalty)
+            press.append(p.presence_penalty)
+            num_logprobs.append(p.logprobs)
+            if not is_greedy and p.seed is not None:
+                seeded_rows.append(row)
+                row_seeds.append(step_seed(p.seed, len(s.output_token_ids)))
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids or ())
+                if s.eos_token_id is not None and not p.ignore_eos:
+                    banned.add(s.eos_token_id)
+                ids = sorted(t for t in banned if 0 <= t < v)
+                mt_rows.extend([row] * len(ids))
+                mt_ids.extend(ids)
+
+        f32 = torch.float32
+        sampled = not all_greedy
+        use_temp = sampled and any(t != 1.0 for t in temps)
+        use_top_k = sampled and any(k < v for k in top_ks)
+        use_top_p = sampled and any(q < 1.0 for q in top_ps)
+        use_min_p = sampled and any(m > 0.0 for m in min_ps)
+        use_rep = any(r != 1.0 for r in reps)
+        use_freq = any(f != 0.0 for f in freqs)
+        use_pres = any(x != 0.0 for x in press)
+        use_penalties = use_rep or use_freq or use_pres
+
+        prompt_ids = output_ids = None
+        if use_penalties:
+            # Only the rows that use the repetition penalty need their prompt.
+            prompt_rows = [
+                s.prompt_token_ids if r != 1.0 else [] for s, r in zip(states, reps, strict=True)
+            ]
+            prompt_ids = _padded(prompt_rows, v, device) if use_rep else None
+            output_ids = _padded([s.output_token_ids for s in states], v, device)
+
+        lp_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+        return cls(
+            num_reqs=num_reqs,
+            vocab_size=v,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=_to_device(temps, f32, device) if use_temp else None,
+            is_greedy=None if all_greedy or all_random else _to_device(greedy, torch.bool, device),
+            top_k=_to_device(top_ks, torch.int64, device) if use_top_k else None,
+            top_p=_to_device(top_ps, f32, device) if use_top_p else None,
+            min_p=_to_device(min_ps, f32, device) if use_min_p else None,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            repetition_penalties=_to_device(reps, f32, device) if use_rep else None,
+            frequency_penalties=_to_device(freqs, f32, device) if use_freq else None,
+            presence_penalties=_to_device(press, f32, device) if use_pres else None,
+            min_tokens_rows=_to_device(mt_rows, torch.int64, device) if mt_rows else None,
+            min_tokens_token_ids=_to_device(mt_ids, torch.int64, device) if mt_rows else None,
+            seeded_rows=seeded_rows,
+            row_seeds=row_seeds,
+            num_logprobs=num_logprobs,
+            logprob_rows=_to_device(lp_rows, torch.int64, device) if lp_rows else None,
+            max_num_logprobs=max(num_logprobs[i] for i in lp_rows) if lp_rows else None,
+        )

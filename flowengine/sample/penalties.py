@@ -1,0 +1,66 @@
+"""Logit penalties and min_tokens masking, batched, in place on `[R, V]` float32 logits.
+
+All functions run on the logits' device with no host synchronisation; token lists
+arrive as padded id tensors (pad id = V) so one scatter builds every row's counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Set `logits[rows[m], token_ids[m]] = -inf` for every m (EOS / stop ids of rows
+    that have not reached min_tokens yet, vLLM's `MinTokensLogitsProcessor`).
+
+    logits: [R, V] float32, modified in place. rows, token_ids: [M] int64.
+    """
+    logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Occurrences of each vocabulary id per row.
+
+    token_ids: [R, T] int64 padded with `vocab_size`. Returns [R, vocab_size] float32.
+    """
+    num_reqs = token_ids.shape[0]
+    counts = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: torch.Tensor,
+    repetition_penalties: torch.Tensor | None,
+    frequency_penalties: torch.Tensor | None,
+    presence_penalties: torch.Tensor | None,
+) -> None:
+    """Apply repetition, then frequency and presence penalties in place (vLLM's order).
+
+    - Repetition penalty (Keskar et al. 2019, "CTRL", as Hugging Face's
+      `RepetitionPenaltyLogitsProcessor` applies it): for every id seen in the prompt
+      or the output, a logit < 0 is multiplied by the penalty, any other divided by it.
+    - Frequency and presence penalties (OpenAI API reference, "Parameter details"):
+      `logit -= frequency * count + presence * (count > 0)` with counts over the
+      generated tokens only.
+
+    logits: [R, V] float32, modified in place. prompt_token_ids [R, P] and
+    output_token_ids [R, O]: int64 padded with V. Penalties: [R] float32 or None
+    (stage skipped). prompt_token_ids may be None only if repetition_penalties is.
+    """
+    vocab_size = logits.shape[1]
+    output_counts = token_counts(output_token_ids, vocab_size)
+    if repetition_penalties is not None:
+        if prompt_token_ids is None:
+            raise ValueError("repetition penalty needs prompt_token_ids; pass the padded prompt")
+        seen = token_counts(prompt_token_ids, vocab_size) > 0
+        seen |= output_counts > 0
+        penalty = repetition_penalties.unsqueeze(1).expand_as(logits)
+        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+        torch.where(seen, penalized, logits, out=logits)
+    if frequency_penalties is not None:
+        logits -= frequency_penalties.unsqueeze(1) * output_counts
+    if presence_penalties is not None:
+        logits -= presence_penalties.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
