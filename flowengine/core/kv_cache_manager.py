@@ -1,0 +1,192 @@
+"""Per-request KV block tables on top of the `BlockPool` (DESIGN.md §4).
+
+Follows vLLM v1's `KVCacheManager` (`vllm/v1/core/kv_cache_manager.py`) with one
+deliberate difference: a block becomes a prefix-cache entry only after the step that
+computes it has returned (`cache_blocks`, called from `Scheduler.update_from_output`),
+not when its slots are allocated. So a prefix-cache hit always points at KV that has
+been written, whatever the executor's order of work inside a step, and a failed step
+never publishes blocks holding garbage.
+
+Pure Python: this module must not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flowengine.core.block_pool import BlockPool, KVCacheBlock
+from flowengine.core.kv_cache_utils import extend_block_hashes, root_block_hash
+from flowengine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since start: requests, queried and hit prompt tokens."""
+
+    num_requests: int = 0
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / queried tokens, 0.0 before any query."""
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def record(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_requests += 1
+        self.num_queried_tokens += num_queried_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of running requests, prefix-cache lookups and block accounting.
+
+    Args:
+        num_blocks: blocks in the KV cache.
+        block_size: token slots per block.
+        enable_caching: reuse full blocks across requests by their chained hash.
+        hash_seed: seed of the root block hash; processes sharing hashes use the same.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_seed: str = "",
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.root_hash = root_block_hash(hash_seed)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request already offered to the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to new allocations (evictable cached blocks included)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV cache blocks held by requests, in [0, 1]."""
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest chain of cached full blocks that prefixes the request's tokens.
+
+        Returns (blocks, num_computed_tokens) with num_computed_tokens =
+        len(blocks) * block_size. The match stops before the last token, so at least
+        one token is left to compute and the step yields logits to sample from. Looks
+        only; nothing is referenced until `allocate_slots` takes the blocks.
+        """
+        if not self.enable_caching:
+            return [], 0
+        extend_block_hashes(request, self.block_size, self.root_hash)
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_num_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens of `request`.
+
+        Args:
+            request: its `num_computed_tokens` tokens already have slots.
+            num_new_tokens: tokens to compute this step (>= 1).
+            new_computed_blocks: prefix-cache hits from `get_computed_blocks`, only for
+                a request that holds no blocks yet; they count as computed tokens.
+
+        Returns the newly allocated blocks (hits excluded; possibly empty), or None
+        when too few blocks are free, in which case nothing changed. Cached blocks
+        nobody uses count as free, except the hits themselves, which this call takes.
+        Raises ValueError on num_new_tokens < 1 or hits for a request that has blocks.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        if new_computed_blocks and req_blocks:
+            raise ValueError(
+                f"request {request.request_id} already holds blocks; prefix-cache hits "
+                "apply only to a request's first allocation"
+            )
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Hits sitting in the free queue stop being free once taken.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+
+        if new_computed_blocks:
+            # NOTE: touch before get_new_blocks, or popping could evict a hit block.
+            self.block_pool.touch(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        self.req_to_blocks[request.request_id] = [*req_blocks, *new_computed_blocks, *new_blocks]
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks among its first `num_computed_tokens` tokens.
+
+        Call once those tokens' KV has been written (after the step returned). Extends
+        `request.block_hashes` to cover them; tokens not yet known (a speculative
+        position) are never hashed.
+        """
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(req_id, 0)
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None or num_full <= start:
+            return
+        extend_block_hashes(request, self.block_size, self.root_hash, num_full)
+        self.block_pool.cache_full_blocks(
+            blocks[start:num_full], request.block_hashes[start:num_full]
+        )
+        self.num_cached_blocks[req_id] = num_full
+
+    def num_published_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request already offered to the prefix cache."""
+        return self.num_cached_blocks.get(request_id, 0)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first (evicted before its prefix).
+
+        Unknown or already freed requests are ignored.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (empty for an unknown request)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all prefix-cache entries; returns how many were dropped."""
+        return self.block_pool.reset_prefix_cache()
