@@ -12,7 +12,7 @@ Pure Python: this module must not import torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from flowengine.core.block_pool import BlockPool, KVCacheBlock
@@ -170,9 +170,20 @@ class KVCacheManager:
         )
         self.num_cached_blocks[req_id] = num_full
 
-    def num_published_blocks(self, request_id: str) -> int:
-        """Leading blocks of the request already offered to the prefix cache."""
-        return self.num_cached_blocks.get(request_id, 0)
+    def unpublished_block_hashes(self, requests: Iterable[Request]) -> set[int]:
+        """Hashes of full blocks these requests will compute but have not published yet.
+
+        Covers every full block of their known tokens past the published ones, so a
+        chunked prefill's later chunks count too. Empty when caching is off.
+        """
+        if not self.enable_caching:
+            return set()
+        pending: set[int] = set()
+        for request in requests:
+            pending.update(
+                request.block_hashes[self.num_cached_blocks.get(request.request_id, 0) :]
+            )
+        return pending
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first (evicted before its prefix).

@@ -220,7 +220,9 @@ class Scheduler:
         self._finished_req_ids.append(request.request_id)
 
     def _schedule_waiting(self, draft: StepDraft) -> None:
-        pending = self._unpublished_hashes(self.running)
+        if not len(self.waiting):
+            return
+        pending = self.kv_cache_manager.unpublished_block_hashes(self.running)
         for request in self.waiting.snapshot():
             if len(self.running) >= self.config.max_num_seqs or draft.token_budget == 0:
                 return
@@ -237,17 +239,7 @@ class Scheduler:
                 return  # keep policy order: nobody overtakes a request short of blocks
             self._admit(request, num_hit_tokens)
             draft.add_new(request, num_new)
-            pending.update(self._unpublished_hashes([request]))
-
-    def _unpublished_hashes(self, requests: Iterable[Request]) -> set[int]:
-        """Hashes of blocks these requests hold but have not computed and published yet."""
-        manager = self.kv_cache_manager
-        if not manager.enable_caching:
-            return set()
-        pending: set[int] = set()
-        for request in requests:
-            pending.update(request.block_hashes[manager.num_published_blocks(request.request_id) :])
-        return pending
+            pending |= self.kv_cache_manager.unpublished_block_hashes([request])
 
     def _waits_for_shared_prefix(
         self, request: Request, num_hit_blocks: int, pending: set[int]

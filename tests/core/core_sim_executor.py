@@ -76,7 +76,9 @@ class SimExecutor:
             assert state.num_computed_tokens == cached.num_computed_tokens, cached
             state.block_ids.extend(cached.new_block_ids)
         sampled = []
-        for req_id, num_tokens in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens, strict=True):
+        for req_id, num_tokens in zip(
+            plan.scheduled_req_ids, plan.num_scheduled_tokens, strict=True
+        ):
             state = self.requests[req_id]
             start = state.num_computed_tokens
             assert num_tokens >= 1 and start + num_tokens <= len(state.token_ids)
