@@ -12,6 +12,7 @@ output (or raises), and outputs depend only on the token history otherwise.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from flowengine.config import CacheConfig, SchedulerConfig
@@ -174,25 +175,33 @@ def run_to_completion(
     executor: SimExecutor,
     arrivals: dict[int, list[Request]],
     max_steps: int = 20_000,
+    max_in_flight: int = 1,
 ) -> dict[str, Finished]:
     """Add requests at their step (arrivals[step]), step until all finish, return outputs.
 
-    Checks on the way: the token budget and seat limit hold every step, progress never
-    stalls, and at the end every block is free and the executor holds no state.
+    With `max_in_flight` 2 the next plan is made before the previous result is applied
+    (the overlapped engine loop). Checks on the way: the token budget and seat limit
+    hold every step, progress never stalls, and at the end every block is free and the
+    executor holds no state.
     """
     outputs: dict[str, Finished] = {}
     config = scheduler.config
+    in_flight: deque[tuple[StepPlan, StepResult]] = deque()
     step = 0
     while step <= max(arrivals, default=0) or scheduler.has_unfinished_requests():
         assert step < max_steps, "no progress"
         for request in arrivals.get(step, []):
             scheduler.add_request(request)
-        plan = scheduler.schedule()
-        assert plan.total_num_scheduled_tokens <= config.max_num_batched_tokens
-        assert len(plan.num_scheduled_tokens) <= config.max_num_seqs
-        assert scheduler.num_running <= config.max_num_seqs
-        if plan.num_scheduled_tokens:
-            collect(scheduler.update_from_output(plan, executor.execute(plan)), outputs)
+        while len(in_flight) < max_in_flight:
+            plan = scheduler.schedule()
+            assert plan.total_num_scheduled_tokens <= config.max_num_batched_tokens
+            assert len(plan.num_scheduled_tokens) <= config.max_num_seqs
+            assert scheduler.num_running <= config.max_num_seqs
+            if not plan.num_scheduled_tokens:
+                break
+            in_flight.append((plan, executor.execute(plan)))
+        if in_flight:
+            collect(scheduler.update_from_output(*in_flight.popleft()), outputs)
         else:
             assert not scheduler.num_running and not scheduler.num_waiting
         step += 1

@@ -3,6 +3,7 @@
 Every run must end with all blocks free and give exactly the outputs of a run with
 no preemption, no prefix caching and an unlimited budget (the SimExecutor's tokens
 depend only on each request's token history, read back through its block table).
+Each run is repeated with two plans in flight (the overlapped engine loop).
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def reference(arrivals: dict[int, list[Request]], max_model_len: int) -> dict[st
     return {k: Finished(v.token_ids, v.finish_reason, v.stop_reason) for k, v in outputs.items()}
 
 
+@pytest.mark.parametrize("max_in_flight", [1, 2])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_runs_match_the_reference(seed: int) -> None:
+def test_random_runs_match_the_reference(seed: int, max_in_flight: int) -> None:
     rng = random.Random(seed)
     chunked = seed % 4 != 3
     num_blocks = rng.randint(9, 20)  # 36..80 tokens: the longest prompt always fits
@@ -99,7 +101,9 @@ def test_random_runs_match_the_reference(seed: int) -> None:
     )
     arrivals = random_arrivals(rng, num_parents=25)
     expected = reference(arrivals, scheduler.max_len)
-    outputs = run_to_completion(scheduler, executor_for(scheduler, VOCAB), clone(arrivals))
+    outputs = run_to_completion(
+        scheduler, executor_for(scheduler, VOCAB), clone(arrivals), max_in_flight=max_in_flight
+    )
     got = {k: Finished(v.token_ids, v.finish_reason, v.stop_reason) for k, v in outputs.items()}
     assert got == expected
     assert all(o.finish_reason in ("stop", "length") for o in outputs.values())
