@@ -15,7 +15,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
 
     logits: [R, V] float32, modified in place. rows, token_ids: [M] int64.
     """
-    logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    # new_full fills on the device; torch.tensor(-inf, device=cuda) would copy from the host.
+    logits.index_put_((rows, token_ids), logits.new_full((1,), float("-inf")))
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

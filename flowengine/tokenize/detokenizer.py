@@ -66,8 +66,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
         self._parts: list[str] = []
-        self._text = ""
-        self._num_joined = 0
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         tokens = []
@@ -129,8 +127,8 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """Everything returned by `update`/`flush` so far, joined."""
-        if self._num_joined != len(self._parts):
-            self._text = "".join(self._parts)
-            self._num_joined = len(self._parts)
-        return self._text
+        """Everything returned by `update`/`flush` so far, joined (O(length) per call
+        after new text: read it at the end, not per token)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""

@@ -27,6 +27,12 @@ def load_tokenizer(
     (Python) tokenizer exists: the incremental detokenizer needs the Rust decoder.
     """
     path = Path(path_or_name).expanduser()
+    looks_local = path.is_absolute() or path_or_name.startswith((".", "~"))
+    if looks_local and not path.exists():
+        raise OSError(
+            f"{path_or_name!r} does not exist; give an existing model directory or .gguf "
+            "file, or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+        )
     try:
         if path.suffix == ".gguf" and path.is_file():
             tokenizer = AutoTokenizer.from_pretrained(
@@ -42,7 +48,8 @@ def load_tokenizer(
                 use_fast=True,
                 trust_remote_code=trust_remote_code,
             )
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        # transformers raises ValueError for a directory with no tokenizer files.
         raise OSError(
             f"could not load a tokenizer from {path_or_name!r}: {e}\n"
             "Give a model directory containing tokenizer.json (or tokenizer_config.json), "
