@@ -1,0 +1,108 @@
+"""The Triton attention backend for CUDA: the kernels of flowengine.kernels behind the
+`AttentionBackend` interface (backend.py), same semantics as the torch reference.
+
+Per layer and step: `reshape_and_cache` writes the new tokens' K/V, then one
+attention launch covers the batch — the unified paged-attention kernel for anything
+with a prefill chunk, the split-KV (flash-decoding) kernel for decode-only steps whose
+contexts are long enough that splitting them fills more of the GPU. Both read K/V
+through the block tables; neither synchronises with the host, so a decode step can be
+captured in a CUDA graph (fix `num_kv_splits` for that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowengine.kernels.decode_attention import choose_num_kv_splits, decode_attention
+from flowengine.kernels.paged_attention import paged_attention
+from flowengine.kernels.reshape_and_cache import reshape_and_cache
+from flowengine.model.attention.metadata import AttentionMetadata
+
+# Below this context length the unified kernel's one program per (request, KV head)
+# finishes a decode step quickly enough that a second (merge) launch does not pay off.
+SPLIT_KV_MIN_SEQ_LEN = 1024
+
+
+class TritonAttentionBackend:
+    """`AttentionBackend` on Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
+
+    Args:
+        split_kv_min_seq_len: decode-only steps with max_seq_len at or above this use
+            the split-KV kernel (when it would split at all).
+        num_kv_splits: fixed split count (power of 2, <= MAX_KV_SPLITS) for decode-only
+            steps, overriding the choice from batch size and context length; set it when
+            capturing CUDA graphs, whose launch shapes must not change between replays.
+            1 always uses the unified kernel.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        *,
+        split_kv_min_seq_len: int = SPLIT_KV_MIN_SEQ_LEN,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        self.split_kv_min_seq_len = split_kv_min_seq_len
+        self.num_kv_splits = num_kv_splits
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend.
+
+        Args:
+            q: [T, num_heads, head_dim] float32/float16/bfloat16, RoPE applied.
+            k, v: [T, num_kv_heads, head_dim], q's dtype.
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
+            meta: the step's AttentionMetadata (int32 query_start_loc, seq_lens,
+                block_tables; int64 slot_mapping).
+            scale: softmax scale, normally head_dim ** -0.5.
+            out: optional [T, num_heads, head_dim] output buffer.
+
+        Returns:
+            [T, num_heads, head_dim] in q's dtype; rows of padding tokens (beyond
+            query_start_loc[-1]) are zeros, as in the torch reference.
+
+        Raises:
+            ValueError: shapes, dtypes or devices disagree (from the kernel wrappers).
+        """
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        is_decode_only = meta.max_query_len == 1
+        if out is None:
+            out = torch.empty_like(q)
+        if is_decode_only:
+            # NOTE: decode steps may be CUDA-graph captured, where a host-side padding
+            # count would be frozen; zeroing the whole (small) output is replay-safe.
+            out.zero_()
+        else:
+            num_real_tokens = int(meta.query_start_loc_cpu[-1])
+            if num_real_tokens < q.shape[0]:
+                out[num_real_tokens:].zero_()
+
+        num_splits = 1
+        if is_decode_only:
+            if self.num_kv_splits is not None:
+                num_splits = self.num_kv_splits
+            elif meta.max_seq_len >= self.split_kv_min_seq_len:
+                num_splits = choose_num_kv_splits(
+                    meta.num_reqs, kv_cache.shape[3], meta.max_seq_len, q.device
+                )
+        if num_splits > 1:
+            return decode_attention(
+                q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                max_seq_len=meta.max_seq_len, scale=scale, num_kv_splits=num_splits,
+                out=out,
+            )
+        return paged_attention(
+            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            max_query_len=meta.max_query_len, scale=scale, out=out,
+        )

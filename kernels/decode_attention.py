@@ -1,0 +1,300 @@
+"""Split-KV (flash-decoding) paged attention for decode-only batches.
+
+With one new token per request, the unified kernel has only num_reqs x num_kv_heads
+programs, each walking the whole context: a few long requests leave most SMs idle.
+Here the context is cut into `num_kv_splits` ranges (Dao et al., "Flash-Decoding for
+long-context inference", 2023; the layout of vLLM's `triton_decode_attention.py`,
+our code):
+
+* stage 1, grid (num_reqs, num_kv_heads, num_kv_splits): one program attends the
+  QPK query heads of one KV head (packed into a >= 16-row tile for `tl.dot`) to one
+  range, and writes the range's normalised partial output and its log-sum-exp;
+* stage 2, grid (num_reqs, num_q_heads): merges the ranges, weighting each partial
+  output by exp(lse_s - max lse).
+
+Ranges are sized in-kernel from each request's seq_len, so one launch shape (and one
+CUDA graph) serves any context lengths; ranges past the context are empty and carry
+lse = -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_attention import TILE_N, check_attention_inputs
+from .validation import check_tensor
+
+MAX_KV_SPLITS = 32
+# A range shorter than this spends more on the merge than it saves.
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def _decode_attention_stage1_kernel(
+    partial_out_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
+    partial_lse_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS] fp32, base-2 log-sum-exp
+    query_ptr,  # [num_tokens, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    scale,  # float32
+    query_stride_token: tl.int64,
+    query_stride_head: tl.int64,
+    cache_stride_block: tl.int64,
+    cache_stride_offset: tl.int64,
+    cache_stride_head: tl.int64,
+    block_table_stride: tl.int64,
+    NUM_Q_HEADS: tl.constexpr,
+    QPK: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,  # power of 2
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
+    BLOCK_H: tl.constexpr,  # rows of the packed query tile, >= QPK, >= 16
+    TILE_N: tl.constexpr,  # K/V positions per loop step
+    NUM_KV_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    token = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - token
+    if q_len == 0:  # an empty (padding) request owns no token row
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), TILE_N) * TILE_N
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    offs_n = tl.arange(0, TILE_N)
+    head = kv_head * QPK + offs_h
+    h_valid = offs_h < QPK
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(
+        query_ptr
+        + token.to(tl.int64) * query_stride_token
+        + head[:, None] * query_stride_head
+        + offs_d[None, :],
+        mask=h_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PADDED], dtype=tl.float32)
+    block_table_row = block_tables_ptr + req.to(tl.int64) * block_table_stride
+    for tile_start in range(split_start, split_end, TILE_N):
+        kv_pos = tile_start + offs_n
+        kv_valid = kv_pos < split_end
+        # NOTE: int64 before the multiply (block_id * stride passes 2**31 in big pools).
+        block_id = tl.load(
+            block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0
+        ).to(tl.int64)
+        kv_offs = (
+            block_id * cache_stride_block
+            + (kv_pos % BLOCK_SIZE).to(tl.int64) * cache_stride_offset
+            + kv_head * cache_stride_head
+        )
+        k = tl.load(  # [HEAD_DIM_PADDED, TILE_N]
+            key_cache_ptr + kv_offs[None, :] + offs_d[:, None],
+            mask=d_valid[:, None] & kv_valid[None, :],
+            other=0.0,
+        )
+        v = tl.load(  # [TILE_N, HEAD_DIM_PADDED]
+            value_cache_ptr + kv_offs[:, None] + offs_d[None, :],
+            mask=kv_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, TILE_N]
+        s = tl.where(h_valid[:, None] & kv_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows: no NaN
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty range leaves l_i = 0: lse = -inf and a zero output, ignored by stage 2.
+    has_mass = l_i > 0.0
+    lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
+    acc = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+    row = (req * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + split
+    tl.store(partial_lse_ptr + row, lse, mask=h_valid)
+    tl.store(
+        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        acc,
+        mask=h_valid[:, None] & d_valid[None, :],
+    )
+
+
+@triton.jit
+def _decode_attention_stage2_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    partial_out_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
+    partial_lse_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    out_stride_token: tl.int64,
+    out_stride_head: tl.int64,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,  # power of 2
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) == token:
+        return
+    offs_s = tl.arange(0, NUM_KV_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    d_valid = offs_d < HEAD_DIM
+    row = (req * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + offs_s
+    lse = tl.load(partial_lse_ptr + row)  # [NUM_KV_SPLITS]
+    partial = tl.load(  # [NUM_KV_SPLITS, HEAD_DIM_PADDED]
+        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=d_valid[None, :],
+        other=0.0,
+    )
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty context: output 0
+    weight = tl.exp2(lse - lse_max)
+    total = tl.sum(weight, axis=0)
+    merged = tl.sum(weight[:, None] * partial, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token.to(tl.int64) * out_stride_token + head * out_stride_head + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+def choose_num_kv_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Power-of-two split count: enough programs for 2 per SM of a CUDA `device` (132
+    SMs on an H100/H200; 8 assumed elsewhere, i.e. the CPU interpreter), but no range
+    shorter than MIN_TOKENS_PER_SPLIT tokens and at most MAX_KV_SPLITS ranges."""
+    if device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        num_sms = 8
+    want = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
+    by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(want, by_len, MAX_KV_SPLITS))
+    # Round down: a split count past both limits would only add merge work.
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    max_seq_len: int,
+    scale: float,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per request over its paged context, split-KV.
+
+    Args:
+        query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], holding the new
+            tokens' K/V already.
+        query_start_loc: [num_reqs + 1] int32; every request has exactly one new token
+            (or none: an empty padding request, skipped). Longer chunks are not checked
+            on the device (that would sync); use paged_attention for them.
+        seq_lens: [num_reqs] int32, context length including the new token, >= 1.
+        block_tables: [num_reqs, max_blocks_per_req] int32.
+        max_seq_len: largest seq_lens value (host int), sizes the default split count.
+        scale: softmax scale, usually head_dim ** -0.5.
+        num_kv_splits: ranges per context, a power of 2 <= MAX_KV_SPLITS; None picks
+            choose_num_kv_splits(). Fix it when capturing a CUDA graph.
+        out: optional [num_tokens, num_q_heads, head_dim] output.
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] in query's dtype (`out` when given).
+
+    Raises:
+        ValueError: inputs disagree, or num_kv_splits is not a power of 2 in
+            [1, MAX_KV_SPLITS].
+    """
+    num_q_heads, num_kv_heads, head_dim = check_attention_inputs(
+        query, kv_cache, query_start_loc, seq_lens, block_tables
+    )
+    if out is None:
+        out = torch.empty_like(query)
+    check_tensor("out", out, ndim=3, device=query.device)
+    if out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    num_reqs = seq_lens.shape[0]
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(
+            num_reqs, num_kv_heads, max_seq_len, query.device
+        )
+    if not 1 <= num_kv_splits <= MAX_KV_SPLITS or num_kv_splits & (num_kv_splits - 1):
+        raise ValueError(
+            f"num_kv_splits must be a power of 2 in [1, {MAX_KV_SPLITS}], got {num_kv_splits}"
+        )
+    if query.shape[0] == 0 or num_reqs == 0:
+        return out
+
+    qpk = num_q_heads // num_kv_heads
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    partial_out = torch.empty(
+        (num_reqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32,
+        device=query.device,
+    )
+    partial_lse = torch.empty(
+        (num_reqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=query.device
+    )
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _decode_attention_stage1_kernel[(num_reqs, num_kv_heads, num_kv_splits)](
+        partial_out,
+        partial_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        QPK=qpk,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_H=max(16, triton.next_power_of_2(qpk)),
+        TILE_N=TILE_N,
+        NUM_KV_SPLITS=num_kv_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    _decode_attention_stage2_kernel[(num_reqs, num_q_heads)](
+        out,
+        partial_out,
+        partial_lse,
+        query_start_loc,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        NUM_KV_SPLITS=num_kv_splits,
+    )
+    return out

@@ -1,0 +1,146 @@
+"""Rotary position embedding applied in place to the new tokens' queries and keys.
+
+HF / GPT-NeoX "rotate_half" layout: dimension i of a head pairs with i + head_dim / 2,
+`out = x * cos + rotate_half(x) * sin` with `rotate_half(x) = [-x2, x1]`, i.e.
+
+    out[:half] = x1 * cos - x2 * sin,    out[half:] = x2 * cos + x1 * sin.
+
+The cos/sin tables come from kernels/rope_cache.py. Arithmetic is fp32 with one
+rounding to the tensor's dtype at the end (HF rounds each product to bf16; the
+results agree within bf16 precision).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # [num_tokens, num_heads, head_dim], rows of this program's token
+    stride_token: tl.int64,
+    stride_head: tl.int64,
+    token,
+    cos,  # [HALF_PADDED] fp32
+    sin,  # [HALF_PADDED] fp32
+    NUM_HEADS: tl.constexpr,
+    NUM_HEADS_PADDED: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
+    offs_h = tl.arange(0, NUM_HEADS_PADDED)
+    offs_d = tl.arange(0, HALF_PADDED)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    ptrs = x_ptr + token * stride_token + offs_h[:, None] * stride_head + offs_d[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(ptrs, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_dim], rotated in place
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    positions_ptr,  # [num_tokens] int64/int32
+    cos_ptr,  # [max_position, head_dim // 2] fp32
+    sin_ptr,  # [max_position, head_dim // 2] fp32
+    query_stride_token: tl.int64,
+    query_stride_head: tl.int64,
+    key_stride_token: tl.int64,
+    key_stride_head: tl.int64,
+    cache_stride: tl.int64,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_Q_HEADS_PADDED: tl.constexpr,
+    NUM_KV_HEADS_PADDED: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_PADDED: tl.constexpr,  # power of 2
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PADDED)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_ptr + pos * cache_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * cache_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        query_ptr, query_stride_token, query_stride_head, token, cos, sin,
+        NUM_Q_HEADS, NUM_Q_HEADS_PADDED, HALF, HALF_PADDED,
+    )
+    _rotate_heads(
+        key_ptr, key_stride_token, key_stride_head, token, cos, sin,
+        NUM_KV_HEADS, NUM_KV_HEADS_PADDED, HALF, HALF_PADDED,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Rotate `query` and `key` in place by their tokens' positions.
+
+    Args:
+        positions: [num_tokens] int64/int32, each < max_position (not checked on the
+            device: that would sync).
+        query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16; any token
+            and head strides with a contiguous last dimension (views of a fused QKV
+            output are rotated where they lie).
+        key: [num_tokens, num_kv_heads, head_dim], same dtype.
+        cos_cache, sin_cache: [max_position, head_dim // 2] float32, from
+            rope_cache.build_rope_cache.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree, or head_dim is odd.
+    """
+    dev = query.device
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), device=dev)
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("cos_cache", cos_cache, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("sin_cache", sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if head_dim % 2 or key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} must share num_tokens "
+            "and an even head_dim"
+        )
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")
+    half = head_dim // 2
+    if cos_cache.shape[1] != half or sin_cache.shape != cos_cache.shape:
+        raise ValueError(
+            f"cos_cache {tuple(cos_cache.shape)} and sin_cache {tuple(sin_cache.shape)} "
+            f"must both be [max_position, {half}]"
+        )
+    if cos_cache.stride(0) != sin_cache.stride(0):
+        raise ValueError("cos_cache and sin_cache must have the same row stride")
+    if num_tokens == 0:
+        return
+    _rotary_kernel[(num_tokens,)](
+        query,
+        key,
+        positions,
+        cos_cache,
+        sin_cache,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        cos_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_Q_HEADS_PADDED=triton.next_power_of_2(num_q_heads),
+        NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HALF=half,
+        HALF_PADDED=triton.next_power_of_2(half),
+    )

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from flowengine.kernels.rope_cache import build_rope_cache, compute_inv_freq
+from flowengine.kernels.rotary import rotary_embedding
+from kernel_refs import assert_close, ref_rotary
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _hf_config(head_dim: int, theta: float, scaling: dict | None) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+        max_position_embeddings=131072, rope_theta=theta, rope_scaling=scaling,
+    )
+
+
+def test_inv_freq_matches_transformers_bit_for_bit() -> None:
+    hf_llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](_hf_config(128, 500000.0, LLAMA3_SCALING), "cpu")
+    assert torch.equal(compute_inv_freq(128, 500000.0, LLAMA3_SCALING), hf_llama3)
+    legacy = {**LLAMA3_SCALING, "type": "llama3"}
+    del legacy["rope_type"]
+    assert torch.equal(compute_inv_freq(128, 500000.0, legacy), hf_llama3)
+    default = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
+    assert torch.equal(compute_inv_freq(64, 100000.0, None), default)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_cache_matches_transformers_rotary_embedding(scaling: dict | None) -> None:
+    config = _hf_config(64, 500000.0, scaling)
+    positions = torch.tensor([[0, 1, 7, 1000, 8191, 40000]])
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = build_rope_cache(64, 40001, 500000.0, scaling)
+    assert cos.shape == (40001, 32) and cos.dtype == torch.float32
+    assert torch.equal(cos[positions[0]], hf_cos[0, :, :32])
+    assert torch.equal(sin[positions[0]], hf_sin[0, :, 32:])
+
+
+def test_cache_rejects_unknown_rope_type() -> None:
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        compute_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="lacks"):
+        compute_inv_freq(64, 10000.0, {"rope_type": "llama3", "factor": 8.0})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [(torch.float32, {"rtol": 1e-5, "atol": 1e-5}),
+     (torch.bfloat16, {"rtol": 8e-3, "atol": 8e-3})],  # one bf16 rounding
+)
+def test_rotary_in_place_on_qkv_views(
+    dtype: torch.dtype, tol: dict[str, float], device: torch.device
+) -> None:
+    num_tokens, num_q_heads, num_kv_heads, head_dim = 11, 6, 2, 64
+    cos, sin = build_rope_cache(head_dim, 2048, 10000.0, LLAMA3_SCALING, device=device)
+    qkv = torch.randn(
+        num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device
+    )
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v_before = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, 2048, (num_tokens,), device=device)
+    expected_q, expected_k = ref_rotary(q, positions, cos, sin), ref_rotary(k, positions, cos, sin)
+
+    rotary_embedding(positions, q, k, cos, sin)
+
+    assert_close(q, expected_q, **tol)
+    assert_close(k, expected_k, **tol)
+    assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], v_before)
+
+
+def test_rotary_reads_strided_cos_sin_views(device: torch.device) -> None:
+    """cos/sin as views of a [max_pos, 2, head_dim] table (the model layer's layout)."""
+    head_dim = 32
+    cos, sin = build_rope_cache(head_dim, 100, 10000.0, device=device)
+    table = torch.stack([torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)], dim=1)
+    q = torch.randn(4, 3, head_dim, device=device)
+    k = torch.randn(4, 1, head_dim, device=device)
+    positions = torch.tensor([0, 99, 5, 42], dtype=torch.int32, device=device)
+    expected_q, expected_k = ref_rotary(q, positions, cos, sin), ref_rotary(k, positions, cos, sin)
+    rotary_embedding(positions, q, k, table[:, 0, : head_dim // 2], table[:, 1, : head_dim // 2])
+    assert_close(q, expected_q, rtol=1e-5, atol=1e-5)
+    assert_close(k, expected_k, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,93 @@
+"""TritonAttentionBackend end to end: KV-cache write, then attention, against the
+float64 reference; the split-KV path for long decode-only steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_refs import AttentionCase, assert_close, make_attention_case, ref_paged_attention
+
+from flowengine.model.attention import triton_backend
+from flowengine.model.attention.metadata import AttentionMetadata
+from flowengine.model.attention.triton_backend import TritonAttentionBackend
+
+FP32_TOL = {"rtol": 1e-4, "atol": 2e-5}
+
+
+def _metadata(case: AttentionCase) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_start_loc=case.query_start_loc,
+        seq_lens=case.seq_lens,
+        block_tables=case.block_tables,
+        slot_mapping=case.slot_mapping,
+        max_query_len=max(case.q_lens),
+        max_seq_len=max(case.ctx_lens),
+        query_start_loc_cpu=case.query_start_loc.cpu(),
+        seq_lens_cpu=case.seq_lens.cpu(),
+    )
+
+
+def _expected_cache(case: AttentionCase) -> torch.Tensor:
+    """The cache after a correct write: new K/V at their slots, nothing else changed."""
+    cache = case.kv_cache.clone()
+    flat = cache.view(2, -1, *cache.shape[3:])
+    real = case.slot_mapping >= 0
+    flat[0, case.slot_mapping[real]] = case.key[real]
+    flat[1, case.slot_mapping[real]] = case.value[real]
+    return cache
+
+
+def _check_forward(case: AttentionCase, backend: TritonAttentionBackend) -> None:
+    expected_cache = _expected_cache(case)
+    out = torch.full_like(case.query, float("nan"))
+    result = backend.forward(
+        case.query, case.key, case.value, case.kv_cache, _metadata(case), case.scale, out=out
+    )
+    assert result is out
+    # Exact copy, NaN where nothing may be written (padding slots, unused blocks).
+    torch.testing.assert_close(case.kv_cache, expected_cache, rtol=0, atol=0, equal_nan=True)
+    num_real = sum(case.q_lens)
+    case.kv_cache = expected_cache
+    assert_close(out[:num_real], ref_paged_attention(case), **FP32_TOL)
+    assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding rows not 0"
+
+
+def test_mixed_batch_with_padding_tokens(device: torch.device) -> None:
+    case = make_attention_case(
+        [1, 17, 1, 9], [40, 17, 65, 50], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=torch.float32, num_padding_tokens=3, fill_new_tokens=False,
+        device=device,
+    )
+    _check_forward(case, TritonAttentionBackend())
+
+
+@pytest.mark.parametrize("use_split_kv", [True, False])
+def test_decode_only_path_choice(
+    use_split_kv: bool, monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    calls: list[int | None] = []
+    real_decode = triton_backend.decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs["num_kv_splits"])  # type: ignore[arg-type]
+        return real_decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy)
+    case = make_attention_case(
+        [1, 1, 1], [600, 33, 270], num_q_heads=4, num_kv_heads=1, head_dim=32,
+        block_size=32, dtype=torch.float32, num_padding_tokens=1, fill_new_tokens=False,
+        device=device,
+    )
+    min_len = 512 if use_split_kv else 4096
+    _check_forward(case, TritonAttentionBackend(split_kv_min_seq_len=min_len))
+    # 3 requests x 1 KV head on 8 assumed SMs: 6 programs wanted, 600 tokens allow 2.
+    assert calls == ([2] if use_split_kv else [])
+
+
+def test_fixed_split_count_for_cuda_graphs(device: torch.device) -> None:
+    case = make_attention_case(
+        [1, 1], [40, 3], num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float32, fill_new_tokens=False,
+        device=device,
+    )
+    _check_forward(case, TritonAttentionBackend(num_kv_splits=4))
