@@ -1,0 +1,151 @@
+"""The model runner: weights, KV cache and per-request state of one executor.
+
+Follows the StepPlan protocol of flowengine/messages.py: a request arrives in full once
+(`new_reqs`, replacing any earlier state of that id, e.g. after preemption), then only
+as deltas (`cached_reqs`: new block ids, num_computed_tokens before the step);
+`finished_req_ids` drop state. Sampled tokens come back through `append_sampled`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowengine.config import CacheConfig
+from flowengine.executor.input_batch import InputBatch, RequestState
+from flowengine.messages import StepPlan
+from flowengine.model.attention.backend import AttentionBackend
+from flowengine.model.loader import load_model
+from flowengine.model.model_config import ModelConfig
+
+
+@dataclass
+class ModelOutput:
+    """Next-token logits of one step.
+
+    req_ids: the requests whose scheduled tokens reach their last known token (partial
+    prefill chunks are absent), in batch order. logits: [len(req_ids), vocab] float32.
+    """
+
+    req_ids: list[str]
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    """Runs the model for StepPlans.
+
+    Args:
+        model_config: the architecture (its max_model_len bounds positions).
+        cache_config: KV cache geometry; allocates num_blocks blocks per layer.
+        device, dtype: where and in which dtype weights, activations and KV cache live.
+        load_format: as `load_model` ("auto", "safetensors", "gguf", "dummy").
+        model_path: weights location when not model_config.model_path; a .gguf file is
+            read through the GGUF loader.
+        attn_backend: defaults to the registry's backend for `device`.
+        max_num_batched_tokens, max_num_seqs: initial input-buffer capacity.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        load_format: str = "auto",
+        model_path: str | None = None,
+        *,
+        attn_backend: AttentionBackend | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        gguf_file = model_path if model_path is not None and model_path.endswith(".gguf") else None
+        if model_path is not None and gguf_file is None and model_path != model_config.model_path:
+            raise ValueError(
+                f"model_path {model_path} differs from model_config.model_path "
+                f"{model_config.model_path}; build the ModelConfig from the weights' directory"
+            )
+        self.model = load_model(model_config, load_format, dtype, self.device,
+                                gguf_file=gguf_file, attn_backend=attn_backend, seed=seed)
+        shape = (2, cache_config.num_blocks, cache_config.block_size,
+                 model_config.num_kv_heads, model_config.head_dim)
+        # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                          for _ in range(model_config.num_layers)]
+        max_blocks_per_req = -(-model_config.max_model_len // cache_config.block_size)
+        self.input_batch = InputBatch(cache_config.block_size, max_blocks_per_req, self.device,
+                                      max_num_batched_tokens, max_num_seqs)
+        self.requests: dict[str, RequestState] = {}
+
+    @staticmethod
+    def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
+                                 dtype: torch.dtype) -> int:
+        """Bytes one KV block takes over all layers (K and V), to size num_blocks."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return (2 * model_config.num_layers * block_size * model_config.num_kv_heads
+                * model_config.head_dim * itemsize)
+
+    def get_request_state(self, req_id: str) -> RequestState:
+        """The executor's state of a live request (token ids, params, EOS). KeyError if unknown."""
+        return self.requests[req_id]
+
+    def append_sampled(self, req_id: str, token_ids: list[int]) -> None:
+        """Record tokens sampled for `req_id` so that later steps can feed them."""
+        self.requests[req_id].token_ids.extend(token_ids)
+
+    def update_states(self, plan: StepPlan) -> None:
+        """Apply a plan's request changes (finished, new, cached) to the executor state.
+
+        Raises ValueError for a cached request the executor does not hold.
+        """
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in plan.new_reqs:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                eos_token_id=new.eos_token_id,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in plan.cached_reqs:
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                raise ValueError(
+                    f"step {plan.step_id} continues request {cached.req_id} that this "
+                    "executor does not hold; it must first arrive in new_reqs"
+                )
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, plan: StepPlan) -> ModelOutput:
+        """Apply the plan, run one forward, return logits of the requests that sample.
+
+        Raises ValueError for an inconsistent plan (unknown request, tokens or blocks
+        missing); the state changes of the plan are applied even then.
+        """
+        self.update_states(plan)
+        states = [self.requests[req_id] for req_id in plan.scheduled_req_ids]
+        if len(plan.num_scheduled_tokens) != len(states):
+            raise ValueError(
+                f"step {plan.step_id} has {len(plan.num_scheduled_tokens)} num_scheduled_tokens "
+                f"for {len(states)} scheduled requests"
+            )
+        if not states:
+            return ModelOutput([], torch.empty(0, self.model_config.vocab_size,
+                                               device=self.device))
+        inputs = self.input_batch.prepare(states, plan.num_scheduled_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                            inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
+            state.num_computed_tokens += num
+        return ModelOutput(inputs.sample_req_ids, logits)

@@ -1,0 +1,159 @@
+"""Build a model and fill its weights: safetensors by name, GGUF, or random ("dummy").
+
+The model is built on the meta device (no memory, no random init), materialized
+uninitialized on the target device in the target dtype, then every parameter is
+written exactly once from the checkpoint (gpt-fast's recipe). Safetensors files are
+read tensor by tensor through memory maps, so a checkpoint is never held twice.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
+from flowengine.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from flowengine.model.models.llama import LlamaForCausalLM
+
+# Every supported architecture is the Llama family with config switches.
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
+}
+
+# Dummy weights: small enough that 30+ layers keep activations finite in bf16.
+_DUMMY_RANGE = 1e-3
+
+
+def load_model(
+    model_config: ModelConfig,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    gguf_file: str | None = None,
+    attn_backend: AttentionBackend | None = None,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Build the model for `model_config` and load its weights, in eval mode, no grads.
+
+    Args:
+        load_format: "auto" (safetensors in model_config.model_path, else a GGUF file
+            there), "safetensors", "gguf" (dequantized from `gguf_file`, or the one
+            .gguf in the model directory) or "dummy" (uniform(-1e-3, 1e-3) weights,
+            norm weights 1, drawn from `seed`).
+        dtype: parameter dtype. device: where parameters live.
+        attn_backend: defaults to get_attn_backend(device).
+
+    Raises:
+        ValueError: unknown load_format, no weight files, or checkpoint tensors that
+            are missing / unexpected / of the wrong shape (listed in the message).
+    """
+    device = torch.device(device)
+    if attn_backend is None:
+        attn_backend = get_attn_backend(device)
+    with torch.device("meta"):
+        model = _MODEL_CLASSES[model_config.architecture](model_config, attn_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if init_buffers is not None:
+            init_buffers()
+    fmt = _resolve_format(model_config.model_path, load_format, gguf_file)
+    if fmt == "dummy":
+        _fill_dummy(model, seed)
+    else:
+        if fmt == "safetensors":
+            weights = iter_safetensors(safetensors_files(model_config.model_path))
+        else:
+            from flowengine.model.gguf_loader import iter_gguf_tensors
+
+            weights = iter_gguf_tensors(gguf_file or _single_gguf(model_config.model_path))
+        loaded = model.load_weights(weights)
+        missing = model.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(
+                f"checkpoint {model_config.model_path} lacks {len(missing)} tensor(s) the "
+                f"{model_config.architecture} config needs: {sorted(missing)[:20]}; the "
+                "download may be incomplete or config.json may not match the weights"
+            )
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's *.safetensors files, in order.
+
+    Uses model.safetensors.index.json when present (so that extra files such as
+    Mistral's consolidated.safetensors are ignored). Raises ValueError when none exist.
+    """
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(
+        p for p in glob.glob(os.path.join(model_dir, "*.safetensors"))
+        if not os.path.basename(p).startswith("consolidated")
+    )
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {model_dir}; FlowEngine loads safetensors or GGUF "
+            "weights (re-save .bin checkpoints with save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, one tensor in memory at a time (memory-mapped reads)."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def _resolve_format(model_dir: str, load_format: str, gguf_file: str | None) -> str:
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ValueError(
+            f"load_format must be 'auto', 'safetensors', 'gguf' or 'dummy', got {load_format!r}"
+        )
+    if load_format != "auto":
+        return load_format
+    if gguf_file is not None:
+        return "gguf"
+    if glob.glob(os.path.join(model_dir, "*.safetensors")):
+        return "safetensors"
+    if glob.glob(os.path.join(model_dir, "*.gguf")):
+        return "gguf"
+    raise ValueError(
+        f"no *.safetensors or *.gguf weights in {model_dir}; pass a directory with "
+        "safetensors weights, a GGUF file, or load_format='dummy'"
+    )
+
+
+def _single_gguf(model_dir: str) -> str:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.gguf")))
+    if len(files) != 1:
+        raise ValueError(
+            f"load_format='gguf' needs exactly one .gguf file in {model_dir}, found "
+            f"{len(files)}; pass the file itself as the model"
+        )
+    return files[0]
+
+
+@torch.no_grad()
+def _fill_dummy(model: nn.Module, seed: int) -> None:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32)
+            values.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
+            param.copy_(values)

@@ -1,0 +1,266 @@
+"""The model's architecture, resolved once from a Hugging Face `config.json`.
+
+`ModelConfig` is what the loader, the model and the KV cache sizing read; nothing
+downstream touches the raw Hugging Face config. Both config dialects are understood:
+transformers 4.x (`rope_theta` + `rope_scaling`, `torch_dtype`) and 5.x
+(`rope_parameters`, `dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Architectures served by flowengine.model.models.llama through config switches.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.
+
+    rope_type "linear": every inverse frequency divided by `factor` (Chen et al. 2023,
+    "Extending Context Window ... via Positional Interpolation").
+    rope_type "llama3": the piecewise rule of Meta's Llama 3.1 reference code
+    (`apply_scaling` in llama/model.py), as transformers' `_compute_llama3_parameters`.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+
+    Sizes are counts; `head_dim` is per attention head; `max_model_len` is the longest
+    sequence (prompt + output, in tokens) the engine accepts. `qkv_bias` / `o_bias` /
+    `mlp_bias` say which projections carry a bias (Qwen2: q/k/v only); `qk_norm` adds a
+    per-head RMSNorm on queries and keys before RoPE (Qwen3). `dtype` is the checkpoint's
+    dtype, not necessarily the one the engine runs in (see `resolve_dtype`).
+    """
+
+    model_path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: torch.dtype
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id (the one tokenizers append), or None when the model has none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, max_model_len: int | None = None) -> ModelConfig:
+        """Read `config.json` (+ `generation_config.json` for EOS ids) from a local directory.
+
+        Raises ValueError for an unsupported architecture or option, or a `max_model_len`
+        the model cannot serve; OSError when `config.json` is missing or unreadable.
+        """
+        # Imported here: transformers takes seconds to import and most users of this
+        # module only need the dataclass.
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        generation_eos = _generation_config_eos(model_path)
+        return cls.from_hf_config(hf_config, model_path, max_model_len, generation_eos)
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        hf_config: Any,
+        model_path: str,
+        max_model_len: int | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+    ) -> ModelConfig:
+        """Resolve a `transformers.PretrainedConfig`. Errors as in `from_pretrained`."""
+        architectures = list(getattr(hf_config, "architectures", None) or [])
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model architecture {architectures or '(none given)'} of {model_path} is not "
+                f"supported; FlowEngine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu'); got {arch}")
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+                f"{num_kv_heads}; the checkpoint's config.json is inconsistent"
+            )
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rope_theta, rope_scaling = _rope(hf_config)
+        max_pos = int(hf_config.max_position_embeddings)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            model_path=str(model_path),
+            architecture=arch,
+            vocab_size=int(hf_config.vocab_size),
+            hidden_size=int(hf_config.hidden_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            intermediate_size=int(hf_config.intermediate_size),
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            max_model_len=resolve_max_model_len(max_model_len, max_pos, _sliding_window(hf_config)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and never an o_proj bias (modeling_qwen2.py).
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=_eos_ids(getattr(hf_config, "eos_token_id", None), extra_eos_token_ids),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            dtype=_checkpoint_dtype(hf_config),
+        )
+
+
+def resolve_max_model_len(user_value: int | None, max_position_embeddings: int,
+                          sliding_window: int | None = None) -> int:
+    """The served context length in tokens.
+
+    Defaults to `max_position_embeddings`, capped at the sliding window when the model
+    has one: within the window, sliding-window attention equals full attention, so
+    capping keeps outputs exact without a windowed kernel. Raises ValueError when the
+    user asks for more than the model supports.
+    """
+    limit = max_position_embeddings
+    reason = "max_position_embeddings"
+    if sliding_window is not None and sliding_window < limit:
+        limit, reason = sliding_window, "sliding window"
+    if user_value is None:
+        return limit
+    if user_value > limit:
+        raise ValueError(
+            f"max_model_len {user_value} exceeds the model's {reason} ({limit}); "
+            f"lower max_model_len to at most {limit}"
+        )
+    return user_value
+
+
+def resolve_dtype(user_dtype: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype weights, activations and KV cache use.
+
+    "auto": on CPU float32 (CPUs without AMX emulate half types, and float32 keeps
+    outputs equal to Hugging Face's float32 reference); on CUDA the checkpoint's half
+    dtype, or bfloat16 for a float32 checkpoint (vLLM's rule). Raises ValueError for an
+    unknown name.
+    """
+    if user_dtype != "auto":
+        if user_dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {user_dtype!r}")
+        return _DTYPES[user_dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
+    # transformers 5 folds rope_theta into rope_parameters; 4.x keeps them apart.
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    theta = 10000.0 if theta is None else float(theta)
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by the Llama family model")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
+    raise ValueError(
+        f"RoPE scaling type {rope_type!r} is not supported; supported: default, linear, llama3. "
+        "Remove rope_scaling from config.json to serve at the original context length"
+    )
+
+
+def _sliding_window(hf_config: Any) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    # Qwen2/Qwen3 carry a window but only apply it with use_sliding_window=True.
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
+        return None
+    return int(window)
+
+
+def _eos_ids(config_eos: int | list[int] | None, extra: tuple[int, ...]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in (config_eos, list(extra)):
+        for i in [value] if isinstance(value, int) else (value or []):
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def _generation_config_eos(model_path: str) -> tuple[int, ...]:
+    # Instruct models (Llama 3) list extra EOS ids (<|eot_id|>) only here.
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    return _DTYPES.get(str(value).removeprefix("torch."), torch.float32)
