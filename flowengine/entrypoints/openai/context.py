@@ -1,0 +1,94 @@
+"""What every route handler shares: the engine, the served names, admission, metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, TypeVar
+
+import msgspec
+
+from flowengine.engine.protocol import EngineClient
+from flowengine.entrypoints.openai.errors import APIError, from_decode_error
+from flowengine.entrypoints.openai.generation import Admission
+from flowengine.metrics import ServingMetrics
+
+T = TypeVar("T")
+logger = logging.getLogger("flowengine.entrypoints.openai.requests")
+
+
+@dataclass
+class ServingContext:
+    """State shared by the handlers of one server.
+
+    Attributes:
+        engine: the `EngineClient` that serves every request.
+        model_names: names a request may use in `model`; the first is the default and
+            the name reported by /v1/models first.
+        admission: the server-side queue limit.
+        metrics: the server's Prometheus metrics.
+        started_s: Unix time the server started (the `created` of /v1/models).
+    """
+
+    engine: EngineClient
+    model_names: tuple[str, ...]
+    admission: Admission
+    metrics: ServingMetrics
+    started_s: int = field(default_factory=lambda: int(time.time()))
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        """The engine's Hugging Face tokenizer (for echo, logprob texts, /tokenize)."""
+        return self.engine.get_tokenizer()
+
+    def resolve_model(self, name: str | None) -> str:
+        """The served name for a request's `model`. Raises APIError(404) if unknown."""
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+    @staticmethod
+    def decode(body: bytes, type: type[T]) -> T:
+        """Parse and validate a JSON body. Raises APIError(400) naming the bad field."""
+        if not body:
+            raise APIError(
+                400, "the request body is empty; send a JSON object", code="invalid_json"
+            )
+        try:
+            return msgspec.json.decode(body, type=type)
+        except msgspec.DecodeError as err:
+            raise from_decode_error(err) from err
+
+
+def log_request(
+    kind: str,
+    request_id: str,
+    num_prompt_tokens: int,
+    num_generated_tokens: int,
+    finish_reasons: list[str | None],
+    ttft_s: float | None,
+    elapsed_s: float,
+    outcome: str = "ok",
+) -> None:
+    """One INFO line per generation request: ids, counts and timings, never any text."""
+    logger.info(
+        "%s %s %s: prompt_tokens=%d completion_tokens=%d finish=%s ttft=%s e2e=%.3fs",
+        kind,
+        request_id,
+        outcome,
+        num_prompt_tokens,
+        num_generated_tokens,
+        ",".join(str(r) for r in finish_reasons),
+        "-" if ttft_s is None else f"{ttft_s:.3f}s",
+        elapsed_s,
+    )

@@ -1,0 +1,88 @@
+"""OpenAI's error object, and the exceptions the server turns into it.
+
+Every error response, and every error event in an SSE stream, has OpenAI's shape:
+`{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`
+(https://platform.openai.com/docs/guides/error-codes). The `type` strings follow the
+OpenAI API; the HTTP status carries the class (400, 401, 404, 405, 413, 429, 500, 503).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import msgspec
+
+# msgspec validation messages end with "- at `$.path.to[0].field`"; that path is
+# OpenAI's `param`.
+_AT_PATH = re.compile(r" - at `\$\.?(?P<param>[^`]*)`$")
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<param>[^`]+)`")
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI's error object.
+
+    Args:
+        status: HTTP status code.
+        message: what went wrong and what to change; shown to the client verbatim.
+        type: OpenAI's error type, e.g. "invalid_request_error".
+        param: the request field at fault, if any ("messages[0].role").
+        code: a machine-readable code, e.g. "model_not_found".
+        retry_after_s: sets the `Retry-After` header (rounded up to whole seconds).
+        headers: more response headers (e.g. `Allow` for 405).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        if retry_after_s is not None:
+            self.headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        """OpenAI's error object for this error."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_decode_error(err: msgspec.DecodeError) -> APIError:
+    """A 400 for a body that is not JSON or does not match the request schema."""
+    message = str(err)
+    if not isinstance(err, msgspec.ValidationError):
+        return APIError(400, f"the request body is not valid JSON: {message}", code="invalid_json")
+    param = None
+    if m := _AT_PATH.search(message):
+        param = m.group("param") or None
+    elif m := _MISSING_FIELD.match(message):
+        param = m.group("param")
+    return APIError(400, message, param=param)
+
+
+def internal_error() -> APIError:
+    # NOTE: the cause is logged server-side; the client never sees a traceback.
+    return APIError(
+        500, "internal server error; see the server log", type="server_error", code="internal_error"
+    )

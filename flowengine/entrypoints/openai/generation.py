@@ -1,0 +1,298 @@
+"""One engine request as the HTTP handlers use it: admitted, primed, timed, aborted.
+
+`EngineStream.open` submits a prompt and waits for the first output before the HTTP
+response starts, so that bad input (the engine raises before any output) is answered
+with a status code rather than an error event in a 200 stream. Closing a stream that
+has not finished aborts the request in the engine, which frees its KV blocks; the
+handlers close streams in `finally` blocks, so a client that disconnects (its task is
+cancelled) aborts its request within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOverloadedError
+from flowengine.entrypoints.openai.errors import APIError, internal_error
+from flowengine.metrics import ServingMetrics
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """Server-side queue limit: requests submitted but still without a first output.
+
+    Args:
+        max_queue_len: most such requests at once; None for no limit (the engine's own
+            limit, `EngineOverloadedError`, still applies).
+    """
+
+    def __init__(self, max_queue_len: int | None) -> None:
+        self.max_queue_len = max_queue_len
+        self.num_pending = 0
+
+    def enter(self) -> None:
+        """Count one more pending request. Raises APIError(429) when the queue is full."""
+        if self.max_queue_len is not None and self.num_pending >= self.max_queue_len:
+            raise APIError(
+                429,
+                f"the server queue is full ({self.max_queue_len} requests waiting for their "
+                "first token); retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                retry_after_s=1.0,
+            )
+        self.num_pending += 1
+
+    def leave(self) -> None:
+        self.num_pending -= 1
+
+
+def engine_error(err: BaseException) -> APIError:
+    """The client-facing error for an exception raised by `EngineClient.submit`."""
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, EngineOverloadedError):
+        return APIError(
+            429,
+            str(err),
+            type="rate_limit_error",
+            code="queue_full",
+            retry_after_s=err.retry_after_s,
+        )
+    if isinstance(err, EngineDeadError):
+        return APIError(
+            503,
+            f"the engine is not running: {err}",
+            type="service_unavailable_error",
+            code="engine_dead",
+            retry_after_s=1.0,
+        )
+    if isinstance(err, (ValueError, TypeError)):
+        return APIError(400, str(err))
+    logger.error("engine request failed", exc_info=err)
+    return internal_error()
+
+
+class EngineStream:
+    """The outputs of one submitted request; iterate it once, then `aclose()` it.
+
+    Attributes:
+        request_id: the engine request id.
+        num_prompt_tokens: prompt length in tokens.
+        finished: True once the output with `finished=True` was yielded.
+    """
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_id: str,
+        iterator: AsyncIterator[RequestOutput],
+        first: RequestOutput,
+        arrival_s: float,
+        metrics: ServingMetrics | None,
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._iterator = iterator
+        self._first: RequestOutput | None = first
+        self._arrival_s = arrival_s
+        self._first_token_s: float | None = None
+        self._last_token_s: float | None = None
+        self._metrics = metrics
+        self.first_output = first
+        self.num_prompt_tokens = len(first.prompt_token_ids)
+        self.num_generated_tokens = 0
+        self.finished = False
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        engine: EngineClient,
+        prompt: str | list[int] | list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        admission: Admission | None = None,
+        metrics: ServingMetrics | None = None,
+    ) -> EngineStream:
+        """Submit and wait for the first output. Raises APIError (400/429/500/503)."""
+        if admission is not None:
+            admission.enter()
+        arrival_s = time.monotonic()
+        iterator: AsyncIterator[RequestOutput] | None = None
+        try:
+            iterator = engine.submit(prompt, params, request_id, priority=priority)
+            first = await anext(iterator)
+        except StopAsyncIteration:
+            await _close(engine, iterator, request_id, abort=False)
+            logger.error("request %s: the engine ended the stream without output", request_id)
+            raise internal_error() from None
+        except BaseException as err:
+            # Cancelled (client gone) or failed: nothing may keep running for it.
+            bad_input = isinstance(err, (ValueError, TypeError))
+            await _close(engine, iterator, request_id, abort=not bad_input)
+            if isinstance(err, Exception):
+                raise engine_error(err) from err
+            raise
+        finally:
+            if admission is not None:
+                admission.leave()
+        return cls(engine, request_id, iterator, first, arrival_s, metrics)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Yield outputs up to the finished one. Raises APIError for engine errors."""
+        while not self.finished:
+            if self._first is not None:
+                out, self._first = self._first, None
+            else:
+                try:
+                    out = await anext(self._iterator)
+                except StopAsyncIteration:
+                    logger.error("request %s: the engine stream ended unfinished", self.request_id)
+                    raise internal_error() from None
+                except Exception as err:
+                    raise engine_error(err) from err
+            self._observe(out)
+            if out.error is not None:
+                raise APIError(500, out.error, type="server_error", code="engine_error")
+            yield out
+
+    def _observe(self, out: RequestOutput) -> None:
+        num_new = sum(len(c.token_ids) for c in out.outputs)
+        now = time.monotonic()
+        if num_new:
+            self.num_generated_tokens += num_new
+            if self._metrics is not None:
+                if self._last_token_s is None:
+                    self._metrics.observe_ttft(now - self._arrival_s)
+                else:
+                    self._metrics.observe_itl(now - self._last_token_s)
+            if self._first_token_s is None:
+                self._first_token_s = now
+            self._last_token_s = now
+        if out.finished:
+            self.finished = True
+            if self._metrics is not None:
+                self._metrics.observe_e2e(now - self._arrival_s)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from submit to the first generated token; None before it."""
+        return None if self._first_token_s is None else self._first_token_s - self._arrival_s
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since submit."""
+        return time.monotonic() - self._arrival_s
+
+    async def aclose(self) -> None:
+        """Release the engine iterator; aborts the request unless it finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await _close(self.engine, self._iterator, self.request_id, abort=not self.finished)
+
+
+async def _close(
+    engine: EngineClient,
+    iterator: AsyncIterator[RequestOutput] | None,
+    request_id: str,
+    *,
+    abort: bool,
+) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    try:
+        if aclose is not None:
+            await aclose()
+        if abort:
+            # NOTE: closing the iterator already aborts in a conforming engine; the
+            # explicit abort makes the release immediate for any EngineClient and is a
+            # no-op for an id the engine no longer knows.
+            await engine.abort(request_id)
+    except Exception:
+        logger.exception("request %s: abort failed", request_id)
+
+
+async def open_streams(
+    engine: EngineClient,
+    prompts: Sequence[str | list[int] | list[dict[str, Any]]],
+    params: SamplingParams,
+    base_id: str,
+    **kwargs: Any,
+) -> list[EngineStream]:
+    """Open one stream per prompt, concurrently; on any failure close all and raise."""
+    ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+    tasks = [
+        asyncio.ensure_future(EngineStream.open(engine, p, params, rid, **kwargs))
+        for p, rid in zip(prompts, ids, strict=True)
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                await task.result().aclose()
+        raise
+
+
+async def merge_streams(
+    streams: Sequence[EngineStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (stream index, output) from all streams as outputs arrive; close them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: EngineStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out, None))
+        except Exception as err:
+            await queue.put((i, None, err))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def close_streams(streams: Sequence[EngineStream]) -> None:
+    """Close every stream (aborting the unfinished ones)."""
+    for stream in streams:
+        await stream.aclose()

@@ -1,0 +1,70 @@
+"""The OpenAPI 3.1 document of the server, generated from the route table.
+
+Schemas come from the msgspec request/response structs through
+`msgspec.json.schema_components` (JSON Schema 2020-12, which OpenAPI 3.1 embeds), so
+the document cannot drift from what the handlers decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+import flowengine
+from flowengine.entrypoints.openai.responses import ErrorResponse
+from flowengine.entrypoints.openai.router import Route
+
+REF_TEMPLATE = "#/components/schemas/{name}"
+
+
+def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, Any]:
+    """An OpenAPI 3.1 document describing every route."""
+    types: list[Any] = [ErrorResponse]
+    for route in routes:
+        types += [*route.request_types, *([route.response_type] if route.response_type else [])]
+    schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
+    schema_of = dict(zip([id(t) for t in types], schemas, strict=True))
+    error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        op: dict[str, Any] = {
+            "summary": route.summary,
+            "operationId": f"{route.method.lower()}{route.path.replace('/', '_').replace('.', '_')}",
+            "responses": {"default": {"description": "OpenAI's error object", "content": error}},
+        }
+        ok: dict[str, Any] = {"description": "success"}
+        if route.response_type is not None:
+            ok["content"] = {
+                route.response_content_type: {"schema": schema_of[id(route.response_type)]}
+            }
+        elif route.response_content_type != "application/json":
+            ok["content"] = {route.response_content_type: {"schema": {"type": "string"}}}
+        if route.streams:
+            ok.setdefault("content", {})["text/event-stream"] = {
+                "schema": {
+                    "type": "string",
+                    "description": "`data: <chunk JSON>` events, then `data: [DONE]`",
+                }
+            }
+        op["responses"]["200"] = ok
+        if route.request_types:
+            bodies = [schema_of[id(t)] for t in route.request_types]
+            body = bodies[0] if len(bodies) == 1 else {"oneOf": bodies}
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": body}},
+            }
+        if route.requires_auth and has_api_key:
+            op["security"] = [{"bearer": []}]
+        paths.setdefault(route.path, {})[route.method.lower()] = op
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "FlowEngine OpenAI-compatible API", "version": flowengine.__version__},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if has_api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc

@@ -1,0 +1,70 @@
+"""Exact-path routing with per-route metadata (auth, drain behaviour, OpenAPI schemas)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from flowengine.entrypoints.openai.asgi import Request, Response
+from flowengine.entrypoints.openai.errors import APIError
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One method + path.
+
+    Attributes:
+        requires_auth: needs `Authorization: Bearer <api key>` when the server has a key.
+        while_draining: still served after SIGTERM (metrics, version); other routes
+            answer 503 then so that load balancers move traffic away.
+        request_types: msgspec structs the body may match (OpenAPI `oneOf` if several).
+        response_type: msgspec struct of a JSON success body, for the OpenAPI document.
+        streams: may answer `text/event-stream` (when the request asks `stream: true`).
+    """
+
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    requires_auth: bool = True
+    while_draining: bool = False
+    request_types: tuple[type, ...] = ()
+    response_type: type | None = None
+    response_content_type: str = "application/json"
+    streams: bool = False
+
+
+class Router:
+    """Finds the route of a request; 404 for an unknown path, 405 for a wrong method."""
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self.routes = list(routes)
+        self._by_path: dict[str, dict[str, Route]] = {}
+        for route in routes:
+            self._by_path.setdefault(route.path, {})[route.method] = route
+
+    def methods(self, path: str) -> list[str]:
+        return sorted(self._by_path.get(path, {}))
+
+    def match(self, method: str, path: str) -> Route:
+        """The route for (method, path). Raises APIError(404) or APIError(405)."""
+        by_method = self._by_path.get(path)
+        if by_method is None:
+            raise APIError(
+                404,
+                f"no route {method} {path}; /openapi.json lists the routes",
+                type="invalid_request_error",
+                code="not_found",
+            )
+        route = by_method.get(method)
+        if route is None:
+            allowed = ", ".join(self.methods(path))
+            raise APIError(
+                405,
+                f"{path} does not accept {method}; use {allowed}",
+                code="method_not_allowed",
+                headers={"allow": allowed},
+            )
+        return route

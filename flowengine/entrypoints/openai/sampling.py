@@ -1,0 +1,123 @@
+"""OpenAI request fields → `SamplingParams`, and the checks for fields we cannot serve.
+
+Defaults are OpenAI's where OpenAI has one (temperature 1, top_p 1, completions
+max_tokens 16) and `SamplingParams`' otherwise. `SamplingParams` validates the values;
+its `ValueError`/`TypeError` becomes a 400 with the same message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowengine.entrypoints.openai.errors import APIError, bad_request
+from flowengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from flowengine.sampling_params import SamplingParams
+
+
+def _common(req: SamplingFields) -> dict[str, Any]:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported; remove it", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    fields: dict[str, Any] = {
+        "n": req.n,
+        "seed": req.seed,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "min_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    return fields
+
+
+def _build(fields: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as err:
+        raise APIError(400, str(err)) from err
+
+
+def completion_params(req: CompletionRequest) -> SamplingParams:
+    """SamplingParams for /v1/completions. Raises APIError(400)."""
+    if req.suffix:
+        raise bad_request("suffix is not supported; put the text in the prompt", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(
+            f"best_of={req.best_of} with n={req.n} is not supported; leave best_of unset "
+            "or equal to n",
+            "best_of",
+        )
+    if req.echo and req.logprobs is not None:
+        raise bad_request(
+            "echo together with logprobs needs prompt log-probabilities, which are not "
+            "computed; drop one of them",
+            "logprobs",
+        )
+    fields = _common(req)
+    fields["max_tokens"] = req.max_tokens
+    fields["logprobs"] = req.logprobs
+    return _build(fields)
+
+
+def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+    """SamplingParams for /v1/chat/completions. Raises APIError(400)."""
+    if req.tools or req.functions:
+        raise bad_request("tools and functions are not supported; remove them", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported; remove it or use 'none'", "tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {req.response_format.type!r} is not supported; use 'text'",
+            "response_format",
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    fields = _common(req)
+    max_tokens = req.max_completion_tokens
+    fields["max_tokens"] = req.max_tokens if max_tokens is None else max_tokens
+    if req.logprobs:
+        fields["logprobs"] = req.top_logprobs or 0
+    return _build(fields)
+
+
+def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, str]]:
+    """Messages as the engine takes them: {"role", "content"} with text content.
+
+    Text parts are joined with newlines (vLLM's "string" content format). Roles pass
+    through unchanged; the engine's chat template step maps `developer` to `system`
+    for templates that do not know it (flowengine/tokenize/chat.py).
+    """
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.content is None or isinstance(m.content, str):
+            text = m.content or ""
+        else:
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"content part type {part.type!r} is not supported; send text parts "
+                        "({'type': 'text', 'text': ...})",
+                        f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            text = "\n".join(texts)
+        messages.append({"role": m.role, "content": text})
+    return messages

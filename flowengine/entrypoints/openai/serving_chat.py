@@ -1,0 +1,176 @@
+"""POST /v1/chat/completions: OpenAI's chat completion, whole or streamed as SSE.
+
+Streaming follows OpenAI's chunk sequence: one chunk per choice with
+`delta: {"role": "assistant", "content": ""}` first, then content deltas, the
+`finish_reason` on a choice's last chunk, with `stream_options.include_usage` a final
+chunk with `choices: []` and `usage` (and `usage: null` on every earlier chunk), then
+`data: [DONE]`. The response starts once the engine produced its first output, so
+input errors still get a 4xx status (see generation.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from flowengine.entrypoints.openai import sse
+from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
+from flowengine.entrypoints.openai.context import ServingContext, log_request
+from flowengine.entrypoints.openai.generation import EngineStream, engine_error, open_streams
+from flowengine.entrypoints.openai.logprobs import chat_logprobs
+from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
+from flowengine.entrypoints.openai.sampling import chat_messages, chat_params
+from flowengine.outputs import CompletionOutput
+
+
+class _ChoiceState:
+    """Accumulated text, tokens and logprobs of one choice (non-streaming)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.texts.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        if c.logprobs:
+            self.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+def _usage(stream: EngineStream) -> dict[str, int]:
+    prompt, completion = stream.num_prompt_tokens, stream.num_generated_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    """Handle one chat completion request. Raises APIError (400/404/429/503)."""
+    req = ctx.decode(request.body, ChatCompletionRequest)
+    model = ctx.resolve_model(req.model)
+    params = chat_params(req)
+    messages = chat_messages(req)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    [stream] = await open_streams(
+        ctx.engine,
+        [messages],
+        params,
+        request_id,
+        priority=req.priority,
+        admission=ctx.admission,
+        metrics=ctx.metrics,
+    )
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    base = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if req.stream else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        events = _chat_events(ctx, stream, base, params.n, num_top, include_usage)
+        return StreamingResponse(events, cleanup=stream.aclose, headers=sse.HEADERS)
+    choices = [_ChoiceState() for _ in range(params.n)]
+    outcome = "aborted"
+    try:
+        async for out in stream:
+            for c in out.outputs:
+                choices[c.index].add(c)
+        outcome = "ok"
+    finally:
+        await stream.aclose()
+        _log(stream, [c.finish_reason for c in choices], outcome)
+    return json_response(
+        {
+            **base,
+            "choices": [_choice_body(ctx, i, ch, num_top) for i, ch in enumerate(choices)],
+            "usage": _usage(stream),
+        }
+    )
+
+
+def _choice_body(
+    ctx: ServingContext, index: int, ch: _ChoiceState, num_top: int | None
+) -> dict[str, Any]:
+    logprobs = None
+    if num_top is not None:
+        content = chat_logprobs(ch.token_ids, ch.logprobs, num_top, ctx.tokenizer)
+        logprobs = {"content": content, "refusal": None}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": "".join(ch.texts)},
+        "logprobs": logprobs,
+        "finish_reason": ch.finish_reason,
+        "stop_reason": ch.stop_reason,
+    }
+
+
+async def _chat_events(
+    ctx: ServingContext,
+    stream: EngineStream,
+    base: dict[str, Any],
+    n: int,
+    num_top: int | None,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    choice: dict[str, Any]
+    finish_reasons: list[str | None] = [None] * n
+    outcome = "aborted"
+    try:
+        for i in range(n):
+            role = {"role": "assistant", "content": ""}
+            choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            yield sse.event({**base, "choices": [choice], **extra})
+        async for out in stream:
+            for c in out.outputs:
+                if not c.text and c.finish_reason is None and (num_top is None or not c.token_ids):
+                    continue  # nothing to show yet (held back for a stop string, partial UTF-8)
+                choice = {
+                    "index": c.index,
+                    "delta": {"content": c.text} if c.text or num_top is not None else {},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+                if num_top is not None and c.token_ids and c.logprobs:
+                    choice["logprobs"] = {
+                        "content": chat_logprobs(c.token_ids, c.logprobs, num_top, ctx.tokenizer),
+                        "refusal": None,
+                    }
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                    finish_reasons[c.index] = c.finish_reason
+                yield sse.event({**base, "choices": [choice], **extra})
+        if include_usage:
+            yield sse.event({**base, "choices": [], "usage": _usage(stream)})
+        outcome = "ok"
+    except Exception as err:
+        outcome = "error"
+        yield sse.error_event(engine_error(err))
+    finally:
+        await stream.aclose()
+        _log(stream, finish_reasons, outcome)
+    yield sse.DONE
+
+
+def _log(stream: EngineStream, finish_reasons: list[str | None], outcome: str) -> None:
+    log_request(
+        "chat",
+        stream.request_id,
+        stream.num_prompt_tokens,
+        stream.num_generated_tokens,
+        finish_reasons,
+        stream.ttft_s,
+        stream.elapsed_s,
+        outcome,
+    )

@@ -1,0 +1,239 @@
+"""POST /v1/completions: OpenAI's legacy completions, whole or streamed as SSE.
+
+`prompt` may hold several prompts (strings or token-id lists); each runs as its own
+engine request, concurrently, and choice `i * n + j` is sample j of prompt i (the
+order OpenAI and vLLM use). `echo` prepends the prompt text to each choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from flowengine.entrypoints.openai import sse
+from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
+from flowengine.entrypoints.openai.context import ServingContext, log_request
+from flowengine.entrypoints.openai.errors import bad_request
+from flowengine.entrypoints.openai.generation import (
+    EngineStream,
+    close_streams,
+    engine_error,
+    merge_streams,
+    open_streams,
+)
+from flowengine.entrypoints.openai.logprobs import completion_logprobs, extend_completion_logprobs
+from flowengine.entrypoints.openai.protocol import CompletionRequest
+from flowengine.entrypoints.openai.sampling import completion_params
+
+
+def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
+    """The prompts of a request. Raises APIError(400) for an empty or mixed list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt is an empty list; give at least one prompt", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, list) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists; do not mix these forms",
+        "prompt",
+    )
+
+
+def _usage(streams: Sequence[EngineStream]) -> dict[str, int]:
+    prompt = sum(s.num_prompt_tokens for s in streams)
+    completion = sum(s.num_generated_tokens for s in streams)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _prompt_text(ctx: ServingContext, stream: EngineStream) -> str:
+    first = stream.first_output
+    if first.prompt is not None:
+        return first.prompt
+    return ctx.tokenizer.decode(first.prompt_token_ids)
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    """Handle one completions request. Raises APIError (400/404/429/503)."""
+    req = ctx.decode(request.body, CompletionRequest)
+    model = ctx.resolve_model(req.model)
+    params = completion_params(req)
+    prompts = split_prompts(req.prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await open_streams(
+        ctx.engine,
+        prompts,
+        params,
+        request_id,
+        priority=req.priority,
+        admission=ctx.admission,
+        metrics=ctx.metrics,
+    )
+    base = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    handed_off = False
+    try:
+        state = _Choices(ctx, streams, params.n, req.echo, req.logprobs)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            response = StreamingResponse(
+                _completion_events(state, streams, base, include_usage),
+                cleanup=functools.partial(close_streams, streams),
+                headers=sse.HEADERS,
+            )
+            handed_off = True
+            return response
+        return json_response(await _collect(state, streams, base))
+    finally:
+        if not handed_off:
+            await close_streams(streams)
+
+
+async def _collect(
+    state: _Choices, streams: Sequence[EngineStream], base: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole completion object, once every stream finished."""
+    n = len(state.texts) // len(streams)
+    outcome = "aborted"
+    try:
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for i, out in merged:
+                for c in out.outputs:
+                    k = i * n + c.index
+                    state.add(k, c.text, c.token_ids, c.logprobs)
+                    if c.finish_reason is not None:
+                        state.finish(k, c.finish_reason, c.stop_reason)
+        outcome = "ok"
+    finally:
+        _log(base["id"], streams, state.finish_reasons, outcome)
+    choices = [
+        {
+            "index": k,
+            "text": "".join(state.texts[k]),
+            "logprobs": state.logprobs[k],
+            "finish_reason": state.finish_reasons[k],
+            "stop_reason": state.stop_reasons[k],
+        }
+        for k in range(len(state.texts))
+    ]
+    return {**base, "choices": choices, "usage": _usage(streams)}
+
+
+class _Choices:
+    """Per-choice text, logprobs and finish reasons; echo and text offsets."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        streams: Sequence[EngineStream],
+        n: int,
+        echo: bool,
+        num_top: int | None,
+    ) -> None:
+        self.ctx = ctx
+        self.num_top = num_top
+        num = len(streams) * n
+        self.pending_echo: list[str] = [
+            _prompt_text(ctx, streams[k // n]) if echo else "" for k in range(num)
+        ]
+        self.texts: list[list[str]] = [[] for _ in range(num)]
+        self.offsets = [len(e) for e in self.pending_echo]
+        self.logprobs: list[dict[str, list[Any]] | None] = [
+            None if num_top is None else {
+                "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
+            }
+            for _ in range(num)
+        ]  # fmt: skip
+        self.finish_reasons: list[str | None] = [None] * num
+        self.stop_reasons: list[int | str | None] = [None] * num
+
+    def add(
+        self, k: int, text: str, token_ids: Sequence[int], logprobs: Any
+    ) -> tuple[str, dict[str, list[Any]] | None]:
+        """Record a delta of choice k; returns (text to show, its logprobs or None)."""
+        text = self.pending_echo[k] + text
+        self.pending_echo[k] = ""
+        self.texts[k].append(text)
+        delta_lp = None
+        if self.num_top is not None and token_ids and logprobs:
+            delta_lp = completion_logprobs(
+                token_ids, logprobs, self.num_top, self.ctx.tokenizer, self.offsets[k]
+            )
+            extend_completion_logprobs(self.logprobs[k], delta_lp)  # type: ignore[arg-type]
+            self.offsets[k] = delta_lp["text_offset"][-1] + len(delta_lp["tokens"][-1])
+        return text, delta_lp
+
+    def finish(self, k: int, reason: str, stop_reason: int | str | None) -> None:
+        self.finish_reasons[k], self.stop_reasons[k] = reason, stop_reason
+
+
+async def _completion_events(
+    state: _Choices,
+    streams: Sequence[EngineStream],
+    base: dict[str, Any],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    n = len(state.texts) // len(streams)
+    outcome = "aborted"
+    try:
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for i, out in merged:
+                for c in out.outputs:
+                    k = i * n + c.index
+                    text, lp = state.add(k, c.text, c.token_ids, c.logprobs)
+                    if not text and c.finish_reason is None and lp is None:
+                        continue  # nothing to show yet (held back for a stop string)
+                    choice: dict[str, Any] = {
+                        "index": k,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                    if c.finish_reason is not None:
+                        state.finish(k, c.finish_reason, c.stop_reason)
+                        choice["stop_reason"] = c.stop_reason
+                    yield sse.event({**base, "choices": [choice], **extra})
+        if include_usage:
+            yield sse.event({**base, "choices": [], "usage": _usage(streams)})
+        outcome = "ok"
+    except Exception as err:
+        outcome = "error"
+        yield sse.error_event(engine_error(err))
+    finally:
+        # merge_streams closed (and, if unfinished, aborted) every stream.
+        _log(base["id"], streams, state.finish_reasons, outcome)
+    yield sse.DONE
+
+
+def _log(
+    request_id: str, streams: Sequence[EngineStream], reasons: list[str | None], outcome: str
+) -> None:
+    ttfts = [s.ttft_s for s in streams if s.ttft_s is not None]
+    log_request(
+        "completion",
+        request_id,
+        sum(s.num_prompt_tokens for s in streams),
+        sum(s.num_generated_tokens for s in streams),
+        reasons,
+        min(ttfts) if ttfts else None,
+        max(s.elapsed_s for s in streams),
+        outcome,
+    )

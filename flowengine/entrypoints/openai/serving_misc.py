@@ -1,0 +1,104 @@
+"""The small routes: /v1/models, /tokenize, /detokenize, /health, /version, /metrics.
+
+Shapes of /tokenize and /detokenize are vLLM's (`vllm/entrypoints/openai/protocol.py`,
+TokenizeRequest / TokenizeResponse / DetokenizeResponse).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+import flowengine
+from flowengine.engine.protocol import EngineDeadError
+from flowengine.entrypoints.openai.asgi import Request, Response, json_response
+from flowengine.entrypoints.openai.context import ServingContext
+from flowengine.entrypoints.openai.errors import APIError, from_decode_error
+from flowengine.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from flowengine.entrypoints.openai.sampling import chat_messages
+
+logger = logging.getLogger(__name__)
+
+
+async def list_models(ctx: ServingContext, request: Request) -> Response:
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": ctx.started_s,
+            "owned_by": "flowengine",
+            "root": ctx.engine.model_name,
+            "max_model_len": ctx.engine.max_model_len,
+        }
+        for name in ctx.model_names
+    ]
+    return json_response({"object": "list", "data": cards})
+
+
+def _decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A /tokenize body holds either `prompt` or `messages` (vLLM's two forms)."""
+    obj = ServingContext.decode(body, dict[str, Any])
+    kind = TokenizeChatRequest if "messages" in obj else TokenizeCompletionRequest
+    try:
+        return msgspec.convert(obj, type=kind)
+    except msgspec.ValidationError as err:
+        raise from_decode_error(err) from err
+
+
+async def tokenize(ctx: ServingContext, request: Request) -> Response:
+    """Token ids of a prompt, or of messages after the chat template."""
+    req = _decode_tokenize(request.body)
+    ctx.resolve_model(req.model)
+    tokenizer = ctx.tokenizer
+    if isinstance(req, TokenizeChatRequest):
+        # The engine's own template step, so the count is what a chat request uses.
+        from flowengine.tokenize.chat import apply_chat_template
+
+        try:
+            ids = apply_chat_template(tokenizer, chat_messages(req), req.add_generation_prompt)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
+    else:
+        ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    body: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": ctx.engine.max_model_len,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+    }
+    return json_response(body)
+
+
+async def detokenize(ctx: ServingContext, request: Request) -> Response:
+    req = ctx.decode(request.body, DetokenizeRequest)
+    ctx.resolve_model(req.model)
+    try:
+        text = ctx.tokenizer.decode(req.tokens)
+    except (ValueError, TypeError, OverflowError, IndexError) as err:
+        raise APIError(400, f"cannot decode these token ids: {err}", param="tokens") from err
+    return json_response({"prompt": text})
+
+
+async def health(ctx: ServingContext, request: Request) -> Response:
+    """200 with an empty body while the engine can serve; 503 once it is dead."""
+    try:
+        await ctx.engine.check_health()
+    except EngineDeadError as err:
+        raise APIError(
+            503, f"the engine is dead: {err}", type="service_unavailable_error", code="engine_dead"
+        ) from err
+    return Response(200, content_type=None)
+
+
+async def version(ctx: ServingContext, request: Request) -> Response:
+    return json_response({"version": flowengine.__version__})
+
+
+async def metrics(ctx: ServingContext, request: Request) -> Response:
+    return Response(200, ctx.metrics.render(), content_type=ctx.metrics.content_type)

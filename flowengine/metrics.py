@@ -1,0 +1,143 @@
+"""Prometheus metrics of the server: vLLM's metric set under the `flowengine:` prefix.
+
+Names, meanings and histogram buckets follow vLLM v1 (`vllm/v1/metrics/loggers.py`,
+`PrometheusStatLogger`), with `vllm:` replaced by `flowengine:` so dashboards carry
+over by renaming. Two sources feed them:
+
+- gauges and counters are read from `EngineClient.get_stats()` when Prometheus
+  scrapes (a custom collector), so they are exact engine totals, never sampled;
+- latency histograms (TTFT, inter-token latency, end-to-end latency) are observed by
+  the server per request, which is where a client's latency is seen.
+
+Each `ServingMetrics` owns its own `CollectorRegistry` (several servers, e.g. in tests,
+can live in one process). All metrics carry the label `model_name`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from flowengine.engine.protocol import EngineStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "flowengine:"
+
+# Bucket edges in seconds, vLLM v1's.
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class EngineStatsCollector(Collector):
+    """Turns one `EngineStats` snapshot per scrape into gauges and counters."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.get_stats = get_stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.get_stats()
+        except Exception as err:
+            # A dead engine must not break /metrics: the histograms are still served.
+            logger.warning("engine stats unavailable: %s", err)
+            return
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge(
+            "num_requests_running", "Requests in model execution batches.", stats.num_running
+        )
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge(
+            "kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", stats.kv_cache_usage
+        )
+        yield counter("prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens_total)
+        yield counter(
+            "generation_tokens", "Generation tokens processed.", stats.generation_tokens_total
+        )
+        yield counter("num_preemptions", "Cumulative preemptions.", stats.num_preemptions_total)
+        yield counter(
+            "prefix_cache_queries",
+            "Prefix cache queries, in tokens.",
+            stats.prefix_cache_queries_total,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits_total
+        )
+        success = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Successfully processed requests, by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(stats.finished_by_reason.items()):
+            success.add_metric([self.model_name, reason], count)
+        yield success
+
+
+class ServingMetrics:
+    """The metrics of one server: engine snapshot collector plus latency histograms.
+
+    Args:
+        get_stats: returns the engine's current `EngineStats` (called per scrape).
+        model_name: value of the `model_name` label.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(get_stats, model_name))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self._ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS_S
+        )
+        self._itl = histogram(
+            "inter_token_latency_seconds", "Time between output deltas, seconds.", ITL_BUCKETS_S
+        )
+        self._e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency, seconds.", E2E_BUCKETS_S
+        )
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (format 0.0.4)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,186 @@
+"""Every error is OpenAI's error object with the right status, and the server goes on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from openai_fake_engine import FakeEngine
+from openai_helpers import API_KEY, MAX_BODY_BYTES, assert_error, sse_events
+from openai_live_server import LiveServer
+
+from flowengine.entrypoints.openai.app import AppOptions
+
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(autouse=True)
+def still_serving(http):
+    """After each error case the server still answers a normal request."""
+    yield
+    resp = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2, "temperature": 0})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "ok"
+
+
+def test_invalid_json(http):
+    err = assert_error(http.post(CHAT, content=b'{"messages": [}'), 400, code="invalid_json")
+    assert "not valid JSON" in err["message"]
+    assert_error(http.post(CHAT, content=b""), 400, code="invalid_json")
+    assert_error(http.post(CHAT, content=b"[1, 2]"), 400)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "text"),
+    [
+        ({"model": "fake-model"}, "messages", "missing required field `messages`"),
+        ({"messages": "hi"}, "messages", "Expected `array`, got `str`"),
+        ({"messages": []}, "messages", "length >= 1"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "robot"),
+        ({"messages": [{"content": "x"}]}, "messages[0]", "missing required field `role`"),
+        ({"messages": HELLO, "max_tokens": "ten"}, "max_tokens", "Expected `int | null`"),
+        ({"messages": HELLO, "n": 0}, "n", ">= 1"),
+        ({"messages": HELLO, "temperature": -1}, "temperature", ">= 0.0"),
+        ({"messages": HELLO, "top_logprobs": 21, "logprobs": True}, "top_logprobs", "<= 20"),
+        ({"messages": HELLO, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+        ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", ""),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+            "'image_url' is not supported",
+        ),
+    ],
+)
+def test_missing_or_mistyped_fields(http, body, param, text):
+    err = assert_error(http.post(CHAT, json=body), 400, param=param)
+    assert text in err["message"]
+
+
+def test_unknown_model_is_404_model_not_found(http, client):
+    err = assert_error(
+        http.post(CHAT, json={"model": "gpt-9", "messages": HELLO}), 404, code="model_not_found"
+    )
+    assert "'gpt-9' does not exist" in err["message"] and "'fake-model'" in err["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt="x")
+    assert info.value.code == "model_not_found"
+
+
+def test_over_long_prompt_states_limit_and_length(http):
+    resp = http.post("/v1/completions", json={"prompt": "a" * 600, "max_tokens": 2})
+    err = assert_error(resp, 400)
+    assert "600 tokens" in err["message"] and "max_model_len is 512" in err["message"]
+    resp = http.post(
+        CHAT, json={"messages": [{"role": "user", "content": "a" * 600}], "stream": True}
+    )
+    assert "max_model_len is 512" in assert_error(resp, 400)["message"]
+
+
+def test_bad_or_missing_api_key_is_401(server, http):
+    for headers in (
+        {"authorization": "Bearer wrong"},
+        {"authorization": ""},
+        {"authorization": API_KEY},
+    ):
+        resp = httpx.post(f"{server.base_url}{CHAT}", json={"messages": HELLO}, headers=headers)
+        assert_error(resp, 401, code="invalid_api_key")
+        assert resp.headers["www-authenticate"] == "Bearer"
+    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    # Operational routes stay open without a key.
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_unknown_route_404_and_wrong_method_405(http):
+    assert_error(http.get("/v1/nothing"), 404, code="not_found")
+    assert_error(http.post("/v2/chat/completions", json={}), 404, code="not_found")
+    resp = http.get(CHAT)
+    assert_error(resp, 405, code="method_not_allowed")
+    assert resp.headers["allow"] == "POST"
+
+
+def test_body_too_large_is_413(http):
+    big = {"prompt": "a" * (MAX_BODY_BYTES + 1)}
+    err = assert_error(http.post("/v1/completions", json=big), 413, code="request_too_large")
+    assert str(MAX_BODY_BYTES) in err["message"]
+
+    def chunks():  # no Content-Length: the limit applies while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // 1024 + 1):
+            yield b"a" * 1024
+        yield b'"}'
+
+    assert_error(http.post("/v1/completions", content=chunks()), 413, code="request_too_large")
+
+
+def test_mid_stream_engine_failure_is_an_error_event_then_done(http, engine):
+    engine.fail_after_tokens = 2
+    try:
+        resp = http.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "stream": True})
+        events = sse_events(resp.content)
+        assert resp.status_code == 200
+        assert events[-1].startswith(b'{"error":')
+        assert b'"type":"server_error"' in events[-1] and b"Traceback" not in events[-1]
+        assert_error(http.post(CHAT, json={"messages": HELLO, "max_tokens": 5}), 500)
+    finally:
+        engine.fail_after_tokens = None
+
+
+def test_dead_engine_health_503_and_requests_503(http, engine):
+    engine.dead = True
+    try:
+        assert_error(http.get("/health"), 503, code="engine_dead")
+        resp = http.post(CHAT, json={"messages": HELLO})
+        assert_error(resp, 503, code="engine_dead")
+        assert resp.headers["retry-after"] == "1"
+    finally:
+        engine.dead = False
+    assert http.get("/health").status_code == 200
+
+
+def test_engine_overloaded_is_429_with_retry_after():
+    engine = FakeEngine(step_s=0.01, max_running=1)
+    with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=30) as http:
+        done = threading.Event()
+
+        def long_request() -> None:
+            http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 30})
+            done.set()
+
+        threading.Thread(target=long_request).start()
+        while not engine.running:
+            time.sleep(0.005)
+        resp = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+        assert_error(resp, 429, code="queue_full")
+        assert resp.headers["retry-after"] == "2"
+        assert done.wait(10)
+
+
+def test_server_queue_limit_is_429():
+    engine = FakeEngine(step_s=0.3)  # the first output comes after one slow step
+    with LiveServer(engine, max_queue_len=1) as live:
+        with httpx.Client(base_url=live.base_url, timeout=30) as http:
+            first = threading.Thread(
+                target=http.post,
+                args=("/v1/completions",),
+                kwargs={"json": {"prompt": "a", "max_tokens": 1}},
+            )
+            first.start()
+            while live.server.context.admission.num_pending == 0:
+                time.sleep(0.005)
+            resp = http.post("/v1/completions", json={"prompt": "b", "max_tokens": 1})
+            assert_error(resp, 429, code="queue_full")
+            assert resp.headers["retry-after"] == "1"
+            first.join(10)
+            assert live.server.context.admission.num_pending == 0
+
+
+def test_no_cors_headers_by_default(server):
+    assert AppOptions().allowed_origins == ()
+    resp = httpx.get(f"{server.base_url}/version", headers={"origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in resp.headers
