@@ -243,3 +243,8 @@ def make_engine(args: EngineArgs) -> FakeEngine:
         max_model_len=args.max_model_len or 512,
         step_s=float(os.environ.get("FAKE_ENGINE_STEP_S", "0.001")),
     )
+
+
+def make_broken_engine(args: EngineArgs) -> FakeEngine:
+    """Factory that fails like a model that cannot be loaded (exit code test)."""
+    raise ValueError("cannot load model 'missing': no such file; give a model path")

@@ -1,0 +1,143 @@
+"""`flowengine serve` as a process: systemd notifications, SIGTERM drain, exit codes,
+and the example unit file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from openai_helpers import assert_error
+
+from flowengine.entrypoints.openai.notify import notify_address, sd_notify
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = REPO / "examples" / "systemd" / "flowengine.service"
+
+
+@pytest.fixture
+def notify_socket():
+    """A datagram socket in the abstract namespace, as `$NOTIFY_SOCKET` names it."""
+    name = f"@flowengine-test-{uuid.uuid4().hex}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(notify_address(name))
+    sock.settimeout(30)
+    yield name, sock
+    sock.close()
+
+
+def spawn_server(tmp_path: Path, notify_name: str, factory: str, *args: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+        "FLOWENGINE_TEST_ENGINE": f"openai_fake_engine:{factory}",
+        "FAKE_ENGINE_STEP_S": "0.02",
+        "NOTIFY_SOCKET": notify_name,
+    }
+    cmd = [sys.executable, "-m", "flowengine.entrypoints.cli", "serve", "--port", "0", *args]
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - the process owns it
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def stream_completion(base_url: str, started: threading.Semaphore) -> tuple[str, str | None]:
+    """(text, finish_reason) of one streamed completion; releases `started` at chunk 1."""
+    text, finish, first = "", None, True
+    req = {"prompt": "abcdef", "max_tokens": 60, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=req, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = orjson.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+            if first:
+                started.release()
+                first = False
+    return text, finish
+
+
+def test_ready_then_sigterm_drains_20_streams_and_exits_0(tmp_path, notify_socket):
+    name, sock = notify_socket
+    proc = spawn_server(tmp_path, name, "make_engine", "--graceful-timeout", "30")
+    try:
+        assert sock.recv(4096) == b"STATUS=loading the model"
+        ready = sock.recv(4096).decode()
+        assert ready.startswith("READY=1\nSTATUS=serving on 127.0.0.1:")
+        base_url = f"http://127.0.0.1:{ready.rsplit(':', 1)[1]}"
+        assert httpx.get(f"{base_url}/health").status_code == 200  # listening at READY
+
+        started = threading.Semaphore(0)
+        with ThreadPoolExecutor(20) as pool:
+            futures = [pool.submit(stream_completion, base_url, started) for _ in range(20)]
+            for _ in range(20):
+                assert started.acquire(timeout=30)
+            proc.send_signal(signal.SIGTERM)
+            assert sock.recv(4096) == b"STOPPING=1\nSTATUS=draining in-flight requests"
+            resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert_error(resp, 503, code="server_draining")
+            assert resp.headers["retry-after"] == "5"
+            results = [f.result(timeout=60) for f in futures]
+        assert results == [(("abcdef" * 10), "length")] * 20
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = (tmp_path / "server.log").read_text()
+    assert "TEST engine" in log and "draining: 20 requests in flight" in log
+    assert "stopped" in log and "Traceback" not in log
+
+
+def test_engine_load_failure_exits_1_without_ready(tmp_path, notify_socket):
+    name, sock = notify_socket
+    proc = spawn_server(tmp_path, name, "make_broken_engine")
+    assert proc.wait(timeout=60) == 1
+    assert sock.recv(4096) == b"STATUS=loading the model"
+    sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        sock.recv(4096)  # never READY=1
+    assert (
+        "cannot start the engine: cannot load model 'missing'"
+        in (tmp_path / "server.log").read_text()
+    )
+
+
+def test_sd_notify_path_and_abstract_sockets(tmp_path):
+    path = str(tmp_path / "n.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        assert sd_notify("READY=1", environ={"NOTIFY_SOCKET": path})
+        assert sock.recv(64) == b"READY=1"
+    assert notify_address("@abc") == b"\0abc"
+    assert notify_address("/run/systemd/notify") == "/run/systemd/notify"
+    assert not sd_notify("READY=1", environ={})
+    assert not sd_notify("READY=1", environ={"NOTIFY_SOCKET": "relative"})
+    assert not sd_notify("READY=1", environ={"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+    text = UNIT.read_text()
+    assert "ExecStart=/usr/local/bin/flowengine serve $FLOWENGINE_ARGS" in text
+    # `verify` requires the ExecStart binary to exist; point it at this installation's.
+    exe = shutil.which("flowengine") or sys.executable
+    unit = tmp_path / "flowengine.service"
+    unit.write_text(text.replace("/usr/local/bin/flowengine", exe))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and result.stdout == ""  # no unknown keys, no warnings
