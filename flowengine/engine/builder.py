@@ -132,3 +132,19 @@ def build_engine_core(resolved: ResolvedEngine):
         args.block_size,
     )
     return EngineCore(scheduler, Executor(runner), resolved.max_model_len)
+
+
+def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
+    """The frontend's `InputProcessor` for this model (limits, EOS ids)."""
+    from flowengine.engine.input_processor import InputProcessor
+    from flowengine.tokenize.tokenizer import TokenizerInfo
+
+    info = TokenizerInfo.from_tokenizer(tokenizer, resolved.model_path)
+    return InputProcessor(
+        tokenizer,
+        max_model_len=resolved.max_model_len,
+        vocab_size=resolved.model_config.vocab_size,
+        eos_token_id=info.eos_token_id,
+        extra_eos_token_ids=info.extra_eos_token_ids,
+        max_logprobs=resolved.args.max_logprobs,
+    )

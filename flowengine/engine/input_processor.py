@@ -45,6 +45,8 @@ class InputProcessor:
         max_model_len: context limit in tokens; a prompt must leave room for one token.
         vocab_size: model vocabulary size; token ids must be in [0, vocab_size).
         eos_token_id: id that ends generation unless `ignore_eos`.
+        extra_eos_token_ids: further end ids (generation_config.json), added to each
+            request's stop_token_ids unless `ignore_eos` (as vLLM does).
         max_logprobs: largest `logprobs` a request may ask for.
     """
 
@@ -55,9 +57,11 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         eos_token_id: int | None,
+        extra_eos_token_ids: tuple[int, ...] = (),
         max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
+        self.extra_eos_token_ids = extra_eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -113,7 +117,7 @@ class InputProcessor:
             NewRequest(
                 child_request_id(request_id, i, params.n),
                 ids,
-                _child_params(params, i),
+                self._child_params(params, i),
                 now,
                 eos_token_id=self.eos_token_id,
                 priority=priority,
@@ -142,10 +146,14 @@ class InputProcessor:
                 "ask for fewer or raise max_logprobs"
             )
 
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of sample `index`: seeded samples get seed + index so they differ."""
-    child = params.clone(n=1)
-    if params.seed is not None and params.n > 1:
-        child = child.clone(seed=params.seed + index)
-    return child
+    def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """Params of sample `index`: seeded samples get seed + index so they differ."""
+        changes: dict[str, Any] = {"n": 1}
+        if params.seed is not None and params.n > 1:
+            changes["seed"] = params.seed + index
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stop_ids = list(params.stop_token_ids or [])
+            changes["stop_token_ids"] = stop_ids + [
+                t for t in self.extra_eos_token_ids if t not in stop_ids
+            ]
+        return params.clone(**changes)

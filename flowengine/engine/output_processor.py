@@ -15,9 +15,7 @@ import msgspec
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
-from flowengine.sampling_params import SamplingParams
-from flowengine.tokenize.detokenizer import IncrementalDetokenizer
-from flowengine.tokenize.stop_checker import StopStringChecker
+from flowengine.tokenize.text_state import IncrementalTextState
 
 
 @dataclass
@@ -25,8 +23,7 @@ class _SampleState:
     """Text state of one sample (one child request)."""
 
     index: int
-    detokenizer: IncrementalDetokenizer
-    stop_checker: StopStringChecker
+    text_state: IncrementalTextState
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -80,14 +77,8 @@ class OutputProcessor:
         samples = [
             _SampleState(
                 index=i,
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer,
-                    processed.prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                ),
-                stop_checker=StopStringChecker(
-                    params.stop_strings, params.include_stop_str_in_output
+                text_state=IncrementalTextState(
+                    self.tokenizer, processed.prompt_token_ids, params
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
@@ -123,7 +114,7 @@ class OutputProcessor:
                 state.num_cached_tokens = delta.num_cached_tokens
             if delta.error:
                 state.error = delta.error
-            if self._apply(sample, delta, state.prompt.sampling_params):
+            if self._apply(sample, delta):
                 to_stop.append(delta.req_id)
             touched[parent_id] = state
         outputs = [self._make_output(rid, st) for rid, st in touched.items()]
@@ -132,7 +123,7 @@ class OutputProcessor:
                 self._forget(out.request_id)
         return outputs, to_stop
 
-    def _apply(self, sample: _SampleState, delta: RequestDelta, params: SamplingParams) -> bool:
+    def _apply(self, sample: _SampleState, delta: RequestDelta) -> bool:
         """Update one sample; True if a stop string finished it here."""
         sample.dirty = True
         sample.token_ids.extend(delta.new_token_ids)
@@ -144,10 +135,9 @@ class OutputProcessor:
                 sample.new_logprobs.append(entry)
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp.sampled_logprob
         finished = delta.finish_reason is not None
-        raw = sample.detokenizer.update(delta.new_token_ids) if delta.new_token_ids else ""
-        text, matched = sample.stop_checker.process(raw)
-        if matched is None and finished:
-            text += sample.stop_checker.flush()
+        text, matched = sample.text_state.process(
+            delta.new_token_ids, finished, stopped_by_token=delta.finish_reason == "stop"
+        )
         sample.text += text
         sample.new_text += text
         if matched is not None:

@@ -27,7 +27,6 @@ from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.config import EngineArgs
-from flowengine.engine.input_processor import InputProcessor
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
@@ -77,7 +76,7 @@ class AsyncEngine:
             self._started = True
 
     async def _start(self) -> None:
-        from flowengine.engine.builder import resolve
+        from flowengine.engine.builder import make_input_processor, resolve
         from flowengine.tokenize.tokenizer import load_tokenizer
 
         self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
@@ -95,13 +94,7 @@ class AsyncEngine:
             await self.supervisor.start()
             self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
             engine_actors = [self.supervisor]
-        input_processor = InputProcessor(
-            self.tokenizer,
-            max_model_len=self.max_model_len,
-            vocab_size=self.resolved.model_config.vocab_size,
-            eos_token_id=self.tokenizer.eos_token_id,
-            max_logprobs=self.args.max_logprobs,
-        )
+        input_processor = make_input_processor(self.tokenizer, self.resolved)
         self.streamer = StreamerActor(on_orphan=self._abort_orphan)
         self.detokenizer = DetokenizerActor(
             OutputProcessor(self.tokenizer, stream=True),

@@ -9,12 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from flowengine.config import EngineArgs
-from flowengine.engine.input_processor import (
-    Conversation,
-    InputProcessor,
-    ProcessedPrompt,
-    PromptType,
-)
+from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import SamplingParams
@@ -36,20 +31,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        from flowengine.engine.builder import build_engine_core, resolve
+        from flowengine.engine.builder import build_engine_core, make_input_processor, resolve
         from flowengine.tokenize.tokenizer import load_tokenizer
 
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.resolved = resolve(self.engine_args)
         self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.resolved.model_path)
-        mc = self.resolved.model_config
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            max_model_len=self.resolved.max_model_len,
-            vocab_size=mc.vocab_size,
-            eos_token_id=self.tokenizer.eos_token_id,
-            max_logprobs=self.engine_args.max_logprobs,
-        )
+        self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self.engine = build_engine_core(self.resolved)
         self._ids = itertools.count()
 

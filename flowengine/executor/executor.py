@@ -44,9 +44,9 @@ class Executor:
                 )
             )
         sampled = self.sampler(output.logits, states)
-        token_ids = sampled.sampled_token_ids.tolist()  # the step's one host transfer
+        token_ids, logprobs = sampled.tolists()  # the step's one host transfer
         results = []
-        for rid, tok, lp in zip(output.req_ids, token_ids, sampled.logprobs, strict=True):
+        for rid, tok, lp in zip(output.req_ids, token_ids, logprobs, strict=True):
             self.runner.append_sampled(rid, [tok])
             results.append(SampledTokens(rid, [tok], None if lp is None else [lp]))
         return StepResult(plan.step_id, results)
