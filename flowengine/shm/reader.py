@@ -1,0 +1,196 @@
+"""The reading end of a ring (see record.py for the format and memory-ordering NOTE).
+
+The same class reads a point-to-point ring (reader_index 0) and one slot of a
+broadcast ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Self
+
+from flowengine.shm.async_wait import AsyncWaiter
+from flowengine.shm.doorbell import SPIN_NS
+from flowengine.shm.errors import ChannelClosedError, ReaderDetachedError
+from flowengine.shm.record import HEADER_BYTES
+from flowengine.shm.segment import (
+    CLOSED_W,
+    DEAD,
+    R_STATE,
+    WRITE_CURSOR_W,
+    WRITER_ASLEEP_W,
+    RingSegment,
+    reader_ctl_word,
+    reader_cursor_word,
+)
+
+
+class RingReader:
+    """Reader `reader_index` of a ring. One thread or task at a time.
+
+    Attaching claims the slot: a slot never attached before starts at the oldest
+    record kept for it (nothing sent earlier is lost); a slot whose previous reader died
+    or was detached restarts at the current write cursor.
+
+    Args:
+        segment: the mapped segment; with `own_segment` close() also unmaps it.
+        reader_index: 0 for a point-to-point ring; 0..num_readers-1 for a broadcast ring.
+    Raises:
+        ValueError: reader_index out of range. RingError: slot held by a live process.
+    """
+
+    def __init__(
+        self, segment: RingSegment, reader_index: int = 0, *, own_segment: bool = False
+    ) -> None:
+        self.segment = segment
+        self.name = segment.name
+        self.reader_index = reader_index
+        self._own_segment = own_segment
+        self._mm = segment.mm
+        self._q = segment.words
+        self._cap = segment.capacity_bytes
+        self._data_off = segment.data_offset
+        self._cursor_w = reader_cursor_word(reader_index)
+        self._state_w = reader_ctl_word(reader_index) + R_STATE
+        self._r = segment.claim_reader(reader_index)
+        self._bell = segment.reader_bell(reader_index)
+        self._writer_bell = segment.writer_bell()
+        self._cached_w = self._r  # last write cursor seen; reloaded only when caught up
+        self._waiter: AsyncWaiter | None = None
+        self._closed = False
+
+    @classmethod
+    def attach(cls, name: str, reader_index: int = 0) -> Self:
+        """Attach by segment name (e.g. in a spawned process); close() unmaps."""
+        segment = RingSegment.attach(name)
+        try:
+            return cls(segment, reader_index, own_segment=True)
+        except BaseException:
+            segment.close()
+            raise
+
+    def try_recv(self) -> bytes | None:
+        """Return the next record's payload, or None if there is none now.
+
+        Raises ReaderDetachedError if this reader was marked dead.
+        """
+        r = self._r
+        if r == self._cached_w:
+            self._cached_w = self._q[WRITE_CURSOR_W]
+            if r == self._cached_w:
+                return None
+        q = self._q
+        base = self._data_off + r % self._cap
+        n = q[base >> 3]
+        if n < 0:  # wrap marker: the record continues at the start of the next lap
+            self._advance(r + self._cap - r % self._cap)
+            return self.try_recv()
+        data = self._mm[base + HEADER_BYTES : base + HEADER_BYTES + n]
+        # Checked after the copy: the writer marks us DEAD before it may overwrite our
+        # records, so (TSO, loads in order) a copy that saw overwritten bytes sees DEAD.
+        if q[self._state_w] == DEAD:
+            raise ReaderDetachedError(
+                f"reader {self.reader_index} of {self.name} was detached; re-attach"
+            )
+        r += (n + 15) & -8
+        q[self._cursor_w] = r  # frees the record for the writer; after the copy
+        self._r = r
+        if q[WRITER_ASLEEP_W]:
+            self._writer_bell.ring()
+        return data
+
+    def _advance(self, r: int) -> None:
+        self._q[self._cursor_w] = r
+        self._r = r
+        if self._q[WRITER_ASLEEP_W]:
+            self._writer_bell.ring()
+
+    def _is_readable(self) -> bool:
+        q = self._q
+        return q[WRITE_CURSOR_W] != self._r or q[CLOSED_W] != 0 or q[self._state_w] == DEAD
+
+    def _poll(self) -> bytes | None:
+        # `closed` is loaded before the cursor: the writer stores it after its last
+        # publication, so closed + nothing to read means the stream has ended.
+        is_closed = self._q[CLOSED_W]
+        data = self.try_recv()
+        if data is None:
+            if is_closed or self._closed:
+                raise ChannelClosedError(f"ring {self.name} is closed and drained")
+            if self._q[self._state_w] == DEAD:
+                raise ReaderDetachedError(
+                    f"reader {self.reader_index} of {self.name} was detached; re-attach"
+                )
+        return data
+
+    def recv(self, timeout_s: float | None = None) -> bytes:
+        """Return the next record's payload, waiting up to `timeout_s` seconds (None: forever).
+
+        Spins for SPIN_NS, then sleeps on the doorbell (no CPU while idle).
+        Raises:
+            TimeoutError: nothing arrived in time.
+            ChannelClosedError: the writer closed the ring and everything was read.
+            ReaderDetachedError: this reader was marked dead.
+        """
+        data = self.try_recv()
+        if data is not None:
+            return data
+        spin_end_ns = time.perf_counter_ns() + SPIN_NS
+        while time.perf_counter_ns() < spin_end_ns:
+            data = self._poll()
+            if data is not None:
+                return data
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            data = self._poll()
+            if data is not None:
+                return data
+            wait_s = None
+            if deadline is not None:
+                wait_s = deadline - time.monotonic()
+                if wait_s <= 0:
+                    raise TimeoutError(f"ring {self.name}: no record within {timeout_s} s")
+            self._bell.wait(self._is_readable, wait_s)
+
+    async def recv_async(self) -> bytes:
+        """Like `recv()` without a timeout, but never blocks the event loop.
+
+        Polls cooperatively (yielding to the loop) for SPIN_NS, then waits in a helper
+        thread. Cancelling it is clean: no record is consumed by a cancelled call. Use
+        `asyncio.wait_for` / `anyio.fail_after` for a timeout.
+        """
+        data = self.try_recv()
+        if data is not None:
+            return data
+        spin_end_ns = time.perf_counter_ns() + SPIN_NS
+        while time.perf_counter_ns() < spin_end_ns:
+            await asyncio.sleep(0)
+            data = self._poll()
+            if data is not None:
+                return data
+        while True:
+            data = self._poll()
+            if data is not None:
+                return data
+            if self._waiter is None:
+                self._waiter = AsyncWaiter(self._bell, f"fe-wait{self.name}-r{self.reader_index}")
+            await self._waiter.wait(self._is_readable)
+
+    def close(self) -> None:
+        """Detach from the slot (the writer stops waiting for it) and stop waiting. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._waiter is not None:
+            self._waiter.close()
+        if not self.segment.closed:
+            self.segment.release_reader(self.reader_index)
+        if self._own_segment:
+            self.segment.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
