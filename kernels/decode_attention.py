@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import TILE_N, check_attention_inputs
-from .validation import check_tensor
+from .paged_attention import TILE_N
+from .validation import check_attention_inputs, check_tensor
 
 MAX_KV_SPLITS = 32
 # A range shorter than this spends more on the merge than it saves.

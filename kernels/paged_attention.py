@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .validation import check_attention_inputs, check_tensor
 
 # Rows of the packed query tile for a launch that contains a prefill chunk; decode-only
 # launches use the smallest tile that holds one token's QPK heads (but >= 16 for
@@ -176,46 +176,6 @@ def _paged_attention_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & d_valid[None, :],
     )
-
-
-def check_attention_inputs(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-) -> tuple[int, int, int]:
-    """Validate the shared attention inputs; returns (num_q_heads, num_kv_heads, head_dim).
-
-    Raises:
-        ValueError: a shape, dtype or device disagrees with the layout of metadata.py,
-            or num_q_heads is not a multiple of num_kv_heads.
-    """
-    dev = query.device
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=dev)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=dev)
-    _, num_q_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    if kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
-        raise ValueError(
-            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
-            f"[2, num_blocks, block_size, num_kv_heads, {head_dim}]"
-        )
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        )
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_reqs + 1 or block_tables.shape[0] != num_reqs:
-        raise ValueError(
-            f"query_start_loc must have num_reqs + 1 = {num_reqs + 1} entries and "
-            f"block_tables {num_reqs} rows; got {query_start_loc.shape[0]} and "
-            f"{block_tables.shape[0]}"
-        )
-    return num_q_heads, num_kv_heads, head_dim
 
 
 def paged_attention(

@@ -22,9 +22,9 @@ from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 @triton.jit
 def _rotate_heads(
     x_ptr,  # [num_tokens, num_heads, head_dim], rows of this program's token
-    stride_token: tl.int64,
-    stride_head: tl.int64,
-    token,
+    stride_token,  # int64
+    stride_head,  # int64
+    token,  # int64
     cos,  # [HALF_PADDED] fp32
     sin,  # [HALF_PADDED] fp32
     NUM_HEADS: tl.constexpr,

@@ -45,3 +45,43 @@ def check_tensor(
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_attention_inputs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Validate the shared attention inputs; returns (num_q_heads, num_kv_heads, head_dim).
+
+    Raises:
+        ValueError: a shape, dtype or device disagrees with the layout of metadata.py,
+            or num_q_heads is not a multiple of num_kv_heads.
+    """
+    dev = query.device
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=dev)
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
+            f"[2, num_blocks, block_size, num_kv_heads, {head_dim}]"
+        )
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1 or block_tables.shape[0] != num_reqs:
+        raise ValueError(
+            f"query_start_loc must have num_reqs + 1 = {num_reqs + 1} entries and "
+            f"block_tables {num_reqs} rows; got {query_start_loc.shape[0]} and "
+            f"{block_tables.shape[0]}"
+        )
+    return num_q_heads, num_kv_heads, head_dim

@@ -50,6 +50,7 @@ def make_attention_case(
     num_padding_tokens: int = 0,
     fill_new_tokens: bool = True,
     poison_unused_blocks: bool = True,
+    max_blocks_per_req: int | None = None,
 ) -> AttentionCase:
     """Build a random case; block ids are drawn at random from
     `[min_block_id, num_blocks - 1)` (the last block is the all-NaN one).
@@ -58,7 +59,8 @@ def make_attention_case(
     with reshape_and_cache first. `num_padding_tokens` appends tokens outside every
     request with slot -1. `poison_unused_blocks=False` leaves blocks no request uses
     uninitialised, so a pool far larger than RAM costs only the pages touched (Linux
-    allocates anonymous memory lazily).
+    allocates anonymous memory lazily). `max_blocks_per_req` fixes the block-table
+    width (CUDA-graph replays need one shape).
     """
     assert len(q_lens) == len(seq_lens) and all(0 < q <= s for q, s in zip(q_lens, seq_lens, strict=True))
     blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
@@ -70,6 +72,9 @@ def make_attention_case(
     perm = torch.randperm(num_usable)[: sum(blocks_per_req)] + min_block_id
 
     max_blocks = max(blocks_per_req) + 1  # at least one unused entry per row
+    if max_blocks_per_req is not None:
+        assert max_blocks_per_req >= max(blocks_per_req), "max_blocks_per_req too small"
+        max_blocks = max_blocks_per_req
     block_tables = torch.full((len(q_lens), max_blocks), nan_block, dtype=torch.int32)
     kv_cache = torch.empty(
         (2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
