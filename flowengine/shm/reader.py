@@ -16,8 +16,7 @@ from flowengine.shm.errors import ChannelClosedError, ReaderDetachedError
 from flowengine.shm.record import HEADER_BYTES
 from flowengine.shm.segment import (
     CLOSED_W,
-    DEAD,
-    R_STATE,
+    R_TOKEN,
     WRITE_CURSOR_W,
     WRITER_ASLEEP_W,
     RingSegment,
@@ -52,8 +51,8 @@ class RingReader:
         self._cap = segment.capacity_bytes
         self._data_off = segment.data_offset
         self._cursor_w = reader_cursor_word(reader_index)
-        self._state_w = reader_ctl_word(reader_index) + R_STATE
-        self._r = segment.claim_reader(reader_index)
+        self._token_w = reader_ctl_word(reader_index) + R_TOKEN
+        self._r, self._token = segment.claim_reader(reader_index)
         self._bell = segment.reader_bell(reader_index)
         self._writer_bell = segment.writer_bell()
         self._cached_w = self._r  # last write cursor seen; reloaded only when caught up
@@ -87,9 +86,10 @@ class RingReader:
             self._advance(r + self._cap - r % self._cap)
             return self.try_recv()
         data = self._mm[base + HEADER_BYTES : base + HEADER_BYTES + n]
-        # Checked after the copy: the writer marks us DEAD before it may overwrite our
-        # records, so (TSO, loads in order) a copy that saw overwritten bytes sees DEAD.
-        if q[self._state_w] == DEAD:
+        # Checked after the copy: our slot's token is cleared (marked dead, or taken by a
+        # successor) before the writer may overwrite our records, so (TSO, loads in
+        # order) a copy that saw overwritten bytes also sees the token gone.
+        if q[self._token_w] != self._token:
             raise ReaderDetachedError(
                 f"reader {self.reader_index} of {self.name} was detached; re-attach"
             )
@@ -108,7 +108,7 @@ class RingReader:
 
     def _is_readable(self) -> bool:
         q = self._q
-        return q[WRITE_CURSOR_W] != self._r or q[CLOSED_W] != 0 or q[self._state_w] == DEAD
+        return q[WRITE_CURSOR_W] != self._r or q[CLOSED_W] != 0 or q[self._token_w] != self._token
 
     def _poll(self) -> bytes | None:
         # `closed` is loaded before the cursor: the writer stores it after its last
@@ -118,7 +118,7 @@ class RingReader:
         if data is None:
             if is_closed or self._closed:
                 raise ChannelClosedError(f"ring {self.name} is closed and drained")
-            if self._q[self._state_w] == DEAD:
+            if self._q[self._token_w] != self._token:
                 raise ReaderDetachedError(
                     f"reader {self.reader_index} of {self.name} was detached; re-attach"
                 )
@@ -185,7 +185,7 @@ class RingReader:
         if self._waiter is not None:
             self._waiter.close()
         if not self.segment.closed:
-            self.segment.release_reader(self.reader_index)
+            self.segment.release_reader(self.reader_index, self._token)
         if self._own_segment:
             self.segment.close()
 

@@ -10,7 +10,7 @@ path never false-shares:
     line 1         write cursor
     line 2         writer asleep, any reader asleep, closed, writer pid, writer start
     line 3 + 2i    reader i's read cursor
-    line 4 + 2i    reader i's control: asleep, pid, state, start time
+    line 4 + 2i    reader i's control: asleep, pid, state, start time, attach token
     data           capacity_bytes of records
 
 Cursors are byte counts since creation (monotonic int64, never wrap in practice:
@@ -49,7 +49,7 @@ MAGIC_W, VERSION_W, CAPACITY_W, NUM_READERS_W, CREATOR_PID_W, CREATOR_START_W, D
 WRITE_CURSOR_W = 8
 WRITER_ASLEEP_W, READERS_ASLEEP_W, CLOSED_W, WRITER_PID_W, WRITER_START_W = range(16, 21)
 # Offsets inside a reader's control line.
-R_ASLEEP, R_PID, R_STATE, R_START = range(4)
+R_ASLEEP, R_PID, R_STATE, R_START, R_TOKEN = range(5)
 
 # Reader slot states. RESERVED slots (never attached yet) are waited for like LIVE
 # ones, so records sent before a reader process starts are not lost.
@@ -81,8 +81,8 @@ def reader_ctl_word(i: int) -> int:
     return (4 + 2 * i) * _WORDS_PER_LINE
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None."""
+def _proc_stat(pid: int) -> tuple[bytes, int] | None:
+    """(state letter, start time in clock ticks since boot) of `pid`, or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -90,12 +90,23 @@ def process_start_ticks(pid: int) -> int | None:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after it.
     fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
+    return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), or None."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def is_process_alive(pid: int, start_ticks: int) -> bool:
-    """True if `pid` runs and is the same process that recorded `start_ticks`."""
-    return pid > 0 and process_start_ticks(pid) == start_ticks
+    """True if `pid` runs and is the process that recorded `start_ticks`.
+
+    A zombie (killed, not yet waited for by its parent) counts as dead: it will never
+    read or write a ring again.
+    """
+    stat = _proc_stat(pid) if pid > 0 else None
+    return stat is not None and stat[0] not in (b"Z", b"X") and stat[1] == start_ticks
 
 
 class RingSegment:
@@ -234,12 +245,13 @@ class RingSegment:
         w[CLOSED_W] = 0
         return w[WRITE_CURSOR_W]
 
-    def claim_reader(self, i: int) -> int:
-        """Record this process as reader `i`; return the read cursor to start from.
+    def claim_reader(self, i: int) -> tuple[int, int]:
+        """Record this process as reader `i`; return (read cursor to start from, token).
 
         A slot never attached (RESERVED) starts at its cursor, so nothing sent before
         is lost. A slot whose reader died or was detached restarts at the current write
-        cursor. Raises RingError if the slot is held by another live process.
+        cursor. The token identifies this attachment for `release_reader`. Raises
+        RingError if the slot is held by a live process (this one included).
         """
         if not 0 <= i < self.num_readers:
             raise ValueError(f"reader_index {i} outside 0..{self.num_readers - 1} of {self.name}")
@@ -247,11 +259,13 @@ class RingSegment:
         pid, state = w[ctl + R_PID], w[ctl + R_STATE]
         if state == LIVE and pid and is_process_alive(pid, w[ctl + R_START]):
             raise RingError(f"reader slot {i} of {self.name} is held by live pid {pid}")
+        token = secrets.randbits(62) + 1
+        w[ctl + R_TOKEN] = token
         w[ctl + R_PID] = os.getpid()
         w[ctl + R_START] = process_start_ticks(os.getpid()) or 0
         if state == RESERVED:
             w[ctl + R_STATE] = LIVE
-            return w[cur]
+            return w[cur], token
         # NOTE: re-attach protocol. The writer ignores a DEAD slot, so it may have
         # computed its room from a cursor newer than the one we read first. Publish a
         # cursor, become LIVE, fence, then re-read the write cursor: every room the
@@ -263,11 +277,12 @@ class RingSegment:
         cursor = w[WRITE_CURSOR_W]
         w[cur] = cursor
         self.writer_bell().ring()
-        return cursor
+        return cursor, token
 
-    def release_reader(self, i: int) -> None:
-        """Detach reader `i` (it stops holding the writer back)."""
-        self.mark_reader_dead(i)
+    def release_reader(self, i: int, token: int) -> None:
+        """Detach reader `i` if it is still the attachment `token` (not a successor)."""
+        if self.words[reader_ctl_word(i) + R_TOKEN] == token:
+            self.mark_reader_dead(i)
 
     def mark_reader_dead(self, i: int) -> None:
         """Stop waiting for reader `i` (crashed or hung); wakes a writer blocked on it.
@@ -276,6 +291,10 @@ class RingSegment:
         it still runs, raises ReaderDetachedError at its next record.
         """
         ctl = reader_ctl_word(i)
+        # NOTE: token before state. A writer that sees DEAD may overwrite the reader's
+        # records at once; the reader checks its token after each copy, and TSO makes
+        # the token store visible before the state store the writer acted on.
+        self.words[ctl + R_TOKEN] = 0
         self.words[ctl + R_STATE] = DEAD
         self.words[ctl + R_PID] = 0
         self.writer_bell().ring()

@@ -7,6 +7,7 @@ saw half a record, a stale record, or a record twice fails the check.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import random
 import secrets
@@ -14,6 +15,7 @@ import struct
 import time
 import zlib
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 
@@ -98,6 +100,27 @@ def verify_reader(
         conn.send(("ok", count, first, None if expected is None else expected - 1))
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_reader(name: str, reader_index: int = 0, **kwargs: object) -> tuple[Any, Connection]:
+    """Start verify_reader in a spawned process once attached; return (process, pipe end)."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    process = mp.get_context("spawn").Process(
+        target=verify_reader, args=(name, reader_index, theirs), kwargs=kwargs
+    )
+    process.start()
+    assert ours.poll(60), "reader process did not start"
+    assert ours.recv() == ("attached", reader_index)
+    return process, ours
+
+
+def finish(process: Any, conn: Connection) -> tuple:
+    """The reader's final report, after it exited cleanly."""
+    assert conn.poll(120), "reader process did not report"
+    result = conn.recv()
+    process.join(30)
+    assert process.exitcode == 0, process.exitcode
+    return result
 
 
 def create_and_vanish(ring_name: str, run_id: str, conn: Connection, clean_exit: bool) -> None:

@@ -13,29 +13,11 @@ import random
 
 import pytest
 import shm_workers
-from shm_workers import make_record, session_entries
+from shm_workers import finish, make_record, run_reader, session_entries
 
 from flowengine.shm import RingWriter, cleanup_stale, create_ring
 
 CTX = mp.get_context("spawn")
-
-
-def run_reader(name: str, **kwargs: object):
-    """Start verify_reader in a spawned process; return (process, our end of its pipe)."""
-    ours, theirs = CTX.Pipe()
-    process = CTX.Process(target=shm_workers.verify_reader, args=(name, 0, theirs), kwargs=kwargs)
-    process.start()
-    assert ours.poll(60), "reader process did not start"
-    assert ours.recv() == ("attached", 0)
-    return process, ours
-
-
-def finish(process, conn) -> tuple:
-    assert conn.poll(120), "reader process did not report"
-    result = conn.recv()
-    process.join(30)
-    assert process.exitcode == 0
-    return result
 
 
 def test_two_million_small_records(run_id: str) -> None:
