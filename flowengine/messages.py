@@ -75,6 +75,22 @@ class StepPlan(_Msg, tag=True):
 
     num_scheduled_tokens[i] belongs to the i-th request of new_reqs + cached_reqs, in
     that order. finished_req_ids: requests whose executor state can be dropped.
+
+    Executor contract (DESIGN.md §2, §5): executors run plans one at a time, in step_id
+    order, and for each plan
+      1. drop the requests of finished_req_ids (ignoring ids they do not hold);
+      2. add new_reqs (token_ids in full) and extend each cached request's block table
+         with new_block_ids; a plan's num_computed_tokens equals the executor's count;
+      3. compute token_ids[num_computed_tokens : num_computed_tokens + n] of each
+         request (n its num_scheduled_tokens) into the KV slots of its block table;
+      4. for a request whose computed tokens now reach the end of the executor's copy of
+         its token_ids, sample one token, return it in the StepResult, and append it to
+         that copy before the next plan runs (a partial prefill chunk samples nothing).
+    With async scheduling the scheduler plans step N+1 before step N's result arrives,
+    so n may cover index num_computed_tokens that only the executor holds: the token it
+    sampled and appended in step N, which never travels back through the scheduler.
+    A token sampled for a request that finished in the meantime is dropped by the
+    scheduler, and the request comes in a later plan's finished_req_ids.
     """
 
     step_id: int

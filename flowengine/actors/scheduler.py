@@ -1,8 +1,9 @@
 """Scheduler actor: requests in, step plans out, results in, outputs out (DESIGN.md §1, §5).
 
-Wraps the pure `Scheduler`. With `max_steps_in_flight=2` it plans step N+1 while
-step N executes; the executor keeps step N's sampled tokens on its side, so step N+1
-needs no round trip through this actor.
+Wraps the pure `Scheduler`. With `max_steps_in_flight=2` it turns on the scheduler's
+async scheduling and plans step N+1 while step N executes, decodes included: the
+executor keeps step N's sampled tokens on its side, so step N+1 needs no round trip
+through this actor (the executor contract is in `StepPlan`'s docstring).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class SchedulerActor:
         steps: outbox of `StepPlan | Shutdown` (broadcast to every executor rank).
         results: inbox of `StepResult` from executor rank 0.
         outputs: outbox of `EngineOutputs`.
-        max_steps_in_flight: 1 = plan after each result; 2 = overlap (DESIGN.md §5).
+        max_steps_in_flight: 1 = plan after each result; 2 = overlap, with
+            `scheduler.async_scheduling` turned on (DESIGN.md §5).
+
+    Raises ValueError when max_steps_in_flight < 1.
     """
 
     def __init__(
@@ -74,7 +78,12 @@ class SchedulerActor:
         self.steps = steps
         self.results = results
         self.outputs = outputs
+        if max_steps_in_flight < 1:
+            raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
         self.max_steps_in_flight = max_steps_in_flight
+        # Planning on placeholders is what lets decodes overlap; with one step in flight
+        # the two modes make the same plans.
+        scheduler.async_scheduling = max_steps_in_flight > 1
         self._in_flight: deque[StepPlan] = deque()
         self._pending: list[RequestDelta] = []
         self._stopping = False

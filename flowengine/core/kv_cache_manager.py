@@ -7,6 +7,12 @@ not when its slots are allocated. So a prefix-cache hit always points at KV that
 been written, whatever the executor's order of work inside a step, and a failed step
 never publishes blocks holding garbage.
 
+Blocks of a request that leaves while a step that writes them is in flight (finished
+with a speculative token scheduled, preempted, aborted; DESIGN.md §5) are freed with
+`free(request, after_step=...)`: they leave the request at once but return to the pool
+only in `release_deferred`, once that step has completed, so no block is handed to
+another request while an in-flight step still writes it.
+
 Pure Python: this module must not import torch.
 """
 
@@ -71,6 +77,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # (step id, blocks): blocks to free once that step has completed.
+        self._deferred_frees: list[tuple[int, list[KVCacheBlock]]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -80,6 +88,13 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Blocks available to new allocations (evictable cached blocks included)."""
         return self.block_pool.num_free_blocks
+
+    @property
+    def num_deferred_free_blocks(self) -> int:
+        """Blocks that become free when their steps complete (`release_deferred`):
+        those held by a deferred free only. Blocks also held by another deferred free
+        are left out, so this never overstates what comes back."""
+        return sum(b.ref_cnt == 1 for _, blocks in self._deferred_frees for b in blocks)
 
     @property
     def usage(self) -> float:
@@ -133,9 +148,7 @@ class KVCacheManager:
                 f"request {request.request_id} already holds blocks; prefix-cache hits "
                 "apply only to a request's first allocation"
             )
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        num_new_blocks = self.num_new_blocks_for(request, num_new_tokens, len(new_computed_blocks))
         # Hits sitting in the free queue stop being free once taken.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
@@ -148,6 +161,15 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         self.req_to_blocks[request.request_id] = [*req_blocks, *new_computed_blocks, *new_blocks]
         return new_blocks
+
+    def num_new_blocks_for(
+        self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0
+    ) -> int:
+        """Blocks `allocate_slots(request, num_new_tokens, hits)` takes from the free queue,
+        with `num_hit_blocks` prefix-cache hits (0 for a request that holds blocks)."""
+        num_held = len(self.req_to_blocks.get(request.request_id, ())) + num_hit_blocks
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        return max(0, cdiv(num_computed + num_new_tokens, self.block_size) - num_held)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks among its first `num_computed_tokens` tokens.
@@ -185,14 +207,30 @@ class KVCacheManager:
             )
         return pending
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, *, after_step: int | None = None) -> None:
         """Release the request's blocks, last block first (evicted before its prefix).
 
+        With `after_step`, the blocks leave the request now but stay taken until
+        `release_deferred(after_step)`: step `after_step`, still in flight, writes them.
         Unknown or already freed requests are ignored.
         """
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        if after_step is not None and blocks:
+            self._deferred_frees.append((after_step, blocks))
+        else:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def release_deferred(self, completed_step_id: int) -> None:
+        """Free the blocks deferred until steps up to `completed_step_id`, which have
+        all completed (steps complete in order)."""
+        keep: list[tuple[int, list[KVCacheBlock]]] = []
+        for step_id, blocks in self._deferred_frees:
+            if step_id <= completed_step_id:
+                self.block_pool.free_blocks(reversed(blocks))
+            else:
+                keep.append((step_id, blocks))
+        self._deferred_frees = keep
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty for an unknown request)."""

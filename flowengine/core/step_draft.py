@@ -22,14 +22,15 @@ class StepDraft:
         num_scheduled: request id -> tokens to compute this step.
         new_reqs: requests the executors receive in full (first run or resume).
         cached_reqs: requests the executors hold, with the blocks added this step.
-        num_preempted: preemptions made while building this step.
+        is_short_of_blocks: a running request could not get its blocks (it preempted
+            others or itself, or waits for blocks that in-flight steps release).
     """
 
     token_budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[tuple[Request, list[KVCacheBlock]]] = field(default_factory=list)
-    num_preempted: int = 0
+    is_short_of_blocks: bool = False
 
     def add_new(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled[request.request_id] = num_tokens

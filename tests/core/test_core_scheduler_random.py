@@ -3,7 +3,9 @@
 Every run must end with all blocks free and give exactly the outputs of a run with
 no preemption, no prefix caching and an unlimited budget (the SimExecutor's tokens
 depend only on each request's token history, read back through its block table).
-Each run is repeated with two plans in flight (the overlapped engine loop).
+Each run is repeated with two plans in flight (the overlapped engine loop), without
+and with async scheduling (DESIGN.md §5), and with some requests aborted mid-way: an
+aborted request must have received a strict prefix of its reference tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import random
 import pytest
 from core_sim_executor import (
     Finished,
+    SimStats,
     executor_for,
     make_request,
     make_scheduler,
@@ -83,9 +86,44 @@ def reference(arrivals: dict[int, list[Request]], max_model_len: int) -> dict[st
     return {k: Finished(v.token_ids, v.finish_reason, v.stop_reason) for k, v in outputs.items()}
 
 
-@pytest.mark.parametrize("max_in_flight", [1, 2])
+def random_aborts(
+    rng: random.Random, arrivals: dict[int, list[Request]]
+) -> dict[int, list[str]]:
+    """About one request in six is aborted 0..12 steps after it arrives."""
+    aborts: dict[int, list[str]] = {}
+    for step, requests in arrivals.items():
+        for request in requests:
+            if rng.random() < 1 / 6:
+                aborts.setdefault(step + rng.randint(0, 12), []).append(request.request_id)
+    return aborts
+
+
+def check_against_reference(
+    outputs: dict[str, Finished], expected: dict[str, Finished], aborted: set[str]
+) -> None:
+    assert outputs.keys() == expected.keys()
+    for req_id, out in outputs.items():
+        ref = expected[req_id]
+        if out.finish_reason == "abort":
+            assert req_id in aborted
+            assert out.token_ids == ref.token_ids[: len(out.token_ids)], req_id
+            assert len(out.token_ids) < len(ref.token_ids), req_id
+        else:
+            assert (out.token_ids, out.finish_reason, out.stop_reason) == (
+                ref.token_ids,
+                ref.finish_reason,
+                ref.stop_reason,
+            ), req_id
+
+
+MODES = [(1, False), (2, False), (2, True), (3, True)]  # (plans in flight, async)
+
+
+@pytest.mark.parametrize(("max_in_flight", "async_scheduling"), MODES)
 @pytest.mark.parametrize("seed", range(12))
-def test_random_runs_match_the_reference(seed: int, max_in_flight: int) -> None:
+def test_random_runs_match_the_reference(
+    seed: int, max_in_flight: int, async_scheduling: bool
+) -> None:
     rng = random.Random(seed)
     chunked = seed % 4 != 3
     num_blocks = rng.randint(9, 20)  # 36..80 tokens: the longest prompt always fits
@@ -98,33 +136,58 @@ def test_random_runs_match_the_reference(seed: int, max_in_flight: int) -> None:
         enable_chunked_prefill=chunked,
         enable_prefix_caching=seed % 3 != 2,
         policy="priority" if seed % 2 else "fcfs",
+        async_scheduling=async_scheduling,
     )
     arrivals = random_arrivals(rng, num_parents=25)
+    aborts = random_aborts(rng, arrivals) if seed % 2 else {}
     expected = reference(arrivals, scheduler.max_len)
+    stats = SimStats()
     outputs = run_to_completion(
-        scheduler, executor_for(scheduler, VOCAB), clone(arrivals), max_in_flight=max_in_flight
+        scheduler,
+        executor_for(scheduler, VOCAB),
+        clone(arrivals),
+        max_in_flight=max_in_flight,
+        aborts=aborts,
+        stats=stats,
     )
-    got = {k: Finished(v.token_ids, v.finish_reason, v.stop_reason) for k, v in outputs.items()}
-    assert got == expected
-    assert all(o.finish_reason in ("stop", "length") for o in outputs.values())
+    aborted = {req_id for ids in aborts.values() for req_id in ids}
+    check_against_reference(outputs, expected, aborted)
+    reasons = [o.finish_reason for o in outputs.values()]
+    assert ("abort" in reasons) == bool(aborts)
+    assert set(reasons) <= {"stop", "length", "abort"}
+    # Decodes overlap exactly when async scheduling plans on placeholders.
+    assert (stats.num_decode_overlaps > 0) == (async_scheduling and max_in_flight >= 2)
     if scheduler.kv_cache_manager.enable_caching:
         assert scheduler.prefix_cache_hits > 0
         siblings = [o.num_cached_tokens for k, o in outputs.items() if not k.endswith("-0")]
         assert any(n > 0 for n in siblings)
 
 
-def test_small_caches_do_preempt() -> None:
-    """The random setup above exercises preemption, not just the happy path."""
-    total = 0
+@pytest.mark.parametrize(("max_in_flight", "async_scheduling"), MODES)
+def test_small_caches_do_preempt(max_in_flight: int, async_scheduling: bool) -> None:
+    """The random setup above exercises preemption, with plans in flight too."""
+    total = total_in_flight = 0
     for seed in range(4):
         rng = random.Random(100 + seed)
         scheduler = make_scheduler(
-            num_blocks=12, block_size=BLOCK_SIZE, max_num_batched_tokens=32, max_model_len=48
+            num_blocks=12,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=32,
+            max_model_len=48,
+            async_scheduling=async_scheduling,
         )
         arrivals = random_arrivals(rng, num_parents=25)
         expected = reference(arrivals, scheduler.max_len)
-        outputs = run_to_completion(scheduler, executor_for(scheduler, VOCAB), clone(arrivals))
-        got = {k: Finished(v.token_ids, v.finish_reason, v.stop_reason) for k, v in outputs.items()}
-        assert got == expected
+        stats = SimStats()
+        outputs = run_to_completion(
+            scheduler,
+            executor_for(scheduler, VOCAB),
+            clone(arrivals),
+            max_in_flight=max_in_flight,
+            stats=stats,
+        )
+        check_against_reference(outputs, expected, set())
         total += scheduler.num_preemptions
+        total_in_flight += stats.num_preempted_in_flight
     assert total > 0
+    assert (total_in_flight > 0) == (max_in_flight >= 2)

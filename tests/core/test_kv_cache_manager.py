@@ -145,3 +145,28 @@ def test_argument_errors() -> None:
         manager.allocate_slots(a, 1, hits)
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)
+
+
+def test_deferred_free_waits_for_its_step() -> None:
+    manager = KVCacheManager(num_blocks=7, block_size=4)
+    a, b = req("a", list(range(6))), req("b", list(range(100, 105)))
+    run_prompt(manager, a)
+    run_prompt(manager, b)
+    c = req("c", [*range(4), 50, 51])
+    run_prompt(manager, c)  # shares a's first block
+    assert [manager.get_block_ids(r) for r in "abc"] == [[0, 1], [2, 3], [0, 4]]
+    assert [manager.num_new_blocks_for(a, n) for n in (2, 3, 7)] == [0, 1, 2]
+    manager.free(a, after_step=5)
+    manager.free(b, after_step=6)
+    assert manager.get_block_ids("a") == [] and manager.num_free_blocks == 2
+    # Block 0 is still c's: it does not come free with a's step.
+    assert manager.num_deferred_free_blocks == 3
+    manager.release_deferred(4)
+    assert manager.block_pool.free_block_queue.block_ids() == [5, 6]
+    manager.release_deferred(5)
+    assert manager.block_pool.free_block_queue.block_ids() == [5, 6, 1]
+    assert manager.num_deferred_free_blocks == 2
+    manager.free(c, after_step=None)
+    manager.release_deferred(6)
+    assert manager.block_pool.free_block_queue.block_ids() == [5, 6, 1, 4, 0, 3, 2]
+    assert manager.num_deferred_free_blocks == 0 and manager.num_free_blocks == 7

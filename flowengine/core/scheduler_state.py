@@ -1,0 +1,212 @@
+"""The requests a scheduler owns and their life cycle (DESIGN.md §4).
+
+`SchedulerState` holds the `Request`s, their WAITING and RUNNING queues in policy
+order, the KV cache manager and the steps in flight, and moves a request between
+states: add, admit, preempt, append sampled tokens (stop checks), finish. Freeing
+blocks waits for the last in-flight step that writes them (DESIGN.md §5). Which
+requests run in a step is decided by its subclass `Scheduler` (scheduler.py).
+
+Pure Python: this module must not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flowengine.config import CacheConfig, SchedulerConfig
+from flowengine.core.admission import check_request_fits, check_scheduler_config
+from flowengine.core.in_flight import InFlightSteps
+from flowengine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from flowengine.core.request_queue import PolicyKey, RequestQueue, policy_key
+from flowengine.core.stop_checker import append_token_ids
+from flowengine.messages import RequestDelta, SampledTokens
+from flowengine.request import Request, RequestStatus
+
+
+class SchedulerState:
+    """Requests, queues, KV blocks and steps in flight; see `Scheduler` for the args.
+
+    Raises ValueError when chunked prefill is off and max_num_batched_tokens is below
+    max_model_len (such prompts could never be scheduled).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        hash_seed: str = "",
+    ) -> None:
+        config = scheduler_config
+        check_scheduler_config(config)
+        self.config = config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            hash_seed,
+        )
+        self.kv_capacity_tokens = cache_config.num_blocks * cache_config.block_size
+        self.max_len = min(config.max_model_len, self.kv_capacity_tokens)
+        self.requests: dict[str, Request] = {}
+        self.waiting = RequestQueue()
+        self.running = RequestQueue()
+        self._keys: dict[str, PolicyKey] = {}
+        self._num_added = 0
+        self._next_step_id = 0
+        # Requests the executors may hold and must drop: sent with the next plan.
+        self._finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+        self.in_flight = InFlightSteps()
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING).
+
+        Raises ValueError, leaving the scheduler unchanged, for a duplicate id, an empty
+        prompt, a prompt longer than max_model_len, or one larger than the KV cache
+        (see `admission.check_request_fits`).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(
+                f"request id {request.request_id!r} is in use; give each request a unique id"
+            )
+        check_request_fits(request, self.config, self.cache_config)
+        request.status = RequestStatus.WAITING
+        key = policy_key(self.config.policy, request, self._num_added)
+        self._num_added += 1
+        self.requests[request.request_id] = request
+        self._keys[request.request_id] = key
+        self.waiting.add(key, request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests with a finished `status` (abort, stop string); frees their blocks.
+
+        Unknown or already finished ids are ignored. Raises ValueError if `status` is not
+        a finished status.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}")
+        for req_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Plans with scheduled tokens whose results have not been applied yet."""
+        return len(self.in_flight)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests, in [0, 1]."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks not held by any request (evictable prefix-cache blocks included)."""
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.prefix_cache_stats
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since start (first admissions)."""
+        return self.prefix_cache_stats.num_queried_tokens
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens served from the prefix cache since start."""
+        return self.prefix_cache_stats.num_hit_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and send it back to WAITING for recompute."""
+        key = self._keys[request.request_id]
+        self.running.remove(key)
+        self._free_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(key, request)
+        self._finished_req_ids.append(request.request_id)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        key = self._keys[request.request_id]
+        self.waiting.remove(key)
+        self.running.add(key, request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:  # first admission, not a resume
+            request.num_cached_tokens = num_hit_tokens
+            if self.kv_cache_manager.enable_caching:
+                self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+
+    def _append_sampled(self, request: Request, sampled: SampledTokens | None) -> RequestDelta:
+        """Append a step's tokens with stop checks (also to a request preempted since
+        that step: its token was sampled from the right history); finish on a stop."""
+        if sampled is None or not sampled.token_ids:
+            error = f"the executor returned no token for request {request.request_id}"
+            return self._fail_request(request, error)
+        num_accepted, status = append_token_ids(request, sampled.token_ids, self.max_len)
+        if status is not None:
+            self._finish(request, status)
+        logprobs = sampled.logprobs[:num_accepted] if sampled.logprobs is not None else None
+        return RequestDelta(
+            req_id=request.request_id,
+            new_token_ids=sampled.token_ids[:num_accepted],
+            new_logprobs=logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _fail_request(self, request: Request, error: str) -> RequestDelta:
+        request.error = error
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return RequestDelta(
+            req_id=request.request_id,
+            new_token_ids=[],
+            finish_reason="error",
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=error,
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Take an unfinished request out of its queue, free its blocks, forget it."""
+        key = self._keys.pop(request.request_id)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(key)
+            self._finished_req_ids.append(request.request_id)
+        else:
+            self.waiting.remove(key)
+        request.status = status
+        self._free_blocks(request)
+        del self.requests[request.request_id]
+
+    def _free_blocks(self, request: Request) -> None:
+        """Free the request's blocks now, or once the last in-flight step that writes
+        them has completed (no block is reused while a step writes it)."""
+        self.kv_cache_manager.free(request, after_step=self.in_flight.last_step_of(request))
