@@ -46,8 +46,8 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     from flowengine.model.resolve import resolve_model
 
     resolved = resolve_model(args.model, download_dir=args.download_dir, revision=args.revision)
-    model_config = ModelConfig.from_pretrained(resolved.path)
-    max_model_len = model_config.resolve_max_model_len(args.max_model_len)
+    model_config = ModelConfig.from_pretrained(resolved.path, args.max_model_len)
+    max_model_len = model_config.max_model_len
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,6 +112,9 @@ def build_engine_core(resolved: ResolvedEngine):
         dtype=dtype,
         load_format=args.load_format,
         model_path=resolved.model_path,
+        max_num_batched_tokens=resolved.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
     )
     scheduler = Scheduler(
         SchedulerConfig(

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from flowengine import LLM, SamplingParams
-from tests.engine.conftest import hf_greedy
-from tests.engine.prompts import PROMPTS
+from engine_prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +25,7 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, prompt_ids) -> list[list[int]]:
+def reference(hf_model, hf_greedy, prompt_ids) -> list[list[int]]:
     return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
 
 
@@ -76,7 +75,7 @@ def test_preemption_equals_hf(default_model_path, prompt_ids, reference):
     _assert_all_blocks_free(llm)
 
 
-def test_prefix_caching_equals_hf(default_model_path, hf_model, tokenizer, prompt_ids):
+def test_prefix_caching_equals_hf(default_model_path, hf_model, hf_greedy, tokenizer, prompt_ids):
     shared = prompt_ids[13][:400]  # a long shared prefix (the story prompt)
     suffixes = [tokenizer.encode(s) for s in (" Q: who bakes?", " Q: how many crossings?",
                                               " The end.", " Moral:")]
