@@ -54,12 +54,27 @@ def run_flowengine(llm, prompts: list[list[int]], output_len: int) -> Result:
     return Result("flowengine", len(prompts), sum(map(len, prompts)), n_out, elapsed)
 
 
-def run_hf(model_path: str, dtype: str, device: str, prompts, output_len: int, batch: int):
+def load_hf_model(model_path: str, dtype: str, device: str, dummy: bool, **kwargs):
+    """The transformers model: from the checkpoint, or random weights (dummy) of the
+    same config, since throughput does not depend on weight values."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-    model.to(device).eval()
+    torch_dtype = getattr(torch, dtype)
+    if dummy:
+        config = AutoConfig.from_pretrained(model_path, **kwargs)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, **kwargs)
+    return model.to(device).eval()
+
+
+def run_hf(model_path: str, dtype: str, device: str, prompts, output_len: int, batch: int,
+           dummy: bool = False):
+    import torch
+
+    model = load_hf_model(model_path, dtype, device, dummy)
     n_out = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -79,6 +94,25 @@ def run_hf(model_path: str, dtype: str, device: str, prompts, output_len: int, b
     return Result(name, len(prompts), sum(map(len, prompts)), n_out, elapsed)
 
 
+def run_hf_continuous(model_path: str, dtype: str, device: str, prompts, output_len: int,
+                      dummy: bool = False):
+    """transformers' own continuous batching (`generate_batch`, paged attention)."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(model_path, dtype, device, dummy, attn_implementation="sdpa_paged")
+    config = GenerationConfig(
+        max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0,
+        use_cuda_graph=False,
+    )
+    model.generate_batch(prompts[:4], generation_config=config)  # warm-up
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, generation_config=config)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(r.generated_tokens) for r in results.values())
+    name = "transformers generate_batch (continuous batching, paged)"
+    return Result(name, len(prompts), sum(map(len, prompts)), n_out, elapsed)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="flowengine bench throughput", description=__doc__)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -86,6 +120,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also run transformers generate")
+    p.add_argument(
+        "--hf-backend",
+        choices=["generate", "generate_batch"],
+        default="generate",
+        help="transformers path: padded-batch generate, or continuous batching",
+    )
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--hf-num-prompts", type=int, default=None, help="subset for transformers")
     add_engine_args(p, model_positional=False)
@@ -107,9 +147,13 @@ def main(argv: list[str]) -> int:
         from flowengine.engine.builder import resolve
 
         r = resolve(resolved)
-        results.append(
-            run_hf(r.model_path, r.dtype, r.device, hf_prompts, ns.output_len, ns.hf_batch_size)
-        )
+        dummy = ns.load_format == "dummy"
+        if ns.hf_backend == "generate_batch":
+            results.append(run_hf_continuous(r.model_path, r.dtype, r.device, hf_prompts,
+                                             ns.output_len, dummy))
+        else:
+            results.append(run_hf(r.model_path, r.dtype, r.device, hf_prompts, ns.output_len,
+                                  ns.hf_batch_size, dummy))
     print(f"\ncommand: flowengine bench throughput {shlex.join(argv)}")
     print(f"prompts: {ns.num_prompts} x {ns.input_len} in / {ns.output_len} out, ignore_eos\n")
     print("| engine | requests | elapsed s | requests/s | output tok/s | total tok/s |")
