@@ -56,8 +56,9 @@ def _save_random_model(hf_config: object, path: str) -> torch.nn.Module:
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    # The configs have no EOS, so generate() runs all NUM_NEW steps.
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_NEW,
-                         min_new_tokens=NUM_NEW, output_logits=True,
+                         output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, len(prompt):].tolist(), [x[0] for x in out.logits]
 
