@@ -67,5 +67,6 @@ class BroadcastWriter(RingWriter):
         return [i for i in range(self.segment.num_readers) if self.segment.reader_state(i) != DEAD]
 
     def lag_bytes(self) -> dict[int, int]:
-        """Bytes each live reader is behind the write cursor (for metrics and tests)."""
+        """Bytes each live reader is behind the write cursor, as far as it has published
+        its cursor (readers publish every capacity/8 bytes and when caught up)."""
         return {i: self._w - self._q[reader_cursor_word(i)] for i in self.live_readers()}

@@ -166,8 +166,24 @@ class RingWriter:
             RecordTooLargeError: the record can never fit.
             TimeoutError: no room within `timeout_s` seconds (None waits forever).
         """
-        if self.try_send(data):
-            return
+        # NOTE: try_send's fast path, inlined (keep the two identical): a Python call
+        # costs ~100 ns, a sixth of a send.
+        n = len(data)
+        w = self._w
+        end = w + ((n + 15) & -8)
+        if end <= self._fast_end:
+            base = w + self._base
+            q = self._q
+            q[base >> 3] = n
+            self._mm[base + HEADER_BYTES : base + HEADER_BYTES + n] = data
+            q[WRITE_CURSOR_W] = end
+            self._w = end
+            if q[READERS_ASLEEP_W]:
+                self._wake_readers()
+        elif not self._try_send_slow(data, n):
+            self._send_waiting(data, timeout_s)
+
+    def _send_waiting(self, data: bytes | bytearray | memoryview, timeout_s: float | None) -> None:
         self.num_full_waits += 1
         n = len(data)
         spin_end_ns = time.perf_counter_ns() + SPIN_NS

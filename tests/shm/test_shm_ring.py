@@ -87,7 +87,9 @@ def test_full_ring_times_out_then_recovers(ring) -> None:
     with pytest.raises(TimeoutError, match="no room"):
         writer.send(b"y" * 500, timeout_s=0.05)
     assert writer.num_full_waits == 1
-    assert reader.recv(timeout_s=1) == b"y" * 500
+    # The reader hands room back every capacity/8 bytes and whenever it catches up.
+    while reader.try_recv() is not None:
+        pass
     writer.send(b"y" * 500, timeout_s=1)
 
 
