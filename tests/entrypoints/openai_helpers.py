@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import msgspec
+import orjson
 
 from flowengine.entrypoints.openai.responses import ErrorResponse
 
@@ -47,3 +50,36 @@ def sse_events(raw: bytes) -> list[bytes]:
         payloads.append(ev[len(b"data: ") :])
     assert payloads[-1] == b"[DONE]" and b"[DONE]" not in payloads[:-1]
     return payloads[:-1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+async def stream_text(
+    client: httpx.AsyncClient,
+    prompt: str,
+    max_tokens: int,
+    leave_after: int | None,
+    **extra: Any,
+) -> tuple[str, str]:
+    """(request id, streamed greedy completion); leaves after `leave_after` events if
+    given. `extra` fields go into the request body."""
+    req = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
+    text, request_id, events = "", "", 0
+    async with client.stream("POST", "/v1/completions", json=req) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[len("data: ") :])
+            request_id = chunk["id"]
+            text += chunk["choices"][0]["text"]
+            events += 1
+            if leave_after is not None and events >= leave_after:
+                break  # leaving the block closes the connection
+    return request_id, text

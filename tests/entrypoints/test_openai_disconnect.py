@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import orjson
 import pytest
 from openai_fake_engine import FakeEngine
+from openai_helpers import stream_text, wait_until
 from openai_live_server import LiveServer
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -64,26 +56,6 @@ def test_multi_prompt_stream_disconnect_aborts_every_prompt(slow):
     assert not engine.running
 
 
-async def _stream_text(
-    client: httpx.AsyncClient, prompt: str, max_tokens: int, leave_after: int | None
-) -> tuple[str, str]:
-    """(request id, streamed text); leaves after `leave_after` events if given."""
-    req = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    text, request_id, events = "", "", 0
-    async with client.stream("POST", "/v1/completions", json=req) as resp:
-        assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if not line or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[len("data: ") :])
-            request_id = chunk["id"]
-            text += chunk["choices"][0]["text"]
-            events += 1
-            if leave_after is not None and events >= leave_after:
-                break  # leaving the block closes the connection
-    return request_id, text
-
-
 def test_200_streams_get_their_solo_text_and_50_disconnects_abort():
     engine = FakeEngine(step_s=0.01)
     max_tokens = 30
@@ -92,7 +64,7 @@ def test_200_streams_get_their_solo_text_and_50_disconnects_abort():
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
             jobs = [
-                _stream_text(client, f"p{i:03d}:", max_tokens, 3 if i % 4 == 0 else None)
+                stream_text(client, f"p{i:03d}:", max_tokens, 3 if i % 4 == 0 else None)
                 for i in range(200)
             ]
             return await asyncio.gather(*jobs)
