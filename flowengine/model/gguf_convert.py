@@ -28,6 +28,17 @@ MARKER_FILE = "flowengine_conversion.json"
 _SHARD_BYTES = 2 << 30
 
 
+def conversion_source(out_dir: str) -> str | None:
+    """The GGUF file `out_dir` was converted from, if this converter made it and the
+    file still exists (for load_format="gguf" on a converted directory)."""
+    marker = os.path.join(out_dir, MARKER_FILE)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker, encoding="utf-8") as f:
+        source = json.load(f).get("source_path")
+    return source if source and os.path.isfile(source) else None
+
+
 def is_converted(out_dir: str) -> bool:
     """True when `out_dir` is a complete conversion by this converter version."""
     marker = os.path.join(out_dir, MARKER_FILE)
@@ -80,7 +91,7 @@ def _write_hf_dir(gguf_path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
     stat = os.stat(gguf_path)
     marker = {"converter_version": CONVERTER_VERSION, "source": os.path.basename(gguf_path),
-              "source_size_bytes": stat.st_size}
+              "source_path": os.path.abspath(gguf_path), "source_size_bytes": stat.st_size}
     with open(os.path.join(out_dir, MARKER_FILE), "w", encoding="utf-8") as f:
         json.dump(marker, f, indent=2)
 

@@ -43,9 +43,9 @@ def load_model(
 
     Args:
         load_format: "auto" (safetensors in model_config.model_path, else a GGUF file
-            there), "safetensors", "gguf" (dequantized from `gguf_file`, or the one
-            .gguf in the model directory) or "dummy" (uniform(-1e-3, 1e-3) weights,
-            norm weights 1, drawn from `seed`).
+            there), "safetensors", "gguf" (dequantized from `gguf_file`, else the one
+            .gguf in the model directory, else the file a converted directory came
+            from) or "dummy" (uniform(-1e-3, 1e-3) weights, norm weights 1, from `seed`).
         dtype: parameter dtype. device: where parameters live.
         attn_backend: defaults to get_attn_backend(device).
 
@@ -114,7 +114,7 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
@@ -138,7 +138,12 @@ def _resolve_format(model_dir: str, load_format: str, gguf_file: str | None) -> 
 
 
 def _single_gguf(model_dir: str) -> str:
+    from flowengine.model.gguf_convert import conversion_source
+
     files = sorted(glob.glob(os.path.join(model_dir, "*.gguf")))
+    source = conversion_source(model_dir)
+    if not files and source is not None:
+        return source  # a directory FlowEngine converted from a GGUF file
     if len(files) != 1:
         raise ValueError(
             f"load_format='gguf' needs exactly one .gguf file in {model_dir}, found "

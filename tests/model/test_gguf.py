@@ -93,9 +93,13 @@ def test_tiny_gguf_converts_once_and_matches_transformers(tmp_path: object,
     cache = CacheConfig(block_size=8, num_blocks=16)
     from_dir = ModelRunner(config, cache, torch.device("cpu"), torch.float32)
     torch.testing.assert_close(_last_token_logits(from_dir, prompts), expected, atol=1e-4, rtol=0)
-    # load_format "gguf": the same tensors straight from the file.
-    from_file = ModelRunner(config, cache, torch.device("cpu"), torch.float32, "gguf", gguf_path)
-    torch.testing.assert_close(_last_token_logits(from_file, prompts), expected, atol=1e-4, rtol=0)
+    # load_format "gguf": the same tensors straight from the file, named or found through
+    # the converted directory's record of its source.
+    for model_path in (gguf_path, None):
+        from_file = ModelRunner(config, cache, torch.device("cpu"), torch.float32, "gguf",
+                                model_path)
+        torch.testing.assert_close(_last_token_logits(from_file, prompts), expected,
+                                   atol=1e-4, rtol=0)
 
     marker = os.path.join(resolved.path, gguf_convert.MARKER_FILE)
     mtime = os.stat(marker).st_mtime_ns

@@ -103,18 +103,22 @@ class TorchAttentionBackend:
             num_blocks = -(-seq_len // block_size)
             keys, values = gather_kv(kv_cache, block_table[None, :num_blocks])
             keys, values = keys[0, :seq_len], values[0, :seq_len]
-        group = num_heads // num_kv_heads
-        # [L, Hkv, D] -> [Hq, L, D]; repeat_interleave + a boolean mask measured ~2x
-        # faster on CPU than SDPA's enable_gqa or is_causal paths.
-        keys = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        values = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        key_pos = torch.arange(seq_len, device=q.device)
-        query_pos = torch.arange(num_cached, seq_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1), keys, values, attn_mask=mask, scale=scale
-        )
-        return o.transpose(0, 1).to(q.dtype)
+        # 4-D inputs and enable_gqa select PyTorch's fused CPU flash-attention kernel
+        # (3-D inputs fall back to the unfused math path, measured ~2x slower) and
+        # read each KV head once for its whole query-head group.
+        query = q.float().transpose(0, 1)[None]  # [1, Hq, n, D]
+        keys = keys.float().transpose(0, 1)[None]  # [1, Hkv, L, D]
+        values = values.float().transpose(0, 1)[None]
+        if num_cached == 0:
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                               scale=scale, enable_gqa=num_heads != num_kv_heads)
+        else:
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(num_cached, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]: causal after the prefix
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                               enable_gqa=num_heads != num_kv_heads)
+        return o[0].transpose(0, 1).to(q.dtype)
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
