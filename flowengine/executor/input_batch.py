@@ -147,6 +147,11 @@ class InputBatch:
                     f"executor holds {len(state.token_ids)} tokens (num_scheduled must be "
                     ">= 1 and cover only known tokens)"
                 )
+            if len(state.block_ids) > self.max_blocks_per_req:
+                raise ValueError(
+                    f"request {state.req_id} has {len(state.block_ids)} KV blocks, more than "
+                    f"max_model_len allows ({self.max_blocks_per_req} of {self.block_size} tokens)"
+                )
             if -(-last // self.block_size) > len(state.block_ids):
                 raise ValueError(
                     f"request {state.req_id} needs {-(-last // self.block_size)} KV blocks for "

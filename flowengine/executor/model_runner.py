@@ -143,6 +143,11 @@ class ModelRunner:
             return ModelOutput([], torch.empty(0, self.model_config.vocab_size,
                                                device=self.device))
         inputs = self.input_batch.prepare(states, plan.num_scheduled_tokens)
+        if inputs.attn_metadata.max_seq_len > self.model_config.max_model_len:
+            raise ValueError(
+                f"step {plan.step_id} reaches {inputs.attn_metadata.max_seq_len} tokens in one "
+                f"request, beyond max_model_len {self.model_config.max_model_len}"
+            )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                             inputs.attn_metadata)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

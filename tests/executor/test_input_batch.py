@@ -49,3 +49,9 @@ def test_inconsistent_requests_are_rejected() -> None:
         batch.prepare([_state("a", [1, 2, 3, 4, 5], [0], 0)], [5])
     with pytest.raises(ValueError, match="scheduled for tokens 2..4 but the executor holds 3"):
         batch.prepare([_state("a", [1, 2, 3], [0], 2)], [2])
+
+
+def test_block_table_wider_than_max_model_len_is_rejected() -> None:
+    batch = InputBatch(block_size=4, max_blocks_per_req=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="has 3 KV blocks, more than max_model_len allows"):
+        batch.prepare([_state("a", [1, 2, 3], [0, 1, 2], 0)], [3])

@@ -79,10 +79,13 @@ class LlamaMLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden_size] -> [T, hidden_size]."""
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); [T, hidden] -> [T, hidden]."""
+
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,12 +95,15 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's K/V."""
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
                                          meta, rotary)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm; one RoPE table shared by all layers."""
+
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -110,6 +116,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
