@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import httpx
+import pytest
 from openai_fake_engine import FakeEngine
 from openai_helpers import assert_error, strict
 from openai_live_server import LiveServer
@@ -103,6 +104,8 @@ def test_openapi_describes_every_route(server):
     assert len(tok["schema"]["oneOf"]) == 2
     assert chat["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/health"]["get"]
+    validator = pytest.importorskip("openapi_spec_validator")
+    validator.validate(doc)  # raises if the document is not valid OpenAPI 3.1
 
 
 def test_cors_allowed_origin_and_preflight():
