@@ -98,6 +98,7 @@ class FakeEngine:
         self.dead = False
         self.shutdown_calls = 0
         self.fail_after_tokens: int | None = None  # raise RuntimeError mid-stream
+        self.first_output_error: str | None = None  # first output carries this error
         self.stats = EngineStats()
 
     def get_tokenizer(self) -> ByteTokenizer:
@@ -147,6 +148,9 @@ class FakeEngine:
         samples = [_Sample(i, self._rng(params, i)) for i in range(params.n)]
         finished = False
         try:
+            if self.first_output_error is not None:
+                finished = True
+                yield RequestOutput(request_id, text, ids, [], True, error=self.first_output_error)
             while not finished:
                 await asyncio.sleep(self.step_s)
                 outs = [self._step(s, ids, params, max_new) for s in samples if not s.finish_reason]

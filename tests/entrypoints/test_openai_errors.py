@@ -131,6 +131,16 @@ def test_mid_stream_engine_failure_is_an_error_event_then_done(http, engine):
         engine.fail_after_tokens = None
 
 
+def test_engine_error_before_any_output_is_a_status_not_a_stream(http, engine):
+    engine.first_output_error = "executor failed: out of memory"
+    try:
+        resp = http.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "stream": True})
+        err = assert_error(resp, 500, code="engine_error")
+        assert err["message"] == "executor failed: out of memory"
+    finally:
+        engine.first_output_error = None
+
+
 def test_dead_engine_health_503_and_requests_503(http, engine):
     engine.dead = True
     try:

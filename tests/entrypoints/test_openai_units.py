@@ -95,7 +95,9 @@ def test_server_flags(monkeypatch):
     assert opts.app.api_key == "from-vllm-env" and opts.app.allowed_origins == ("*", "https://x")
     monkeypatch.setenv("FLOWENGINE_API_KEY", "from-env")
     assert options_from(make_parser().parse_args([])).app.api_key == "from-env"
-    ns = make_parser().parse_args(["--api-key", "flag", "--allowed-origins", "https://a", "https://b"])
+    ns = make_parser().parse_args(
+        ["--api-key", "flag", "--allowed-origins", "https://a", "https://b"]
+    )
     opts = options_from(ns)
     assert opts.app.api_key == "flag" and opts.app.allowed_origins == ("https://a", "https://b")
     assert main(["--max-queue-len", "0"]) == 2

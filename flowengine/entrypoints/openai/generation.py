@@ -111,6 +111,7 @@ class EngineStream:
         self.num_generated_tokens = 0
         self.finished = False
         self._closed = False
+        self._observe(first)  # TTFT counts when the first output arrived
 
     @classmethod
     async def open(
@@ -146,21 +147,26 @@ class EngineStream:
         finally:
             if admission is not None:
                 admission.leave()
-        return cls(engine, request_id, iterator, first, arrival_s, metrics)
+        stream = cls(engine, request_id, iterator, first, arrival_s, metrics)
+        if first.error is not None:
+            # Failed before any output reached the client: answer with a status code.
+            await stream.aclose()
+            raise APIError(500, first.error, type="server_error", code="engine_error")
+        return stream
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         """Yield outputs up to the finished one. Raises APIError for engine errors."""
+        if self._first is not None:
+            out, self._first = self._first, None
+            yield out
         while not self.finished:
-            if self._first is not None:
-                out, self._first = self._first, None
-            else:
-                try:
-                    out = await anext(self._iterator)
-                except StopAsyncIteration:
-                    logger.error("request %s: the engine stream ended unfinished", self.request_id)
-                    raise internal_error() from None
-                except Exception as err:
-                    raise engine_error(err) from err
+            try:
+                out = await anext(self._iterator)
+            except StopAsyncIteration:
+                logger.error("request %s: the engine stream ended unfinished", self.request_id)
+                raise internal_error() from None
+            except Exception as err:
+                raise engine_error(err) from err
             self._observe(out)
             if out.error is not None:
                 raise APIError(500, out.error, type="server_error", code="engine_error")
