@@ -176,10 +176,12 @@ class OpenAIApp:
                 logger.exception("%s %s failed", request.method, request.path)
                 response = error_response(internal_error())
             await response.send(send, cors)
-        except (ClientDisconnected, asyncio.CancelledError):
+        except ClientDisconnected:  # gone while sending its body
+            logger.info("%s %s: client disconnected", request.method, request.path)
+        except asyncio.CancelledError:
             if not request.disconnected:
                 raise  # cancelled by the server (shutdown), not by the client
-            task.uncancel()
+            task.uncancel()  # our watcher's cancel, handled here
             logger.info("%s %s: client disconnected", request.method, request.path)
         finally:
             if watcher is not None:
