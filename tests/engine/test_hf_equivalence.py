@@ -68,8 +68,9 @@ def test_chunked_prefill_equals_hf(default_model_path, prompt_ids, reference):
 
 
 def test_preemption_equals_hf(default_model_path, prompt_ids, reference):
-    # 80 blocks of 16 tokens: the long prompt alone needs ~40; the batch needs far more.
-    llm = LLM(default_model_path, num_kv_blocks=80, enable_prefix_caching=False)
+    # 90 blocks of 16 tokens: the long prompt with its output needs 81, the whole
+    # batch 122, so requests must be preempted and recomputed.
+    llm = LLM(default_model_path, num_kv_blocks=90, enable_prefix_caching=False)
     assert _generate(llm, prompt_ids) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_blocks_free(llm)
