@@ -18,8 +18,9 @@ from typing import Any
 from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
 from flowengine.entrypoints.openai.context import ServingContext, log_request
-from flowengine.entrypoints.openai.generation import EngineStream, engine_error, open_streams
+from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import chat_logprobs
+from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params
 from flowengine.outputs import CompletionOutput

@@ -18,14 +18,9 @@ from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.errors import bad_request
-from flowengine.entrypoints.openai.generation import (
-    EngineStream,
-    close_streams,
-    engine_error,
-    merge_streams,
-    open_streams,
-)
+from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import completion_logprobs, extend_completion_logprobs
+from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest
 from flowengine.entrypoints.openai.sampling import completion_params
 
