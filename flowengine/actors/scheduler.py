@@ -87,6 +87,7 @@ class SchedulerActor:
         self._in_flight: deque[StepPlan] = deque()
         self._pending: list[RequestDelta] = []
         self._stopping = False
+        self._last_stats: SchedulerStats | None = None
         self.stopped = anyio.Event()
 
     async def run(self) -> None:
@@ -104,6 +105,7 @@ class SchedulerActor:
             if idle and self._stopping:
                 break
             if idle:
+                await self._emit_stats_if_changed()  # e.g. blocks freed after the last step
                 self._handle(await self.requests.recv_async())
                 continue
             while len(self._in_flight) < self.max_steps_in_flight:
@@ -133,8 +135,14 @@ class SchedulerActor:
         deltas = self._pending + deltas
         self._pending = []
         if deltas:
-            stats = scheduler_stats(self.scheduler)
-            await self.outputs.send_async(EngineOutputs(deltas, time.time(), stats))
+            self._last_stats = scheduler_stats(self.scheduler)
+            await self.outputs.send_async(EngineOutputs(deltas, time.time(), self._last_stats))
+
+    async def _emit_stats_if_changed(self) -> None:
+        stats = scheduler_stats(self.scheduler)
+        if stats != self._last_stats:
+            self._last_stats = stats
+            await self.outputs.send_async(EngineOutputs([], time.time(), stats))
 
     def _drain_requests(self) -> None:
         while (msg := self.requests.try_recv()) is not None:

@@ -73,7 +73,8 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
 
 
 def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
-    """KV blocks that fit the budget: `num_kv_blocks`, else the CPU byte budget.
+    """KV blocks that fit the budget: `num_kv_blocks`, else `kv_cache_memory_bytes`,
+    else the CPU default byte budget (CUDA profiles instead, see _build_cuda_runner).
 
     Raises ValueError if not even one max_model_len request fits.
     """
@@ -90,6 +91,40 @@ def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
     return num_blocks
 
 
+def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
+                       runner_kwargs: dict[str, Any]) -> tuple[Any, CacheConfig]:
+    """Load the weights on CUDA, size the KV cache (num_kv_blocks, else
+    kv_cache_memory_bytes, else by profiling the largest step against
+    gpu_memory_utilization), allocate it and capture the decode CUDA graphs.
+
+    Raises ValueError when the profiled budget cannot hold one max_model_len request.
+    """
+    from flowengine.executor.cuda_runner import CudaModelRunner
+    from flowengine.executor.memory_profile import num_kv_blocks_from_profile
+
+    args = resolved.args
+    runner = CudaModelRunner(resolved.model_config, None, enforce_eager=args.enforce_eager,
+                             **runner_kwargs)
+    if args.num_kv_blocks is not None or args.kv_cache_memory_bytes is not None:
+        num_blocks = num_kv_blocks_for(resolved, bytes_per_block)
+    else:
+        profile = runner.profile_memory(args.block_size)
+        num_blocks = num_kv_blocks_from_profile(profile, args.gpu_memory_utilization,
+                                                bytes_per_block)
+        needed = -(-resolved.max_model_len // args.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens "
+                f"({num_blocks * args.block_size} tokens), less than one max_model_len "
+                f"request ({resolved.max_model_len} tokens); lower max_model_len or raise "
+                "gpu_memory_utilization"
+            )
+    cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
+    runner.initialize_kv_cache(cache_config)
+    runner.capture_cuda_graphs()
+    return runner, cache_config
+
+
 def build_engine_core(resolved: ResolvedEngine):
     """Load weights, allocate the KV cache and return a ready `EngineCore`."""
     import torch
@@ -103,11 +138,7 @@ def build_engine_core(resolved: ResolvedEngine):
     torch.manual_seed(args.seed)
     dtype = getattr(torch, resolved.dtype)
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size, dtype)
-    num_blocks = num_kv_blocks_for(resolved, per_block)
-    cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-    runner = ModelRunner(
-        resolved.model_config,
-        cache_config,
+    runner_kwargs: dict[str, Any] = dict(
         device=torch.device(resolved.device),
         dtype=dtype,
         load_format=args.load_format,
@@ -116,6 +147,13 @@ def build_engine_core(resolved: ResolvedEngine):
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
     )
+    if resolved.device == "cuda":
+        runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)
+    else:
+        num_blocks = num_kv_blocks_for(resolved, per_block)
+        cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
+        runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
+    num_blocks = cache_config.num_blocks
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

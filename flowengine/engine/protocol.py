@@ -56,6 +56,10 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
 
+    async def start(self) -> None:
+        """Load the model and start serving (idempotent)."""
+        ...
+
     def get_tokenizer(self) -> Any: ...
 
     def submit(

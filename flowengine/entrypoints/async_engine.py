@@ -56,6 +56,7 @@ class AsyncEngine:
         self._started = False
         self._start_lock = asyncio.Lock()
         self._dead: EngineDeadError | None = None
+        self._shutting_down = False
         self._task: asyncio.Task | None = None
         self._children: dict[str, list[str]] = {}
 
@@ -129,8 +130,9 @@ class AsyncEngine:
             async with anyio.create_task_group() as tg:
                 for actor in actors:
                     tg.start_soon(actor.run, name=type(actor).__name__)
-        except BaseException as exc:  # an actor failed: the engine is dead
-            logger.error("engine stopped: %r", exc)
+        except BaseException as exc:  # an actor failed, or shutdown() cancelled us
+            if not self._shutting_down:
+                logger.error("engine stopped: %r", exc)
             self._dead = EngineDeadError(f"the engine stopped: {exc!r}")
             self.streamer.fail_all(self._dead)
             if not isinstance(exc, Exception):
@@ -141,6 +143,7 @@ class AsyncEngine:
         if not self._started or self._task is None:
             return
         self.ingress.accepting = False
+        self._shutting_down = True
         with anyio.move_on_after(drain_timeout_s):
             while len(self.streamer) and self._dead is None:
                 await asyncio.sleep(0.02)

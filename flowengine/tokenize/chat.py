@@ -7,10 +7,12 @@ Validation happens here, before Jinja, so that a caller learns what to change
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

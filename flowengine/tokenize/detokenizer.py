@@ -12,7 +12,11 @@ of a few tokens, never the whole text: O(1) work per token.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens of left context.
 _PROMPT_CONTEXT_TOKENS = 5

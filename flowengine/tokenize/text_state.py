@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from flowengine.sampling_params import SamplingParams
 from flowengine.tokenize.detokenizer import IncrementalDetokenizer
 from flowengine.tokenize.stop_checker import StopStringChecker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalTextState:

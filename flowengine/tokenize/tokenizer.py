@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(
@@ -33,6 +35,8 @@ def load_tokenizer(
             f"{path_or_name!r} does not exist; give an existing model directory or .gguf "
             "file, or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
         )
+    from transformers import AutoTokenizer
+
     try:
         if path.suffix == ".gguf" and path.is_file():
             tokenizer = AutoTokenizer.from_pretrained(
@@ -91,6 +95,8 @@ def _generation_config_eos_ids(model_path: str, revision: str | None) -> list[in
         eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
     else:
         try:
+            from transformers import GenerationConfig
+
             eos = GenerationConfig.from_pretrained(model_path, revision=revision).eos_token_id
         except OSError:
             return []
