@@ -162,9 +162,13 @@ class SchedulerStats(_Msg):
 
 
 class EngineOutputs(_Msg):
+    """Deltas of one engine step. `generation` counts engine restarts: the frontend
+    drops outputs of an engine generation it has already replaced."""
+
     outputs: list[RequestDelta]
     timestamp: float = 0.0
     stats: SchedulerStats | None = None
+    generation: int = 0
 
 
 # ---------------------------------------------------------------- executor handshake

@@ -1,5 +1,8 @@
 """Actor plumbing: the channel interface every actor talks through.
 
+In-process channels are `flowengine.shm.InprocChannel`; shared-memory ones are
+`flowengine.shm.Channel` over a ring.
+
 An actor is a class with inboxes, a `run()` coroutine and pure logic it delegates to
 (DESIGN.md §1). Channels have one interface whether they are in-process queues or
 shared-memory rings (`flowengine.shm`), so placement is configuration.
@@ -35,32 +38,3 @@ async def run_blocking(fn: Callable[..., T], *args: Any) -> T:
     """
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=False)
 
-
-class InprocChannel:
-    """A channel between actors of one process (one event loop), unbounded.
-
-    Same interface as the shared-memory channels, so actors do not know their placement.
-    Messages pass by reference: no encoding, no copy.
-    """
-
-    def __init__(self, max_buffer_size: float = float("inf")) -> None:
-        self._send, self._recv = anyio.create_memory_object_stream[Any](max_buffer_size)
-
-    async def send_async(self, msg: Any) -> None:
-        await self._send.send(msg)
-
-    def send(self, msg: Any) -> None:
-        self._send.send_nowait(msg)
-
-    async def recv_async(self) -> Any:
-        return await self._recv.receive()
-
-    def try_recv(self) -> Any | None:
-        try:
-            return self._recv.receive_nowait()
-        except anyio.WouldBlock:
-            return None
-
-    def close(self) -> None:
-        self._send.close()
-        self._recv.close()

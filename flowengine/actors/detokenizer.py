@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from flowengine.actors.base import Channel, InprocChannel
+import anyio
+
+from flowengine.actors.base import Channel
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.messages import AbortRequest, EngineOutputs, SchedulerStats
+from flowengine.shm.inproc import InprocChannel
 
 
 class DetokenizerActor:
@@ -39,6 +42,21 @@ class DetokenizerActor:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished_by_reason: Counter[str] = Counter()
+        # Engine generation whose outputs are current; older ones are dropped (their
+        # tokens are recomputed by the restarted engine).
+        self.generation = 0
+        self._generation_ready: anyio.Event | None = None
+
+    def expect_generation(self, generation: int) -> anyio.Event:
+        """From now on drop outputs of older engine generations; the event is set when
+        the first output of `generation` (its ready message) arrives."""
+        self.generation = generation
+        self._generation_ready = anyio.Event()
+        return self._generation_ready
+
+    def drain_control(self) -> None:
+        """Apply pending registrations now (before a resubmission after a restart)."""
+        self._drain_control()
 
     def register(self, processed: ProcessedPrompt) -> None:
         self.control.send(("add", processed))
@@ -59,6 +77,11 @@ class DetokenizerActor:
         while True:
             msg: EngineOutputs = await self.outputs.recv_async()
             self._drain_control()
+            if msg.generation != self.generation:
+                continue  # from an engine that was replaced; its requests are recomputed
+            if self._generation_ready is not None:
+                self._generation_ready.set()
+                self._generation_ready = None
             if msg.stats is not None:
                 self.stats = msg.stats
             for delta in msg.outputs:

@@ -71,6 +71,7 @@ class SchedulerActor:
         outputs: Channel,
         *,
         max_steps_in_flight: int = 1,
+        generation: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.max_model_len = max_model_len
@@ -84,6 +85,7 @@ class SchedulerActor:
         # Planning on placeholders is what lets decodes overlap; with one step in flight
         # the two modes make the same plans.
         scheduler.async_scheduling = max_steps_in_flight > 1
+        self.generation = generation
         self._in_flight: deque[StepPlan] = deque()
         self._pending: list[RequestDelta] = []
         self._stopping = False
@@ -136,13 +138,15 @@ class SchedulerActor:
         self._pending = []
         if deltas:
             self._last_stats = scheduler_stats(self.scheduler)
-            await self.outputs.send_async(EngineOutputs(deltas, time.time(), self._last_stats))
+            await self.outputs.send_async(
+                EngineOutputs(deltas, time.time(), self._last_stats, self.generation)
+            )
 
     async def _emit_stats_if_changed(self) -> None:
         stats = scheduler_stats(self.scheduler)
         if stats != self._last_stats:
             self._last_stats = stats
-            await self.outputs.send_async(EngineOutputs([], time.time(), stats))
+            await self.outputs.send_async(EngineOutputs([], time.time(), stats, self.generation))
 
     def _drain_requests(self) -> None:
         while (msg := self.requests.try_recv()) is not None:
@@ -150,6 +154,9 @@ class SchedulerActor:
 
     def _handle(self, msg: NewRequest | AbortRequest | Shutdown) -> None:
         if isinstance(msg, NewRequest):
+            known = self.scheduler.get_request(msg.request_id)
+            if known is not None and not known.is_finished:
+                return  # resubmitted after a restart and also sent directly: keep one
             try:
                 self.scheduler.add_request(request_from_msg(msg, self.max_model_len))
             except ValueError as exc:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from flowengine.actors.base import InprocChannel
 from flowengine.outputs import RequestOutput
+from flowengine.shm.inproc import InprocChannel
 
 
 class RequestStream:

@@ -11,10 +11,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from flowengine.actors.base import Channel, InprocChannel
+from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
 from flowengine.engine.input_processor import InputProcessor
 from flowengine.sampling_params import SamplingParams
+from flowengine.shm.inproc import InprocChannel
 
 
 @dataclass

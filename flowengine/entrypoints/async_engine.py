@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from flowengine.actors.base import Channel, InprocChannel
+from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
 from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
@@ -32,6 +32,7 @@ from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import SamplingParams
+from flowengine.shm.inproc import InprocChannel
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,11 @@ class AsyncEngine:
         else:
             from flowengine.actors.supervisor import Supervisor
 
-            self.supervisor = Supervisor(self.resolved, on_restart=self._on_engine_restart)
+            self.supervisor = Supervisor(
+                self.resolved,
+                expect_generation=lambda g: self.detokenizer.expect_generation(g),
+                resubmit=self._resubmit_after_restart,
+            )
             await self.supervisor.start()
             self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
             engine_actors = [self.supervisor]
@@ -148,6 +153,8 @@ class AsyncEngine:
             while len(self.streamer) and self._dead is None:
                 await asyncio.sleep(0.02)
         if self._dead is None:
+            if self.args.placement != "inproc":
+                self.supervisor.begin_stop()
             await self.requests.send_async(Shutdown())
             with anyio.move_on_after(max(1.0, drain_timeout_s)):
                 await self._wait_engine_stopped()
@@ -221,8 +228,9 @@ class AsyncEngine:
                 self.requests.send_async(AbortRequest([child_id]))
             )
 
-    def _on_engine_restart(self) -> list[Any]:
+    def _resubmit_after_restart(self) -> list[Any]:
         """The engine restarted: recompute every live request from what was delivered."""
+        self.detokenizer.drain_control()
         return self.detokenizer.processor.resubmit_requests()
 
     # ------------------------------------------------------------------ introspection

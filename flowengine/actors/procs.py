@@ -1,0 +1,150 @@
+"""Entry points of the engine and executor processes (DESIGN.md §1, §8).
+
+The supervisor starts each as a fresh interpreter (spawn semantics):
+
+    python -m flowengine.actors.procs '<ProcConfig as JSON>'
+
+The configuration travels as msgspec JSON on the command line and every message over
+shared-memory rings as msgpack, so no pickle is involved anywhere, not even in the
+bootstrap (multiprocessing's spawn would pickle its arguments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from flowengine.config import CacheConfig, EngineArgs, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RingNames(msgspec.Struct, frozen=True):
+    """Segment names of one engine run's four channels (DESIGN.md §1)."""
+
+    requests: str
+    outputs: str
+    steps: str
+    results: str
+
+
+class ProcConfig(msgspec.Struct, frozen=True):
+    role: str  # "engine" | "executor"
+    engine_args: EngineArgs
+    rings: RingNames
+    rank: int = 0
+    generation: int = 0
+
+
+def build_scheduler(resolved: Any, num_blocks: int):
+    """The engine process's `Scheduler` for a KV cache of `num_blocks` blocks."""
+    from flowengine.core.scheduler import Scheduler
+
+    args: EngineArgs = resolved.args
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=resolved.max_num_batched_tokens,
+            max_model_len=resolved.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+        ),
+        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+    )
+
+
+async def engine_main(cfg: ProcConfig) -> None:
+    """Scheduler actor: requests ring in, steps ring out, results in, outputs out."""
+    from flowengine.actors.scheduler import SchedulerActor, scheduler_stats
+    from flowengine.engine.builder import resolve
+    from flowengine.messages import (
+        EngineOutputs,
+        ExecutorReady,
+        RequestsMsg,
+        ResultsMsg,
+        StepsMsg,
+    )
+    from flowengine.shm import BroadcastWriter, Channel, RingReader, RingWriter
+
+    resolved = resolve(cfg.engine_args)
+    requests = Channel(RingReader.attach(cfg.rings.requests), RequestsMsg)
+    outputs = Channel(RingWriter.attach(cfg.rings.outputs), EngineOutputs)
+    steps = Channel(BroadcastWriter.attach(cfg.rings.steps), StepsMsg)
+    results = Channel(RingReader.attach(cfg.rings.results), ResultsMsg)
+    ready = await results.recv_async()
+    if not isinstance(ready, ExecutorReady):
+        raise RuntimeError(f"expected ExecutorReady from rank 0, got {type(ready).__name__}")
+    scheduler = build_scheduler(resolved, ready.num_kv_blocks)
+    actor = SchedulerActor(
+        scheduler, resolved.max_model_len, requests, steps, results, outputs,
+        max_steps_in_flight=2 if cfg.engine_args.async_scheduling else 1,
+        generation=cfg.generation,
+    )
+    # The ready message: the frontend resubmits in-flight requests after it.
+    await outputs.send_async(
+        EngineOutputs([], time.time(), scheduler_stats(scheduler), cfg.generation)
+    )
+    await actor.run()
+
+
+async def _inline(fn: Any, *args: Any) -> Any:
+    # The executor process has nothing else to do while the model runs.
+    return fn(*args)
+
+
+async def executor_main(cfg: ProcConfig) -> None:
+    """Executor (+ Sampler on rank 0): steps ring in, results ring out."""
+    import anyio
+    import torch
+
+    from flowengine.actors.executor import ExecutorActor, SamplerActor
+    from flowengine.engine.builder import build_engine_core, resolve
+    from flowengine.messages import ExecutorReady, ResultsMsg, StepsMsg
+    from flowengine.shm import Channel, RingReader, RingWriter
+
+    resolved = resolve(cfg.engine_args)
+    if resolved.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Leave a core to the engine and frontend processes: OpenMP threads that wait
+        # for a descheduled sibling make small matmuls many times slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
+    core = build_engine_core(resolved)
+    results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
+    await results.send_async(ExecutorReady(core.scheduler.num_total_blocks, cfg.rank))
+    sampler = SamplerActor(core.executor, results, blocking=_inline)
+    executor = ExecutorActor(core.executor, steps, sampler, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sampler.run)
+        tg.start_soon(executor.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = msgspec.json.decode(argv[0], type=ProcConfig)
+    logging.basicConfig(
+        level=os.environ.get("FLOWENGINE_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s {cfg.role}{cfg.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    coro = engine_main(cfg) if cfg.role == "engine" else executor_main(cfg)
+    with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
+        runner.run(coro)
+    return 0
+
+
+def new_event_loop_factory() -> Any:
+    """uvloop's loop where available (the client's choice), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
