@@ -7,6 +7,7 @@ broadcast ring.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Self
 
@@ -177,6 +178,7 @@ class RingReader:
             data = self._poll()
             if data is not None:
                 return data
+            os.sched_yield()  # see SPIN_NS in doorbell.py
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             data = self._poll()

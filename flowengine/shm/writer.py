@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Self
 
@@ -190,6 +191,7 @@ class RingWriter:
         while time.perf_counter_ns() < spin_end_ns:
             if self.try_send(data):
                 return
+            os.sched_yield()  # see SPIN_NS in doorbell.py
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.try_send(data):
             wait_s = STALL_CHECK_S
