@@ -38,8 +38,28 @@ class LLM:
         self.resolved = resolve(self.engine_args)
         self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.resolved.model_path)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
-        self.engine = build_engine_core(self.resolved)
         self._ids = itertools.count()
+        self._background = None
+        if self.engine_args.placement == "inproc":
+            self.engine = build_engine_core(self.resolved)
+        else:
+            # Same actors and processes as the server: requests go through submit().
+            from flowengine.entrypoints.async_engine import AsyncEngine
+            from flowengine.entrypoints.llm_multiproc import BackgroundEngine
+
+            self._background = BackgroundEngine(AsyncEngine.from_engine_args(self.engine_args))
+
+    def shutdown(self) -> None:
+        """Stop the engine processes (multiproc placement); a no-op in process."""
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -111,6 +131,16 @@ class LLM:
         return params
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        if self._background is not None:
+            with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
+                jobs = [
+                    ({"prompt_token_ids": p.prompt_token_ids}, p.sampling_params, p.request_id)
+                    for p in processed
+                ]
+                outs = self._background.generate(jobs, lambda: bar.update(1))
+            for p, out in zip(processed, outs, strict=True):
+                out.prompt = p.prompt
+            return outs
         outputs = OutputProcessor(self.tokenizer, stream=False)
         order = {p.request_id: i for i, p in enumerate(processed)}
         results: list[RequestOutput | None] = [None] * len(processed)
