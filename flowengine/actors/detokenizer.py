@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import anyio
@@ -44,6 +45,7 @@ class DetokenizerActor:
         self.finished_by_reason: Counter[str] = Counter()
         # Engine generation whose outputs are current; older ones are dropped (their
         # tokens are recomputed by the restarted engine).
+        self.busy_s = 0.0  # time spent detokenizing (for `flowengine bench pipeline`)
         self.generation = 0
         self._generation_ready: anyio.Event | None = None
 
@@ -88,7 +90,9 @@ class DetokenizerActor:
                 self.generation_tokens_total += len(delta.new_token_ids)
                 if delta.finish_reason is not None:
                     self.finished_by_reason[delta.finish_reason] += 1
+            start = time.perf_counter()
             outs, to_stop = self.processor.process(msg.outputs)
+            self.busy_s += time.perf_counter() - start
             if to_stop:
                 await self.requests.send_async(AbortRequest(to_stop))
             if outs:

@@ -8,6 +8,7 @@ The two actors live in one process and one event loop: logits are device tensors
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,6 +37,7 @@ class SamplerActor:
         send, recv = anyio.create_memory_object_stream[tuple[StepPlan, Any, anyio.Event] | None](1)
         self.inbox = send
         self._recv = recv
+        self.busy_s = 0.0  # time sampling
 
     async def run(self) -> None:
         async with self._recv:
@@ -43,11 +45,13 @@ class SamplerActor:
                 if item is None:
                     return
                 plan, model_output, done = item
+                start = time.perf_counter()
                 try:
                     result = await self._blocking(self.executor.sample, plan, model_output)
                 except Exception as exc:
                     logger.error("sampling step %d failed: %s", plan.step_id, traceback.format_exc())
                     result = StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}")
+                self.busy_s += time.perf_counter() - start
                 done.set()  # the runner holds the new tokens: the next step may start
                 await self.results.send_async(result)
 
@@ -75,6 +79,7 @@ class ExecutorActor:
         self.sampler = sampler
         self.results = results
         self._blocking = blocking
+        self.busy_s = 0.0  # time in the model forward
 
     async def run(self) -> None:
         try:
@@ -88,6 +93,7 @@ class ExecutorActor:
                 await self.sampler.inbox.send(None)
 
     async def _step(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
         try:
             output = await self._blocking(self.executor.runner.execute_model, plan)
         except Exception as exc:
@@ -96,6 +102,8 @@ class ExecutorActor:
                 error = f"{type(exc).__name__}: {exc}"
                 await self.results.send_async(StepResult(plan.step_id, [], error=error))
             return
+        finally:
+            self.busy_s += time.perf_counter() - start
         if self.sampler is None:
             return
         done = anyio.Event()

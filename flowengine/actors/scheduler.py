@@ -86,6 +86,7 @@ class SchedulerActor:
         # the two modes make the same plans.
         scheduler.async_scheduling = max_steps_in_flight > 1
         self.generation = generation
+        self.busy_s = 0.0  # time in schedule() and update_from_output()
         self._in_flight: deque[StepPlan] = deque()
         self._pending: list[RequestDelta] = []
         self._stopping = False
@@ -111,7 +112,9 @@ class SchedulerActor:
                 self._handle(await self.requests.recv_async())
                 continue
             while len(self._in_flight) < self.max_steps_in_flight:
+                start = time.perf_counter()
                 plan = self.scheduler.schedule()
+                self.busy_s += time.perf_counter() - start
                 if not plan.num_scheduled_tokens and not plan.finished_req_ids:
                     break
                 await self.steps.send_async(plan)
@@ -131,7 +134,10 @@ class SchedulerActor:
         if result.step_id != plan.step_id:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {plan.step_id}")
         if plan.num_scheduled_tokens:
-            await self._emit(self.scheduler.update_from_output(plan, result))
+            start = time.perf_counter()
+            deltas = self.scheduler.update_from_output(plan, result)
+            self.busy_s += time.perf_counter() - start
+            await self._emit(deltas)
 
     async def _emit(self, deltas: list[RequestDelta]) -> None:
         deltas = self._pending + deltas

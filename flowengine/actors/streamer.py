@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from flowengine.outputs import RequestOutput
@@ -42,6 +43,7 @@ class StreamerActor:
         self.inbox = InprocChannel()
         self._streams: dict[str, RequestStream] = {}
         self._on_orphan = on_orphan
+        self.busy_s = 0.0  # time spent routing (for `flowengine bench pipeline`)
 
     def open(self, request_id: str) -> RequestStream:
         if request_id in self._streams:
@@ -64,12 +66,17 @@ class StreamerActor:
     async def run(self) -> None:
         while True:
             outputs: list[RequestOutput] = await self.inbox.recv_async()
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    if not out.finished and self._on_orphan is not None:
-                        self._on_orphan(out.request_id)
-                    continue
-                stream.put(out)
-                if out.finished:
-                    del self._streams[out.request_id]
+            start = time.perf_counter()
+            self._route(outputs)
+            self.busy_s += time.perf_counter() - start
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                if not out.finished and self._on_orphan is not None:
+                    self._on_orphan(out.request_id)
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]

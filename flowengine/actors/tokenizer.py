@@ -8,6 +8,7 @@ sends the `NewRequest`s to the engine.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,17 +43,21 @@ class TokenizerActor:
         self.detokenizer = detokenizer
         self.requests = requests
         self.inbox = InprocChannel()
+        self.busy_s = 0.0  # time tokenizing and validating
 
     async def run(self) -> None:
         while True:
             job: TokenizeJob = await self.inbox.recv_async()
             if job.future.cancelled():
                 continue
+            start = time.perf_counter()
             try:
                 processed = self._process(job)
             except (ValueError, TypeError) as exc:
                 job.future.set_exception(exc)
                 continue
+            finally:
+                self.busy_s += time.perf_counter() - start
             self.detokenizer.register(processed)
             for child in processed.children:
                 await self.requests.send_async(child)

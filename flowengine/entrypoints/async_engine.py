@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -50,10 +50,13 @@ class AsyncEngine:
 
     def __init__(
         self, model: str | None = None, *, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
-        **engine_args: Any,
+        core_factory: Callable[[Any], Any] | None = None, **engine_args: Any,
     ) -> None:
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.max_queue_len = max_queue_len
+        # Builds the in-process EngineCore from the ResolvedEngine; `flowengine bench
+        # pipeline` passes one with a null model. Default: the real model.
+        self._core_factory = core_factory
         self._started = False
         self._start_lock = asyncio.Lock()
         self._dead: EngineDeadError | None = None
@@ -118,7 +121,8 @@ class AsyncEngine:
         from flowengine.actors.scheduler import SchedulerActor
         from flowengine.engine.builder import build_engine_core
 
-        core = await anyio.to_thread.run_sync(build_engine_core, self.resolved)
+        factory = self._core_factory or build_engine_core
+        core = await anyio.to_thread.run_sync(factory, self.resolved)
         self.core = core
         requests, steps, results, outputs = (InprocChannel() for _ in range(4))
         sampler = SamplerActor(core.executor, results)
@@ -128,6 +132,7 @@ class AsyncEngine:
             max_steps_in_flight=2 if self.args.async_scheduling else 1,
         )
         self._scheduler_actor = scheduler
+        self.engine_actors = {"scheduler": scheduler, "executor": executor, "sampler": sampler}
         return requests, outputs, [scheduler, executor, sampler]
 
     async def _run(self, actors: list[Any]) -> None:
