@@ -68,10 +68,13 @@ def test_chunked_prefill_equals_hf(default_model_path, prompt_ids, reference):
 
 
 def test_preemption_equals_hf(default_model_path, prompt_ids, reference):
-    # 90 blocks of 16 tokens: the long prompt with its output needs 81, the whole
-    # batch 122, so requests must be preempted and recomputed.
+    # 90 blocks of 16 tokens: the long prompt (first, so it is admitted first) with its
+    # output needs 81, the whole batch 122, so short requests admitted beside it run out
+    # of blocks as they grow and are preempted and recomputed.
     llm = LLM(default_model_path, num_kv_blocks=90, enable_prefix_caching=False)
-    assert _generate(llm, prompt_ids) == reference
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    outs = _generate(llm, [prompt_ids[i] for i in order])
+    assert outs == [reference[i] for i in order]
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_all_blocks_free(llm)
 
