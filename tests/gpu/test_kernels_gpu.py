@@ -218,9 +218,11 @@ def test_rms_norm_bf16_rounds_like_transformers() -> None:
     # transformers' LlamaRMSNorm: fp32 statistics, cast, then the bf16 weight multiply.
     xf = x.float()
     hf = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
-    # Only the fp32 summation order differs, which can flip a rare last bf16 bit.
+    # Only the fp32 summation order differs, which can flip a rare last bf16 bit of
+    # the normalized value and, through the weight multiply, of the output: at most
+    # two bf16 ulps (2 * 2**-7 relative), seen on 22 of 16.7M elements on an H200.
     assert (out == hf).float().mean().item() > 0.999
-    torch.testing.assert_close(out, hf, rtol=8e-3, atol=0)
+    torch.testing.assert_close(out, hf, rtol=2 * 2**-7, atol=0)
 
 
 def test_fused_add_rms_norm_bf16_exact_residual() -> None:
