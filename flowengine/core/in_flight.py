@@ -21,13 +21,13 @@ Pure Python: this module must not import torch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+
+import msgspec
 
 from flowengine.request import Request
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct, frozen=True, gc=False):
     """One request of an in-flight plan, as the scheduler saw it when planning.
 
     Attributes:
@@ -36,6 +36,10 @@ class ScheduledRequest:
             means the request was preempted since, so this step's blocks are not its own.
         samples: the step computes the request's last token (known or placeholder), so
             the executor samples one token for it.
+
+    A msgspec struct rather than a dataclass: one is made per request per step, and a
+    struct is built several times faster. Never sent anywhere (it holds the Request).
+    gc=False is safe: it is immutable and nothing it references points back to it.
     """
 
     request: Request

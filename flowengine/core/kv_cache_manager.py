@@ -142,7 +142,14 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        # Fast path (most decode steps): the tokens fit in the blocks the request holds.
+        if (
+            req_blocks is not None
+            and not new_computed_blocks
+            and request.num_computed_tokens + num_new_tokens <= len(req_blocks) * self.block_size
+        ):
+            return []
         if new_computed_blocks and req_blocks:
             raise ValueError(
                 f"request {request.request_id} already holds blocks; prefix-cache hits "
@@ -159,7 +166,10 @@ class KVCacheManager:
             self.block_pool.touch(new_computed_blocks)
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        self.req_to_blocks[request.request_id] = [*req_blocks, *new_computed_blocks, *new_blocks]
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
         return new_blocks
 
     def num_new_blocks_for(
@@ -181,8 +191,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         req_id = request.request_id
-        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(req_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # no block filled up (most decode steps)
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None or num_full <= start:
             return

@@ -52,6 +52,15 @@ class RequestQueue:
         """The request that sorts last (lowest priority). Raises IndexError when empty."""
         return self._requests[-1]
 
+    @property
+    def requests(self) -> list[Request]:
+        """The queue's own list of requests, in order, for fast iteration by index.
+
+        NOTE: read it, never change it; `remove` shrinks it in place, so a loop by index
+        stays valid when it removes the request at or after its index.
+        """
+        return self._requests
+
     def snapshot(self) -> list[Request]:
         """The requests in order, as a copy that is safe to iterate while editing."""
         return list(self._requests)

@@ -47,6 +47,8 @@ Pure Python: this module must not import torch.
 
 from __future__ import annotations
 
+from itertools import chain
+
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.block_pool import KVCacheBlock
 from flowengine.core.in_flight import ScheduledRequest
@@ -54,6 +56,8 @@ from flowengine.core.scheduler_state import SchedulerState
 from flowengine.core.step_draft import StepDraft
 from flowengine.messages import RequestDelta, StepPlan, StepResult
 from flowengine.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler(SchedulerState):
@@ -99,37 +103,49 @@ class Scheduler(SchedulerState):
             self._schedule_waiting(draft)
         return self._make_plan(draft)
 
-    def _num_new_tokens(self, request: Request) -> int:
-        """Tokens of `request` left to compute: its known tokens, plus with async
-        scheduling its placeholders, unless those surely end it by length."""
-        num_tokens = request.num_tokens
-        if self.async_scheduling:
-            num_placeholders = self.in_flight.num_placeholders(request)
-            if num_placeholders and (
-                request.num_output_tokens + num_placeholders >= request.max_tokens
-                or num_tokens + num_placeholders >= self.max_len
-            ):
-                return 0  # a speculative token could never be delivered
-            num_tokens += num_placeholders
-        return num_tokens - request.num_computed_tokens
+    def _num_known_tokens(self, request: Request, num_tokens: int) -> int:
+        """With async scheduling: the request's `num_tokens` plus its placeholders, or its
+        `num_computed_tokens` (nothing to compute) when those surely end it by length."""
+        num_placeholders = self.in_flight.num_placeholders(request)
+        if num_placeholders and (
+            request.num_output_tokens + num_placeholders >= request.max_tokens
+            or num_tokens + num_placeholders >= self.max_len
+        ):
+            return request.num_computed_tokens  # a speculative token could never be delivered
+        return num_tokens + num_placeholders
 
     def _schedule_running(self, draft: StepDraft) -> None:
+        # NOTE: hot path, run for every running request on every step; keep it lean.
+        running = self.running.requests  # preemption pops from its end: index stays valid
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        with_placeholders = self.async_scheduling and len(self.in_flight) > 0
+        scheduled = draft.cached_reqs
+        budget = draft.token_budget
         index = 0
-        while index < len(self.running) and draft.token_budget > 0:
-            request = self.running[index]
-            num_new = min(self._num_new_tokens(request), draft.token_budget)
-            if num_new > 0:
-                new_blocks = self._allocate_or_preempt(request, num_new, draft)
-                if new_blocks is None:
-                    return  # it preempted itself (the last one running) or waits for blocks
-                draft.add_cached(request, num_new, new_blocks)
+        while index < len(running) and budget > 0:
+            request = running[index]
             index += 1
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if with_placeholders:
+                num_known = self._num_known_tokens(request, num_known)
+            num_new = min(num_known - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            new_blocks = allocate_slots(request, num_new)
+            if new_blocks is None:
+                new_blocks = self._preempt_for(request, num_new, draft)
+                if new_blocks is None:
+                    break  # it preempted itself (the last one running) or waits for blocks
+            scheduled.append((request, num_new, new_blocks, num_known))  # draft.add_cached
+            budget -= num_new
+        draft.token_budget = budget
 
-    def _allocate_or_preempt(
+    def _preempt_for(
         self, request: Request, num_new_tokens: int, draft: StepDraft
     ) -> list[KVCacheBlock] | None:
-        """Allocate, preempting from the back of RUNNING until it fits. Victims always
-        sort after `request`, so none was scheduled in this draft.
+        """`request` found too few free blocks: preempt from the back of RUNNING until
+        its allocation fits. Victims always sort after `request`, so none was scheduled
+        in this draft.
 
         Returns None when `request` gets no blocks this step: it had to go itself, or
         the blocks that in-flight steps will release cover it. Victims' blocks are
@@ -137,11 +153,8 @@ class Scheduler(SchedulerState):
         right now would preempt every request in flight; the request waits a step.
         """
         manager = self.kv_cache_manager
+        draft.is_short_of_blocks = True
         while True:
-            new_blocks = manager.allocate_slots(request, num_new_tokens)
-            if new_blocks is not None:
-                return new_blocks
-            draft.is_short_of_blocks = True
             num_coming = manager.num_free_blocks + manager.num_deferred_free_blocks
             if num_coming >= manager.num_new_blocks_for(request, num_new_tokens):
                 return None
@@ -149,63 +162,64 @@ class Scheduler(SchedulerState):
             self._preempt(victim)
             if victim is request:
                 return None
+            new_blocks = manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
 
     def _schedule_waiting(self, draft: StepDraft) -> None:
-        if not len(self.waiting):
-            return
-        pending = self.kv_cache_manager.unpublished_block_hashes(self.running)
-        for request in self.waiting.snapshot():
+        manager = self.kv_cache_manager
+        waiting = self.waiting.requests  # admitting removes the request at `index`
+        pending: set[int] | None = None  # hashes being computed, gathered when first needed
+        index = 0
+        while index < len(waiting):
             if len(self.running) >= self.config.max_num_seqs or draft.token_budget == 0:
                 return
+            request = waiting[index]
             if self.in_flight.num_placeholders(request):
                 return  # preempted with tokens in flight: resume it with them (docstring)
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if self._waits_for_shared_prefix(request, len(hit_blocks), pending):
-                continue
+            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            if manager.enable_caching and len(hit_blocks) < self._num_cacheable_blocks(request):
+                if pending is None:
+                    # Requests admitted earlier in this loop are in RUNNING already.
+                    pending = manager.unpublished_block_hashes(self.running)
+                if pending and request.block_hashes[len(hit_blocks)] in pending:
+                    # Another request computes its first uncached block: it waits and hits
+                    # the prefix cache next step (n > 1 siblings compute the prompt once).
+                    index += 1
+                    continue
             num_new = request.num_tokens - num_hit_tokens
             if num_new > draft.token_budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new = draft.token_budget
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
+            new_blocks = manager.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 return  # keep policy order: nobody overtakes a request short of blocks
             self._admit(request, num_hit_tokens)
             draft.add_new(request, num_new)
-            pending |= self.kv_cache_manager.unpublished_block_hashes([request])
+            if pending is not None:
+                pending |= manager.unpublished_block_hashes([request])
 
-    def _waits_for_shared_prefix(
-        self, request: Request, num_hit_blocks: int, pending: set[int]
-    ) -> bool:
-        """True if the request's first uncached block is being computed by another request.
-
-        Siblings of an n > 1 request (and any prompts sharing a prefix) then compute the
-        shared blocks once: the later one waits and hits the prefix cache next step.
-        """
-        if not pending or num_hit_blocks >= (request.num_tokens - 1) // self.block_size:
-            return False
-        return request.block_hashes[num_hit_blocks] in pending
+    def _num_cacheable_blocks(self, request: Request) -> int:
+        """Full blocks before the request's last token: the most a prefix-cache hit covers."""
+        return (request.num_tokens - 1) // self.block_size
 
     def _make_plan(self, draft: StepDraft) -> StepPlan:
         step_id = self._next_step_id
-        plan = draft.to_plan(
-            step_id, list(self._finished_req_ids), self.kv_cache_manager.get_block_ids
-        )
         self._next_step_id += 1
+        finished_req_ids = self._finished_req_ids
         # NOTE: an empty plan keeps its finished ids for the next plan too, so a caller
         # may skip sending plans with nothing scheduled without leaking executor state.
-        if draft.num_scheduled:
+        if draft.num_scheduled_reqs:
             self._finished_req_ids = []
+        else:
+            finished_req_ids = list(finished_req_ids)
         # Optimistic: the plan's tokens count as computed from now on (module docstring).
         # A request whose computed tokens reach its last known or placeholder token
         # samples one token in this step (the executor's rule, see StepPlan).
-        scheduled: dict[str, ScheduledRequest] = {}
-        for req_id, num_tokens in draft.num_scheduled.items():
-            request = self.requests[req_id]
-            num_known = request.num_tokens + self.in_flight.num_placeholders(request)
-            request.num_computed_tokens += num_tokens
-            samples = request.num_computed_tokens >= num_known
-            scheduled[req_id] = ScheduledRequest(request, request.num_preemptions, samples)
+        plan, scheduled = draft.commit(
+            step_id, finished_req_ids, self.kv_cache_manager.get_block_ids
+        )
         if scheduled:
             self.in_flight.add(step_id, scheduled)
         return plan
@@ -239,24 +253,23 @@ class Scheduler(SchedulerState):
     def _apply_sampled(
         self, plan: StepPlan, scheduled: dict[str, ScheduledRequest], result: StepResult
     ) -> list[RequestDelta]:
+        # NOTE: hot path, run for every scheduled request on every step; keep it lean.
         sampled = {s.req_id: s for s in result.sampled}
-        entries = [*plan.new_reqs, *plan.cached_reqs]
+        requests = self.requests
+        cache_blocks = self.kv_cache_manager.cache_blocks
         deltas = []
+        entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
-            record = scheduled[entry.req_id]
+            req_id = entry.req_id
+            record = scheduled[req_id]
             request = record.request
-            if self.requests.get(entry.req_id) is not request:
+            if requests.get(req_id) is not request:
                 continue  # finished or aborted since the plan
             # A request preempted since the plan holds other blocks now: publish none.
-            if (
-                request.status == RequestStatus.RUNNING
-                and request.num_preemptions == record.num_preemptions
-            ):
-                self.kv_cache_manager.cache_blocks(
-                    request, entry.num_computed_tokens + num_scheduled
-                )
+            if request.status is _RUNNING and request.num_preemptions == record.num_preemptions:
+                cache_blocks(request, entry.num_computed_tokens + num_scheduled)
             if record.samples:
-                deltas.append(self._append_sampled(request, sampled.get(entry.req_id)))
+                deltas.append(self._append_sampled(request, sampled.get(req_id)))
         return deltas
 
     def _fail_plan(

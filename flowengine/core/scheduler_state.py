@@ -18,7 +18,7 @@ from flowengine.core.admission import check_request_fits, check_scheduler_config
 from flowengine.core.in_flight import InFlightSteps
 from flowengine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from flowengine.core.request_queue import PolicyKey, RequestQueue, policy_key
-from flowengine.core.stop_checker import append_token_ids
+from flowengine.core.stop_checker import append_token_ids, check_stop
 from flowengine.messages import RequestDelta, SampledTokens
 from flowengine.request import Request, RequestStatus
 
@@ -170,17 +170,27 @@ class SchedulerState:
         if sampled is None or not sampled.token_ids:
             error = f"the executor returned no token for request {request.request_id}"
             return self._fail_request(request, error)
-        num_accepted, status = append_token_ids(request, sampled.token_ids, self.max_len)
+        token_ids = sampled.token_ids
+        if len(token_ids) == 1:  # one token per step unless decoding speculatively
+            request.output_token_ids.append(token_ids[0])
+            num_accepted, status = 1, check_stop(request, self.max_len)
+        else:
+            num_accepted, status = append_token_ids(request, token_ids, self.max_len)
+        finish_reason = None
         if status is not None:
             self._finish(request, status)
-        logprobs = sampled.logprobs[:num_accepted] if sampled.logprobs is not None else None
+            finish_reason = status.finish_reason
+        logprobs = sampled.logprobs
+        if num_accepted < len(token_ids):
+            token_ids = token_ids[:num_accepted]
+            logprobs = logprobs[:num_accepted] if logprobs is not None else None
         return RequestDelta(
-            req_id=request.request_id,
-            new_token_ids=sampled.token_ids[:num_accepted],
-            new_logprobs=logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            request.request_id,
+            token_ids,
+            logprobs,
+            finish_reason,
+            request.stop_reason,
+            request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
         )
 
     def _fail_request(self, request: Request, error: str) -> RequestDelta:

@@ -32,15 +32,23 @@ def check_stop(request: Request, max_len: int) -> RequestStatus | None:
     Returns the finished status to give the request, or None to keep it running. The
     status is not set here: `Scheduler._finish` moves the request and sets it.
     """
+    # NOTE: runs for every generated token: reads the lists and params directly
+    # rather than through Request's properties.
     params = request.sampling_params
-    last_token_id = request.output_token_ids[-1]
-    if request.num_output_tokens > params.min_tokens:
-        if not params.ignore_eos and last_token_id == request.eos_token_id:
+    output_token_ids = request.output_token_ids
+    num_output_tokens = len(output_token_ids)
+    if num_output_tokens > params.min_tokens:
+        last_token_id = output_token_ids[-1]
+        if last_token_id == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and last_token_id in params.stop_token_ids:
+        stop_token_ids = params.stop_token_ids
+        if stop_token_ids and last_token_id in stop_token_ids:
             request.stop_reason = last_token_id
             return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_len:
+    if (
+        num_output_tokens >= request.max_tokens
+        or num_output_tokens + len(request.prompt_token_ids) >= max_len
+    ):
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
 
@@ -53,8 +61,9 @@ def append_token_ids(
     Tokens after the one that stops are dropped (several tokens come with speculative
     decoding). Returns (number of tokens appended, finished status or None).
     """
+    append = request.output_token_ids.append
     for num_appended, token_id in enumerate(token_ids, start=1):
-        request.append_output_token_ids([token_id])
+        append(token_id)
         status = check_stop(request, max_len)
         if status is not None:
             return num_appended, status
