@@ -1,0 +1,33 @@
+"""Stream several requests concurrently through AsyncEngine.submit().
+
+    python examples/async_submit.py [--multiproc]
+"""
+
+import asyncio
+import sys
+
+from flowengine import AsyncEngine, SamplingParams
+
+
+async def stream(engine: AsyncEngine, prompt: str) -> str:
+    text = ""
+    async for out in engine.submit(prompt, SamplingParams(temperature=0, max_tokens=32)):
+        text += out.outputs[0].text
+    return text
+
+
+async def main() -> None:
+    placement = "multiproc" if "--multiproc" in sys.argv else "inproc"
+    engine = AsyncEngine(placement=placement, max_model_len=2048)
+    await engine.start()
+    try:
+        prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+        texts = await asyncio.gather(*(stream(engine, p) for p in prompts))
+        for prompt, text in zip(prompts, texts, strict=True):
+            print(f"{prompt!r} -> {text!r}")
+    finally:
+        await engine.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
