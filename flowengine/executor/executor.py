@@ -3,13 +3,37 @@
 The Executor actor (and, in the in-process engine, `EngineCore`) calls
 `execute_model`. The sampled tokens are appended to the runner's own copy of each
 request, so the next plan needs to carry only deltas (DESIGN.md §2, §5).
+
+`launch(plan)` is the overlapping form: it returns a handle at once and
+`handle.result()` gives the StepResult later. With a CudaModelRunner the step is only
+enqueued on the device, so a caller can launch step N+1 before reading step N's
+result (the scheduler plans N+1 with async scheduling); other runners compute the
+step before returning.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.messages import SampledTokens, StepPlan, StepResult
-from flowengine.sample.sampler import Sampler, SamplingState
+from flowengine.sample.sampler import Sampler
+
+
+class StepHandle(Protocol):
+    """A launched step; `result()` waits for it (idempotent)."""
+
+    def result(self) -> StepResult: ...
+
+
+class CompletedStep:
+    """The handle of a step computed before `launch` returned."""
+
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def result(self) -> StepResult:
+        return self._result
 
 
 class Executor:
@@ -26,23 +50,21 @@ class Executor:
 
     def execute_model(self, plan: StepPlan) -> StepResult:
         """Forward and sample one step (the in-process engine's path)."""
-        return self.sample(plan, self.runner.execute_model(plan))
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Start one step; plans must be launched in step order. Raises as
+        execute_model for an inconsistent plan."""
+        launch = getattr(self.runner, "launch", None)
+        if launch is not None:  # a runner that samples on the device (CudaModelRunner)
+            return launch(plan, self.sampler)
+        return CompletedStep(self.sample(plan, self.runner.execute_model(plan)))
 
     def sample(self, plan: StepPlan, output: ModelOutput) -> StepResult:
         """Sample the step's logits and append the tokens to the runner's requests."""
         if not output.req_ids:
             return StepResult(plan.step_id, [])
-        states = []
-        for rid in output.req_ids:
-            st = self.runner.get_request_state(rid)
-            states.append(
-                SamplingState(
-                    sampling_params=st.sampling_params,
-                    prompt_token_ids=st.token_ids[: st.num_prompt_tokens],
-                    output_token_ids=st.token_ids[st.num_prompt_tokens :],
-                    eos_token_id=st.eos_token_id,
-                )
-            )
+        states = [self.runner.get_request_state(rid).sampling_state() for rid in output.req_ids]
         sampled = self.sampler(output.logits, states)
         token_ids, logprobs = sampled.tolists()  # the step's one host transfer
         results = []

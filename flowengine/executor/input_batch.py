@@ -1,21 +1,33 @@
 """Per-request executor state and the flattened inputs of one step.
 
-`InputBatch` owns persistent host buffers (pinned when the device is CUDA) that hold
-every integer input of a step in one byte buffer: the token ids, positions, slot
-mapping, logits indices, query start locations, sequence lengths and block tables.
-They are filled with vectorized numpy (the host loop is over requests, never tokens)
-and reach the device with a single copy.
+`InputBatch` fills persistent staging buffers (staging_buffer.py: pinned when the
+device is CUDA) that hold every integer input of a step in one byte buffer: the token
+ids, positions, slot mapping, logits indices, token slots, device-gather indices,
+query start locations, sequence lengths and block tables. They are filled with
+vectorized numpy (the host loop is over requests, never tokens) and reach the device
+with a single copy.
+
+Tokens sampled on the device but not yet known on the host (async overlap, DESIGN.md
+§5) are placeholders in `RequestState.token_ids`; a step that computes one gets its
+value on the device, from the runner's last-sampled-token tensor, through the
+`gather_dst`/`gather_src` indices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from flowengine.executor.staging_buffer import Region, StagingBuffers
 from flowengine.model.attention.metadata import AttentionMetadata
+from flowengine.sample.metadata import SamplingState
 from flowengine.sampling_params import SamplingParams
+
+# Value held in RequestState.token_ids where the device knows a sampled token and the
+# host does not yet.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -25,6 +37,9 @@ class RequestState:
     token_ids: prompt followed by every sampled token (the executor appends them);
     num_computed_tokens: tokens whose K/V are in the cache before the coming step;
     block_ids: the request's block table (KV block ids in order).
+    placeholder_indices: indices of token_ids that hold PLACEHOLDER_TOKEN_ID, in order.
+    token_slot: the request's row in the runner's last-sampled-token device tensor
+        (-1: none; only runners that sample on the device assign one).
     """
 
     req_id: str
@@ -34,19 +49,31 @@ class RequestState:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    placeholder_indices: list[int] = field(default_factory=list)
+    token_slot: int = -1
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def sampling_state(self) -> SamplingState:
+        """The sampler's view of this request. The prompt is copied only when the
+        repetition penalty reads it (the sampler ignores it otherwise)."""
+        params = self.sampling_params
+        prompt = self.token_ids[:self.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
+        return SamplingState(params, prompt, self.output_token_ids, self.eos_token_id)
 
 
 @dataclass
 class StepInputs:
     """Device tensors of one step.
 
-    input_ids, positions: [T] int64. logits_indices: [R_s] int64 rows of the hidden
-    states whose next-token distribution is needed, for the requests `sample_req_ids`
-    (in batch order).
+    input_ids, positions: [T] int64 (T includes padding tokens, if any).
+    logits_indices: [R_s] int64 rows of the hidden states whose next-token distribution
+    is needed, for the requests `sample_req_ids` (in batch order); sample_slots: [R_s]
+    int64 their token slots. gather_dst / gather_src: [G] int64, input_ids[gather_dst]
+    must be set to last_sampled[gather_src] on the device before the forward (None when
+    G = 0). num_tokens / num_reqs: real (unpadded) counts.
     """
 
     input_ids: torch.Tensor
@@ -54,9 +81,13 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_req_ids: list[str]
+    sample_slots: torch.Tensor
+    gather_dst: torch.Tensor | None
+    gather_src: torch.Tensor | None
+    num_tokens: int
+    num_reqs: int
 
 
-# (name, numpy dtype, torch dtype) of each region of the staging buffer.
 _I64 = (np.int64, torch.int64)
 _I32 = (np.int32, torch.int32)
 
@@ -70,99 +101,110 @@ class InputBatch:
         device: where the model runs.
         max_num_tokens, max_num_reqs: initial capacity; buffers grow when a step is
             larger (a reallocation, so size them from the scheduler limits).
+        growable: False forbids growing (CUDA graphs read the buffers at fixed
+            addresses); a larger step then raises ValueError.
     """
 
     def __init__(self, block_size: int, max_blocks_per_req: int, device: torch.device,
-                 max_num_tokens: int = 2048, max_num_reqs: int = 256) -> None:
+                 max_num_tokens: int = 2048, max_num_reqs: int = 256, *,
+                 growable: bool = True) -> None:
         self.block_size = block_size
         self.max_blocks_per_req = max_blocks_per_req
         self.device = device
+        self.growable = growable
         self._allocate(max_num_tokens, max_num_reqs)
 
     def _allocate(self, max_num_tokens: int, max_num_reqs: int) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
-        regions = {
-            "input_ids": (_I64, max_num_tokens),
-            "positions": (_I64, max_num_tokens),
-            "slot_mapping": (_I64, max_num_tokens),
-            "logits_indices": (_I64, max_num_reqs),
-            "query_start_loc": (_I32, max_num_reqs + 1),
-            "seq_lens": (_I32, max_num_reqs),
-            "block_tables": (_I32, max_num_reqs * self.max_blocks_per_req),
+        regions: dict[str, Region] = {
+            "input_ids": (*_I64, max_num_tokens),
+            "positions": (*_I64, max_num_tokens),
+            "slot_mapping": (*_I64, max_num_tokens),
+            "logits_indices": (*_I64, max_num_reqs),
+            "sample_slots": (*_I64, max_num_reqs),
+            "gather_dst": (*_I64, max_num_reqs),
+            "gather_src": (*_I64, max_num_reqs),
+            "query_start_loc": (*_I32, max_num_reqs + 1),
+            "seq_lens": (*_I32, max_num_reqs),
+            # Last: a step copies only the rows it uses.
+            "block_tables": (*_I32, max_num_reqs * self.max_blocks_per_req),
         }
-        offsets: dict[str, tuple[int, int]] = {}
-        total = 0
-        for name, ((np_dtype, _), count) in regions.items():
-            nbytes = count * np.dtype(np_dtype).itemsize
-            offsets[name] = (total, nbytes)
-            total += -(-nbytes // 8) * 8  # keep every region 8-byte aligned
-        pin = self.device.type == "cuda"
-        self._host = torch.zeros(total, dtype=torch.uint8, pin_memory=pin)
-        host_np = self._host.numpy()
-        # On CPU the host buffer is the device buffer: no copy at all.
-        self._dev = self._host if self.device.type == "cpu" else torch.empty(
-            total, dtype=torch.uint8, device=self.device
-        )
-        self.np: dict[str, np.ndarray] = {}
-        self.dev: dict[str, torch.Tensor] = {}
-        for name, ((np_dtype, torch_dtype), _) in regions.items():
-            start, nbytes = offsets[name]
-            self.np[name] = host_np[start:start + nbytes].view(np_dtype)
-            self.dev[name] = self._dev[start:start + nbytes].view(torch_dtype)
-        self.np["block_tables"] = self.np["block_tables"].reshape(max_num_reqs, -1)
+        self.buffers = StagingBuffers(regions, self.device)
+        self.dev = dict(self.buffers.dev)
         self.dev["block_tables"] = self.dev["block_tables"].view(max_num_reqs, -1)
 
-    def prepare(self, states: list[RequestState], num_scheduled: list[int]) -> StepInputs:
+    @property
+    def np(self) -> dict[str, np.ndarray]:
+        """Numpy views of the host buffer of the latest step."""
+        return self.buffers.np
+
+    def prepare(self, states: list[RequestState], num_scheduled: list[int], *,
+                pad_to: int | None = None) -> StepInputs:
         """Flatten one step: request i computes tokens
         token_ids[num_computed_tokens : num_computed_tokens + num_scheduled[i]].
 
-        Raises ValueError when a request lacks the tokens or KV blocks it is scheduled for.
+        pad_to: pad tokens and requests to this count (CUDA-graph batch sizes):
+            padding requests are empty (seq_len 0), padding tokens belong to no request
+            and have slot -1, and the block table keeps its full width.
+
+        Raises ValueError when a request lacks the tokens or KV blocks it is scheduled
+        for, when a placeholder other than a request's latest would be computed, or
+        when the step exceeds a non-growable buffer.
         """
         num_reqs = len(states)
         num_tokens = sum(num_scheduled)
-        if num_tokens > self.max_num_tokens or num_reqs > self.max_num_reqs:
-            self._allocate(max(num_tokens, self.max_num_tokens), max(num_reqs, self.max_num_reqs))
-        b = self.np
+        rows, padded_tokens = num_reqs, num_tokens
+        if pad_to is not None:
+            if pad_to < max(num_reqs, num_tokens):
+                raise ValueError(f"pad_to {pad_to} is below the step's {num_tokens} tokens "
+                                 f"and {num_reqs} requests")
+            rows = padded_tokens = pad_to
+        if padded_tokens > self.max_num_tokens or rows > self.max_num_reqs:
+            if not self.growable:
+                raise ValueError(
+                    f"step of {padded_tokens} tokens and {rows} requests exceeds the input "
+                    f"buffers ({self.max_num_tokens} tokens, {self.max_num_reqs} requests); "
+                    "the scheduler limits max_num_batched_tokens / max_num_seqs must not "
+                    "exceed the runner's"
+                )
+            self._allocate(max(padded_tokens, self.max_num_tokens), max(rows, self.max_num_reqs))
+        b = self.buffers.next_host()
         n_sched = np.asarray(num_scheduled, dtype=np.int64)
         n_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
-        qsl = b["query_start_loc"][:num_reqs + 1]
+        qsl = b["query_start_loc"][:rows + 1]
         qsl[0] = 0
-        np.cumsum(n_sched, out=qsl[1:])
+        np.cumsum(n_sched, out=qsl[1:num_reqs + 1])
+        qsl[num_reqs + 1:] = num_tokens
         seq_lens = n_computed + n_sched
         b["seq_lens"][:num_reqs] = seq_lens
+        b["seq_lens"][num_reqs:rows] = 0
 
-        block_tables = b["block_tables"][:num_reqs]
+        width = self.max_blocks_per_req
+        block_tables = b["block_tables"][:rows * width].reshape(rows, width)
         block_tables.fill(0)
         input_ids = b["input_ids"]
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
+        sample_slots: list[int] = []
+        gather_dst: list[int] = []
+        gather_src: list[int] = []
         for i, state in enumerate(states):
             start, end = int(qsl[i]), int(qsl[i + 1])
             first = state.num_computed_tokens
             last = first + end - start
-            if last > len(state.token_ids) or end <= start:
-                raise ValueError(
-                    f"request {state.req_id} is scheduled for tokens {first}..{last} but the "
-                    f"executor holds {len(state.token_ids)} tokens (num_scheduled must be "
-                    ">= 1 and cover only known tokens)"
-                )
-            if len(state.block_ids) > self.max_blocks_per_req:
-                raise ValueError(
-                    f"request {state.req_id} has {len(state.block_ids)} KV blocks, more than "
-                    f"max_model_len allows ({self.max_blocks_per_req} of {self.block_size} tokens)"
-                )
-            if -(-last // self.block_size) > len(state.block_ids):
-                raise ValueError(
-                    f"request {state.req_id} needs {-(-last // self.block_size)} KV blocks for "
-                    f"{last} tokens but has {len(state.block_ids)}; the scheduler must "
-                    "allocate blocks before scheduling tokens"
-                )
+            self._check(state, first, last, end > start)
             input_ids[start:end] = state.token_ids[first:last]
+            if state.placeholder_indices:
+                gather = self._placeholder_in(state, first, last)
+                if gather is not None:
+                    gather_dst.append(start + gather - first)
+                    gather_src.append(state.token_slot)
             block_tables[i, :len(state.block_ids)] = state.block_ids
             if last == len(state.token_ids):  # the step ends at the last known token
                 sample_rows.append(end - 1)
                 sample_req_ids.append(state.req_id)
+                sample_slots.append(state.token_slot)
 
         req_idx = np.repeat(np.arange(num_reqs), n_sched)
         positions = b["positions"][:num_tokens]
@@ -170,31 +212,79 @@ class InputBatch:
         block_ids = block_tables[req_idx, positions // self.block_size].astype(np.int64)
         np.add(block_ids * self.block_size, positions % self.block_size,
                out=b["slot_mapping"][:num_tokens])
-        b["logits_indices"][:len(sample_rows)] = sample_rows
+        input_ids[num_tokens:padded_tokens] = 0
+        b["positions"][num_tokens:padded_tokens] = 0
+        b["slot_mapping"][num_tokens:padded_tokens] = -1
+        num_sample = len(sample_rows)
+        b["logits_indices"][:num_sample] = sample_rows
+        b["sample_slots"][:num_sample] = sample_slots
+        num_gather = len(gather_dst)
+        b["gather_dst"][:num_gather] = gather_dst
+        b["gather_src"][:num_gather] = gather_src
 
-        if self._dev is not self._host:
-            # NOTE: the next prepare() rewrites the pinned buffer; whoever runs steps
-            # back to back without a sync in between must wait for this copy first.
-            self._dev.copy_(self._host, non_blocking=True)
+        # NOTE: block_tables is the last region: the rows of this step end the copy.
+        self.buffers.copy_to_device(self.buffers.offsets["block_tables"][0] + rows * width * 4)
         d = self.dev
-        max_blocks = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
+        max_seq_len = int(seq_lens.max()) if num_reqs else 0
+        num_cols = width if pad_to is not None else -(-max_seq_len // self.block_size)
         meta = AttentionMetadata(
-            query_start_loc=d["query_start_loc"][:num_reqs + 1],
-            seq_lens=d["seq_lens"][:num_reqs],
-            block_tables=d["block_tables"][:num_reqs, :max_blocks],
-            slot_mapping=d["slot_mapping"][:num_tokens],
+            query_start_loc=d["query_start_loc"][:rows + 1],
+            seq_lens=d["seq_lens"][:rows],
+            block_tables=d["block_tables"][:rows, :num_cols],
+            slot_mapping=d["slot_mapping"][:padded_tokens],
             max_query_len=int(n_sched.max()) if num_reqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens_cpu=self._host_tensor("seq_lens", num_reqs),
+            seq_lens_cpu=self.buffers.host_tensor("seq_lens", rows),
         )
         return StepInputs(
-            input_ids=d["input_ids"][:num_tokens],
-            positions=d["positions"][:num_tokens],
+            input_ids=d["input_ids"][:padded_tokens],
+            positions=d["positions"][:padded_tokens],
             attn_metadata=meta,
-            logits_indices=d["logits_indices"][:len(sample_rows)],
+            logits_indices=d["logits_indices"][:num_sample],
             sample_req_ids=sample_req_ids,
+            sample_slots=d["sample_slots"][:num_sample],
+            gather_dst=d["gather_dst"][:num_gather] if num_gather else None,
+            gather_src=d["gather_src"][:num_gather] if num_gather else None,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
         )
 
-    def _host_tensor(self, name: str, count: int) -> torch.Tensor:
-        return torch.from_numpy(self.np[name][:count])
+    def _check(self, state: RequestState, first: int, last: int, has_tokens: bool) -> None:
+        if last > len(state.token_ids) or not has_tokens:
+            raise ValueError(
+                f"request {state.req_id} is scheduled for tokens {first}..{last} but the "
+                f"executor holds {len(state.token_ids)} tokens (num_scheduled must be "
+                ">= 1 and cover only known tokens)"
+            )
+        if len(state.block_ids) > self.max_blocks_per_req:
+            raise ValueError(
+                f"request {state.req_id} has {len(state.block_ids)} KV blocks, more than "
+                f"max_model_len allows ({self.max_blocks_per_req} of {self.block_size} tokens)"
+            )
+        if -(-last // self.block_size) > len(state.block_ids):
+            raise ValueError(
+                f"request {state.req_id} needs {-(-last // self.block_size)} KV blocks for "
+                f"{last} tokens but has {len(state.block_ids)}; the scheduler must "
+                "allocate blocks before scheduling tokens"
+            )
+
+    @staticmethod
+    def _placeholder_in(state: RequestState, first: int, last: int) -> int | None:
+        """Index of the placeholder this step computes, if any (only the latest sampled
+        token lives on the device). Raises ValueError for an older one."""
+        latest = state.placeholder_indices[-1]
+        for index in state.placeholder_indices[:-1]:
+            if first <= index < last:
+                raise ValueError(
+                    f"request {state.req_id} is scheduled to compute token {index}, sampled "
+                    f"on the device but superseded by token {latest}; only the latest "
+                    "sampled token is kept on the device (resolve earlier steps first)"
+                )
+        if not first <= latest < last:
+            return None
+        if state.token_slot < 0:
+            raise ValueError(
+                f"request {state.req_id} has a device-sampled token but no token slot"
+            )
+        return latest

@@ -37,7 +37,9 @@ class ModelRunner:
 
     Args:
         model_config: the architecture (its max_model_len bounds positions).
-        cache_config: KV cache geometry; allocates num_blocks blocks per layer.
+        cache_config: KV cache geometry; allocates num_blocks blocks per layer. None
+            defers the KV cache (and input buffers) to `initialize_kv_cache`, e.g. to
+            size it by profiling a forward first.
         device, dtype: where and in which dtype weights, activations and KV cache live.
         load_format: as `load_model` ("auto", "safetensors", "gguf", "dummy").
         model_path: weights location when not model_config.model_path; a .gguf file is
@@ -49,7 +51,7 @@ class ModelRunner:
     def __init__(
         self,
         model_config: ModelConfig,
-        cache_config: CacheConfig,
+        cache_config: CacheConfig | None,
         device: torch.device,
         dtype: torch.dtype,
         load_format: str = "auto",
@@ -72,15 +74,29 @@ class ModelRunner:
             )
         self.model = load_model(model_config, load_format, dtype, self.device,
                                 gguf_file=gguf_file, attn_backend=attn_backend, seed=seed)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        if cache_config is not None:
+            self.initialize_kv_cache(cache_config)
+
+    def initialize_kv_cache(self, cache_config: CacheConfig) -> None:
+        """Allocate the KV cache (one zeroed [2, num_blocks, block_size, num_kv_heads,
+        head_dim] tensor per layer, model dtype) and the input buffers."""
+        self.cache_config = cache_config
+        model_config = self.model_config
         shape = (2, cache_config.num_blocks, cache_config.block_size,
                  model_config.num_kv_heads, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(model_config.num_layers)]
-        max_blocks_per_req = -(-model_config.max_model_len // cache_config.block_size)
-        self.input_batch = InputBatch(cache_config.block_size, max_blocks_per_req, self.device,
-                                      max_num_batched_tokens, max_num_seqs)
-        self.requests: dict[str, RequestState] = {}
+        self.input_batch = self._make_input_batch(cache_config.block_size)
+
+    def _make_input_batch(self, block_size: int) -> InputBatch:
+        max_blocks_per_req = -(-self.model_config.max_model_len // block_size)
+        return InputBatch(block_size, max_blocks_per_req, self.device,
+                          self.max_num_batched_tokens, self.max_num_seqs)
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,

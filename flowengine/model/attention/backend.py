@@ -53,10 +53,17 @@ class AttentionBackend(Protocol):
 
 BackendFactory = Callable[[], AttentionBackend]
 
-_REGISTRY: dict[str, BackendFactory] = {}
-# The backend each device type gets when the caller names none. The torch reference
-# runs anywhere, so CUDA uses it until a faster backend registers itself as its default.
-_DEFAULT_FOR_DEVICE: dict[str, str] = {"cpu": "torch", "cuda": "torch"}
+def _triton_backend() -> AttentionBackend:
+    # Imported on first use: triton (and a CUDA toolchain) is needed only on CUDA.
+    from flowengine.model.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+_REGISTRY: dict[str, BackendFactory] = {"triton": _triton_backend}
+# The backend each device type gets when the caller names none: the torch reference on
+# the CPU, the Triton kernels (flowengine.kernels) on CUDA.
+_DEFAULT_FOR_DEVICE: dict[str, str] = {"cpu": "torch", "cuda": "triton"}
 
 
 def register_attn_backend(name: str, factory: BackendFactory, *,

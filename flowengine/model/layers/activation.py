@@ -1,4 +1,4 @@
-"""Gated activations of the Llama MLP."""
+"""Gated activations of the Llama MLP (Triton kernel on CUDA, torch elsewhere)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): silu(gate) * up.
 
     gate_up: [T, 2 * intermediate] with the gate in the first half (the fused
-    gate_up_proj output) -> [T, intermediate], same dtype.
+    gate_up_proj output) -> [T, intermediate], same dtype. On CUDA one Triton kernel
+    (fp32 arithmetic, one rounding); elsewhere torch (a rounding per operation, as
+    transformers does).
     """
+    if gate_up.is_cuda:
+        from flowengine.kernels.activation import silu_and_mul as silu_and_mul_kernel
+
+        return silu_and_mul_kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

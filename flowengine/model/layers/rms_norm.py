@@ -1,4 +1,8 @@
-"""Root-mean-square layer norm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization")."""
+"""Root-mean-square layer norm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
+
+On CUDA the Triton kernels of flowengine.kernels.rms_norm run (one pass; the residual
+add fused in); elsewhere plain torch. Both round like transformers' `LlamaRMSNorm`.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,26 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden_size] any float dtype -> same shape and dtype."""
+        if x.is_cuda:
+            from flowengine.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual = x + residual; return norm(residual), residual` (pre-norm blocks).
+
+        x, residual: [T, hidden_size], same dtype. The sum is rounded to the dtype
+        before it is normalized, exactly as the unfused Hugging Face code does. Returns
+        (normed, new residual), both [T, hidden_size] in that dtype.
+        """
+        if x.is_cuda:
+            from flowengine.kernels.rms_norm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self.forward(residual), residual

@@ -80,6 +80,27 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack((emb.cos(), emb.sin()), dim=1)
         self.cos_sin_cache = table.to(self.cos_sin_cache.device)
 
+    def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys of the same tokens.
+
+        positions: [T] int64; q: [T, num_heads, head_dim], k: [T, num_kv_heads,
+        head_dim], any token/head strides with a contiguous last dimension (views of
+        the fused qkv output). On CUDA one Triton kernel rotates both in place (fp32
+        arithmetic, one rounding) and returns them; elsewhere `forward` on each.
+        """
+        if q.is_cuda:
+            from flowengine.kernels.rotary import rotary_embedding
+
+            half = self.head_dim // 2
+            # Views of the [max_positions, 2, head_dim] table: the first half of each
+            # row holds every frequency once (the second half repeats it).
+            cos = self.cos_sin_cache[:, 0, :half]
+            sin = self.cos_sin_cache[:, 1, :half]
+            rotary_embedding(positions, q, k, cos, sin)
+            return q, k
+        return self.forward(positions, q), self.forward(positions, k)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [T] int64; x: [T, num_heads, head_dim] (may be a strided view)
         -> rotated [T, num_heads, head_dim], x's dtype, contiguous."""

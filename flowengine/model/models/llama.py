@@ -54,15 +54,11 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         qk_end = self.q_size + self.kv_size
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:qk_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:qk_end].view(num_tokens, self.num_kv_heads,
-                                                             self.head_dim))
-            q, k = rotary(positions, q), rotary(positions, k)
-        else:
-            # One RoPE call over query and key heads together (fewer kernel launches).
-            qk = rotary(positions, qkv[:, :qk_end].view(num_tokens, -1, self.head_dim))
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.rotate_qk(positions, q, k)
         v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
@@ -84,7 +80,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); [T, hidden] -> [T, hidden]."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream travels beside the hidden states (vLLM's layout), so that each
+    residual add is fused into the norm that follows it.
+    """
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
@@ -93,12 +93,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's K/V."""
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
-                                         meta, rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, rotary: RotaryEmbedding
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [T, hidden_size] each -> the same for the next layer; the
+        layer's output is their sum. residual None: `hidden` is the whole input (first
+        layer). Writes this layer's K/V."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -118,9 +127,13 @@ class LlamaModel(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary_emb)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
+                                     self.rotary_emb)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,261 @@
+"""GPU measurements of issue 5, point 5 (a, b, d), at Llama-3.1-8B shapes with random
+(load_format="dummy") bf16 weights.
+
+    python benchmarks/gpu_bench.py --out /tmp/bench           # a, b, d
+    python benchmarks/gpu_bench.py --write-config DIR         # config + tokenizer for (c)
+
+a. decode at batch 1, 1k context: ms per token; b. one decode step at batch 256 x 1k
+context: ms; each beside its memory roofline = (weight bytes + KV bytes read per step)
+/ the device-to-device copy bandwidth measured in the same run ((read + written bytes)
+/ time of a 4 GiB copy). Three figures each: the engine with two steps in flight
+(scheduler, runner, sampler; the overlap of DESIGN.md §5), the engine one step at a
+time (EngineCore.step, today's LLM path), and the device step alone (CUDA-graph replay,
+LM head and argmax on prepared inputs, timed with CUDA events).
+d. the fraction of GPU time idle between steps during (b)'s steady decode, from CUDA
+events around each step's launch and from torch.profiler's kernel timeline.
+The markdown table comes last, with the command, date and GPU; JSON goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shlex
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_loops import (  # noqa: E402
+    idle_between_steps,
+    profiler_idle,
+    run_overlapped,
+    run_sync,
+    steady_decode,
+    step_time_ms,
+)
+
+from flowengine.config import EngineArgs  # noqa: E402
+from flowengine.engine.builder import build_engine_core, resolve  # noqa: E402
+from flowengine.executor.input_batch import RequestState  # noqa: E402
+from flowengine.messages import NewRequest  # noqa: E402
+from flowengine.sampling_params import SamplingParams  # noqa: E402
+
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B), architecture fields only.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+def write_model_dir(path: str, with_tokenizer: bool) -> None:
+    """config.json of LLAMA_31_8B, plus a word-level tokenizer of one token per id
+    (enough for `flowengine bench throughput`, which sends token ids)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(LLAMA_31_8B, f, indent=1)
+    if with_tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {f"<{i}>": i for i in range(LLAMA_31_8B["vocab_size"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>").save_pretrained(path)
+
+
+def copy_bandwidth_gbs(gib: int = 4, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth, (bytes read + bytes written) / time, GB/s."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (gib << 30) / seconds / 1e9
+
+
+def bytes_per_step(runner: object, batch: int, context: float) -> float:
+    """Bytes a decode step must read: every weight but the embedding table (only
+    `batch` rows of it), and the K/V of `context` tokens per request."""
+    model = runner.model  # type: ignore[attr-defined]
+    embed = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += -embed.numel() * embed.element_size() + batch * embed[0].numel() * embed.element_size()
+    kv_per_token = runner.kv_cache_bytes_per_block(  # type: ignore[attr-defined]
+        runner.model_config, 1, runner.dtype)  # type: ignore[attr-defined]
+    return weights + batch * context * kv_per_token
+
+
+@torch.inference_mode()
+def device_step_ms(runner: object, batch: int, context: int, iters: int = 50) -> float:
+    """Median time of the device work of one decode step on prepared inputs: CUDA-graph
+    replay (eager forward with enforce_eager), LM head and argmax; `batch` requests of
+    `context` cached tokens each over distinct KV blocks."""
+    bs = runner.cache_config.block_size  # type: ignore[attr-defined]
+    per_req = context // bs + 1
+    states = [RequestState(str(i), [1] * (context + 1), context, SamplingParams(), None,
+                           list(range(i * per_req, (i + 1) * per_req)), context)
+              for i in range(batch)]
+    graphs = runner.graphs  # type: ignore[attr-defined]
+    pad = None if graphs is None else min(s for s in graphs.sizes if s >= batch)
+    inputs = runner.input_batch.prepare(states, [1] * batch, pad_to=pad)  # type: ignore[attr-defined]
+    model = runner.model  # type: ignore[attr-defined]
+
+    def step() -> None:
+        if pad is not None:
+            hidden = graphs.replay(pad)
+        else:
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,  # type: ignore[attr-defined]
+                           inputs.attn_metadata)
+        model.compute_logits(hidden.index_select(0, inputs.logits_indices)).argmax(-1)
+
+    times = []
+    for i in range(iters + 5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def add_requests(engine: object, tag: str, batch: int, context: int, max_tokens: int) -> None:
+    """`batch` greedy requests of `context` random prompt tokens (distinct per tag, so
+    no prefix-cache hits across phases), each generating max_tokens tokens."""
+    rng = random.Random(tag)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(1000, 100000) for _ in range(context)]
+        engine.add_request(NewRequest(f"{tag}{i}", prompt, params, 0.0))  # type: ignore[attr-defined]
+
+
+def measure(engine: object, batch: int, context: int, steps: int, budget: int, bw_gbs: float,
+            profile: bool) -> dict[str, float | None]:
+    """Engine (overlapped and sync) and device-only decode times at one batch size."""
+    prefill_steps = -(-batch * context // budget)
+    max_tokens = prefill_steps + steps + 16
+    runner = engine.executor.runner  # type: ignore[attr-defined]
+    out: dict[str, float | None] = {}
+    for mode, run in (("overlapped", run_overlapped), ("sync", run_sync)):
+        add_requests(engine, f"{mode}-{batch}-", batch, context, max_tokens)
+        decode = steady_decode(run(engine), batch)
+        out[f"{mode}_ms"] = step_time_ms(decode)
+        out[f"{mode}_idle"] = idle_between_steps(decode)
+    # The mean context of the measured steps (the prompt plus about half the outputs).
+    mean_context = context + prefill_steps + steps // 2
+    out["context"] = mean_context
+    out["device_ms"] = device_step_ms(runner, batch, mean_context)
+    out["roofline_ms"] = bytes_per_step(runner, batch, mean_context) / (bw_gbs * 1e9) * 1e3
+    out["profiler_idle"] = None
+    if profile:
+        # Long enough that no request ends within the 4 + 16 steady steps below.
+        add_requests(engine, f"profile-{batch}-", batch, context, prefill_steps + 80)
+
+        def decoding(n: int):  # noqa: ANN202
+            return lambda logs: sum(s.is_decode and s.num_reqs == batch for s in logs) >= n
+
+        run_overlapped(engine, until=decoding(4))  # prefill, into steady decode
+        out["profiler_idle"] = profiler_idle(lambda: run_overlapped(engine, until=decoding(16)))
+        run_overlapped(engine)  # finish the requests
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", help="directory for gpu_bench.json")
+    p.add_argument("--write-config", metavar="DIR",
+                   help="only write the Llama-3.1-8B config.json and a tokenizer to DIR")
+    p.add_argument("--model", help="a directory with config.json (default: Llama-3.1-8B shapes)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=128, help="steady decode steps measured")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler pass")
+    ns = p.parse_args(argv)
+    if ns.write_config:
+        write_model_dir(ns.write_config, with_tokenizer=True)
+        print(f"wrote {ns.write_config}")
+        return 0
+    if not ns.out:
+        p.error("--out is required (or --write-config)")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    model_dir = ns.model or tempfile.mkdtemp(prefix="llama31-8b-")
+    if ns.model is None:
+        write_model_dir(model_dir, with_tokenizer=False)
+    bw = copy_bandwidth_gbs()
+    args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda",
+                      max_model_len=ns.max_model_len, max_num_seqs=max(ns.batch, 1),
+                      max_num_batched_tokens=ns.max_num_batched_tokens,
+                      gpu_memory_utilization=ns.gpu_memory_utilization,
+                      enforce_eager=ns.enforce_eager)
+    engine = build_engine_core(resolve(args))
+    results = {f"batch{b}": measure(engine, b, ns.context, ns.steps if b == 1 else 32,
+                                    ns.max_num_batched_tokens, bw, not ns.no_profile and b > 1)
+               for b in (1, ns.batch)}
+    command = shlex.join([sys.executable, *sys.argv])
+    meta = {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "copy_bandwidth_gbs": bw,
+            "num_kv_blocks": engine.executor.runner.cache_config.num_blocks}
+    os.makedirs(ns.out, exist_ok=True)
+    with open(os.path.join(ns.out, "gpu_bench.json"), "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print_table(meta, results, ns)
+    return 0
+
+
+def print_table(meta: dict, results: dict, ns: argparse.Namespace) -> None:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    print(f"\ncommand: {meta['command']}\ndate: {meta['date']}\nGPU: {meta['gpu']} "
+          f"(torch {meta['torch']}), copy bandwidth {meta['copy_bandwidth_gbs']:.0f} GB/s\n")
+    print("| measurement | engine, 2 steps in flight | engine, 1 step at a time | device "
+          "step only | roofline | ratio 2 in flight / roofline | ratio device / roofline "
+          "| target |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key, name, target in (("batch1", f"a. decode ms/token, batch 1 x {ns.context} ctx",
+                               "<= 1.15x"),
+                              (f"batch{ns.batch}",
+                               f"b. decode step ms, batch {ns.batch} x {ns.context} ctx",
+                               "<= 1.25x")):
+        r = results[key]
+        print(f"| {name} (mean ctx {r['context']}) | {r['overlapped_ms']:.3f} | {r['sync_ms']:.3f} "
+              f"| {r['device_ms']:.3f} | {r['roofline_ms']:.3f} "
+              f"| {r['overlapped_ms'] / r['roofline_ms']:.2f}x "
+              f"| {r['device_ms'] / r['roofline_ms']:.2f}x | {target} |")
+    r = results[f"batch{ns.batch}"]
+    print(f"| d. GPU idle between steps during (b), CUDA events | {pct(r['overlapped_idle'])} "
+          f"| {pct(r['sync_idle'])} | | | | | < 5% |")
+    print(f"| d. GPU idle during (b), profiler kernel timeline | {pct(r['profiler_idle'])} "
+          "| | | | | | < 5% |")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,135 @@
+"""CUDA graphs for decode-only steps (DESIGN.md §6).
+
+A decode step of a large model launches hundreds of small kernels; replaying them as
+one captured CUDA graph removes the per-launch host cost that otherwise dominates at
+small batch sizes (gpt-fast's and vLLM's recipe). A graph has fixed shapes and fixed
+buffer addresses, so one graph is captured per batch size in CAPTURE_SIZES (vLLM's
+default list), reading the runner's persistent input buffers; a step with b requests
+is padded up to the nearest captured size with empty requests (seq_len 0, no tokens)
+and padding tokens of slot -1, which every kernel skips. Prefill or mixed steps and
+batches above the largest size run eagerly.
+
+The split-KV decode kernel's split count is a launch parameter, so it is fixed per
+captured size (from the size and max_model_len) while capturing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from flowengine.executor.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+# vLLM's default cudagraph capture sizes: 1, 2, 4, then every multiple of 8 up to 512.
+CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 513, 8))
+
+
+def capture_sizes_for(max_num_seqs: int, max_num_tokens: int,
+                      sizes: Sequence[int] = CAPTURE_SIZES) -> list[int]:
+    """The sizes worth capturing: ascending, up to the first that covers max_num_seqs
+    (a decode step has at most max_num_seqs requests), none above max_num_tokens (the
+    input buffers' capacity)."""
+    chosen: list[int] = []
+    for size in sorted(sizes):
+        if size > max_num_tokens:
+            break
+        chosen.append(size)
+        if size >= max_num_seqs:
+            break
+    return chosen
+
+
+def padded_batch_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the ascending `sizes` >= num_reqs, or None when num_reqs exceeds
+    them all (the step then runs eagerly)."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeCudaGraphs:
+    """One captured model forward per decode batch size.
+
+    Args:
+        model: the LlamaForCausalLM; captured from input ids to final-norm hidden states.
+        kv_caches: the per-layer KV cache tensors (captured by address).
+        input_batch: the runner's non-growable InputBatch; graphs read its device buffers.
+        attn_backend: the model's TritonAttentionBackend; its num_kv_splits is fixed per
+            size while capturing, then restored.
+        max_seq_len: longest context a step can have (max_model_len); picks split counts.
+        sizes: ascending batch sizes to capture.
+    """
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], input_batch: InputBatch,
+                 attn_backend: object, max_seq_len: int, sizes: Sequence[int]) -> None:
+        if not sizes or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"capture sizes must be ascending and distinct, got {list(sizes)}")
+        if input_batch.growable:
+            raise ValueError("CUDA graphs need a non-growable InputBatch (fixed addresses)")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.input_batch = input_batch
+        self.attn_backend = attn_backend
+        self.max_seq_len = max_seq_len
+        self.sizes = list(sizes)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (the smaller graphs then reuse the shared
+        memory pool). Raises RuntimeError naming the size whose capture failed."""
+        from flowengine.kernels.decode_attention import choose_num_kv_splits
+
+        device = self.kv_caches[0].device
+        num_kv_heads = self.kv_caches[0].shape[3]
+        pool = torch.cuda.graph_pool_handle()
+        saved_splits = self.attn_backend.num_kv_splits
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        try:
+            for size in reversed(self.sizes):
+                self.attn_backend.num_kv_splits = choose_num_kv_splits(
+                    size, num_kv_heads, self.max_seq_len, device)
+                try:
+                    self._capture_one(size, pool)
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"CUDA graph capture failed for decode batch size {size}: {exc}; "
+                        "run with enforce_eager=True to serve without graphs"
+                    ) from exc
+        finally:
+            self.attn_backend.num_kv_splits = saved_splits
+        torch.cuda.synchronize(device)
+        used = free_before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
+                    len(self.sizes), self.sizes[0], self.sizes[-1],
+                    time.perf_counter() - start, used / 2**20)
+
+    def _capture_one(self, size: int, pool: tuple[int, int]) -> None:
+        # An all-padding batch: kernels launch with the graph's shapes and exit early.
+        inputs = self.input_batch.prepare([], [], pad_to=size)
+        meta = dataclasses.replace(inputs.attn_metadata, max_query_len=1,
+                                   max_seq_len=self.max_seq_len)
+        args = (inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        self.model(*args)  # compiles the Triton kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(*args)
+        self._graphs[size] = graph
+        self._outputs[size] = hidden
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of `size` on what the input buffers hold now; returns its static
+        [size, hidden_size] output (overwritten by the next replay of this size).
+        Raises KeyError for a size not captured."""
+        self._graphs[size].replay()
+        return self._outputs[size]

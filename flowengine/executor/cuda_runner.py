@@ -1,0 +1,268 @@
+"""The CUDA model runner: device-resident steps, CUDA graphs, KV cache by profiling.
+
+Beyond `ModelRunner` (which it extends, so the StepPlan protocol is the same):
+
+* inputs: persistent pinned staging buffers, one non-blocking copy per step
+  (input_batch.py, staging_buffer.py);
+* decode tokens from the device: each request owns a *token slot* in `last_sampled`
+  ([num_slots] int64 on the device); sampling scatters every sampled id into its
+  request's slot, and a later step that computes that token gathers its input id from
+  the slot on the device. The host learns the token from the step's result, read
+  asynchronously (pending_step.py), so step N+1 can be launched before step N's
+  tokens reach the host (DESIGN.md §5). Until then the host copy of the request holds
+  a placeholder;
+* decode-only steps replay CUDA graphs (cuda_graphs.py) padded to a captured size;
+* sampling on the device with the shared Sampler: one device-to-host copy per step.
+
+`launch(plan, sampler)` is the device path; `execute_model(plan)` (logits out, the
+caller samples) stays available for callers that sample themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from flowengine.config import CacheConfig
+from flowengine.executor.cuda_graphs import (
+    CAPTURE_SIZES,
+    DecodeCudaGraphs,
+    capture_sizes_for,
+    padded_batch_size,
+)
+from flowengine.executor.input_batch import (
+    PLACEHOLDER_TOKEN_ID,
+    InputBatch,
+    RequestState,
+    StepInputs,
+)
+from flowengine.executor.memory_profile import MemoryProfile, profile_memory
+from flowengine.executor.model_runner import ModelOutput, ModelRunner
+from flowengine.executor.pending_step import PendingStep, copy_to_host
+from flowengine.messages import StepPlan
+from flowengine.model.attention.backend import AttentionBackend
+from flowengine.model.model_config import ModelConfig
+from flowengine.sample.sampler import Sampler
+from flowengine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def reads_token_values(params: SamplingParams) -> bool:
+    """Whether sampling this request reads the values of its earlier tokens (the
+    penalties do; min_tokens and per-request seeds only count them)."""
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+class CudaModelRunner(ModelRunner):
+    """`ModelRunner` with the device path. Runs on CUDA; on the CPU (tests) everything
+    but the graphs and the asynchronous copies works the same.
+
+    Args: those of ModelRunner (pass cache_config=None to size the KV cache by
+    `profile_memory()` first, then call `initialize_kv_cache`), plus
+        enforce_eager: never capture CUDA graphs.
+        capture_sizes: candidate decode graph sizes (default vLLM's list); those up to
+            the first >= max_num_seqs and <= max_num_batched_tokens are captured.
+
+    Attributes:
+        decode_batch_sizes: ascending sizes that decode-only steps are padded to (the
+            captured graph sizes; empty: no padding). May be set on a runner without
+            graphs, e.g. to exercise padding eagerly on the CPU.
+        graphs: the captured DecodeCudaGraphs, or None.
+        last_sampled: [num_slots] int64 device tensor, each request's latest sampled id.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        load_format: str = "auto",
+        model_path: str | None = None,
+        *,
+        attn_backend: AttentionBackend | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        capture_sizes: Sequence[int] = CAPTURE_SIZES,
+    ) -> None:
+        self.enforce_eager = enforce_eager
+        self.capture_sizes = capture_sizes_for(max_num_seqs, max_num_batched_tokens,
+                                               capture_sizes)
+        self.decode_batch_sizes: list[int] = []
+        self.graphs: DecodeCudaGraphs | None = None
+        self._pending: list[PendingStep] = []
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
+        self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        super().__init__(model_config, cache_config, device, dtype, load_format, model_path,
+                         attn_backend=attn_backend, max_num_batched_tokens=max_num_batched_tokens,
+                         max_num_seqs=max_num_seqs, seed=seed)
+        self._grow_slots(2 * max_num_seqs)
+
+    # ------------------------------------------------------------------ setup
+    def _make_input_batch(self, block_size: int) -> InputBatch:
+        # Room for padded decode steps, so the buffers never move once graphs exist.
+        largest = max(self.capture_sizes, default=0)
+        max_blocks_per_req = -(-self.model_config.max_model_len // block_size)
+        return InputBatch(block_size, max_blocks_per_req, self.device,
+                          max(self.max_num_batched_tokens, largest),
+                          max(self.max_num_seqs, largest))
+
+    def profile_memory(self, block_size: int) -> MemoryProfile:
+        """Peak memory of the largest step (see memory_profile.profile_memory); call
+        before initialize_kv_cache. Raises RuntimeError if the device is not CUDA."""
+        if self.device.type != "cuda":
+            raise RuntimeError("profile_memory needs a CUDA device; on the CPU give "
+                               "kv_cache_memory_bytes or num_kv_blocks")
+        c = self.model_config
+        return profile_memory(
+            self.model, num_layers=c.num_layers,
+            kv_block_shape=(2, 1, block_size, c.num_kv_heads, c.head_dim), dtype=self.dtype,
+            max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=c.max_model_len)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs for every size of `capture_sizes`. Does nothing with enforce_eager, off CUDA, or with an
+        attention backend other than Triton (the torch reference syncs with the host).
+        Call after initialize_kv_cache."""
+        backend = self.model.model.layers[0].self_attn.attn_backend
+        if self.enforce_eager or self.device.type != "cuda":
+            return
+        if getattr(backend, "name", None) != "triton":
+            logger.warning("attention backend %r cannot be captured in CUDA graphs; decode "
+                           "runs eagerly", getattr(backend, "name", backend))
+            return
+        if not self.kv_caches:
+            raise RuntimeError("capture_cuda_graphs needs the KV cache: call "
+                               "initialize_kv_cache first")
+        if not self.capture_sizes:
+            return
+        self.input_batch.growable = False
+        graphs = DecodeCudaGraphs(self.model, self.kv_caches, self.input_batch, backend,
+                                  self.model_config.max_model_len, self.capture_sizes)
+        graphs.capture()
+        self.graphs = graphs
+        self.decode_batch_sizes = list(self.capture_sizes)
+
+    # ------------------------------------------------------------------ token slots
+    def _grow_slots(self, num_slots: int) -> None:
+        old = self.last_sampled
+        self.last_sampled = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.last_sampled[:old.shape[0]] = old
+        self._free_slots.extend(range(num_slots - 1, old.shape[0] - 1, -1))
+
+    def _acquire_slot(self, req_id: str) -> int:
+        slot = self._slots.get(req_id)
+        if slot is None:
+            if not self._free_slots:
+                self._grow_slots(2 * self.last_sampled.shape[0])
+            slot = self._slots[req_id] = self._free_slots.pop()
+        return slot
+
+    def update_states(self, plan: StepPlan) -> None:
+        """ModelRunner.update_states, plus token slots: released for finished requests,
+        given to new ones (a request resent in full keeps its slot)."""
+        for req_id in plan.finished_req_ids:
+            slot = self._slots.pop(req_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+        super().update_states(plan)
+        for new in plan.new_reqs:
+            self.requests[new.req_id].token_slot = self._acquire_slot(new.req_id)
+
+    # ------------------------------------------------------------------ steps
+    def _forward(self, plan: StepPlan) -> tuple[list[RequestState], StepInputs | None,
+                                                 torch.Tensor | None]:
+        """Apply the plan and run the model: (scheduled states, inputs, hidden states
+        [T_padded, hidden_size]); inputs and hidden are None for an empty step."""
+        self.update_states(plan)
+        states = [self.requests[req_id] for req_id in plan.scheduled_req_ids]
+        num_scheduled = plan.num_scheduled_tokens
+        if len(num_scheduled) != len(states):
+            raise ValueError(
+                f"step {plan.step_id} has {len(num_scheduled)} num_scheduled_tokens for "
+                f"{len(states)} scheduled requests"
+            )
+        if not states:
+            return states, None, None
+        pad_to = None
+        if self.decode_batch_sizes and max(num_scheduled) == 1:
+            pad_to = padded_batch_size(len(states), self.decode_batch_sizes)
+        inputs = self.input_batch.prepare(states, num_scheduled, pad_to=pad_to)
+        if inputs.attn_metadata.max_seq_len > self.model_config.max_model_len:
+            raise ValueError(
+                f"step {plan.step_id} reaches {inputs.attn_metadata.max_seq_len} tokens in one "
+                f"request, beyond max_model_len {self.model_config.max_model_len}"
+            )
+        if inputs.gather_dst is not None:
+            # Decode inputs sampled in an earlier step that the host may not know yet.
+            inputs.input_ids.index_copy_(
+                0, inputs.gather_dst, self.last_sampled.index_select(0, inputs.gather_src))
+        if pad_to is not None and self.graphs is not None:
+            hidden = self.graphs.replay(pad_to)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn_metadata)
+        for state, num in zip(states, num_scheduled, strict=True):
+            state.num_computed_tokens += num
+        return states, inputs, hidden
+
+    @torch.inference_mode()
+    def execute_model(self, plan: StepPlan) -> ModelOutput:
+        """As ModelRunner.execute_model (logits out; the caller samples and calls
+        append_sampled). Resolves launched steps first, so the host knows every token."""
+        self.flush()
+        _, inputs, hidden = self._forward(plan)
+        if inputs is None or hidden is None:
+            return ModelOutput([], torch.empty(0, self.model_config.vocab_size,
+                                               device=self.device))
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return ModelOutput(inputs.sample_req_ids, logits)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, sampler: Sampler) -> PendingStep:
+        """Enqueue one step on the device: forward, logits of the sampling rows, sampling,
+        the sampled ids into their requests' token slots, and their copy to the host.
+
+        Returns at once (no host sync unless a sampled request uses penalties while an
+        earlier step is unresolved: penalties read token values). Each sampled request
+        gets a placeholder token until the returned PendingStep's result() is read.
+        Raises ValueError for an inconsistent plan, as execute_model.
+        """
+        _, inputs, hidden = self._forward(plan)
+        if inputs is None or hidden is None or not inputs.sample_req_ids:
+            return PendingStep.empty(plan.step_id)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        sampled_states = [self.requests[rid] for rid in inputs.sample_req_ids]
+        if any(s.placeholder_indices for s in sampled_states) and any(
+                reads_token_values(s.sampling_params) for s in sampled_states):
+            self.flush()
+        output = sampler(logits, [s.sampling_state() for s in sampled_states])
+        self.last_sampled.index_copy_(0, inputs.sample_slots, output.sampled_token_ids)
+        host_output, event = copy_to_host(output)
+        placeholders = []
+        for state in sampled_states:
+            index = len(state.token_ids)
+            state.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            state.placeholder_indices.append(index)
+            placeholders.append((state, index))
+        pending = PendingStep(plan.step_id, inputs.sample_req_ids, placeholders, host_output,
+                              event, on_done=self._pending.remove)
+        self._pending.append(pending)
+        return pending
+
+    def flush(self) -> None:
+        """Resolve every launched step (waits for their tokens)."""
+        for pending in list(self._pending):
+            pending.result()
+
+    @property
+    def num_pending_steps(self) -> int:
+        return len(self._pending)
+

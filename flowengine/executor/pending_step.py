@@ -1,0 +1,102 @@
+"""A launched step whose sampled tokens are still on their way to the host.
+
+The runner enqueues a step's forward and sampling, then a non-blocking copy of the
+sampled ids (and logprobs, if asked) into pinned host memory, and records an event
+after it. `result()` waits only for that event, so the host can read step N's tokens
+while step N+1, launched after it, keeps the GPU busy (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from flowengine.executor.input_batch import RequestState
+from flowengine.messages import SampledTokens, StepResult
+from flowengine.sample.output import LogprobsTensors, SamplerOutput
+
+
+def copy_to_host(output: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+    """Start non-blocking copies of `output`'s tensors into pinned host memory.
+
+    Returns the host-side SamplerOutput (valid once the event has completed) and the
+    event recorded after the copies (None on the CPU, where the copies are synchronous).
+    """
+    is_cuda = output.sampled_token_ids.is_cuda
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=is_cuda)
+        host.copy_(t, non_blocking=is_cuda)
+        return host
+
+    lt = output.logprobs_tensors
+    host_lt = None if lt is None else LogprobsTensors(
+        to_host(lt.top_token_ids), to_host(lt.top_logprobs),
+        to_host(lt.sampled_logprobs), to_host(lt.sampled_ranks))
+    host = SamplerOutput(to_host(output.sampled_token_ids), output.num_logprobs, host_lt)
+    event = None
+    if is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return host, event
+
+
+class PendingStep:
+    """Handle of one launched step; `result()` gives its StepResult.
+
+    Args:
+        step_id: the plan's step id.
+        req_ids: requests that sampled, in row order.
+        placeholders: (request state, index into its token_ids) of each sampled token,
+            in row order; `result()` writes the real ids there.
+        host_output: the sampled tokens in host memory (see copy_to_host), or None when
+            the step sampled nothing.
+        event: completes when host_output is valid (None: already valid).
+        on_done: called once with this step after its placeholders are filled.
+    """
+
+    def __init__(self, step_id: int, req_ids: list[str],
+                 placeholders: list[tuple[RequestState, int]],
+                 host_output: SamplerOutput | None, event: torch.cuda.Event | None,
+                 on_done: Callable[[PendingStep], None] | None = None) -> None:
+        self.step_id = step_id
+        self.req_ids = req_ids
+        self._placeholders = placeholders
+        self._host_output = host_output
+        self._event = event
+        self._on_done = on_done
+        self._result: StepResult | None = None
+
+    @classmethod
+    def empty(cls, step_id: int) -> PendingStep:
+        """A step that sampled nothing (only partial prefill chunks, or no tokens)."""
+        return cls(step_id, [], [], None, None)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> StepResult:
+        """Wait for the step's tokens, write them into the requests, return the result.
+
+        Idempotent: later calls return the same StepResult.
+        """
+        if self._result is not None:
+            return self._result
+        if self._host_output is None:
+            self._result = StepResult(self.step_id, [])
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids, logprobs = self._host_output.tolists()
+        for (state, index), token in zip(self._placeholders, token_ids, strict=True):
+            state.token_ids[index] = token
+            state.placeholder_indices.remove(index)
+        self._result = StepResult(self.step_id, [
+            SampledTokens(rid, [tok], None if lp is None else [lp])
+            for rid, tok, lp in zip(self.req_ids, token_ids, logprobs, strict=True)
+        ])
+        if self._on_done is not None:
+            self._on_done(self)
+        return self._result

@@ -1,0 +1,185 @@
+"""CudaModelRunner on the GPU: pinned double-buffered staging copies, CUDA-graph decode
+against the eager forward, KV-cache sizing by profiling, and sampling features with
+two steps in flight against one step at a time.
+
+Uses the small random Llama-3-style model of gpu_models.py (bf16).
+Run: pytest -s tests/gpu/test_cuda_runner_gpu.py
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections import deque
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs CUDA with compiled Triton kernels", allow_module_level=True)
+
+from gpu_models import logits_error, save_model, shared_prefix_prompts  # noqa: E402
+
+from flowengine import LLM  # noqa: E402
+from flowengine.config import CacheConfig  # noqa: E402
+from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
+from flowengine.executor.staging_buffer import StagingBuffers  # noqa: E402
+from flowengine.messages import CachedRequestData, NewRequest, NewRequestData, StepPlan  # noqa: E402
+from flowengine.model.model_config import ModelConfig  # noqa: E402
+from flowengine.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("llama3"))
+    save_model("llama3", path, seed=7)
+    return path
+
+
+def test_staging_buffers_are_pinned_and_double_buffered() -> None:
+    regions = {"a": (np.int64, torch.int64, 1 << 20), "b": (np.int32, torch.int32, 3)}
+    buffers = StagingBuffers(regions, CUDA)
+    assert all(h.is_pinned() for h in buffers._hosts) and len(buffers._hosts) == 2
+    first = buffers.next_host()
+    first["a"][:] = 1
+    first["b"][:] = [1, 2, 3]
+    buffers.copy_to_device(buffers.total_bytes)
+    copied = buffers.dev["a"].clone()  # stream-ordered after the copy
+    second = buffers.next_host()
+    assert second["a"].ctypes.data != first["a"].ctypes.data
+    second["a"][:] = 2  # must not race with the first copy: it used the other buffer
+    second["b"][:] = [4, 5, 6]
+    buffers.copy_to_device(buffers.total_bytes)
+    torch.cuda.synchronize()
+    assert bool((copied == 1).all()) and bool((buffers.dev["a"] == 2).all())
+    assert buffers.dev["b"].tolist() == [4, 5, 6]
+    third = buffers.next_host()  # waits for the first copy, then reuses its buffer
+    assert third["a"].ctypes.data == first["a"].ctypes.data
+
+
+def _run_plans(runner: CudaModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    """Prefill each prompt (chunks of <= 256 tokens), then one decode step of all:
+    returns the decode logits [len(prompts), vocab]."""
+    params = SamplingParams(temperature=0.0)
+    step, blocks = 0, 0
+    for i, prompt in enumerate(prompts):
+        ids = list(range(blocks, blocks + len(prompt) // 16 + 2))
+        blocks += len(ids)
+        runner.execute_model(StepPlan(step, [NewRequestData(str(i), prompt, len(prompt), params,
+                                                            ids, 0)], [], [min(256, len(prompt))]))
+        step += 1
+        for done in range(256, len(prompt), 256):
+            runner.execute_model(StepPlan(step, [], [CachedRequestData(str(i), [], done)],
+                                          [min(256, len(prompt) - done)]))
+            step += 1
+        runner.append_sampled(str(i), [prompt[0]])
+    cached = [CachedRequestData(str(i), [], len(p)) for i, p in enumerate(prompts)]
+    out = runner.execute_model(StepPlan(step, [], cached, [1] * len(prompts)))
+    assert out.req_ids == [str(i) for i in range(len(prompts))]
+    return out.logits
+
+
+def test_graph_decode_matches_eager_decode(model_path: str) -> None:
+    config = ModelConfig.from_pretrained(model_path, 1024)
+    prompts = [p[:600] for p in shared_prefix_prompts(3)[::5]][:5]  # decode batch 5 -> graph 8
+    logits = {}
+    for eager in (True, False):
+        runner = CudaModelRunner(config, CacheConfig(16, 256), CUDA, torch.bfloat16,
+                                 max_num_batched_tokens=256, max_num_seqs=8,
+                                 enforce_eager=eager, capture_sizes=(1, 2, 4, 8))
+        runner.capture_cuda_graphs()
+        assert (runner.graphs is None) == eager
+        logits[eager] = _run_plans(runner, prompts)
+        del runner
+    for i in range(len(prompts)):
+        err = logits_error(logits[False][i], logits[True][i])
+        assert err[0] <= 0.25 and err[1] <= 0.05, f"request {i}: {err}"
+    assert torch.equal(logits[False].argmax(-1), logits[True].argmax(-1))
+
+
+def test_kv_cache_sized_by_profiling(model_path: str) -> None:
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM(model_path, dtype="bfloat16", device="cuda", max_model_len=1024,
+              max_num_batched_tokens=512, gpu_memory_utilization=0.3)
+    try:
+        runner = llm.engine.executor.runner
+        num_blocks = runner.cache_config.num_blocks
+        per_block = runner.kv_cache_bytes_per_block(runner.model_config, 16, torch.bfloat16)
+        print(f"profiled KV cache: {num_blocks} blocks, {num_blocks * per_block / 2**30:.2f} GiB")
+        assert runner.kv_caches[0].shape[1] == num_blocks
+        assert num_blocks * per_block > 0.1 * total  # most of the 30% goes to the cache
+        assert torch.cuda.memory_allocated() <= 0.3 * total + (1 << 30)
+        out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _mixed_requests(prompts: list[list[int]], prefix: str) -> list[NewRequest]:
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3,
+                       frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=11, max_tokens=10,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, min_tokens=3, ignore_eos=True),
+    ]
+    return [NewRequest(f"{prefix}{i}", p, kinds[i % len(kinds)], 0.0)
+            for i, p in enumerate(prompts)]
+
+
+def _drive(llm: LLM, msgs: list[NewRequest], max_in_flight: int) -> list[list[int]]:
+    """Token ids per request (in `msgs` order), with up to max_in_flight steps launched."""
+    engine = llm.engine
+    for msg in msgs:
+        engine.add_request(msg)
+    engine.scheduler.async_scheduling = max_in_flight > 1
+    tokens: dict[str, list[int]] = {m.request_id: [] for m in msgs}
+    in_flight: deque = deque()
+    try:
+        while engine.scheduler.has_unfinished_requests() or in_flight:
+            while len(in_flight) < max_in_flight:
+                plan = engine.scheduler.schedule()
+                if not plan.num_scheduled_tokens:
+                    break  # its finished ids come again in the next plan
+                in_flight.append((plan, engine.executor.launch(plan)))
+            if not in_flight:
+                raise RuntimeError("unfinished requests but nothing schedulable")
+            plan, handle = in_flight.popleft()
+            result = handle.result()
+            assert result.error is None, result.error
+            if plan.num_scheduled_tokens:
+                for delta in engine.scheduler.update_from_output(plan, result):
+                    tokens[delta.req_id].extend(delta.new_token_ids)
+    finally:
+        engine.scheduler.async_scheduling = False
+    return [tokens[m.request_id] for m in msgs]
+
+
+@pytest.fixture(scope="module")
+def small_llm(model_path: str) -> Iterator[LLM]:
+    llm = LLM(model_path, dtype="bfloat16", device="cuda", max_model_len=1024,
+              max_num_batched_tokens=256, max_num_seqs=16, num_kv_blocks=2048)
+    yield llm
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_sampling_features_with_two_steps_in_flight(small_llm: LLM) -> None:
+    """Penalties (which read token values and so wait for the earlier step), logprobs,
+    seeded sampling and min_tokens give the same tokens with steps overlapped."""
+    prompts = [p[:300] for p in shared_prefix_prompts(5)[:20]]
+    sync = _drive(small_llm, _mixed_requests(prompts, "sync-"), 1)
+    overlapped = _drive(small_llm, _mixed_requests(prompts, "overlap-"), 2)
+    assert overlapped == sync
+    assert small_llm.engine.executor.runner.num_pending_steps == 0
