@@ -8,11 +8,22 @@ emits only what lies beyond the text already emitted (`read_offset`). When the w
 ends in U+FFFD, the last character's bytes are incomplete: nothing is emitted and the
 offsets stay, so the next token completes the character. Each step decodes a window
 of a few tokens, never the whole text: O(1) work per token.
+
+Byte-level BPE fast path: with a plain ByteLevel decoder a window's text is the lossy
+UTF-8 decoding of its tokens' bytes (see decode_table.py), and a read offset always
+sits where the bytes so far end in a whole character (a window ending in U+FFFD is
+never emitted). The decoding of the window then splits at the read offset, so the
+text to emit is the decoding of the bytes past it alone: the detokenizer keeps those
+bytes and decodes them, with no call into the tokenizer. It emits exactly what the
+window algorithm emits, token by token. It needs the prompt context to end in a whole
+character too; a prompt cut inside a character takes the window algorithm.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from flowengine.tokenize.decode_table import decode_table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,17 +70,22 @@ class IncrementalDetokenizer:
             )
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self._backend = tokenizer.backend_tokenizer
-        self._decoder = self._backend.decoder
-        special = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
-        special.update(tokenizer.all_special_ids)
-        self._skip_ids = frozenset(special) if skip_special_tokens else frozenset()
+        table = decode_table(tokenizer)
+        self._backend = table.backend
+        self._decoder = table.decoder
+        self._skip_ids = table.special_ids if skip_special_tokens else frozenset()
         context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
         # NOTE: token strings from prefix_offset on; _read_offset indexes the same list.
         self._tokens: list[str] = self._to_tokens(context)
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
+        self._prefix_text: str | None = None  # text of tokens[prefix_offset:read_offset]
         self._parts: list[str] = []
+        # Byte-level fast path (module docstring): bytes of the tokens past read_offset.
+        self._table = table if table.is_byte_level else None
+        self._pending = b""
+        if self._table is not None and self._decode(self._tokens).endswith(_REPLACEMENT_CHAR):
+            self._table = None  # the prompt ends inside a character
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         tokens = []
@@ -88,7 +104,10 @@ class IncrementalDetokenizer:
 
     def _step(self, force: bool) -> str:
         """Emit the text of tokens past read_offset, unless it may end mid-character."""
-        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
+        if prefix_text is None:  # the window's start moved: decode its prefix once
+            prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+            self._prefix_text = prefix_text
         new_text = self._decode(self._tokens[self._prefix_offset :])
         if len(new_text) <= len(prefix_text):
             return ""
@@ -96,6 +115,7 @@ class IncrementalDetokenizer:
             return ""  # incomplete UTF-8 sequence: wait for the next token's bytes
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
+        self._prefix_text = None
         if self._prefix_offset >= _TRIM_THRESHOLD:
             del self._tokens[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
@@ -108,23 +128,48 @@ class IncrementalDetokenizer:
         Returns "" while the last character is incomplete; its text comes with a later
         token or with `flush()`.
         """
-        deltas = []
-        for token in self._to_tokens(new_token_ids):
-            self._tokens.append(token)
-            delta = self._step(force=False)
-            if delta:
-                deltas.append(delta)
-        text = "".join(deltas)
+        if self._table is not None:
+            text = self._update_bytes(new_token_ids)
+        else:
+            deltas = []
+            for token in self._to_tokens(new_token_ids):
+                self._tokens.append(token)
+                delta = self._step(force=False)
+                if delta:
+                    deltas.append(delta)
+            text = "".join(deltas)
         if text:
             self._parts.append(text)
+        return text
+
+    def _update_bytes(self, new_token_ids: list[int]) -> str:
+        """`update` on the byte-level fast path: token by token, emit the pending bytes'
+        text unless it ends in U+FFFD (an incomplete or invalid last character)."""
+        token_bytes = self._table.token_bytes  # type: ignore[union-attr]
+        skip_ids = self._skip_ids
+        pending = self._pending
+        text = ""
+        for token_id in new_token_ids:
+            if token_id in skip_ids:
+                continue
+            pending += token_bytes(token_id)
+            new_text = pending.decode("utf-8", "replace")
+            if new_text and new_text[-1] != _REPLACEMENT_CHAR:
+                text += new_text
+                pending = b""
+        self._pending = pending
         return text
 
     def flush(self) -> str:
         """At the end of the request: the held-back text, even if it ends in U+FFFD
         (the model stopped inside a character)."""
-        if self._read_offset == len(self._tokens):
+        if self._table is not None:
+            text = self._pending.decode("utf-8", "replace")
+            self._pending = b""
+        elif self._read_offset == len(self._tokens):
             return ""
-        text = self._step(force=True)
+        else:
+            text = self._step(force=True)
         if text:
             self._parts.append(text)
         return text

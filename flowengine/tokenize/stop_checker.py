@@ -26,7 +26,6 @@ class StopStringChecker:
             raise ValueError("stop strings must be non-empty; remove the empty string")
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._max_hold = max((len(s) for s in self.stop), default=1) - 1
         self._pending = ""
         self.matched: str | None = None
 
@@ -46,13 +45,26 @@ class StopStringChecker:
         return best
 
     def _held_back_length(self) -> int:
-        """Length of the longest suffix of the pending text that a stop string starts with."""
+        """Length of the longest suffix of the pending text that a stop string starts with.
+
+        For each stop string, candidate suffixes begin at an occurrence of its first
+        character among the last len(stop) - 1 characters (found by `str.find`, in C);
+        the earliest one that starts the stop string is that string's longest. A suffix
+        as long as the stop string itself would be a match, found before this is called.
+        """
         pending = self._pending
-        for k in range(min(len(pending), self._max_hold), 0, -1):
-            suffix = pending[-k:]
-            if any(s.startswith(suffix) for s in self.stop):
-                return k
-        return 0
+        num_pending = len(pending)
+        longest = 0
+        for stop in self.stop:
+            first = stop[0]
+            start = num_pending - len(stop) + 1
+            i = pending.find(first, start if start > 0 else 0)
+            while i >= 0 and num_pending - i > longest:
+                if stop.startswith(pending[i:]):
+                    longest = num_pending - i
+                    break
+                i = pending.find(first, i + 1)
+        return longest
 
     def process(self, delta: str) -> tuple[str, str | None]:
         """Feed a text delta. Returns (text safe to emit now, matched stop string or None).

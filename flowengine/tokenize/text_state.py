@@ -67,7 +67,8 @@ class IncrementalTextState:
         include_stop_str_in_output (vLLM v1's rule). After a stop-string match every
         call returns ("", None).
         """
-        if self.is_stopped:
+        stop_checker = self.stop_checker
+        if stop_checker is not None and stop_checker.matched is not None:
             return "", None
         ids = new_token_ids
         if stopped_by_token and ids and not self.sampling_params.include_stop_str_in_output:
@@ -76,10 +77,10 @@ class IncrementalTextState:
         if finished:
             delta += self.detokenizer.flush()
         matched = None
-        if self.stop_checker is not None:
-            delta, matched = self.stop_checker.process(delta)
+        if stop_checker is not None:  # no stop strings: no checker, nothing held back
+            delta, matched = stop_checker.process(delta)
             if finished and matched is None:
-                delta += self.stop_checker.flush()
+                delta += stop_checker.flush()
         if delta:
             self._parts.append(delta)
         return delta, matched

@@ -133,14 +133,76 @@ class _SpyDecoder:
         return self.decoder.decode(tokens)
 
 
+def window_detokenizer(tok, prompt_ids: list[int], **kwargs) -> IncrementalDetokenizer:
+    """A detokenizer forced onto the window algorithm (off the byte-level fast path)."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, **kwargs)
+    detok._table = None
+    return detok
+
+
 def test_decoded_window_stays_bounded_on_long_output(byte_bpe_tokenizer) -> None:
     tok = byte_bpe_tokenizer
     ids = tok.encode("Hello world 世界 👋🏽 naïve 🦀 " * 200)
-    detok = IncrementalDetokenizer(tok, tok.encode("prompt"))
+    detok = window_detokenizer(tok, tok.encode("prompt"))
     spy = _SpyDecoder(detok._decoder)
     detok._decoder = spy
     text = "".join(detok.update([t]) for t in ids) + detok.flush()
     assert text == tok.decode(ids)
     # A window spans the previous emission plus the pending bytes of one character.
     assert max(spy.window_lengths) <= 12
-    assert len(spy.window_lengths) == 2 * len(ids)
+    # One decode per token, plus one of the window's prefix after each emission.
+    num_emissions = sum(1 for part in detok._parts if part)
+    assert len(spy.window_lengths) <= len(ids) + num_emissions + 1
+
+
+def test_byte_level_fast_path_calls_no_decoder(byte_bpe_tokenizer) -> None:
+    tok = byte_bpe_tokenizer
+    ids = tok.encode("Hello world 世界 👋🏽 naïve 🦀 ")
+    detok = IncrementalDetokenizer(tok, tok.encode("prompt"))
+    assert detok._table is not None
+    spy = _SpyDecoder(detok._decoder)
+    detok._decoder = spy
+    text = "".join(detok.update([t]) for t in ids) + detok.flush()
+    assert text == tok.decode(ids)
+    assert spy.window_lengths == []
+
+
+def check_fast_path_equals_window(tokenizer, num_cases: int) -> None:
+    """Same deltas, update by update, from the fast path and the window algorithm,
+    including ids cut inside characters and special tokens kept or skipped."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    specials = sorted(tokenizer.all_special_ids)
+    for case in range(num_cases):
+        prompt_ids = tokenizer.encode(random_text(rng, 6)) if rng.random() < 0.7 else []
+        ids = tokenizer.encode(random_text(rng))
+        if rng.random() < 0.3:
+            ids = ids[: rng.randint(1, len(ids))]  # may stop inside a character
+        if rng.random() < 0.3:
+            ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        skip = rng.random() < 0.8
+        chunks = random_chunks(rng, ids)
+        fast = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip)
+        window = window_detokenizer(tokenizer, prompt_ids, skip_special_tokens=skip)
+        where = f"seed={seed} case={case} ids={ids} prompt={prompt_ids}"
+        assert fast._table is not None, where
+        assert stream(fast, chunks) == stream(window, chunks), where
+
+
+def test_fast_path_deltas_equal_window_algorithm(byte_bpe_tokenizer) -> None:
+    check_fast_path_equals_window(byte_bpe_tokenizer, num_cases=300)
+
+
+@pytest.mark.slow
+def test_fast_path_deltas_equal_window_algorithm_smollm2(smollm2_tokenizer) -> None:
+    check_fast_path_equals_window(smollm2_tokenizer, num_cases=200)
+
+
+def test_prompt_cut_inside_a_character_takes_the_window_algorithm(byte_bpe_tokenizer) -> None:
+    tok = byte_bpe_tokenizer
+    ids = tok.encode("x🦀")  # 🦀's 4 bytes are separate tokens (see above)
+    prompt, output = ids[:2], ids[2:]  # the prompt ends after 🦀's first byte
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert detok._table is None
+    # vLLM's rule: the character completed by the output is the prompt's, not emitted.
+    assert "".join(detok.update([t]) for t in output) + detok.flush() == ""

@@ -98,3 +98,21 @@ def test_fuzz_any_split_matches_whole_text_reference(include: bool) -> None:
         where = f"seed={seed} case={case} text={text!r} stops={stops} deltas={deltas}"
         # Emission is append-only, so equal totals mean nothing past the stop ever left.
         assert ("".join(emitted), matched) == reference(text, stops, include), where
+
+
+def test_fuzz_hold_back_is_the_longest_stop_prefix_suffix() -> None:
+    """Exactly the longest suffix that starts a stop string is held back, no more."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for case in range(500):
+        stops = ["".join(rng.choices("abc", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        checker = StopStringChecker(stops)
+        text = "".join(rng.choices("abcd", k=rng.randint(0, 12)))
+        emitted, matched = checker.process(text)
+        if matched is not None:
+            continue
+        expected_hold = max(
+            (k for k in range(1, len(text) + 1) if any(s.startswith(text[-k:]) for s in stops)),
+            default=0,
+        )
+        assert emitted == text[: len(text) - expected_hold], (seed, case, stops, text)
