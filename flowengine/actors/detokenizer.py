@@ -86,10 +86,12 @@ class DetokenizerActor:
                 self._generation_ready = None
             if msg.stats is not None:
                 self.stats = msg.stats
+            num_tokens = 0
             for delta in msg.outputs:
-                self.generation_tokens_total += len(delta.new_token_ids)
+                num_tokens += len(delta.new_token_ids)
                 if delta.finish_reason is not None:
                     self.finished_by_reason[delta.finish_reason] += 1
+            self.generation_tokens_total += num_tokens
             start = time.perf_counter()
             outs, to_stop = self.processor.process(msg.outputs)
             self.busy_s += time.perf_counter() - start

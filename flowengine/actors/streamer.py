@@ -6,26 +6,91 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from flowengine.outputs import RequestOutput
+from flowengine.outputs import CompletionOutput, RequestOutput
 from flowengine.shm.inproc import InprocChannel
 
 
+def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
+    """Fold the stream delta `new` into `pending`, the one its caller has not taken yet.
+
+    Afterwards `pending` is the delta since the caller's previous output: per completion
+    (matched by `index`, kept in index order) the texts, token ids and logprobs are
+    concatenated, and the latest cumulative logprob, finish and stop reasons win; the
+    request's `finished`, `num_cached_tokens` and `error` are the latest. Joining what
+    the caller receives therefore gives the same text, the same token ids in order and
+    the same last output as taking every delta. Mutates `pending` (owned by the stream)
+    and the lists inside it; `new` must not be used afterwards.
+    """
+    by_index = {c.index: c for c in pending.outputs}
+    added = False
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            pending.outputs.append(c)
+            added = True
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    if added:
+        pending.outputs.sort(key=_completion_index)
+    pending.finished = new.finished
+    pending.num_cached_tokens = new.num_cached_tokens
+    if new.error is not None:
+        pending.error = new.error
+
+
+def _completion_index(c: CompletionOutput) -> int:
+    return c.index
+
+
 class RequestStream:
-    """One caller's queue of outputs; `None` closes it, an exception is raised to it."""
+    """One caller's outputs. Deltas the caller has not taken yet are merged into one
+    (`merge_delta`), so a slow caller wakes once for all of them, and a fast one once
+    per step at most. An exception is raised to the caller after the pending output.
+    """
+
+    __slots__ = ("request_id", "finished", "_pending", "_error", "_waiter")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            merge_delta(self._pending, item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while self._pending is None and self._error is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled: no put() took it
+                    self._waiter = None
+        item = self._pending
+        if item is None:
             self.finished = True
-            raise item
+            raise self._error  # type: ignore[misc]
+        self._pending = None
         if item.finished:
             self.finished = True
         return item
@@ -71,12 +136,13 @@ class StreamerActor:
             self.busy_s += time.perf_counter() - start
 
     def _route(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = streams.get(out.request_id)
             if stream is None:
                 if not out.finished and self._on_orphan is not None:
                     self._on_orphan(out.request_id)
                 continue
             stream.put(out)
             if out.finished:
-                del self._streams[out.request_id]
+                del streams[out.request_id]

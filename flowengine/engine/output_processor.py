@@ -17,36 +17,36 @@ from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 from flowengine.tokenize.text_state import IncrementalTextState
 
+# Placeholder of a sample's new_token_ids between outputs; never mutated (see below).
+_NO_TOKENS: list[int] = []
 
-@dataclass
+
+@dataclass(slots=True)
 class _SampleState:
     """Text state of one sample (one child request)."""
 
     index: int
     text_state: IncrementalTextState
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # What changed since the last RequestOutput (streaming deltas).
+    # What changed since the last RequestOutput (streaming deltas). NOTE: new_token_ids
+    # is rebound, never mutated: it may be a delta's own list, handed on to the caller.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     dirty: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     prompt: ProcessedPrompt
     samples: list[_SampleState]
+    num_unfinished: int
     num_cached_tokens: int = 0
     error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
 
 
 class OutputProcessor:
@@ -62,7 +62,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream = stream
         self._requests: dict[str, _RequestState] = {}
-        self._child_to_parent: dict[str, tuple[str, int]] = {}
+        # Child (engine-side) request id -> (parent id, its state, the child's sample).
+        self._children: dict[str, tuple[str, _RequestState, _SampleState]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -77,17 +78,16 @@ class OutputProcessor:
         samples = [
             _SampleState(
                 index=i,
-                text_state=IncrementalTextState(
-                    self.tokenizer, processed.prompt_token_ids, params
-                ),
+                text_state=IncrementalTextState(self.tokenizer, processed.prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             for i in range(params.n)
         ]
-        self._requests[processed.request_id] = _RequestState(processed, samples)
-        for i, child in enumerate(processed.children):
-            self._child_to_parent[child.request_id] = (processed.request_id, i)
+        state = _RequestState(processed, samples, len(samples))
+        self._requests[processed.request_id] = state
+        for child, sample in zip(processed.children, samples, strict=True):
+            self._children[child.request_id] = (processed.request_id, state, sample)
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self._requests.get(request_id)
@@ -99,23 +99,25 @@ class OutputProcessor:
         The ids to stop are samples finished here by a stop string; the caller tells the
         engine (as an abort) so their KV blocks are freed.
         """
+        # NOTE: hot path, run for every request on every step; keep it lean.
+        children = self._children
         touched: dict[str, _RequestState] = {}
         to_stop: list[str] = []
         for delta in deltas:
-            where = self._child_to_parent.get(delta.req_id)
+            where = children.get(delta.req_id)
             if where is None:
                 continue  # aborted by the caller, or finished by a stop string already
-            parent_id, index = where
-            state = self._requests[parent_id]
-            sample = state.samples[index]
+            parent_id, state, sample = where
             if sample.finish_reason is not None:
                 continue
-            if delta.num_cached_tokens and index == 0:
+            if delta.num_cached_tokens and sample.index == 0:
                 state.num_cached_tokens = delta.num_cached_tokens
             if delta.error:
                 state.error = delta.error
             if self._apply(sample, delta):
                 to_stop.append(delta.req_id)
+            if sample.finish_reason is not None:
+                state.num_unfinished -= 1
             touched[parent_id] = state
         outputs = [self._make_output(rid, st) for rid, st in touched.items()]
         for out in outputs:
@@ -125,26 +127,32 @@ class OutputProcessor:
 
     def _apply(self, sample: _SampleState, delta: RequestDelta) -> bool:
         """Update one sample; True if a stop string finished it here."""
+        new_token_ids = delta.new_token_ids
+        sample.token_ids += new_token_ids
+        if self.stream:
+            # Usually one delta per output: pass its list on rather than copy it.
+            if sample.dirty:
+                sample.new_token_ids = sample.new_token_ids + new_token_ids
+            else:
+                sample.new_token_ids = new_token_ids
         sample.dirty = True
-        sample.token_ids.extend(delta.new_token_ids)
-        sample.new_token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs and sample.logprobs is not None:
-            for lp, tok in zip(delta.new_logprobs, delta.new_token_ids, strict=False):
+            for lp, tok in zip(delta.new_logprobs, new_token_ids, strict=False):
                 entry = self._logprob_entry(lp, tok)
                 sample.logprobs.append(entry)
                 sample.new_logprobs.append(entry)
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp.sampled_logprob
-        finished = delta.finish_reason is not None
+        finish_reason = delta.finish_reason
         text, matched = sample.text_state.process(
-            delta.new_token_ids, finished, stopped_by_token=delta.finish_reason == "stop"
+            new_token_ids, finish_reason is not None, stopped_by_token=finish_reason == "stop"
         )
-        sample.text += text
-        sample.new_text += text
+        if text:
+            sample.new_text += text
         if matched is not None:
             sample.finish_reason, sample.stop_reason = "stop", matched
-            return not finished
-        if finished:
-            sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+            return finish_reason is None
+        if finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = finish_reason, delta.stop_reason
         return False
 
     def _logprob_entry(self, lp: TokenLogprobs, sampled: int) -> dict[int, Logprob]:
@@ -159,34 +167,41 @@ class OutputProcessor:
 
     def _make_output(self, request_id: str, state: _RequestState) -> RequestOutput:
         completions = []
+        stream = self.stream
         for s in state.samples:
-            if self.stream and not s.dirty:
+            if stream and not s.dirty:
                 continue
+            if stream:
+                # The delta's lists change hands: fresh ones collect the next delta.
+                text, token_ids, logprobs = s.new_text, s.new_token_ids, s.new_logprobs
+                s.new_token_ids = _NO_TOKENS
+                if s.logprobs is not None:
+                    s.new_logprobs = []
+            else:
+                text = s.text_state.output_text
+                token_ids, logprobs = list(s.token_ids), s.logprobs
+                s.new_logprobs.clear()
             completions.append(
                 CompletionOutput(
-                    index=s.index,
-                    text=s.new_text if self.stream else s.text,
-                    token_ids=list(s.new_token_ids if self.stream else s.token_ids),
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=(list(s.new_logprobs) if self.stream else s.logprobs)
-                    if s.logprobs is not None
-                    else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
+                    s.index,
+                    text,
+                    token_ids,
+                    s.cumulative_logprob,
+                    logprobs if s.logprobs is not None else None,
+                    s.finish_reason,
+                    s.stop_reason,
                 )
             )
-            s.new_token_ids.clear()
             s.new_text = ""
-            s.new_logprobs.clear()
             s.dirty = False
         return RequestOutput(
-            request_id=request_id,
-            prompt=state.prompt.prompt,
-            prompt_token_ids=state.prompt.prompt_token_ids,
-            outputs=completions,
-            finished=state.finished,
-            num_cached_tokens=state.num_cached_tokens,
-            error=state.error,
+            request_id,
+            state.prompt.prompt,
+            state.prompt.prompt_token_ids,
+            completions,
+            state.num_unfinished == 0,
+            state.num_cached_tokens,
+            state.error,
         )
 
     def resubmit_requests(self) -> list[NewRequest]:
@@ -217,4 +232,4 @@ class OutputProcessor:
         state = self._requests.pop(request_id, None)
         if state is not None:
             for child in state.prompt.children:
-                self._child_to_parent.pop(child.request_id, None)
+                self._children.pop(child.request_id, None)

@@ -1,0 +1,148 @@
+"""OutputProcessor: engine deltas -> RequestOutputs, streamed and cumulative."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from flowengine.engine.input_processor import ProcessedPrompt
+from flowengine.engine.output_processor import OutputProcessor
+from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
+from flowengine.sampling_params import SamplingParams
+from flowengine.tokenize.decode_table import bytes_to_unicode
+
+EOS = 256
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: token id = byte value, EOS = 256."""
+    chars = bytes_to_unicode()
+    backend = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    assert tokenizer.eos_token_id == EOS
+    return tokenizer
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def prompt(request_id: str, params: SamplingParams) -> ProcessedPrompt:
+    prompt_ids = ids("Q: ")
+    children = [
+        NewRequest(request_id if params.n == 1 else f"{request_id}-{i}", prompt_ids, params, 0.0)
+        for i in range(params.n)
+    ]
+    return ProcessedPrompt(request_id, "Q: ", prompt_ids, params, children)
+
+
+PARAMS = SamplingParams(max_tokens=16)
+
+
+def test_stream_outputs_carry_deltas_and_finish_last(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", PARAMS))
+    op.add_request(prompt("b", PARAMS))
+    é = ids("é")  # two bytes: the first alone is half a character
+    outs, stop = op.process([RequestDelta("a", ids("hi")), RequestDelta("b", é[:1])])
+    assert stop == []
+    assert [(o.request_id, o.outputs[0].text, o.outputs[0].token_ids) for o in outs] == [
+        ("a", "hi", ids("hi")),
+        ("b", "", é[:1]),
+    ]
+    assert not any(o.finished for o in outs)
+    outs, _ = op.process([RequestDelta("b", é[1:], finish_reason="length")])
+    (out,) = outs
+    assert (out.outputs[0].text, out.outputs[0].token_ids) == ("é", é[1:])
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert out.prompt == "Q: " and out.prompt_token_ids == ids("Q: ")
+    assert "b" not in op and "a" in op
+    assert op.process([RequestDelta("b", ids("x"))]) == ([], [])  # forgotten
+
+
+def test_two_deltas_in_one_batch_make_one_output(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", PARAMS))
+    first, second = RequestDelta("a", ids("ab")), RequestDelta("a", ids("c"))
+    (out,), _ = op.process([first, second])
+    assert (out.outputs[0].text, out.outputs[0].token_ids) == ("abc", ids("abc"))
+    assert first.new_token_ids == ids("ab") and second.new_token_ids == ids("c")
+    (out,), _ = op.process([RequestDelta("a", ids("d"))])
+    assert out.outputs[0].token_ids == ids("d")
+
+
+def test_cumulative_outputs_when_not_streaming(tok) -> None:
+    op = OutputProcessor(tok, stream=False)
+    op.add_request(prompt("a", PARAMS))
+    (out1,), _ = op.process([RequestDelta("a", ids("he"))])
+    (out2,), _ = op.process([RequestDelta("a", ids("llo"), finish_reason="length")])
+    assert (out1.outputs[0].text, out1.outputs[0].token_ids) == ("he", ids("he"))
+    assert (out2.outputs[0].text, out2.outputs[0].token_ids) == ("hello", ids("hello"))
+    assert out2.finished and len(op) == 0
+
+
+def test_eos_text_is_left_out(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", PARAMS))
+    (out,), _ = op.process([RequestDelta("a", [*ids("ok"), EOS], finish_reason="stop")])
+    assert out.outputs[0].text == "ok" and out.outputs[0].token_ids == [*ids("ok"), EOS]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
+
+
+def test_stop_string_finishes_and_asks_to_stop_the_engine(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", SamplingParams(max_tokens=16, stop=["END"])))
+    (out,), stop = op.process([RequestDelta("a", ids("xE"))])
+    assert out.outputs[0].text == "x" and stop == []  # "E" may start "END": held back
+    (out,), stop = op.process([RequestDelta("a", ids("ND!"))])
+    assert out.outputs[0].text == "" and out.finished
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", "END")
+    assert stop == ["a"] and len(op) == 0
+
+
+def test_n2_streams_only_changed_samples_and_finishes_with_the_last(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("r", SamplingParams(n=2, max_tokens=16)))
+    assert op.child_ids("r") == ["r-0", "r-1"]
+    (out,), _ = op.process([RequestDelta("r-1", ids("b"), num_cached_tokens=3)])
+    assert [(c.index, c.text) for c in out.outputs] == [(1, "b")]
+    assert out.num_cached_tokens == 0  # counted from sample 0 only
+    (out,), _ = op.process(
+        [RequestDelta("r-0", ids("a"), finish_reason="length", num_cached_tokens=3)]
+    )
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [(0, "a", "length")]
+    assert not out.finished and out.num_cached_tokens == 3
+    (out,), _ = op.process([RequestDelta("r-1", ids("c"), finish_reason="length")])
+    assert [(c.index, c.text) for c in out.outputs] == [(1, "c")] and out.finished
+    assert len(op) == 0
+
+
+def test_logprobs_and_error(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", SamplingParams(max_tokens=16, logprobs=1)))
+    lp = TokenLogprobs(top_token_ids=[ord("x")], top_logprobs=[-0.5], sampled_logprob=-1.5,
+                       sampled_rank=2)  # fmt: skip
+    (out,), _ = op.process([RequestDelta("a", ids("y"), new_logprobs=[lp])])
+    (completion,) = out.outputs
+    assert completion.cumulative_logprob == -1.5
+    (entry,) = completion.logprobs
+    assert {t: (v.logprob, v.rank, v.decoded_token) for t, v in entry.items()} == {
+        ord("x"): (-0.5, 1, "x"),
+        ord("y"): (-1.5, 2, "y"),
+    }
+    (out,), _ = op.process([RequestDelta("a", [], finish_reason="error", error="boom")])
+    assert out.error == "boom" and out.finished and out.outputs[0].logprobs == []
+
+
+def test_resubmit_carries_delivered_tokens(tok) -> None:
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", PARAMS))
+    op.process([RequestDelta("a", ids("ab"))])
+    op.process([RequestDelta("a", ids("c"))])
+    (msg,) = op.resubmit_requests()
+    assert msg.request_id == "a" and msg.output_token_ids == ids("abc")
+    assert op.abort("a") == ["a"] and len(op) == 0
