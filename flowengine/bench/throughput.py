@@ -99,7 +99,7 @@ def run_hf_continuous(model_path: str, dtype: str, device: str, prompts, output_
     """transformers' own continuous batching (`generate_batch`, paged attention)."""
     from transformers import GenerationConfig
 
-    model = load_hf_model(model_path, dtype, device, dummy, attn_implementation="sdpa_paged")
+    model = load_hf_model(model_path, dtype, device, dummy, attn_implementation="paged|sdpa")
     config = GenerationConfig(
         max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0,
         use_cuda_graph=False,
@@ -140,6 +140,7 @@ def main(argv: list[str]) -> int:
         ns.num_prompts, ns.input_len, llm.resolved.model_config.vocab_size, special, ns.prompt_seed
     )
     results = [run_flowengine(llm, prompts, ns.output_len)]
+    print(f"flowengine: {results[0].row()}", flush=True)  # before transformers runs
     if ns.hf:
         del llm
         hf_prompts = prompts[: ns.hf_num_prompts or len(prompts)]
