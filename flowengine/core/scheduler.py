@@ -47,13 +47,14 @@ Pure Python: this module must not import torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.block_pool import KVCacheBlock
 from flowengine.core.in_flight import ScheduledRequest
 from flowengine.core.scheduler_state import SchedulerState
-from flowengine.core.step_draft import StepDraft
+from flowengine.core.step_draft import NO_NEW_BLOCKS, StepDraft
 from flowengine.messages import RequestDelta, StepPlan, StepResult
 from flowengine.request import Request, RequestStatus
 
@@ -117,9 +118,10 @@ class Scheduler(SchedulerState):
     def _schedule_running(self, draft: StepDraft) -> None:
         # NOTE: hot path, run for every running request on every step; keep it lean.
         running = self.running.requests  # preemption pops from its end: index stays valid
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        manager = self.kv_cache_manager
+        req_to_blocks = manager.req_to_blocks
+        block_size = self.block_size
         with_placeholders = self.async_scheduling and len(self.in_flight) > 0
-        scheduled = draft.cached_reqs
         budget = draft.token_budget
         index = 0
         while index < len(running) and budget > 0:
@@ -128,15 +130,24 @@ class Scheduler(SchedulerState):
             num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
             if with_placeholders:
                 num_known = self._num_known_tokens(request, num_known)
-            num_new = min(num_known - request.num_computed_tokens, budget)
+            num_computed = request.num_computed_tokens
+            num_new = min(num_known - num_computed, budget)
             if num_new <= 0:
                 continue
-            new_blocks = allocate_slots(request, num_new)
-            if new_blocks is None:
-                new_blocks = self._preempt_for(request, num_new, draft)
+            new_blocks: Sequence[KVCacheBlock] | None
+            # Most decode steps: the tokens fit in the blocks the request holds.
+            if num_computed + num_new <= len(req_to_blocks[request.request_id]) * block_size:
+                new_blocks = NO_NEW_BLOCKS
+            else:
+                new_blocks = manager.allocate_slots(request, num_new)
                 if new_blocks is None:
-                    break  # it preempted itself (the last one running) or waits for blocks
-            scheduled.append((request, num_new, new_blocks, num_known))  # draft.add_cached
+                    new_blocks = self._preempt_for(request, num_new, draft)
+                    if new_blocks is None:
+                        break  # it preempted itself (the last one running) or waits
+            draft.cached_reqs.append(request)  # draft.add_cached, inlined
+            draft.cached_num_tokens.append(num_new)
+            draft.cached_new_blocks.append(new_blocks)
+            draft.cached_num_known.append(num_known)
             budget -= num_new
         draft.token_budget = budget
 
@@ -257,6 +268,8 @@ class Scheduler(SchedulerState):
         sampled = {s.req_id: s for s in result.sampled}
         requests = self.requests
         cache_blocks = self.kv_cache_manager.cache_blocks
+        num_cached_blocks = self.kv_cache_manager.num_cached_blocks
+        block_size = self.block_size
         deltas = []
         entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
@@ -267,7 +280,11 @@ class Scheduler(SchedulerState):
                 continue  # finished or aborted since the plan
             # A request preempted since the plan holds other blocks now: publish none.
             if request.status is _RUNNING and request.num_preemptions == record.num_preemptions:
-                cache_blocks(request, entry.num_computed_tokens + num_scheduled)
+                num_computed = entry.num_computed_tokens + num_scheduled
+                # Skip the call on most decode steps: no block filled up (cache_blocks
+                # would return at once).
+                if num_computed // block_size > num_cached_blocks.get(req_id, 0):
+                    cache_blocks(request, num_computed)
             if record.samples:
                 deltas.append(self._append_sampled(request, sampled.get(req_id)))
         return deltas
@@ -278,4 +295,3 @@ class Scheduler(SchedulerState):
         requests = [scheduled[req_id].request for req_id in plan.scheduled_req_ids]
         live = [r for r in requests if self.requests.get(r.request_id) is r]
         return [self._fail_request(r, error) for r in live]
-
