@@ -139,14 +139,14 @@ def idle_between_steps(steps: list[StepLog]) -> float:
     return idle / total
 
 
-def profiler_idle(run_window: object) -> float | None:
+def profiler_idle(run_window: Callable[[], object]) -> float | None:
     """Fraction of wall time between the first kernel start and the last kernel end
     with no kernel running, from torch.profiler over `run_window()`; None when the
     profiler recorded no kernels (e.g. no CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_window()  # type: ignore[operator]
+        run_window()
         torch.cuda.synchronize()
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0)

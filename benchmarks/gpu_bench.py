@@ -42,6 +42,8 @@ from engine_loops import (  # noqa: E402
 
 from flowengine.config import EngineArgs  # noqa: E402
 from flowengine.engine.builder import build_engine_core, resolve  # noqa: E402
+from flowengine.engine.engine_core import EngineCore  # noqa: E402
+from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
 from flowengine.executor.input_batch import RequestState  # noqa: E402
 from flowengine.messages import NewRequest  # noqa: E402
 from flowengine.sampling_params import SamplingParams  # noqa: E402
@@ -94,38 +96,39 @@ def copy_bandwidth_gbs(gib: int = 4, iters: int = 20) -> float:
     return 2 * (gib << 30) / seconds / 1e9
 
 
-def bytes_per_step(runner: object, batch: int, context: float) -> float:
-    """Bytes a decode step must read: every weight but the embedding table (only
+def bytes_per_step(runner: CudaModelRunner, batch: int, context: float) -> float:
+    """Bytes a decode step must read: every weight but an untied embedding table (only
     `batch` rows of it), and the K/V of `context` tokens per request."""
-    model = runner.model  # type: ignore[attr-defined]
+    model = runner.model
     embed = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += -embed.numel() * embed.element_size() + batch * embed[0].numel() * embed.element_size()
-    kv_per_token = runner.kv_cache_bytes_per_block(  # type: ignore[attr-defined]
-        runner.model_config, 1, runner.dtype)  # type: ignore[attr-defined]
+    if model.lm_head is not None:  # untied: the table is read only at the batch's ids
+        weights += (batch - embed.shape[0]) * embed[0].numel() * embed.element_size()
+    kv_per_token = runner.kv_cache_bytes_per_block(
+        runner.model_config, 1, runner.dtype)
     return weights + batch * context * kv_per_token
 
 
 @torch.inference_mode()
-def device_step_ms(runner: object, batch: int, context: int, iters: int = 50) -> float:
+def device_step_ms(runner: CudaModelRunner, batch: int, context: int, iters: int = 50) -> float:
     """Median time of the device work of one decode step on prepared inputs: CUDA-graph
     replay (eager forward with enforce_eager), LM head and argmax; `batch` requests of
     `context` cached tokens each over distinct KV blocks."""
-    bs = runner.cache_config.block_size  # type: ignore[attr-defined]
+    bs = runner.cache_config.block_size
     per_req = context // bs + 1
     states = [RequestState(str(i), [1] * (context + 1), context, SamplingParams(), None,
                            list(range(i * per_req, (i + 1) * per_req)), context)
               for i in range(batch)]
-    graphs = runner.graphs  # type: ignore[attr-defined]
+    graphs = runner.graphs
     pad = None if graphs is None else min(s for s in graphs.sizes if s >= batch)
-    inputs = runner.input_batch.prepare(states, [1] * batch, pad_to=pad)  # type: ignore[attr-defined]
-    model = runner.model  # type: ignore[attr-defined]
+    inputs = runner.input_batch.prepare(states, [1] * batch, pad_to=pad)
+    model = runner.model
 
     def step() -> None:
-        if pad is not None:
+        if graphs is not None and pad is not None:
             hidden = graphs.replay(pad)
         else:
-            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,  # type: ignore[attr-defined]
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
                            inputs.attn_metadata)
         model.compute_logits(hidden.index_select(0, inputs.logits_indices)).argmax(-1)
 
@@ -141,22 +144,22 @@ def device_step_ms(runner: object, batch: int, context: int, iters: int = 50) ->
     return sorted(times)[len(times) // 2]
 
 
-def add_requests(engine: object, tag: str, batch: int, context: int, max_tokens: int) -> None:
+def add_requests(engine: EngineCore, tag: str, batch: int, context: int, max_tokens: int) -> None:
     """`batch` greedy requests of `context` random prompt tokens (distinct per tag, so
     no prefix-cache hits across phases), each generating max_tokens tokens."""
     rng = random.Random(tag)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         prompt = [rng.randrange(1000, 100000) for _ in range(context)]
-        engine.add_request(NewRequest(f"{tag}{i}", prompt, params, 0.0))  # type: ignore[attr-defined]
+        engine.add_request(NewRequest(f"{tag}{i}", prompt, params, 0.0))
 
 
-def measure(engine: object, batch: int, context: int, steps: int, budget: int, bw_gbs: float,
+def measure(engine: EngineCore, batch: int, context: int, steps: int, budget: int, bw_gbs: float,
             profile: bool) -> dict[str, float | None]:
     """Engine (overlapped and sync) and device-only decode times at one batch size."""
     prefill_steps = -(-batch * context // budget)
     max_tokens = prefill_steps + steps + 16
-    runner = engine.executor.runner  # type: ignore[attr-defined]
+    runner = engine.executor.runner
     out: dict[str, float | None] = {}
     for mode, run in (("overlapped", run_overlapped), ("sync", run_sync)):
         add_requests(engine, f"{mode}-{batch}-", batch, context, max_tokens)
@@ -215,6 +218,8 @@ def main(argv: list[str]) -> int:
                       gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager)
     engine = build_engine_core(resolve(args))
+    if not isinstance(engine.executor.runner, CudaModelRunner):
+        raise RuntimeError("expected the CUDA runner; is the device CUDA?")
     results = {f"batch{b}": measure(engine, b, ns.context, ns.steps if b == 1 else 32,
                                     ns.max_num_batched_tokens, bw, not ns.no_profile and b > 1)
                for b in (1, ns.batch)}

@@ -21,6 +21,7 @@ caller samples) stays available for callers that sample themselves.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -97,6 +98,9 @@ class CudaModelRunner(ModelRunner):
         self.decode_batch_sizes: list[int] = []
         self.graphs: DecodeCudaGraphs | None = None
         self._pending: list[PendingStep] = []
+        # launch() and a PendingStep's result() may run in different threads (the
+        # Executor and Sampler actors): both change request states under this lock.
+        self._lock = threading.RLock()
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
@@ -128,9 +132,11 @@ class CudaModelRunner(ModelRunner):
             max_model_len=c.max_model_len)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs for every size of `capture_sizes`. Does nothing with enforce_eager, off CUDA, or with an
-        attention backend other than Triton (the torch reference syncs with the host).
-        Call after initialize_kv_cache."""
+        """Capture decode graphs for every size of `capture_sizes`. Does nothing with
+        enforce_eager, off CUDA, or with an attention backend other than Triton (the
+        torch reference syncs with the host). Call after initialize_kv_cache.
+
+        Raises RuntimeError when the KV cache is missing or a capture fails."""
         backend = self.model.model.layers[0].self_attn.attn_backend
         if self.enforce_eager or self.device.type != "cuda":
             return
@@ -217,8 +223,9 @@ class CudaModelRunner(ModelRunner):
     def execute_model(self, plan: StepPlan) -> ModelOutput:
         """As ModelRunner.execute_model (logits out; the caller samples and calls
         append_sampled). Resolves launched steps first, so the host knows every token."""
-        self.flush()
-        _, inputs, hidden = self._forward(plan)
+        with self._lock:
+            self.flush()
+            _, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None:
             return ModelOutput([], torch.empty(0, self.model_config.vocab_size,
                                                device=self.device))
@@ -235,6 +242,10 @@ class CudaModelRunner(ModelRunner):
         gets a placeholder token until the returned PendingStep's result() is read.
         Raises ValueError for an inconsistent plan, as execute_model.
         """
+        with self._lock:
+            return self._launch(plan, sampler)
+
+    def _launch(self, plan: StepPlan, sampler: Sampler) -> PendingStep:
         _, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None or not inputs.sample_req_ids:
             return PendingStep.empty(plan.step_id)
@@ -253,14 +264,15 @@ class CudaModelRunner(ModelRunner):
             state.placeholder_indices.append(index)
             placeholders.append((state, index))
         pending = PendingStep(plan.step_id, inputs.sample_req_ids, placeholders, host_output,
-                              event, on_done=self._pending.remove)
+                              event, on_done=self._pending.remove, lock=self._lock)
         self._pending.append(pending)
         return pending
 
     def flush(self) -> None:
         """Resolve every launched step (waits for their tokens)."""
-        for pending in list(self._pending):
-            pending.result()
+        with self._lock:
+            for pending in list(self._pending):
+                pending.result()
 
     @property
     def num_pending_steps(self) -> int:

@@ -8,6 +8,8 @@ while step N+1, launched after it, keeps the GPU busy (DESIGN.md §5).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -54,18 +56,22 @@ class PendingStep:
             the step sampled nothing.
         event: completes when host_output is valid (None: already valid).
         on_done: called once with this step after its placeholders are filled.
+        lock: held while the placeholders are filled (the runner's, so that result()
+            may run in another thread than the next launch).
     """
 
     def __init__(self, step_id: int, req_ids: list[str],
                  placeholders: list[tuple[RequestState, int]],
                  host_output: SamplerOutput | None, event: torch.cuda.Event | None,
-                 on_done: Callable[[PendingStep], None] | None = None) -> None:
+                 on_done: Callable[[PendingStep], None] | None = None,
+                 lock: threading.RLock | None = None) -> None:
         self.step_id = step_id
         self.req_ids = req_ids
         self._placeholders = placeholders
         self._host_output = host_output
         self._event = event
         self._on_done = on_done
+        self._lock = lock
         self._result: StepResult | None = None
 
     @classmethod
@@ -88,15 +94,18 @@ class PendingStep:
             self._result = StepResult(self.step_id, [])
             return self._result
         if self._event is not None:
-            self._event.synchronize()
+            self._event.synchronize()  # outside the lock: a launch may proceed meanwhile
         token_ids, logprobs = self._host_output.tolists()
-        for (state, index), token in zip(self._placeholders, token_ids, strict=True):
-            state.token_ids[index] = token
-            state.placeholder_indices.remove(index)
-        self._result = StepResult(self.step_id, [
-            SampledTokens(rid, [tok], None if lp is None else [lp])
-            for rid, tok, lp in zip(self.req_ids, token_ids, logprobs, strict=True)
-        ])
-        if self._on_done is not None:
-            self._on_done(self)
+        with self._lock if self._lock is not None else contextlib.nullcontext():
+            if self._result is not None:  # resolved by another thread meanwhile
+                return self._result
+            for (state, index), token in zip(self._placeholders, token_ids, strict=True):
+                state.token_ids[index] = token
+                state.placeholder_indices.remove(index)
+            self._result = StepResult(self.step_id, [
+                SampledTokens(rid, [tok], None if lp is None else [lp])
+                for rid, tok, lp in zip(self.req_ids, token_ids, logprobs, strict=True)
+            ])
+            if self._on_done is not None:
+                self._on_done(self)
         return self._result

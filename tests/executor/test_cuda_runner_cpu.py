@@ -15,7 +15,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.scheduler import Scheduler
 from flowengine.engine.engine_core import request_from_msg
-from flowengine.executor.cuda_graphs import CAPTURE_SIZES, capture_sizes_for, padded_batch_size
+from flowengine.executor.cuda_graphs import (
+    CAPTURE_SIZES,
+    DecodeCudaGraphs,
+    capture_sizes_for,
+    padded_batch_size,
+)
 from flowengine.executor.cuda_runner import CudaModelRunner
 from flowengine.executor.executor import Executor
 from flowengine.executor.input_batch import PLACEHOLDER_TOKEN_ID, InputBatch, RequestState
@@ -47,6 +52,15 @@ def test_padded_batch_size_is_the_nearest_captured_size() -> None:
     assert {n: padded_batch_size(n, sizes) for n in expected} == expected
     assert padded_batch_size(513, sizes) is None
     assert padded_batch_size(3, []) is None
+
+
+def test_graphs_need_fixed_buffers_and_ascending_sizes() -> None:
+    batch = InputBatch(block_size=BLOCK, max_blocks_per_req=3, device=CPU)
+    with pytest.raises(ValueError, match="non-growable InputBatch"):
+        DecodeCudaGraphs(torch.nn.Identity(), [], batch, object(), 64, [1, 2])
+    batch.growable = False
+    with pytest.raises(ValueError, match="ascending and distinct"):
+        DecodeCudaGraphs(torch.nn.Identity(), [], batch, object(), 64, [2, 1])
 
 
 def test_kv_blocks_from_the_profiled_peak() -> None:

@@ -26,7 +26,12 @@ from flowengine import LLM  # noqa: E402
 from flowengine.config import CacheConfig  # noqa: E402
 from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
 from flowengine.executor.staging_buffer import StagingBuffers  # noqa: E402
-from flowengine.messages import CachedRequestData, NewRequest, NewRequestData, StepPlan  # noqa: E402
+from flowengine.messages import (  # noqa: E402
+    CachedRequestData,
+    NewRequest,
+    NewRequestData,
+    StepPlan,
+)
 from flowengine.model.model_config import ModelConfig  # noqa: E402
 from flowengine.sampling_params import SamplingParams  # noqa: E402
 

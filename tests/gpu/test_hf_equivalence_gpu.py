@@ -114,8 +114,8 @@ def _assert_tokens_equal(case: Case, outputs: list[list[int]], what: str,
     for i, got in zip(indices, outputs, strict=True):
         ref = case.refs[i]
         if got != ref.token_ids:
-            pos = next((j for j, (a, b) in enumerate(zip(got, ref.token_ids, strict=False)) if a != b),
-                       min(len(got), len(ref.token_ids)))
+            pairs = enumerate(zip(got, ref.token_ids, strict=False))
+            pos = next((j for j, (a, b) in pairs if a != b), min(len(got), len(ref.token_ids)))
             margin = ref.margins[pos] if pos < len(ref.margins) else float("nan")
             bad.append(f"prompt {i} ({len(case.prompts[i])} tokens): first difference at "
                        f"output {pos}, reference margin there {margin:.3f} std; "
