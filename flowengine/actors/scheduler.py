@@ -115,12 +115,11 @@ class SchedulerActor:
                 start = time.perf_counter()
                 plan = self.scheduler.schedule()
                 self.busy_s += time.perf_counter() - start
-                if not plan.num_scheduled_tokens and not plan.finished_req_ids:
+                if not plan.num_scheduled_tokens:
+                    # Nothing to run; its finished ids are repeated in the next plan.
                     break
                 await self.steps.send_async(plan)
                 self._in_flight.append(plan)
-                if not plan.num_scheduled_tokens:
-                    break
             if not self._in_flight:
                 # Unfinished requests but nothing schedulable: wait for news.
                 self._handle(await self.requests.recv_async())

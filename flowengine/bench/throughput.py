@@ -142,7 +142,15 @@ def main(argv: list[str]) -> int:
     results = [run_flowengine(llm, prompts, ns.output_len)]
     print(f"flowengine: {results[0].row()}", flush=True)  # before transformers runs
     if ns.hf:
+        llm.shutdown()
         del llm
+        import gc
+
+        import torch
+
+        gc.collect()  # hand the engine's GPU memory (KV cache, graphs) to transformers
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         hf_prompts = prompts[: ns.hf_num_prompts or len(prompts)]
         resolved = engine_args_from(ns)
         from flowengine.engine.builder import resolve
