@@ -56,11 +56,19 @@ class OutputProcessor:
         tokenizer: the Hugging Face tokenizer, for detokenization and logprob texts.
         stream: True → each output carries only what is new since the previous one
             (the `submit()` stream); False → cumulative text and token ids.
+        final_only: with stream False, `process` returns only the outputs of requests
+            that finished (the offline `LLM` keeps nothing else); a cumulative output of
+            every running request on every step costs O(length) each.
+
+    Raises ValueError for stream and final_only together.
     """
 
-    def __init__(self, tokenizer: Any, *, stream: bool = False) -> None:
+    def __init__(self, tokenizer: Any, *, stream: bool = False, final_only: bool = False) -> None:
+        if stream and final_only:
+            raise ValueError("final_only applies to cumulative outputs; pass stream=False")
         self.tokenizer = tokenizer
         self.stream = stream
+        self.final_only = final_only
         self._requests: dict[str, _RequestState] = {}
         # Child (engine-side) request id -> (parent id, its state, the child's sample).
         self._children: dict[str, tuple[str, _RequestState, _SampleState]] = {}
@@ -118,7 +126,8 @@ class OutputProcessor:
                 to_stop.append(delta.req_id)
             if sample.finish_reason is not None:
                 state.num_unfinished -= 1
-            touched[parent_id] = state
+            if not self.final_only or state.num_unfinished == 0:
+                touched[parent_id] = state
         outputs = [self._make_output(rid, st) for rid, st in touched.items()]
         for out in outputs:
             if out.finished:
@@ -127,9 +136,10 @@ class OutputProcessor:
 
     def _apply(self, sample: _SampleState, delta: RequestDelta) -> bool:
         """Update one sample; True if a stop string finished it here."""
+        stream = self.stream
         new_token_ids = delta.new_token_ids
         sample.token_ids += new_token_ids
-        if self.stream:
+        if stream:
             # Usually one delta per output: pass its list on rather than copy it.
             if sample.dirty:
                 sample.new_token_ids = sample.new_token_ids + new_token_ids
@@ -140,13 +150,14 @@ class OutputProcessor:
             for lp, tok in zip(delta.new_logprobs, new_token_ids, strict=False):
                 entry = self._logprob_entry(lp, tok)
                 sample.logprobs.append(entry)
-                sample.new_logprobs.append(entry)
+                if stream:
+                    sample.new_logprobs.append(entry)
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp.sampled_logprob
         finish_reason = delta.finish_reason
         text, matched = sample.text_state.process(
             new_token_ids, finish_reason is not None, stopped_by_token=finish_reason == "stop"
         )
-        if text:
+        if text and stream:
             sample.new_text += text
         if matched is not None:
             sample.finish_reason, sample.stop_reason = "stop", matched
@@ -180,7 +191,6 @@ class OutputProcessor:
             else:
                 text = s.text_state.output_text
                 token_ids, logprobs = list(s.token_ids), s.logprobs
-                s.new_logprobs.clear()
             completions.append(
                 CompletionOutput(
                     s.index,

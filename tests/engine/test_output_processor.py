@@ -85,6 +85,25 @@ def test_cumulative_outputs_when_not_streaming(tok) -> None:
     assert out2.finished and len(op) == 0
 
 
+def test_final_only_returns_finished_requests(tok) -> None:
+    op = OutputProcessor(tok, final_only=True)
+    op.add_request(prompt("a", PARAMS))
+    op.add_request(prompt("b", SamplingParams(n=2, max_tokens=16)))
+    assert op.process([RequestDelta("a", ids("he")), RequestDelta("b-0", ids("x"))]) == ([], [])
+    outs, _ = op.process(
+        [RequestDelta("a", ids("y"), finish_reason="length"), RequestDelta("b-1", ids("z"))]
+    )
+    assert [(o.request_id, o.outputs[0].text, o.outputs[0].token_ids) for o in outs] == [
+        ("a", "hey", ids("hey"))
+    ]
+    (out,), _ = op.process([RequestDelta("b-0", [], finish_reason="abort"),
+                            RequestDelta("b-1", [], finish_reason="length")])  # fmt: skip
+    assert [(c.text, c.finish_reason) for c in out.outputs] == [("x", "abort"), ("z", "length")]
+    assert out.finished and len(op) == 0
+    with pytest.raises(ValueError, match="pass stream=False"):
+        OutputProcessor(tok, stream=True, final_only=True)
+
+
 def test_eos_text_is_left_out(tok) -> None:
     op = OutputProcessor(tok, stream=True)
     op.add_request(prompt("a", PARAMS))
