@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from flowengine.config import CacheConfig, EngineArgs, SchedulerConfig
+from flowengine.engine.gc_utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ async def engine_main(cfg: ProcConfig) -> None:
         max_steps_in_flight=2 if cfg.engine_args.async_scheduling else 1,
         generation=cfg.generation,
     )
+    freeze_startup_heap()
     # The ready message: the frontend resubmits in-flight requests after it.
     await outputs.send_async(
         EngineOutputs([], time.time(), scheduler_stats(scheduler), cfg.generation)
@@ -116,6 +118,7 @@ async def executor_main(cfg: ProcConfig) -> None:
     steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
     core = build_engine_core(resolved)
     results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
+    freeze_startup_heap()
     await results.send_async(ExecutorReady(core.scheduler.num_total_blocks, cfg.rank))
     sampler = SamplerActor(core.executor, results, blocking=_inline)
     executor = ExecutorActor(core.executor, steps, sampler, results, blocking=_inline)

@@ -27,6 +27,7 @@ from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.config import EngineArgs
+from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
@@ -115,6 +116,7 @@ class AsyncEngine:
         self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len)
         actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
         self._task = asyncio.get_running_loop().create_task(self._run(actors))
+        freeze_startup_heap()
 
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
         from flowengine.actors.executor import ExecutorActor, SamplerActor

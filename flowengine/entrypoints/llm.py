@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from flowengine.config import EngineArgs
+from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.outputs import RequestOutput
@@ -48,6 +49,7 @@ class LLM:
             from flowengine.entrypoints.llm_multiproc import BackgroundEngine
 
             self._background = BackgroundEngine(AsyncEngine.from_engine_args(self.engine_args))
+        freeze_startup_heap()
 
     def shutdown(self) -> None:
         """Stop the engine processes (multiproc placement); a no-op in process."""
@@ -78,6 +80,8 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises ValueError/TypeError
         and nothing is generated.
         """
+        if isinstance(prompts, Sequence) and not isinstance(prompts, str) and not prompts:
+            raise ValueError("the prompt is empty: give a prompt, token ids or a list of them")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -141,7 +145,7 @@ class LLM:
             for p, out in zip(processed, outs, strict=True):
                 out.prompt = p.prompt
             return outs
-        outputs = OutputProcessor(self.tokenizer, stream=False)
+        outputs = OutputProcessor(self.tokenizer, final_only=True)
         order = {p.request_id: i for i, p in enumerate(processed)}
         results: list[RequestOutput | None] = [None] * len(processed)
         added: list[str] = []

@@ -9,9 +9,9 @@ are preempted (preemptions asserted). After every run all KV blocks are free aga
 from __future__ import annotations
 
 import pytest
+from engine_prompts import PROMPTS
 
 from flowengine import LLM, SamplingParams
-from engine_prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 

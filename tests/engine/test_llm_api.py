@@ -129,4 +129,4 @@ def test_logprobs_top_n_plus_sampled(llm):
     for tok, entry in zip(c.token_ids, c.logprobs, strict=True):
         assert tok in entry and entry[tok].rank == 1  # greedy picks the top token
         assert 3 <= len(entry) <= 4
-    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)))

@@ -24,13 +24,6 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))  # kernel_refs.py
 
-from flowengine.kernels.activation import silu_and_mul  # noqa: E402
-from flowengine.kernels.decode_attention import decode_attention  # noqa: E402
-from flowengine.kernels.paged_attention import paged_attention  # noqa: E402
-from flowengine.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
-from flowengine.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from flowengine.kernels.rope_cache import build_rope_cache  # noqa: E402
-from flowengine.kernels.rotary import rotary_embedding  # noqa: E402
 from kernel_refs import (  # noqa: E402
     AttentionCase,
     assert_close,
@@ -41,6 +34,13 @@ from kernel_refs import (  # noqa: E402
     ref_silu_and_mul,
 )
 
+from flowengine.kernels.activation import silu_and_mul  # noqa: E402
+from flowengine.kernels.decode_attention import decode_attention  # noqa: E402
+from flowengine.kernels.paged_attention import paged_attention  # noqa: E402
+from flowengine.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
+from flowengine.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from flowengine.kernels.rope_cache import build_rope_cache  # noqa: E402
+from flowengine.kernels.rotary import rotary_embedding  # noqa: E402
 from flowengine.model.attention.metadata import AttentionMetadata  # noqa: E402
 from flowengine.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowengine.kernels.activation import BLOCK_COLS, silu_and_mul
 from kernel_refs import assert_close, ref_silu_and_mul
+
+from flowengine.kernels.activation import BLOCK_COLS, silu_and_mul
 
 
 @pytest.mark.parametrize(

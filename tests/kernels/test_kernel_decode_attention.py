@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_refs import assert_close, make_attention_case, ref_paged_attention
+
 from flowengine.kernels.decode_attention import (
     MAX_KV_SPLITS,
     choose_num_kv_splits,
     decode_attention,
 )
-from kernel_refs import assert_close, make_attention_case, ref_paged_attention
 
 FP32_TOL = {"rtol": 1e-4, "atol": 2e-5}
 FP16_TOL = {"rtol": 1e-2, "atol": 3e-3}

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_refs import AttentionCase, assert_close, make_attention_case, ref_paged_attention
+
 from flowengine.kernels.decode_attention import decode_attention
 from flowengine.kernels.paged_attention import paged_attention
 from flowengine.kernels.reshape_and_cache import reshape_and_cache
-from kernel_refs import AttentionCase, assert_close, make_attention_case, ref_paged_attention
 
 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 1, 32
 BLOCK_STRIDE = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM  # elements per block

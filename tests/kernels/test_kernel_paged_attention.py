@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowengine.kernels.paged_attention import paged_attention
 from kernel_refs import AttentionCase, assert_close, make_attention_case, ref_paged_attention
+
+from flowengine.kernels.paged_attention import paged_attention
 
 # fp32 in the interpreter is exact IEEE arithmetic; the error is summation order only.
 FP32_TOL = {"rtol": 1e-4, "atol": 2e-5}

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from flowengine.kernels.reshape_and_cache import reshape_and_cache
 
 

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowengine.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernel_refs import assert_close, ref_rms_norm
+
+from flowengine.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
 EPS = 1e-5
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}

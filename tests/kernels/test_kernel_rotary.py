@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowengine.kernels.rope_cache import build_rope_cache, compute_inv_freq
-from flowengine.kernels.rotary import rotary_embedding
 from kernel_refs import assert_close, ref_rotary
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from flowengine.kernels.rope_cache import build_rope_cache, compute_inv_freq
+from flowengine.kernels.rotary import rotary_embedding
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -1,0 +1,17 @@
+"""Garbage-collector hygiene for long-running engine processes."""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, weights' Python wrappers, tokenizer tables)
+    to the collector's permanent generation.
+
+    Without it each full collection rescans the ~10^5-10^6 objects left from start-up,
+    which took about half of the actor pipeline's wall time in `flowengine bench
+    pipeline`. vLLM does the same once its engine has started.
+    """
+    gc.collect()
+    gc.freeze()
