@@ -126,7 +126,11 @@ def main(argv: list[str]) -> int:
         default="generate",
         help="transformers path: padded-batch generate, or continuous batching",
     )
-    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument(
+        "--hf-batch-size",
+        default="64",
+        help="transformers generate batch size; a comma list runs each (e.g. 1,64)",
+    )
     p.add_argument("--hf-num-prompts", type=int, default=None, help="subset for transformers")
     add_engine_args(p, model_positional=False)
     ns = p.parse_args(argv)
@@ -161,18 +165,19 @@ def main(argv: list[str]) -> int:
             results.append(run_hf_continuous(r.model_path, r.dtype, r.device, hf_prompts,
                                              ns.output_len, dummy))
         else:
-            results.append(run_hf(r.model_path, r.dtype, r.device, hf_prompts, ns.output_len,
-                                  ns.hf_batch_size, dummy))
+            for batch in (int(b) for b in str(ns.hf_batch_size).split(",")):
+                results.append(run_hf(r.model_path, r.dtype, r.device, hf_prompts,
+                                      ns.output_len, batch, dummy))
+                print(f"transformers: {results[-1].row()}", flush=True)
     print(f"\ncommand: flowengine bench throughput {shlex.join(argv)}")
     print(f"prompts: {ns.num_prompts} x {ns.input_len} in / {ns.output_len} out, ignore_eos\n")
     print("| engine | requests | elapsed s | requests/s | output tok/s | total tok/s |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(r.row())
-    if len(results) == 2:
-        ratio = (results[0].output_tokens / results[0].elapsed_s) / (
-            results[1].output_tokens / results[1].elapsed_s
-        )
-        print(f"\noutput tok/s ratio flowengine / transformers: {ratio:.2f}x")
+    ours = results[0].output_tokens / results[0].elapsed_s
+    for other in results[1:]:
+        ratio = ours / (other.output_tokens / other.elapsed_s)
+        print(f"\noutput tok/s ratio flowengine / {other.name}: {ratio:.2f}x")
     sys.stdout.flush()
     return 0
