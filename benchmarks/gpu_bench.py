@@ -185,6 +185,21 @@ def measure(engine: EngineCore, batch: int, context: int, steps: int, budget: in
     return out
 
 
+def kernel_profile(runner: CudaModelRunner, batch: int, context: int, iters: int = 10) -> str:
+    """Top CUDA kernels by self time over `iters` eager device steps (graphs off, so the
+    profiler names every kernel): where a step's time goes against its roofline."""
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        device_step_ms(runner, batch, context, iters=2)  # warm-up of the eager path
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            device_step_ms(runner, batch, context, iters=iters)
+    finally:
+        runner.graphs = graphs
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
+                                     max_name_column_width=70)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", help="directory for gpu_bench.json")
@@ -199,6 +214,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler pass")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="also print the top CUDA kernels of eager steps at batch 1 and --batch")
     ns = p.parse_args(argv)
     if ns.write_config:
         write_model_dir(ns.write_config, with_tokenizer=True)
@@ -231,6 +248,13 @@ def main(argv: list[str]) -> int:
     os.makedirs(ns.out, exist_ok=True)
     with open(os.path.join(ns.out, "gpu_bench.json"), "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
+    if ns.kernel_profile:
+        for b in (1, ns.batch):
+            table = kernel_profile(engine.executor.runner, b, ns.context)
+            print(f"\nkernels of one eager decode step, batch {b} x {ns.context} context "
+                  f"(10 steps):\n{table}")
+            with open(os.path.join(ns.out, f"kernels_batch{b}.txt"), "w", encoding="utf-8") as f:
+                f.write(table)
     print_table(meta, results, ns)
     return 0
 
