@@ -20,12 +20,20 @@ from typing import Any
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 
 
+class _SingleRank:
+    """A tensor-parallel group of one rank (the executor actor reads `runner.tp`)."""
+
+    rank = 0
+    world_size = 1
+
+
 class NullModelExecutor:
     """Stands in for model runner + sampler: every request that would sample gets one
     token, at once. Tracks token counts from the plans like a real executor does."""
 
     def __init__(self, vocab_ids: list[int]) -> None:
         self.runner = self
+        self.tp = _SingleRank()
         self._num_tokens: dict[str, int] = {}
         self._vocab = vocab_ids
         self._i = 0
