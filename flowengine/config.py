@@ -52,7 +52,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     device: Device = "auto"
     enforce_eager: bool = False
-    placement: Placement = "inproc"
+    placement: Placement = "inproc"  # tensor_parallel_size > 1 always runs "multiproc"
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
@@ -62,6 +62,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.tensor_parallel_size > 1 and self.placement == "inproc":
+            # One process per rank: tensor parallelism always runs multiproc.
+            object.__setattr__(self, "placement", "multiproc")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

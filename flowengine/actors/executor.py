@@ -1,8 +1,11 @@
 """Executor and Sampler actors: step plans in, sampled tokens out (DESIGN.md §1, §6).
 
 One Executor actor per device (tensor-parallel rank). Rank 0 also runs the Sampler
-actor, which turns the step's logits into tokens and writes the `results` channel.
-The two actors live in one process and one event loop: logits are device tensors.
+actor, which turns the step's logits into tokens, broadcasts them to the other ranks
+and writes the `results` channel. The two actors live in one process and one event
+loop: logits are device tensors. The other ranks run the same forward (their
+collectives meet rank 0's) and receive the sampled tokens, so every rank's requests
+hold the same tokens for the next step.
 """
 
 from __future__ import annotations
@@ -94,9 +97,18 @@ class ExecutorActor:
 
     async def _step(self, plan: StepPlan) -> None:
         start = time.perf_counter()
+        tensor_parallel = self.executor.runner.tp.world_size > 1
         try:
             output = await self._blocking(self.executor.runner.execute_model, plan)
+            if self.sampler is None and tensor_parallel and not await self._blocking(
+                    self.executor.receive_sampled, plan, output):
+                logger.error("step %d: rank 0 failed to sample it", plan.step_id)
         except Exception as exc:
+            if tensor_parallel and not isinstance(exc, ValueError):
+                # Only an invalid plan (ValueError, raised on every rank before any
+                # collective) leaves the ranks in step; after anything else the group
+                # must restart (the supervisor recomputes the requests in flight).
+                raise
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
             if self.results is not None:
                 error = f"{type(exc).__name__}: {exc}"

@@ -36,11 +36,18 @@ class RingNames(msgspec.Struct, frozen=True):
 
 
 class ProcConfig(msgspec.Struct, frozen=True):
+    """One process's start-up configuration (its command-line argument).
+
+    dist_init_method: the tensor-parallel rendezvous ("tcp://127.0.0.1:PORT", a fresh
+    port per group) when tensor_parallel_size > 1, else "".
+    """
+
     role: str  # "engine" | "executor"
     engine_args: EngineArgs
     rings: RingNames
     rank: int = 0
     generation: int = 0
+    dist_init_method: str = ""
 
 
 def build_scheduler(resolved: Any, num_blocks: int):
@@ -101,30 +108,46 @@ async def _inline(fn: Any, *args: Any) -> Any:
 
 
 async def executor_main(cfg: ProcConfig) -> None:
-    """Executor (+ Sampler on rank 0): steps ring in, results ring out."""
+    """Executor of one tensor-parallel rank (+ Sampler on rank 0): steps ring in,
+    results ring out (rank 0 only, the ring's one writer)."""
     import anyio
     import torch
 
     from flowengine.actors.executor import ExecutorActor, SamplerActor
+    from flowengine.distributed.tp_group import init_tensor_parallel
     from flowengine.engine.builder import build_engine_core, resolve
     from flowengine.messages import ExecutorReady, ResultsMsg, StepsMsg
     from flowengine.shm import Channel, RingReader, RingWriter
 
     resolved = resolve(cfg.engine_args)
+    world_size = cfg.engine_args.tensor_parallel_size
     if resolved.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Leave a core to the engine and frontend processes: OpenMP threads that wait
-        # for a descheduled sibling make small matmuls many times slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        # Leave a core to the engine and frontend processes, and share the rest among
+        # the ranks: OpenMP threads that wait for a descheduled sibling make small
+        # matmuls many times slower.
+        torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // world_size))
+    device = torch.device(resolved.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(cfg.rank)  # rank r drives GPU r; "cuda" means it below
+        device = torch.device("cuda", cfg.rank)
+    tp = init_tensor_parallel(cfg.rank, world_size, cfg.dist_init_method, device)
     steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
-    core = build_engine_core(resolved)
-    results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
+    core = build_engine_core(resolved, tp)
     freeze_startup_heap()
-    await results.send_async(ExecutorReady(core.scheduler.num_total_blocks, cfg.rank))
-    sampler = SamplerActor(core.executor, results, blocking=_inline)
-    executor = ExecutorActor(core.executor, steps, sampler, results, blocking=_inline)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sampler.run)
-        tg.start_soon(executor.run)
+    try:
+        if not tp.is_first:
+            await ExecutorActor(core.executor, steps, None, blocking=_inline).run()
+            return
+        results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
+        await results.send_async(ExecutorReady(core.scheduler.num_total_blocks, cfg.rank))
+        sampler = SamplerActor(core.executor, results, blocking=_inline)
+        executor = ExecutorActor(core.executor, steps, sampler, results, blocking=_inline)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sampler.run)
+            tg.start_soon(executor.run)
+    finally:
+        if tp.world_size > 1:
+            torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -110,9 +111,12 @@ class Supervisor:
         tp = self.resolved.args.tensor_parallel_size
         roles = [("executor", rank) for rank in range(tp)] + [("engine", 0)]
         env = dict(os.environ)
+        # A fresh rendezvous per group: a restarted group must not meet the old one.
+        dist_init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else ""
         self._procs = []
         for role, rank in roles:
-            cfg = ProcConfig(role, self.resolved.args, self.rings, rank, self.generation)
+            cfg = ProcConfig(role, self.resolved.args, self.rings, rank, self.generation,
+                             dist_init_method)
             cmd = [sys.executable, "-m", "flowengine.actors.procs", msgspec.json.encode(cfg).decode()]
             self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         logger.info("generation %d: started pids %s", self.generation,
@@ -184,3 +188,10 @@ class Supervisor:
         for seg in self._segments:
             seg.close()  # the owner's close unlinks the segment and its semaphores
         self._segments = []
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

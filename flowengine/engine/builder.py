@@ -53,6 +53,7 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    _check_tensor_parallel(args, model_config, device)
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -70,6 +71,22 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
         dtype=dtype,
         served_model_names=args.served_model_name or (name,),
     )
+
+
+def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> None:
+    from flowengine.distributed.tp_group import check_tensor_parallel
+
+    tp = args.tensor_parallel_size
+    check_tensor_parallel(model_config.num_heads, model_config.num_kv_heads,
+                          model_config.intermediate_size, tp)
+    if device == "cuda" and tp > 1:
+        import torch
+
+        if torch.cuda.device_count() < tp:
+            raise ValueError(
+                f"tensor_parallel_size {tp} needs {tp} GPUs, but torch sees "
+                f"{torch.cuda.device_count()}; lower tensor_parallel_size"
+            )
 
 
 def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
@@ -95,7 +112,8 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
                        runner_kwargs: dict[str, Any]) -> tuple[Any, CacheConfig]:
     """Load the weights on CUDA, size the KV cache (num_kv_blocks, else
     kv_cache_memory_bytes, else by profiling the largest step against
-    gpu_memory_utilization), allocate it and capture the decode CUDA graphs.
+    gpu_memory_utilization; under tensor parallelism the smallest count of any rank),
+    allocate it and capture the decode CUDA graphs.
 
     Raises ValueError when the profiled budget cannot hold one max_model_len request.
     """
@@ -111,6 +129,7 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
         profile = runner.profile_memory(args.block_size)
         num_blocks = num_kv_blocks_from_profile(profile, args.gpu_memory_utilization,
                                                 bytes_per_block)
+        num_blocks = runner.tp.all_reduce_min(num_blocks, runner.device)
         needed = -(-resolved.max_model_len // args.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -125,11 +144,16 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
     return runner, cache_config
 
 
-def build_engine_core(resolved: ResolvedEngine):
-    """Load weights, allocate the KV cache and return a ready `EngineCore`."""
+def build_engine_core(resolved: ResolvedEngine, tp: Any = None):
+    """Load weights, allocate the KV cache and return a ready `EngineCore`.
+
+    tp: this process's TensorParallelGroup (executor processes under tensor
+    parallelism); None for a single rank. The runner then holds this rank's shard.
+    """
     import torch
 
     from flowengine.core.scheduler import Scheduler
+    from flowengine.distributed.tp_group import SINGLE_RANK
     from flowengine.engine.engine_core import EngineCore
     from flowengine.executor.executor import Executor
     from flowengine.executor.model_runner import ModelRunner
@@ -137,7 +161,9 @@ def build_engine_core(resolved: ResolvedEngine):
     args = resolved.args
     torch.manual_seed(args.seed)
     dtype = getattr(torch, resolved.dtype)
-    per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size, dtype)
+    tp = SINGLE_RANK if tp is None else tp
+    per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
+                                                     dtype, tp.world_size)
     runner_kwargs: dict[str, Any] = dict(
         device=torch.device(resolved.device),
         dtype=dtype,
@@ -146,6 +172,7 @@ def build_engine_core(resolved: ResolvedEngine):
         max_num_batched_tokens=resolved.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        tp=tp,
     )
     if resolved.device == "cuda":
         runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from flowengine.config import CacheConfig
+from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.executor.cuda_graphs import (
     CAPTURE_SIZES,
     DecodeCudaGraphs,
@@ -91,6 +92,7 @@ class CudaModelRunner(ModelRunner):
         seed: int = 0,
         enforce_eager: bool = False,
         capture_sizes: Sequence[int] = CAPTURE_SIZES,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         self.enforce_eager = enforce_eager
         self.capture_sizes = capture_sizes_for(max_num_seqs, max_num_batched_tokens,
@@ -106,7 +108,7 @@ class CudaModelRunner(ModelRunner):
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         super().__init__(model_config, cache_config, device, dtype, load_format, model_path,
                          attn_backend=attn_backend, max_num_batched_tokens=max_num_batched_tokens,
-                         max_num_seqs=max_num_seqs, seed=seed)
+                         max_num_seqs=max_num_seqs, seed=seed, tp=tp)
         self._grow_slots(2 * max_num_seqs)
 
     # ------------------------------------------------------------------ setup
@@ -127,7 +129,8 @@ class CudaModelRunner(ModelRunner):
         c = self.model_config
         return profile_memory(
             self.model, num_layers=c.num_layers,
-            kv_block_shape=(2, 1, block_size, c.num_kv_heads, c.head_dim), dtype=self.dtype,
+            kv_block_shape=(2, 1, block_size, c.num_kv_heads // self.tp.world_size,
+                            c.head_dim), dtype=self.dtype,
             max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=c.max_model_len)
 

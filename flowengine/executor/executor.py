@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 from flowengine.sample.sampler import Sampler
@@ -56,19 +58,55 @@ class Executor:
         """Start one step; plans must be launched in step order. Raises as
         execute_model for an inconsistent plan."""
         launch = getattr(self.runner, "launch", None)
-        if launch is not None:  # a runner that samples on the device (CudaModelRunner)
+        if launch is not None and self.runner.tp.world_size == 1:
+            # A runner that samples on the device (CudaModelRunner); tensor-parallel
+            # ranks take the path below, where rank 0 shares the sampled tokens.
             return launch(plan, self.sampler)
         return CompletedStep(self.sample(plan, self.runner.execute_model(plan)))
 
     def sample(self, plan: StepPlan, output: ModelOutput) -> StepResult:
-        """Sample the step's logits and append the tokens to the runner's requests."""
+        """Sample the step's logits and append the tokens to the runner's requests.
+
+        Under tensor parallelism this runs on rank 0 and broadcasts the sampled ids to
+        the other ranks (`receive_sampled`), so every rank feeds them to the next step.
+        """
         if not output.req_ids:
             return StepResult(plan.step_id, [])
         states = [self.runner.get_request_state(rid).sampling_state() for rid in output.req_ids]
-        sampled = self.sampler(output.logits, states)
+        tp = self.runner.tp
+        try:
+            if output.logits is None:
+                raise RuntimeError(f"step {plan.step_id}: no logits on rank {tp.rank}")
+            sampled = self.sampler(output.logits, states)
+        except Exception:
+            # The other ranks wait in the broadcast: release them with a failure mark.
+            tp.broadcast_from_first(self._failed_ids(len(output.req_ids)))
+            raise
+        tp.broadcast_from_first(sampled.sampled_token_ids)
         token_ids, logprobs = sampled.tolists()  # the step's one host transfer
         results = []
         for rid, tok, lp in zip(output.req_ids, token_ids, logprobs, strict=True):
             self.runner.append_sampled(rid, [tok])
             results.append(SampledTokens(rid, [tok], None if lp is None else [lp]))
         return StepResult(plan.step_id, results)
+
+    def receive_sampled(self, plan: StepPlan, output: ModelOutput) -> bool:
+        """Tensor-parallel ranks other than 0: receive the ids rank 0 sampled for this
+        step (`sample` broadcasts them) and append them to the runner's requests.
+
+        Returns False, appending nothing, when rank 0 failed to sample the step (it
+        reports the error on the results channel and appends nothing either, so the
+        ranks stay in step).
+        """
+        if not output.req_ids:
+            return True
+        ids = torch.empty(len(output.req_ids), dtype=torch.int64, device=self.runner.device)
+        token_ids = self.runner.tp.broadcast_from_first(ids).tolist()
+        if token_ids[0] < 0:
+            return False
+        for rid, tok in zip(output.req_ids, token_ids, strict=True):
+            self.runner.append_sampled(rid, [tok])
+        return True
+
+    def _failed_ids(self, num: int) -> torch.Tensor:
+        return torch.full((num,), -1, dtype=torch.int64, device=self.runner.device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flowengine.config import CacheConfig
+from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.executor.input_batch import InputBatch, RequestState
 from flowengine.messages import StepPlan
 from flowengine.model.attention.backend import AttentionBackend
@@ -25,11 +26,12 @@ class ModelOutput:
     """Next-token logits of one step.
 
     req_ids: the requests whose scheduled tokens reach their last known token (partial
-    prefill chunks are absent), in batch order. logits: [len(req_ids), vocab] float32.
+    prefill chunks are absent), in batch order. logits: [len(req_ids), vocab] float32;
+    None on tensor-parallel ranks other than 0 (rank 0 gathers the vocabulary slices).
     """
 
     req_ids: list[str]
-    logits: torch.Tensor
+    logits: torch.Tensor | None
 
 
 class ModelRunner:
@@ -46,6 +48,8 @@ class ModelRunner:
             read through the GGUF loader.
         attn_backend: defaults to the registry's backend for `device`.
         max_num_batched_tokens, max_num_seqs: initial input-buffer capacity.
+        tp: the tensor-parallel group; the runner holds this rank's shard of the
+            weights and its num_kv_heads / N heads of the KV cache.
     """
 
     def __init__(
@@ -61,8 +65,10 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
         seed: int = 0,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         self.model_config = model_config
+        self.tp = tp
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -73,7 +79,8 @@ class ModelRunner:
                 f"{model_config.model_path}; build the ModelConfig from the weights' directory"
             )
         self.model = load_model(model_config, load_format, dtype, self.device,
-                                gguf_file=gguf_file, attn_backend=attn_backend, seed=seed)
+                                gguf_file=gguf_file, attn_backend=attn_backend, seed=seed,
+                                tp=tp)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
@@ -82,12 +89,12 @@ class ModelRunner:
             self.initialize_kv_cache(cache_config)
 
     def initialize_kv_cache(self, cache_config: CacheConfig) -> None:
-        """Allocate the KV cache (one zeroed [2, num_blocks, block_size, num_kv_heads,
+        """Allocate the KV cache (one zeroed [2, num_blocks, block_size, num_kv_heads / N,
         head_dim] tensor per layer, model dtype) and the input buffers."""
         self.cache_config = cache_config
         model_config = self.model_config
         shape = (2, cache_config.num_blocks, cache_config.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
+                 model_config.num_kv_heads // self.tp.world_size, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(model_config.num_layers)]
@@ -100,10 +107,12 @@ class ModelRunner:
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
-                                 dtype: torch.dtype) -> int:
-        """Bytes one KV block takes over all layers (K and V), to size num_blocks."""
+                                 dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Bytes one KV block takes over all layers (K and V) on one rank (which holds
+        num_kv_heads / tensor_parallel_size heads), to size num_blocks."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return (2 * model_config.num_layers * block_size * model_config.num_kv_heads
+        num_kv_heads = model_config.num_kv_heads // tensor_parallel_size
+        return (2 * model_config.num_layers * block_size * num_kv_heads
                 * model_config.head_dim * itemsize)
 
     def get_request_state(self, req_id: str) -> RequestState:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch import nn
 
+from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
 from flowengine.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from flowengine.model.models.llama import LlamaForCausalLM
@@ -38,14 +40,20 @@ def load_model(
     gguf_file: str | None = None,
     attn_backend: AttentionBackend | None = None,
     seed: int = 0,
+    tp: TensorParallelGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     """Build the model for `model_config` and load its weights, in eval mode, no grads.
+
+    Under tensor parallelism (`tp`), builds this rank's shard and reads only its slice
+    of each tensor.
 
     Args:
         load_format: "auto" (safetensors in model_config.model_path, else a GGUF file
             there), "safetensors", "gguf" (dequantized from `gguf_file`, else the one
             .gguf in the model directory, else the file a converted directory came
-            from) or "dummy" (uniform(-1e-3, 1e-3) weights, norm weights 1, from `seed`).
+            from) or "dummy" (uniform(-1e-3, 1e-3) weights, norm weights 1, from `seed`;
+            each tensor is drawn whole from its own generator seeded by `seed` and its
+            name, then sliced, so every tensor-parallel size gets the same model).
         dtype: parameter dtype. device: where parameters live.
         attn_backend: defaults to get_attn_backend(device).
 
@@ -57,7 +65,7 @@ def load_model(
     if attn_backend is None:
         attn_backend = get_attn_backend(device)
     with torch.device("meta"):
-        model = _MODEL_CLASSES[model_config.architecture](model_config, attn_backend)
+        model = _MODEL_CLASSES[model_config.architecture](model_config, attn_backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
@@ -65,8 +73,9 @@ def load_model(
             init_buffers()
     fmt = _resolve_format(model_config.model_path, load_format, gguf_file)
     if fmt == "dummy":
-        _fill_dummy(model, seed)
+        model.load_weights(dummy_weights(model, seed, device))
     else:
+        weights: Iterator[tuple[str, Any]]
         if fmt == "safetensors":
             weights = iter_safetensors(safetensors_files(model_config.model_path))
         else:
@@ -108,14 +117,16 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs, one tensor in memory at a time (memory-mapped reads)."""
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) pairs: safetensors' `get_slice` handles, valid until the next
+    item; indexing one reads just that part of the tensor (memory-mapped), so a
+    tensor-parallel rank reads only its shard and a checkpoint is never held twice."""
     from safetensors import safe_open
 
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def _resolve_format(model_dir: str, load_format: str, gguf_file: str | None) -> str:
@@ -152,13 +163,17 @@ def _single_gguf(model_dir: str) -> str:
     return files[0]
 
 
-@torch.no_grad()
-def _fill_dummy(model: nn.Module, seed: int) -> None:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            values = torch.empty(param.shape, dtype=torch.float32)
-            values.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
-            param.copy_(values)
+def dummy_weights(model: LlamaForCausalLM, seed: int, device: torch.device
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random checkpoint tensors, whole, for every tensor `model` reads: norm weights 1,
+    everything else uniform(-1e-3, 1e-3) float32 from a generator on `device` seeded by
+    `seed` and the tensor's name (so a tensor does not depend on the others, nor on the
+    tensor-parallel size that slices it)."""
+    for shard in model.weight_shards():
+        if shard.hf_name.endswith("norm.weight"):
+            yield shard.hf_name, torch.ones(shard.full_shape, device=device)
+            continue
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed * 1_000_003 + zlib.crc32(shard.hf_name.encode()))
+        values = torch.empty(shard.full_shape, dtype=torch.float32, device=device)
+        yield shard.hf_name, values.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)

@@ -12,36 +12,49 @@ float32 outputs match transformers' to rounding.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.attention.metadata import AttentionMetadata
 from flowengine.model.layers.activation import silu_and_mul
+from flowengine.model.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_logits,
+)
 from flowengine.model.layers.rms_norm import RMSNorm
 from flowengine.model.layers.rotary import RotaryEmbedding
 from flowengine.model.model_config import ModelConfig
+from flowengine.model.weight_shards import WeightShard, read_shard, tensor_shape
 
 # Checkpoint tensors that are derived buffers in old Hugging Face checkpoints.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention of one layer: fused qkv projection, RoPE, paged attention, o_proj."""
+    """Self-attention of one layer: fused qkv projection, RoPE, paged attention, o_proj.
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    Under tensor parallelism each rank holds num_heads / N query heads and
+    num_kv_heads / N KV heads (its qkv rows and o_proj columns); o_proj sums the ranks.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = tp.shard(config.num_heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.shard(config.num_kv_heads, "num_key_value_heads")[1]
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                             bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -65,14 +78,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused in one matmul.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism each rank holds intermediate_size / N columns of gate and
+    up and the matching rows of down; down_proj sums the ranks.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+        inter = tp.shard(config.intermediate_size, "intermediate_size")[1]
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter,
+                                                 bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden_size] -> [T, hidden_size]."""
@@ -86,12 +103,13 @@ class LlamaDecoderLayer(nn.Module):
     residual add is fused into the norm that follows it.
     """
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attn_backend)
+        self.self_attn = LlamaAttention(config, attn_backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -113,11 +131,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm; one RoPE table shared by all layers."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, attn_backend, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len,
@@ -142,16 +161,23 @@ class LlamaForCausalLM(nn.Module):
     Args:
         model_config: the resolved architecture.
         attn_backend: computes attention and KV-cache writes (see AttentionBackend).
+        tp: the tensor-parallel group; this rank builds and loads only its shard.
+
+    Raises:
+        ValueError: head counts or intermediate_size not divisible by tp.world_size.
     """
 
-    def __init__(self, model_config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(self, model_config: ModelConfig, attn_backend: AttentionBackend,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = model_config
-        self.model = LlamaModel(model_config, attn_backend)
+        self.tp = tp
+        self.model = LlamaModel(model_config, attn_backend, tp)
         # Tied models read the embedding matrix in compute_logits: no second Parameter
-        # to keep tied (Module.to_empty would silently untie a shared one).
-        self.lm_head = (None if model_config.tie_word_embeddings else
-                        nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False))
+        # to keep tied (Module.to_empty would silently untie a shared one). The LM head
+        # is split by vocabulary rows like the embedding.
+        self.lm_head = (None if model_config.tie_word_embeddings else ColumnParallelLinear(
+            model_config.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -169,31 +195,27 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden_size] -> logits [R, vocab_size] float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [R, hidden_size] -> logits [R, vocab_size] float32 on rank 0 (None on
+        the other tensor-parallel ranks, which send their vocabulary slice to rank 0)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names a complete checkpoint provides."""
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            for hf_name, _, _ in self._checkpoint_names(name):
-                names.add(hf_name)
-        return names
+        return {shard.hf_name for shard in self.weight_shards()}
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters.
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy this rank's slice of each checkpoint tensor (Hugging Face names) into the
+        parameters.
 
-        Casts to the parameter dtype/device. Returns the names loaded. Raises ValueError
-        listing tensors the model has no place for, or a tensor whose shape disagrees
-        with config.json.
+        `weights` yields (name, torch.Tensor or safetensors lazy slice). Casts to the
+        parameter dtype/device. Returns the names loaded. Raises ValueError listing
+        tensors the model has no place for, or a tensor whose shape disagrees with
+        config.json.
         """
-        targets: dict[str, tuple[str, int, int]] = {}
-        for name, _ in self.named_parameters():
-            for hf_name, start, end in self._checkpoint_names(name):
-                targets[hf_name] = (name, start, end)
+        targets = {shard.hf_name: shard for shard in self.weight_shards()}
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -202,18 +224,20 @@ class LlamaForCausalLM(nn.Module):
                 hf_name == "lm_head.weight" and self.lm_head is None
             ):
                 continue
-            if hf_name not in targets:
+            shard = targets.get(hf_name)
+            if shard is None:
                 unexpected.append(hf_name)
                 continue
-            name, start, end = targets[hf_name]
-            dest = params[name][start:end] if end > 0 else params[name]
-            if dest.shape != tensor.shape:
+            if tensor_shape(tensor) != shard.full_shape:
                 raise ValueError(
-                    f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)} but the "
-                    f"model built from config.json expects {tuple(dest.shape)}; the weights "
+                    f"checkpoint tensor {hf_name} has shape {tensor_shape(tensor)} but the "
+                    f"model built from config.json expects {shard.full_shape}; the weights "
                     "do not belong to this config.json"
                 )
-            dest.copy_(tensor)
+            param = params[shard.param]
+            shard.destination(param).copy_(read_shard(tensor, shard))
+            if shard.param.endswith(("embed_tokens.weight", "lm_head.weight")):
+                param[shard.length:].zero_()  # vocabulary padding rows of the last rank
             loaded.add(hf_name)
         if unexpected:
             raise ValueError(
@@ -223,17 +247,42 @@ class LlamaForCausalLM(nn.Module):
             )
         return loaded
 
-    def _checkpoint_names(self, param_name: str) -> list[tuple[str, int, int]]:
-        """(hf_name, row_start, row_end) shards of one parameter; end 0 = whole tensor."""
-        prefix, _, leaf = param_name.rpartition(".")  # leaf: "weight" / "bias"
-        c = self.config
-        if prefix.endswith("self_attn.qkv_proj"):
-            base = prefix.removesuffix("qkv_proj")
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            return [(f"{base}q_proj.{leaf}", 0, q), (f"{base}k_proj.{leaf}", q, q + kv),
-                    (f"{base}v_proj.{leaf}", q + kv, q + 2 * kv)]
-        if prefix.endswith("mlp.gate_up_proj"):
-            base = prefix.removesuffix("gate_up_proj")
-            i = c.intermediate_size
-            return [(f"{base}gate_proj.{leaf}", 0, i), (f"{base}up_proj.{leaf}", i, 2 * i)]
-        return [(param_name, 0, 0)]
+    def weight_shards(self) -> list[WeightShard]:
+        """Every checkpoint tensor this rank reads, with its slice and destination, in
+        parameter order (see flowengine/model/weight_shards.py)."""
+        c, tp = self.config, self.tp
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_start, q_len = tp.shard(q, "num_attention_heads * head_dim")
+        kv_start, kv_len = tp.shard(kv, "num_key_value_heads * head_dim")
+        i_start, i_len = tp.shard(c.intermediate_size, "intermediate_size")
+        v_start, _, v_len = tp.padded_shard(c.vocab_size)
+        shards: list[WeightShard] = []
+        for name, param in self.named_parameters():
+            prefix, _, leaf = name.rpartition(".")  # leaf: "weight" / "bias"
+            cols = (c.hidden_size,) if leaf == "weight" else ()
+            if prefix.endswith("self_attn.qkv_proj"):
+                base = prefix.removesuffix("qkv_proj")
+                shards += [
+                    WeightShard(f"{base}q_proj.{leaf}", name, (q, *cols), 0, q_start, q_len, 0),
+                    WeightShard(f"{base}k_proj.{leaf}", name, (kv, *cols), 0, kv_start, kv_len,
+                                q_len),
+                    WeightShard(f"{base}v_proj.{leaf}", name, (kv, *cols), 0, kv_start, kv_len,
+                                q_len + kv_len),
+                ]
+            elif prefix.endswith("mlp.gate_up_proj"):
+                base = prefix.removesuffix("gate_up_proj")
+                full = (c.intermediate_size, *cols)
+                shards += [
+                    WeightShard(f"{base}gate_proj.{leaf}", name, full, 0, i_start, i_len, 0),
+                    WeightShard(f"{base}up_proj.{leaf}", name, full, 0, i_start, i_len, i_len),
+                ]
+            elif prefix.endswith(("self_attn.o_proj", "mlp.down_proj")) and leaf == "weight":
+                start, length, width = ((q_start, q_len, q) if "o_proj" in prefix
+                                        else (i_start, i_len, c.intermediate_size))
+                shards.append(WeightShard(name, name, (c.hidden_size, width), 1, start, length))
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                shards.append(WeightShard(name, name, (c.vocab_size, c.hidden_size), 0,
+                                          v_start, v_len, 0))
+            else:  # norms, o/down biases: whole on every rank
+                shards.append(WeightShard(name, name, tuple(param.shape)))
+        return shards
