@@ -7,6 +7,7 @@ that can write a ring must not be able to run code in the reader).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
@@ -39,6 +40,10 @@ class Channel(Generic[T]):
     Args:
         ring: a RingWriter/BroadcastWriter (sending end) or RingReader (receiving end).
         msg_type: the decoded type, e.g. `StepPlan` or `NewRequest | AbortRequest`.
+
+    Receiving takes every record published so far in one `RingReader.recv_many` call
+    and hands them out one per call, so a burst costs one ring read, not one per
+    message. Sending encodes into one reused buffer (`Encoder.encode_into`).
     Raises (at use): TypeError when receiving on a writer or sending on a reader;
     msgspec.ValidationError / DecodeError if a peer sent bytes of another schema.
     """
@@ -48,8 +53,13 @@ class Channel(Generic[T]):
         self.msg_type = msg_type
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(msg_type)
-        # Reused for synchronous sends: the ring copies it before send() returns.
+        # Reused for every send that finds room at once: the ring copies it before
+        # returning, so no bytes object is allocated per message.
         self._buf = bytearray()
+        # Records already taken off the ring by one `recv_many`, not yet decoded: one
+        # ring read serves a burst of messages (decoded one by one, so an invalid
+        # message fails at its own turn).
+        self._received: deque[bytes] = deque()
 
     def _writer(self) -> RingWriter:
         if not isinstance(self.ring, RingWriter):
@@ -74,21 +84,37 @@ class Channel(Generic[T]):
         return writer.try_send(self._buf)
 
     async def send_async(self, msg: T) -> None:
-        """Encode and send without blocking the event loop (fresh buffer: may suspend)."""
-        await self._writer().send_async(self._encoder.encode(msg))
+        """Encode and send without blocking the event loop."""
+        writer = self._writer()
+        self._encoder.encode_into(msg, self._buf)
+        if not writer.try_send(self._buf):
+            # Waiting may suspend us, and another task may send meanwhile: wait with a
+            # copy of our own.
+            await writer.send_async(bytes(self._buf))
 
     def recv(self, timeout_s: float | None = None) -> T:
         """Receive and decode the next message (see RingReader.recv for errors)."""
-        return self._decoder.decode(self._reader().recv(timeout_s))
+        received = self._received
+        if not received:
+            received.extend(self._reader().recv_many(timeout_s))
+        return self._decoder.decode(received.popleft())
 
     def try_recv(self) -> T | None:
         """The next message, or None if none is waiting."""
-        data = self._reader().try_recv()
-        return None if data is None else self._decoder.decode(data)
+        received = self._received
+        if not received:
+            received.extend(self._reader().try_recv_many())
+            if not received:
+                return None
+        return self._decoder.decode(received.popleft())
 
     async def recv_async(self) -> T:
-        """Receive and decode without blocking the event loop; cancellable."""
-        return self._decoder.decode(await self._reader().recv_async())
+        """Receive and decode without blocking the event loop; cancellable (a cancelled
+        call consumes nothing)."""
+        received = self._received
+        if not received:
+            received.extend(await self._reader().recv_many_async())
+        return self._decoder.decode(received.popleft())
 
     def close(self) -> None:
         """Close the ring end (a writer marks the ring closed for its readers)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Self
+from collections.abc import Callable
+from typing import Self, TypeVar
 
 from flowengine.shm.async_wait import AsyncWaiter
 from flowengine.shm.doorbell import SPIN_NS
@@ -24,6 +25,8 @@ from flowengine.shm.segment import (
     reader_ctl_word,
     reader_cursor_word,
 )
+
+T = TypeVar("T")
 
 
 class RingReader:
@@ -112,6 +115,52 @@ class RingReader:
             self._publish(r)
         return self.try_recv()
 
+    def try_recv_many(self) -> list[bytes]:
+        """Every record published now, oldest first; [] if none (at most the ring's
+        capacity in bytes).
+
+        One load of the write cursor and one detach check for the whole batch, so a
+        record costs a slice copy and a list append: the engine's channels read this
+        way (codec.Channel). Raises ReaderDetachedError if this reader was marked dead.
+        """
+        q = self._q
+        r = self._r
+        w = q[WRITE_CURSOR_W]
+        if r == w:
+            if r != self._published:
+                self._publish(r)  # caught up: hand all room back before idling
+            return []
+        self._cached_w = w
+        mm = self._mm
+        cap = self._cap
+        records: list[bytes] = []
+        while r != w:
+            # The records of this lap lie back to back in [pos, end): the inner loop has
+            # no wrap arithmetic, and a wrap marker can only be the lap's last entry.
+            # (Plain arithmetic instead of min() and one modulo: the call is per batch,
+            # often of one record, and each Python operation counts.)
+            lap_pos = r % cap
+            pos = self._data_off + lap_pos
+            avail = w - r
+            lap_left = cap - lap_pos
+            end = pos + (avail if avail < lap_left else lap_left)
+            start = pos
+            while pos < end:
+                n = q[pos >> 3]
+                if n < 0:
+                    pos = end  # a wrap marker: the next record starts the next lap
+                    break
+                records.append(mm[pos + HEADER_BYTES : pos + HEADER_BYTES + n])
+                pos += (n + 15) & -8
+            r += pos - start
+        # After every copy (see try_recv): an overwritten record implies a lost token.
+        if q[self._token_w] != self._token:
+            raise self._detached()
+        self._r = r
+        if r - self._published > self._publish_bytes:
+            self._publish(r)
+        return records
+
     def _publish(self, r: int) -> None:
         # NOTE: frees every record before r for the writer; stays after their copies.
         # Publishing every few records instead of every record (see __init__) saves a
@@ -134,11 +183,22 @@ class RingReader:
         is_closed = self._q[CLOSED_W]
         data = self.try_recv()
         if data is None:
-            if is_closed or self._closed:
-                raise ChannelClosedError(f"ring {self.name} is closed and drained")
-            if self._q[self._token_w] != self._token:
-                raise self._detached()
+            self._check_live(is_closed)
         return data
+
+    def _poll_many(self) -> list[bytes] | None:
+        is_closed = self._q[CLOSED_W]  # before the cursor, as in _poll
+        records = self.try_recv_many()
+        if not records:
+            self._check_live(is_closed)
+            return None
+        return records
+
+    def _check_live(self, is_closed: int) -> None:
+        if is_closed or self._closed:
+            raise ChannelClosedError(f"ring {self.name} is closed and drained")
+        if self._q[self._token_w] != self._token:
+            raise self._detached()
 
     def recv(self, timeout_s: float | None = None) -> bytes:
         """Return the next record's payload, waiting up to `timeout_s` seconds (None: forever).
@@ -167,21 +227,31 @@ class RingReader:
                 if r - self._published > self._publish_bytes:
                     self._publish(r)
                 return data
-        return self._recv_waiting(timeout_s)
+        return self._recv_waiting(timeout_s, self._poll)
 
-    def _recv_waiting(self, timeout_s: float | None) -> bytes:
-        data = self._poll()
+    def recv_many(self, timeout_s: float | None = None) -> list[bytes]:
+        """Every record published now, waiting up to `timeout_s` seconds for the first.
+
+        Never returns an empty list. Errors as `recv`.
+        """
+        records = self.try_recv_many()
+        if records:
+            return records
+        return self._recv_waiting(timeout_s, self._poll_many)
+
+    def _recv_waiting(self, timeout_s: float | None, poll: Callable[[], T | None]) -> T:
+        data = poll()
         if data is not None:
             return data
         spin_end_ns = time.perf_counter_ns() + SPIN_NS
         while time.perf_counter_ns() < spin_end_ns:
-            data = self._poll()
+            data = poll()
             if data is not None:
                 return data
             os.sched_yield()  # see SPIN_NS in doorbell.py
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            data = self._poll()
+            data = poll()
             if data is not None:
                 return data
             wait_s = None
@@ -201,14 +271,25 @@ class RingReader:
         data = self.try_recv()
         if data is not None:
             return data
+        return await self._recv_waiting_async(self._poll)
+
+    async def recv_many_async(self) -> list[bytes]:
+        """`recv_many()` for asyncio: every record published now, awaiting the first
+        without blocking the loop (as `recv_async`; cancelling consumes nothing)."""
+        records = self.try_recv_many()
+        if records:
+            return records
+        return await self._recv_waiting_async(self._poll_many)
+
+    async def _recv_waiting_async(self, poll: Callable[[], T | None]) -> T:
         spin_end_ns = time.perf_counter_ns() + SPIN_NS
         while time.perf_counter_ns() < spin_end_ns:
             await asyncio.sleep(0)
-            data = self._poll()
+            data = poll()
             if data is not None:
                 return data
         while True:
-            data = self._poll()
+            data = poll()
             if data is not None:
                 return data
             if self._waiter is None:

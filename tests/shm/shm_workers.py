@@ -70,9 +70,12 @@ def verify_reader(
     conn: Connection,
     stall_after: int | None = None,
     sleep_every: int = 0,
+    batched: bool = False,
 ) -> None:
     """Read checked records until the writer closes; report ("ok", count, first, last).
 
+    batched: read with `recv_many` (every published record per call, as the engine's
+    channels do) instead of `recv`.
     stall_after: after that many records report ("stalled", n) and hang (to be killed).
     sleep_every: sleep 1 ms every that many records (a slow reader: backpressure).
     The first record may have any seq (a re-attached reader); after it, seqs must be
@@ -84,18 +87,19 @@ def verify_reader(
         count, first, expected = 0, None, None
         while True:
             try:
-                data = reader.recv(timeout_s=60)
+                batch = reader.recv_many(60) if batched else [reader.recv(timeout_s=60)]
             except ChannelClosedError:
                 break
-            seq = check_record(data, expected)
-            first = seq if first is None else first
-            expected = seq + 1
-            count += 1
-            if stall_after is not None and count == stall_after:
-                conn.send(("stalled", count))
-                time.sleep(3600)
-            if sleep_every and count % sleep_every == 0:
-                time.sleep(0.001)
+            for data in batch:
+                seq = check_record(data, expected)
+                first = seq if first is None else first
+                expected = seq + 1
+                count += 1
+                if stall_after is not None and count == stall_after:
+                    conn.send(("stalled", count))
+                    time.sleep(3600)
+                if sleep_every and count % sleep_every == 0:
+                    time.sleep(0.001)
         reader.close()
         conn.send(("ok", count, first, None if expected is None else expected - 1))
     except BaseException as exc:

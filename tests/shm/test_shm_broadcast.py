@@ -23,7 +23,8 @@ from flowengine.shm.segment import DEAD, LIVE, RESERVED
 def test_four_readers_see_every_record(run_id: str) -> None:
     segment = create_broadcast_ring("steps", 4, 1 << 16, run_id=run_id)
     try:
-        readers = [run_reader(segment.name, i) for i in range(4)]
+        # Two readers take one record per call, two every published record per call.
+        readers = [run_reader(segment.name, i, batched=i % 2 == 1) for i in range(4)]
         rng = random.Random()
         num_records = 100_000
         with BroadcastWriter(segment) as writer:
@@ -43,7 +44,7 @@ def test_killed_reader_is_reaped_and_can_reattach(run_id: str) -> None:
     # the write cursor and sees everything after it.
     segment = create_broadcast_ring("steps", 3, 1 << 14, run_id=run_id)
     try:
-        healthy = [run_reader(segment.name, i) for i in (0, 1)]
+        healthy = [run_reader(segment.name, i, batched=i == 1) for i in (0, 1)]
         doomed, doomed_conn = run_reader(segment.name, 2, stall_after=1000)
 
         def kill_when_stalled() -> None:

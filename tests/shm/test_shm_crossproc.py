@@ -34,11 +34,12 @@ def test_two_million_small_records(run_id: str) -> None:
         segment.close()
 
 
-def test_random_sizes_force_wraparound(run_id: str) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["recv", "recv_many"])
+def test_random_sizes_force_wraparound(run_id: str, batched: bool) -> None:
     # Records up to 20 KiB in a 64 KiB ring: wrap markers at every position.
     segment = create_ring("sizes", 1 << 16, run_id=run_id)
     try:
-        process, conn = run_reader(segment.name)
+        process, conn = run_reader(segment.name, batched=batched)
         rng = random.Random()
         with RingWriter(segment) as writer:
             for seq in range(40_000):
@@ -48,10 +49,11 @@ def test_random_sizes_force_wraparound(run_id: str) -> None:
         segment.close()
 
 
-def test_slow_reader_applies_backpressure(run_id: str) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["recv", "recv_many"])
+def test_slow_reader_applies_backpressure(run_id: str, batched: bool) -> None:
     segment = create_ring("slow", 4096, run_id=run_id)
     try:
-        process, conn = run_reader(segment.name, sleep_every=50)
+        process, conn = run_reader(segment.name, sleep_every=50, batched=batched)
         rng = random.Random()
         with RingWriter(segment) as writer:
             for seq in range(3000):
