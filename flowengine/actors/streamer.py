@@ -77,22 +77,36 @@ class RequestStream:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def get(self) -> RequestOutput:
-        while self._pending is None and self._error is None:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiter = waiter
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:  # cancelled: no put() took it
-                    self._waiter = None
+    def take(self) -> RequestOutput | None:
+        """The output the caller has not taken yet (merged deltas), or None if there is
+        none now: then await `wait()` and take again.
+
+        Raises the stream's exception once no output is pending (the stream is over).
+        """
         item = self._pending
         if item is None:
+            if self._error is None:
+                return None
             self.finished = True
-            raise self._error  # type: ignore[misc]
+            raise self._error
         self._pending = None
         if item.finished:
             self.finished = True
+        return item
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future that the next `put` resolves. Cancelling the task that awaits it is
+        safe: put() skips a cancelled future and nothing is lost (it stays pending)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        return waiter
+
+    async def get(self) -> RequestOutput:
+        """Await the next output (`take`, waiting while there is none)."""
+        # NOTE: AsyncEngine.submit inlines this loop: one coroutine frame less per
+        # output on the path every caller takes once per step.
+        while (item := self.take()) is None:
+            await self.wait()
         return item
 
 

@@ -95,6 +95,31 @@ def test_a_cancelled_get_loses_nothing() -> None:
     asyncio.run(main())
 
 
+def test_take_and_wait_as_submit_uses_them() -> None:
+    async def main() -> None:
+        stream = RequestStream("r")
+        assert stream.take() is None
+        waiter = stream.wait()
+        stream.put(delta("r", (0, "a", [1])))
+        stream.put(delta("r", (0, "b", [2])))  # merged into the one not taken yet
+        assert waiter.done()
+        await waiter
+        out = stream.take()
+        assert out is not None and (out.outputs[0].text, out.outputs[0].token_ids) == ("ab", [1, 2])
+        assert stream.take() is None and not stream.finished
+        # A cancelled wait (the caller's task was cancelled) swallows no output.
+        cancelled = stream.wait()
+        cancelled.cancel()
+        stream.put(delta("r", (0, "c", [3]), finished=True, finish_reason="stop"))
+        last = stream.take()
+        assert last is not None and last.outputs[0].token_ids == [3] and stream.finished
+        stream.put(RuntimeError("engine died"))
+        with pytest.raises(RuntimeError, match="engine died"):
+            stream.take()
+
+    asyncio.run(main())
+
+
 def test_route_closes_finished_streams_and_reports_orphans() -> None:
     async def main() -> None:
         orphans: list[str] = []
