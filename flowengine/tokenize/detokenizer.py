@@ -21,9 +21,10 @@ character too; a prompt cut inside a character takes the window algorithm.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
-from flowengine.tokenize.decode_table import decode_table
+from flowengine.tokenize.decode_table import DecodeTable, decode_table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,6 +35,19 @@ _PROMPT_CONTEXT_TOKENS = 5
 # Token strings before prefix_offset are dropped once this many pile up.
 _TRIM_THRESHOLD = 64
 _REPLACEMENT_CHAR = "\ufffd"
+
+_texts_by_table: weakref.WeakKeyDictionary[DecodeTable, dict[int, str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _token_texts(table: DecodeTable) -> dict[int, str]:
+    """Token id -> the lossy UTF-8 decoding of that token's bytes alone, filled lazily
+    and shared by every request of one tokenizer (byte-level fast path only)."""
+    texts = _texts_by_table.get(table)
+    if texts is None:
+        texts = _texts_by_table[table] = {}
+    return texts
 
 
 class IncrementalDetokenizer:
@@ -83,6 +97,7 @@ class IncrementalDetokenizer:
         self._parts: list[str] = []
         # Byte-level fast path (module docstring): bytes of the tokens past read_offset.
         self._table = table if table.is_byte_level else None
+        self._token_texts = _token_texts(table)
         self._pending = b""
         if self._table is not None and self._decode(self._tokens).endswith(_REPLACEMENT_CHAR):
             self._table = None  # the prompt ends inside a character
@@ -145,14 +160,27 @@ class IncrementalDetokenizer:
     def _update_bytes(self, new_token_ids: list[int]) -> str:
         """`update` on the byte-level fast path: token by token, emit the pending bytes'
         text unless it ends in U+FFFD (an incomplete or invalid last character)."""
-        token_bytes = self._table.token_bytes  # type: ignore[union-attr]
+        table = self._table
+        token_texts = self._token_texts
         skip_ids = self._skip_ids
         pending = self._pending
         text = ""
         for token_id in new_token_ids:
             if token_id in skip_ids:
                 continue
-            pending += token_bytes(token_id)
+            if not pending:
+                # The usual case: nothing held back, so the pending bytes are this
+                # token's alone and their decoding is cached per tokenizer.
+                piece = token_texts.get(token_id)
+                if piece is None:
+                    piece = table.token_bytes(token_id).decode("utf-8", "replace")  # type: ignore[union-attr]
+                    token_texts[token_id] = piece
+                if piece and piece[-1] != _REPLACEMENT_CHAR:
+                    text += piece
+                else:  # ends inside a character (or has no bytes): hold its bytes back
+                    pending = table.token_bytes(token_id)  # type: ignore[union-attr]
+                continue
+            pending += table.token_bytes(token_id)  # type: ignore[union-attr]
             new_text = pending.decode("utf-8", "replace")
             if new_text and new_text[-1] != _REPLACEMENT_CHAR:
                 text += new_text
