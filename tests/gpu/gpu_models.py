@@ -64,17 +64,25 @@ def write_trivial_tokenizer(path: str, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<0>").save_pretrained(path)
 
 
-def save_model(family: str, path: str, seed: int) -> None:
-    """Save a bf16 random-weight model of `family` (safetensors) plus a tokenizer."""
+def save_model(family: str, path: str, seed: int, device: str = "cpu",
+               **overrides: object) -> None:
+    """Save a bf16 random-weight model of `family` (safetensors) plus a tokenizer.
+
+    overrides: config fields to change (e.g. Llama-3.1-8B sizes); device: where the
+    float32 weights are initialized (an 8B model initializes in seconds on a GPU).
+    """
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family], dtype=torch.float32)
+    config = FAMILIES[family].__class__(**{**FAMILIES[family].to_dict(), **overrides})
+    vocab_size = config.vocab_size
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
         embed.normal_(0.0, EMBED_STD)
-        rows = embed[torch.randperm(VOCAB_SIZE)]
+        rows = embed[torch.randperm(vocab_size, device=embed.device)]
         model.lm_head.weight.copy_(rows / rows.norm(dim=-1, keepdim=True) * LM_HEAD_NORM)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    write_trivial_tokenizer(path, VOCAB_SIZE)
+    write_trivial_tokenizer(path, vocab_size)
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:
