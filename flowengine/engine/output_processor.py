@@ -128,10 +128,12 @@ class OutputProcessor:
                 state.num_unfinished -= 1
             if not self.final_only or state.num_unfinished == 0:
                 touched[parent_id] = state
-        outputs = [self._make_output(rid, st) for rid, st in touched.items()]
-        for out in outputs:
+        outputs = []
+        for rid, st in touched.items():
+            out = self._make_output(rid, st)
+            outputs.append(out)
             if out.finished:
-                self._forget(out.request_id)
+                self._forget(rid)
         return outputs, to_stop
 
     def _apply(self, sample: _SampleState, delta: RequestDelta) -> bool:
@@ -178,32 +180,42 @@ class OutputProcessor:
 
     def _make_output(self, request_id: str, state: _RequestState) -> RequestOutput:
         completions = []
-        stream = self.stream
-        for s in state.samples:
-            if stream and not s.dirty:
-                continue
-            if stream:
+        if self.stream:
+            for s in state.samples:
+                if not s.dirty:
+                    continue
+                completions.append(
+                    CompletionOutput(
+                        s.index,
+                        s.new_text,
+                        s.new_token_ids,
+                        s.cumulative_logprob,
+                        s.new_logprobs if s.logprobs is not None else None,
+                        s.finish_reason,
+                        s.stop_reason,
+                    )
+                )
                 # The delta's lists change hands: fresh ones collect the next delta.
-                text, token_ids, logprobs = s.new_text, s.new_token_ids, s.new_logprobs
                 s.new_token_ids = _NO_TOKENS
                 if s.logprobs is not None:
                     s.new_logprobs = []
-            else:
-                text = s.text_state.output_text
-                token_ids, logprobs = list(s.token_ids), s.logprobs
-            completions.append(
-                CompletionOutput(
-                    s.index,
-                    text,
-                    token_ids,
-                    s.cumulative_logprob,
-                    logprobs if s.logprobs is not None else None,
-                    s.finish_reason,
-                    s.stop_reason,
+                s.new_text = ""
+                s.dirty = False
+        else:
+            for s in state.samples:
+                completions.append(
+                    CompletionOutput(
+                        s.index,
+                        s.text_state.output_text,
+                        list(s.token_ids),
+                        s.cumulative_logprob,
+                        s.logprobs,
+                        s.finish_reason,
+                        s.stop_reason,
+                    )
                 )
-            )
-            s.new_text = ""
-            s.dirty = False
+                s.new_text = ""
+                s.dirty = False
         return RequestOutput(
             request_id,
             state.prompt.prompt,
