@@ -52,9 +52,14 @@ def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[
     return time.perf_counter() - start, outputs
 
 
+def _margin(logprobs: dict) -> float:
+    ranked = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+
+
 def measure(path: str, tp: int, ns: argparse.Namespace) -> dict:
     """Greedy ids, batch-1 decode latency and offline throughput at one TP size."""
-    args = dict(tensor_parallel_size=tp, placement="multiproc", dtype="bfloat16",
+    args = dict(tensor_parallel_size=tp, placement="multiproc", dtype=ns.dtype,
                 max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                 gpu_memory_utilization=0.85, seed=0)
     start = time.perf_counter()
@@ -62,9 +67,14 @@ def measure(path: str, tp: int, ns: argparse.Namespace) -> dict:
     result: dict = {"tp": tp, "startup_s": time.perf_counter() - start}
     try:
         rng = random.Random(0)
-        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
         _, outs = _timed(llm, _prompts(rng, 16, 64), greedy)
         result["greedy_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+        # Gap between the two most likely tokens (logprob units) at every position.
+        result["greedy_margins"] = [[_margin(lp) for lp in o.outputs[0].logprobs]
+                                    for o in outs]
+        if ns.skip_perf:
+            return result
         prompt = _prompts(rng, 1, 128)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         many = SamplingParams(temperature=0, max_tokens=257, ignore_eos=True)
@@ -93,40 +103,56 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--model-dir", default=None, help="reuse a saved model directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--embed-std", type=float, default=16.0,
+                   help="embedding std of the saved model (greedy margins, gpu_models.py)")
+    p.add_argument("--skip-perf", action="store_true", help="greedy comparison only")
     p.add_argument("--out", default=None, help="directory for results JSON")
     ns = p.parse_args()
     path = ns.model_dir or tempfile.mkdtemp(prefix="llama8b-random-")
     if not os.path.exists(os.path.join(path, "config.json")):
         start = time.perf_counter()
-        save_model("llama3", path, seed=0, device="cuda", **LLAMA_31_8B_SIZES)
+        save_model("llama3", path, seed=0, device="cuda", embed_std=ns.embed_std,
+                   **LLAMA_31_8B_SIZES)
         torch.cuda.empty_cache()
         print(f"saved the random model in {time.perf_counter() - start:.0f} s", flush=True)
     results = []
     for tp in ns.tp:
         results.append(measure(path, tp, ns))
         r = results[-1]
-        print(f"TP={tp}: startup {r['startup_s']:.0f} s, "
-              f"{r['decode_ms_per_token_b1']:.2f} ms/token, "
-              f"{r['output_tok_per_s']:.0f} output tok/s", flush=True)
+        margins = [m for seq in r["greedy_margins"] for m in seq]
+        print(f"TP={tp}: startup {r['startup_s']:.0f} s, smallest greedy margin "
+              f"{min(margins):.3f}, median {sorted(margins)[len(margins) // 2]:.3f} (logprob)",
+              flush=True)
+        if not ns.skip_perf:
+            print(f"TP={tp}: {r['decode_ms_per_token_b1']:.2f} ms/token, "
+                  f"{r['output_tok_per_s']:.0f} output tok/s", flush=True)
     reference = results[0]["greedy_ids"]
     for r in results:
         r["greedy_equal_to_first"] = r["greedy_ids"] == reference
-        r["greedy_first_mismatch"] = next(
-            (i for i, (a, b) in enumerate(zip(r["greedy_ids"], reference, strict=True))
-             if a != b), None)
+        r["greedy_mismatches"] = [  # (prompt, position, reference margin there)
+            (i, pos, results[0]["greedy_margins"][i][pos])
+            for i, (a, b) in enumerate(zip(r["greedy_ids"], reference, strict=True)) if a != b
+            for pos in [next(k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)]]
+        for m in r["greedy_mismatches"]:
+            print(f"TP={r['tp']}: prompt {m[0]} differs from position {m[1]}, where the "
+                  f"reference margin is {m[2]:.4f}")
     if ns.out:
         os.makedirs(ns.out, exist_ok=True)
         with open(os.path.join(ns.out, "tp_bench.json"), "w") as f:
             json.dump(results, f, indent=1)
     gpu = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
            if torch.cuda.is_available() else "CPU")
-    print(f"\n{datetime.date.today()}, {gpu}, torch "
+    print(f"\n{datetime.date.today()}, {gpu}, {ns.dtype}, torch "
           f"{torch.__version__}\n\n```\npython benchmarks/tp_bench.py "
           f"{shlex.join(sys.argv[1:])}\n```\n")
     print(f"| TP | greedy ids = TP={ns.tp[0]} (16 x 32) | decode ms/token, batch 1 | "
           f"requests/s | output tok/s | total tok/s ({ns.num_prompts} x "
           f"{ns.input_len}/{ns.output_len}) |\n|---|---|---|---|---|---|")
     for r in results:
+        if ns.skip_perf:
+            print(f"| {r['tp']} | {'yes' if r['greedy_equal_to_first'] else 'NO'} | | | | |")
+            continue
         print(f"| {r['tp']} | {'yes' if r['greedy_equal_to_first'] else 'NO'} | "
               f"{r['decode_ms_per_token_b1']:.2f} | {r['requests_per_s']:.2f} | "
               f"{r['output_tok_per_s']:.0f} | {r['total_tok_per_s']:.0f} |")

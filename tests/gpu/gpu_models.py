@@ -65,11 +65,13 @@ def write_trivial_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def save_model(family: str, path: str, seed: int, device: str = "cpu",
-               **overrides: object) -> None:
+               embed_std: float = EMBED_STD, **overrides: object) -> None:
     """Save a bf16 random-weight model of `family` (safetensors) plus a tokenizer.
 
     overrides: config fields to change (e.g. Llama-3.1-8B sizes); device: where the
-    float32 weights are initialized (an 8B model initializes in seconds on a GPU).
+    float32 weights are initialized (an 8B model initializes in seconds on a GPU);
+    embed_std: the embedding's standard deviation (deeper, wider models add more to
+    the residual stream per layer and need a larger one for the same margins).
     """
     torch.manual_seed(seed)
     config = FAMILIES[family].__class__(**{**FAMILIES[family].to_dict(), **overrides})
@@ -78,7 +80,7 @@ def save_model(family: str, path: str, seed: int, device: str = "cpu",
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         embed = model.model.embed_tokens.weight
-        embed.normal_(0.0, EMBED_STD)
+        embed.normal_(0.0, embed_std)
         rows = embed[torch.randperm(vocab_size, device=embed.device)]
         model.lm_head.weight.copy_(rows / rows.norm(dim=-1, keepdim=True) * LM_HEAD_NORM)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
