@@ -4,12 +4,22 @@
     python -m flowengine.bench.ring
 
 For every message size and transport, a reader runs in its own spawned process and
-this process writes. Each transport uses its ordinary blocking calls: our
-`RingWriter.send` / `RingReader.recv`, pyzmq PUSH/PULL over an `ipc://` socket in a
-temporary directory (pyzmq defaults: copying send/recv, high-water mark 1000), and
-`multiprocessing.Queue.put/get`. Messages are `bytes` of the given size whose first 8
-bytes carry `time.perf_counter_ns()` (CLOCK_MONOTONIC: one clock for all processes of
-a machine). Three phases, after a warm-up:
+this process writes. Each side uses the calls its users make:
+
+- ring: the writer `RingWriter.send(bytes)`, one call per message (its fast path is
+  `try_send`'s, which the engine's `Channel.send_async` calls; writers in the engine
+  send one message per call, so the writer side is never batched here); the reader
+  `RingReader.recv_many()`, which returns every message published so far (the call the
+  engine's channels read with, `flowengine.shm.codec.Channel`).
+- zmq: pyzmq PUSH/PULL over an `ipc://` socket in a temporary directory, `send` and
+  `recv` (copying: pyzmq's fastest calls for small messages), one call per message on
+  both sides, high-water mark `--zmq-hwm` (pyzmq's default 1000). pyzmq has no call
+  that returns several queued messages.
+- queue: `multiprocessing.Queue.put/get`, one call per message.
+
+Messages are `bytes` of the given size whose first 8 bytes carry
+`time.perf_counter_ns()` (CLOCK_MONOTONIC: one clock for all processes of a machine).
+Three phases, after a warm-up:
 
 - throughput: `count` messages (count/10 at 64 KiB and above) sent back to back;
   messages/s = count / (reader's clock at the last message - first message's stamp).
@@ -67,52 +77,73 @@ def _size_label(size_bytes: int) -> str:
     return f"{size_bytes // 1024} KiB" if size_bytes >= 1024 else f"{size_bytes} B"
 
 
-def _open_receiver(transport: str, address: Any) -> tuple[Any, Any]:
-    """(recv callable, closer) for the reader's side."""
+def _open_receiver(transport: str, address: Any, zmq_hwm: int) -> tuple[Any, Any, Any]:
+    """(recv, recv_many or None, closer) for the reader's side.
+
+    recv_many, where the transport has one, returns every message that has arrived
+    (at least one): the ring's `RingReader.recv_many`, the call the engine's channels
+    read with (flowengine.shm.codec.Channel). pyzmq and multiprocessing.Queue have no
+    such call; their readers take one message per call, as their users do.
+    """
     if transport == "ring":
         from flowengine.shm import RingReader
 
         reader = RingReader.attach(address)
-        return reader.recv, reader.close
+        return reader.recv, reader.recv_many, reader.close
     if transport == "zmq":
         import zmq
 
         context = zmq.Context()
         sock = context.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, zmq_hwm)
         sock.connect(address)
-        return sock.recv, lambda: (sock.close(linger=0), context.term())
-    return address.get, lambda: None  # a multiprocessing.Queue, inherited at spawn
+        return sock.recv, None, lambda: (sock.close(linger=0), context.term())
+    return address.get, None, lambda: None  # a multiprocessing.Queue, inherited at spawn
 
 
-def _reader_main(transport: str, address: Any, count: int, ack: Any, conn: Connection) -> None:
+def _reader_main(
+    transport: str, address: Any, count: int, ack: Any, conn: Connection, zmq_hwm: int
+) -> None:
     """Receive the phases, reporting each over `conn` so the writer starts the next one
     on an empty queue: "warm", (first stamp, last arrival), busy and idle latencies (ns).
     """
-    recv, close = _open_receiver(transport, address)
+    recv, recv_many, close = _open_receiver(transport, address, zmq_hwm)
     clock = time.perf_counter_ns
     unpack = _STAMP.unpack_from
     for _ in range(_WARMUP):
         recv()
     conn.send("warm")
-    first_stamp = unpack(recv())[0]
-    for _ in range(count - 1):
-        recv()
+    if recv_many is None:
+        first_stamp = unpack(recv())[0]
+        for _ in range(count - 1):
+            recv()
+    else:
+        batch = recv_many()
+        first_stamp = unpack(batch[0])[0]
+        received = len(batch)
+        while received < count:
+            received += len(recv_many())
     conn.send((first_stamp, clock()))
     for _ in range(2):  # busy, then idle latency phase; a negative stamp ends each
-        lat_ns = []
-        while (stamp := unpack(recv())[0]) >= 0:
-            lat_ns.append(clock() - stamp)
+        lat_ns: list[int] = []
+        while True:
+            batch = [recv()] if recv_many is None else recv_many()
+            now = clock()
+            stamps = [unpack(data)[0] for data in batch]
+            lat_ns.extend(now - stamp for stamp in stamps if stamp >= 0)
             ack.value = len(lat_ns)
+            if stamps[-1] < 0:
+                break
         conn.send(np.array(lat_ns, dtype=np.int64))
     close()
 
 
-def _open_sender(transport: str, size_bytes: int, tmpdir: str, run_id: str, capacity_bytes: int):
+def _open_sender(transport: str, size_bytes: int, tmpdir: str, args: argparse.Namespace):
     """(send callable, address for the reader, closer) for the writer's side."""
     if transport == "ring":
         from flowengine.shm import RingWriter, create_ring
 
-        segment = create_ring(f"bench{size_bytes}", capacity_bytes, run_id=run_id)
+        segment = create_ring(f"bench{size_bytes}", args.ring_capacity_bytes, run_id=args.run_id)
         writer = RingWriter(segment)
         return writer.send, segment.name, lambda: (writer.close(), segment.close())
     if transport == "zmq":
@@ -120,6 +151,7 @@ def _open_sender(transport: str, size_bytes: int, tmpdir: str, run_id: str, capa
 
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, args.zmq_hwm)
         address = f"ipc://{tmpdir}/bench{size_bytes}.sock"
         sock.bind(address)
         return sock.send, address, lambda: (sock.close(linger=0), context.term())
@@ -130,14 +162,14 @@ def _open_sender(transport: str, size_bytes: int, tmpdir: str, run_id: str, capa
 def run_one(transport: str, size_bytes: int, args: argparse.Namespace, tmpdir: str) -> Result:
     """Benchmark one transport at one message size (reader in a spawned process)."""
     count = args.count if size_bytes < 65536 else max(args.count // 10, 100)
-    send, address, close = _open_sender(
-        transport, size_bytes, tmpdir, args.run_id, args.ring_capacity_bytes
-    )
+    send, address, close = _open_sender(transport, size_bytes, tmpdir, args)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     ack = ctx.RawValue("q", 0)  # messages received in the current latency phase
     reader = ctx.Process(
-        target=_reader_main, args=(transport, address, count, ack, theirs), daemon=True
+        target=_reader_main,
+        args=(transport, address, count, ack, theirs, args.zmq_hwm),
+        daemon=True,
     )
     reader.start()
     try:
@@ -207,6 +239,9 @@ def _parse(argv: list[str], prog: str) -> argparse.Namespace:
         "--phase-budget-s", type=float, default=3.0, help="cap on each latency phase's time"
     )
     parser.add_argument("--ring-capacity-bytes", type=int, default=8 << 20)
+    parser.add_argument(
+        "--zmq-hwm", type=int, default=1000, help="pyzmq send/receive high-water mark (0: none)"
+    )
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.transports = args.transports.split(",")
