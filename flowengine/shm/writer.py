@@ -94,7 +94,8 @@ class RingWriter:
         base = w + self._base
         q = self._q
         q[base >> 3] = n
-        self._mm[base + HEADER_BYTES : base + HEADER_BYTES + n] = data
+        base += HEADER_BYTES  # the payload's offset (one addition less per send)
+        self._mm[base : base + n] = data
         q[WRITE_CURSOR_W] = end  # NOTE: publication; must stay after the copy above
         self._w = end
         if q[READERS_ASLEEP_W]:
@@ -176,7 +177,8 @@ class RingWriter:
             base = w + self._base
             q = self._q
             q[base >> 3] = n
-            self._mm[base + HEADER_BYTES : base + HEADER_BYTES + n] = data
+            base += HEADER_BYTES
+            self._mm[base : base + n] = data
             q[WRITE_CURSOR_W] = end
             self._w = end
             if q[READERS_ASLEEP_W]:
