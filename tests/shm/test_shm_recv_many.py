@@ -21,6 +21,7 @@ from flowengine.shm import (
     create_broadcast_ring,
     create_ring,
 )
+from flowengine.shm.reader import MAX_BATCH_BYTES
 
 
 @pytest.fixture
@@ -151,3 +152,21 @@ def test_channel_decodes_a_burst_one_message_at_a_time(run_id: str) -> None:
 def reader_is_drained(channel: Channel) -> bool:
     """The ring has nothing left for this channel's reader (its records are buffered)."""
     return channel.ring.try_recv() is None
+
+
+def test_a_batch_stops_after_the_record_crossing_max_batch_bytes(run_id: str) -> None:
+    segment = create_ring("big", 1 << 20, run_id=run_id)
+    try:
+        writer, reader = RingWriter(segment), RingReader(segment)
+        size = 40 << 10  # 64 KiB budget: the 2nd record starts inside it, the 3rd past it
+        assert 2 * size > MAX_BATCH_BYTES > size + 8
+        records = [bytes([i]) * size for i in range(3)]
+        for record in records:
+            writer.send(record)
+        assert reader.try_recv_many() == records[:2]
+        assert reader.try_recv_many() == records[2:]
+        assert reader.try_recv_many() == []
+        reader.close()
+        writer.close()
+    finally:
+        segment.close()
