@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -157,10 +159,31 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("FLOWENGINE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {cfg.role}{cfg.rank} %(levelname)s %(name)s: %(message)s",
     )
+    # The frontend owns shutdown: Ctrl-C reaches the whole process group, and the
+    # frontend answers it by draining and sending Shutdown down the rings.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     coro = engine_main(cfg) if cfg.role == "engine" else executor_main(cfg)
     with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
         runner.run(coro)
     return 0
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit when the frontend process that started this one is gone (killed, crashed):
+    an orphaned engine or executor would otherwise hold its memory (and GPU) forever.
+    A daemon thread polls the parent pid every `poll_s` seconds; the frontend's rings
+    of a dead run are removed by the next start (flowengine.shm.cleanup_stale)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                logger.warning("the frontend process %d is gone; exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def new_event_loop_factory() -> Any:
