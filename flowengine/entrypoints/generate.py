@@ -28,13 +28,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     add_engine_args(p, model_positional=False)
     ns = p.parse_args(argv)
+    try:
+        return _run(ns, p)
+    except (ValueError, TypeError, OSError, KeyError) as exc:
+        # Bad input (a prompt file, sampling or engine arguments): the message says what
+        # to change; a traceback would only hide it.
+        p.exit(2, f"{p.prog}: error: {exc}\n")
 
+
+def _run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     items: list[dict] = [{"prompt": t} for t in ns.prompts]
     if ns.jsonl:
         with open(ns.jsonl, "rb") as f:
             items += [orjson.loads(line) for line in f if line.strip()]
     if not items:
         p.error("give prompts on the command line or --jsonl FILE")
+    if not all(isinstance(it, dict) and ("prompt" in it or "messages" in it) for it in items):
+        raise ValueError('every --jsonl line must be an object with "prompt" or "messages"')
     params = SamplingParams(
         max_tokens=ns.max_tokens,
         temperature=ns.temperature,
