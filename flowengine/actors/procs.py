@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from flowengine.config import CacheConfig, EngineArgs, SchedulerConfig
+from flowengine.config import EngineArgs
 from flowengine.engine.gc_utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -52,27 +52,10 @@ class ProcConfig(msgspec.Struct, frozen=True):
     dist_init_method: str = ""
 
 
-def build_scheduler(resolved: Any, num_blocks: int):
-    """The engine process's `Scheduler` for a KV cache of `num_blocks` blocks."""
-    from flowengine.core.scheduler import Scheduler
-
-    args: EngineArgs = resolved.args
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=resolved.max_num_batched_tokens,
-            max_model_len=resolved.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy,
-        ),
-        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
-    )
-
-
 async def engine_main(cfg: ProcConfig) -> None:
     """Scheduler actor: requests ring in, steps ring out, results in, outputs out."""
     from flowengine.actors.scheduler import SchedulerActor, scheduler_stats
-    from flowengine.engine.builder import resolve
+    from flowengine.engine.builder import build_scheduler, resolve
     from flowengine.messages import (
         EngineOutputs,
         ExecutorReady,

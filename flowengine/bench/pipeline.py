@@ -61,7 +61,7 @@ class NullModelExecutor:
 
 
 def null_core_factory(resolved: Any) -> Any:
-    from flowengine.actors.procs import build_scheduler
+    from flowengine.engine.builder import build_scheduler
     from flowengine.engine.engine_core import EngineCore
 
     scheduler = build_scheduler(resolved, num_blocks=1 << 16)

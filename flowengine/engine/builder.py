@@ -144,6 +144,24 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
     return runner, cache_config
 
 
+def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
+    """The `Scheduler` for a KV cache of `num_blocks` blocks (in the engine process of
+    the multiproc placement, from the count its executor reports)."""
+    from flowengine.core.scheduler import Scheduler
+
+    args = resolved.args
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=resolved.max_num_batched_tokens,
+            max_model_len=resolved.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+        ),
+        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+    )
+
+
 def build_engine_core(resolved: ResolvedEngine, tp: Any = None):
     """Load weights, allocate the KV cache and return a ready `EngineCore`.
 
@@ -152,7 +170,6 @@ def build_engine_core(resolved: ResolvedEngine, tp: Any = None):
     """
     import torch
 
-    from flowengine.core.scheduler import Scheduler
     from flowengine.distributed.tp_group import SINGLE_RANK
     from flowengine.engine.engine_core import EngineCore
     from flowengine.executor.executor import Executor
@@ -181,16 +198,7 @@ def build_engine_core(resolved: ResolvedEngine, tp: Any = None):
         cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
     num_blocks = cache_config.num_blocks
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=resolved.max_num_batched_tokens,
-            max_model_len=resolved.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy,
-        ),
-        cache_config,
-    )
+    scheduler = build_scheduler(resolved, num_blocks)
     logger.info(
         "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
         resolved.served_model_names[0],
