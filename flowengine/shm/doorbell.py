@@ -14,12 +14,14 @@ from collections.abc import Callable
 
 import posix_ipc
 
-# NOTE: the first sleep after raising the asleep word is short on purpose. The peer
-# checks the word *without* a fence after publishing (a fence costs ~200 ns in CPython,
-# a fifth of a send), so x86 may satisfy the peer's load of the word before its cursor
-# store leaves the store buffer; if the sleeper raises the word and re-checks the cursor
-# inside that window (nanoseconds), the wakeup is lost. The sleeper then wakes by
-# itself after FIRST_SLICE_S: a lost wakeup costs at most 1 ms, never a hang. While the
+from flowengine.shm import _ring
+
+# NOTE: lost wakeups. The sleeper raises its asleep word, fences, and re-checks the
+# ring; the peer publishes (a record: WriterCore.send in _ring.c; room:
+# RingReader._publish), fences, and checks the word (Dekker's pattern): one of the two
+# always sees the other, so a wakeup is never lost between live processes. The first
+# sleep after raising the word is still short, so a record published by a peer that was
+# killed before it could post the semaphore is seen within FIRST_SLICE_S. While the
 # word stays raised, later peers see it, so later slices can be long.
 FIRST_SLICE_S = 0.001
 # An idle endpoint wakes this often to re-check its predicate (and the writer to look
@@ -34,20 +36,7 @@ LONG_SLICE_S = 0.1
 # returns at once (~0.5 us), which also spaces out our loads of the peer's cache line.
 SPIN_NS = 50_000
 
-_FENCE_LOCK = threading.Lock()
-
-
-def full_fence() -> None:
-    """Issue a full memory barrier (x86 `lock`-prefixed instruction) from Python.
-
-    CPython has no fence primitive. `threading.Lock` acquire/release run
-    `sem_trywait`/`sem_post` in glibc (a `PyMutex` CAS from 3.13 on), which are
-    `lock cmpxchg`/`lock xadd` on x86-64; every locked instruction orders all earlier
-    loads and stores before all later ones. Used only on slow paths (going to sleep,
-    attaching a reader), where its ~200 ns do not matter.
-    """
-    _FENCE_LOCK.acquire()
-    _FENCE_LOCK.release()
+full_fence = _ring.full_fence  # a sequentially consistent fence (x86-64: mfence), from C
 
 
 class Doorbell:

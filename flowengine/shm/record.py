@@ -8,18 +8,16 @@ record that fills the whole buffer, written at the start of a lap).
 
 NOTE: memory ordering. Publication is "copy the record, then store the write cursor";
 consumption is "load the write cursor, then copy the record, then store the read
-cursor". Correctness relies on x86-64 TSO: stores are not reordered with other stores,
-loads are not reordered with other loads, stores are not reordered with earlier loads,
-and an aligned 8-byte store is atomic. So a reader that sees the new cursor sees the
-whole record, and the writer never reuses bytes a reader is still copying. A cursor is
-stored through an int64 memoryview (`words[i] = v`), which CPython executes as one
-8-byte `memcpy` into an aligned slot, i.e. a single `mov`; `struct.pack_into("<q")`
-would store byte by byte and could be read torn. The Python calls between the payload
-copy and the cursor store are opaque to the C compiler, so it cannot reorder them.
-On weakly ordered CPUs (ARM, POWER) this is NOT enough: the cursor store needs release
-and the cursor load acquire semantics (a C extension with stdatomic, or a fence on
-both sides); this package provides neither and must not be trusted there. The
-cross-process checksum tests in tests/shm exercise the x86 guarantee.
+cursor". The per-record paths are C (_ring.c) with C11 atomics: the write cursor is
+stored with release and loaded with acquire semantics, so a reader that sees the new
+cursor sees the whole record, on any CPU. The rarer stores made from Python -- a wrap
+marker and its cursor (RingWriter._try_send_slow), the read cursor (RingReader._publish),
+reader states -- go through an int64 memoryview (`words[i] = v`), which CPython executes
+as one aligned 8-byte store, and rely on x86-64 TSO: stores are not reordered with other
+stores, loads not with other loads, stores not with earlier loads. So the writer never
+reuses bytes a reader is still copying. On weakly ordered CPUs (ARM, POWER) those Python
+stores would need fences too; this package does not provide them and must not be trusted
+there. The cross-process checksum tests in tests/shm exercise the x86 guarantee.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""The writing end of a ring (see record.py for the format and memory-ordering NOTE)."""
+"""The writing end of a ring (see record.py for the format and memory-ordering NOTE).
+
+The per-record fast path (`try_send`, `send`) is the C base class `WriterCore`
+(_ring.c); this module holds everything else: set-up, wrap markers, waiting, doorbells.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import time
 from typing import Self
 
+from flowengine.shm._ring import WriterCore
 from flowengine.shm.async_wait import AsyncWaiter
 from flowengine.shm.doorbell import SPIN_NS, full_fence
 from flowengine.shm.errors import ChannelClosedError, RecordTooLargeError
@@ -30,8 +35,12 @@ from flowengine.shm.segment import (
 STALL_CHECK_S = 0.1
 
 
-class RingWriter:
+class RingWriter(WriterCore):
     """The single writer of a point-to-point ring. One thread or task at a time.
+
+    `try_send(data) -> bool` and `send(data, timeout_s=None)` come from WriterCore
+    (their docstrings give the errors); they call `_try_send_slow` and `_send_waiting`
+    here when a record crosses the end of the buffer or finds the ring full.
 
     Args:
         segment: the mapped segment; with `own_segment` close() also unmaps it.
@@ -51,13 +60,13 @@ class RingWriter:
         self.max_payload_bytes = segment.capacity_bytes - HEADER_BYTES
         self.num_full_waits = 0  # sends that found the ring full (backpressure events)
         self._own_segment = own_segment
-        self._mm = segment.mm
         self._q = segment.words
         self._cap = segment.capacity_bytes
         self._data_off = segment.data_offset
         self._bell = segment.writer_bell()
         self._reader_bells = tuple(segment.reader_bell(i) for i in range(segment.num_readers))
         self._w = segment.claim_writer()
+        self._bind(segment.mm, WRITE_CURSOR_W, READERS_ASLEEP_W)
         # Cursor bookkeeping, so the hot path needs no modulo and one bound check:
         # _lap_end is the cursor at the end of the buffer for the current lap, _base
         # turns a cursor of this lap into a byte offset in the mapping, _limit is how
@@ -80,30 +89,9 @@ class RingWriter:
             segment.close()
             raise
 
-    def try_send(self, data: bytes | bytearray | memoryview) -> bool:
-        """Append one record if there is room now; return False if the ring is full.
-
-        `data` is bytes-like with 1-byte items. Raises RecordTooLargeError if
-        len(data) > max_payload_bytes (it could never fit).
-        """
-        n = len(data)
-        w = self._w
-        end = w + ((n + 15) & -8)  # + record_bytes(n), inlined: this is the hot path
-        if end > self._fast_end:
-            return self._try_send_slow(data, n)
-        base = w + self._base
-        q = self._q
-        q[base >> 3] = n
-        base += HEADER_BYTES  # the payload's offset (one addition less per send)
-        self._mm[base : base + n] = data
-        q[WRITE_CURSOR_W] = end  # NOTE: publication; must stay after the copy above
-        self._w = end
-        if q[READERS_ASLEEP_W]:
-            self._wake_readers()
-        return True
-
     def _try_send_slow(self, data: bytes | bytearray | memoryview, n: int) -> bool:
-        # The record crosses the end of the lap, or the cached room: settle both.
+        # Called by WriterCore.try_send when the record (n payload bytes) crosses the
+        # end of the lap or the cached room: settle both, then try the fast path again.
         if n > self.max_payload_bytes:
             raise RecordTooLargeError(
                 f"record of {n} bytes exceeds the largest record ring {self.name} can hold "
@@ -160,33 +148,8 @@ class RingWriter:
         self._refresh_limit()
         return end <= self._limit
 
-    def send(self, data: bytes | bytearray | memoryview, timeout_s: float | None = None) -> None:
-        """Append one record, waiting while the ring is full (backpressure: nothing dropped).
-
-        Spins for SPIN_NS, then sleeps on the writer doorbell until a reader frees room.
-        Raises:
-            RecordTooLargeError: the record can never fit.
-            TimeoutError: no room within `timeout_s` seconds (None waits forever).
-        """
-        # NOTE: try_send's fast path, inlined (keep the two identical): a Python call
-        # costs ~100 ns, a sixth of a send.
-        n = len(data)
-        w = self._w
-        end = w + ((n + 15) & -8)
-        if end <= self._fast_end:
-            base = w + self._base
-            q = self._q
-            q[base >> 3] = n
-            base += HEADER_BYTES
-            self._mm[base : base + n] = data
-            q[WRITE_CURSOR_W] = end
-            self._w = end
-            if q[READERS_ASLEEP_W]:
-                self._wake_readers()
-        elif not self._try_send_slow(data, n):
-            self._send_waiting(data, timeout_s)
-
     def _send_waiting(self, data: bytes | bytearray | memoryview, timeout_s: float | None) -> None:
+        # Called by WriterCore.send when the ring is full: spin, then sleep (see send).
         self.num_full_waits += 1
         n = len(data)
         spin_end_ns = time.perf_counter_ns() + SPIN_NS
@@ -265,6 +228,7 @@ class RingWriter:
             self._q[CLOSED_W] = 1
             self._wake_readers()
             self._q[WRITER_PID_W] = 0
+        self._unbind()  # later sends raise ChannelClosedError; the mapping may be closed
         if self._own_segment:
             self.segment.close()
 
