@@ -37,6 +37,7 @@ printed with the table says how quiet the machine was.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import platform
@@ -251,6 +252,8 @@ def _parse(argv: list[str], prog: str) -> argparse.Namespace:
     for transport in args.transports:
         if transport not in TRANSPORTS:
             parser.error(f"--transports: {transport!r} is not one of {', '.join(TRANSPORTS)}")
+    if "zmq" in args.transports and importlib.util.find_spec("zmq") is None:
+        parser.error("--transports: pyzmq is not installed (pip install pyzmq), or leave out zmq")
     return args
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -102,6 +103,37 @@ def test_unknown_route_404_and_wrong_method_405(http):
     resp = http.get(CHAT)
     assert_error(resp, 405, code="method_not_allowed")
     assert resp.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize(("path", "authorized"), [("/v2/nothing", True), (CHAT, False)])
+def test_error_before_the_body_arrived_keeps_the_connection(server, path, authorized):
+    # The 404/401 is decided from the headers; the body comes in a later packet. The
+    # server must still read it, or it closes the connection and the client's next
+    # request on it (keep-alive) fails.
+    port = int(server.base_url.rsplit(":", 1)[1])
+    body = b'{"messages": []}'
+    head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n"
+    if authorized:
+        head += f"Authorization: Bearer {API_KEY}\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        reader = sock.makefile("rb")
+        sock.sendall(head.encode() + b"\r\n")
+        time.sleep(0.2)
+        sock.sendall(body)
+        expected = b"404" if authorized else b"401"
+        assert reader.readline().split()[1] == expected
+        _skip_response(reader)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert reader.readline().split()[1] == b"200"
+
+
+def _skip_response(reader) -> None:
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    reader.read(length)
 
 
 def test_body_too_large_is_413(http):

@@ -22,3 +22,19 @@ def test_bench_ring_rejects_bad_arguments() -> None:
         main(["--sizes", "4"])
     with pytest.raises(SystemExit):
         main(["--transports", "carrier_pigeon"])
+
+
+def test_bench_ring_without_pyzmq_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "zmq" else real_find_spec(name, *a),
+    )
+    with pytest.raises(SystemExit):
+        main(["--count", "10"])
+    assert "pyzmq is not installed" in capsys.readouterr().err

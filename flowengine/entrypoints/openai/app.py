@@ -169,6 +169,8 @@ class OpenAIApp:
                 watcher = request.watch_disconnect(task)
                 response = await route.handler(request)
             except APIError as err:
+                if err.status != 413:
+                    await request.discard_body(self.options.max_request_body_bytes)
                 response = error_response(err)
             except (ClientDisconnected, asyncio.CancelledError):
                 raise

@@ -38,6 +38,7 @@ class Request:
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
         }
         self.body: bytes = b""
+        self.body_read = False
         self.disconnected = False
 
     async def read_body(self, max_bytes: int) -> bytes:
@@ -60,7 +61,23 @@ class Request:
             if not message.get("more_body", False):
                 break
         self.body = b"".join(chunks)
+        self.body_read = True
         return self.body
+
+    async def discard_body(self, max_bytes: int) -> None:
+        """Read and drop a body nobody read yet (an error answered before the handler
+        ran), so the connection can carry the client's next request: an HTTP/1.1 server
+        that finishes a response before the request's body has arrived must close the
+        connection (Hypercorn does), and a keep-alive client that reuses it fails.
+        A body over `max_bytes` is left unread; that connection closes. Raises
+        ClientDisconnected.
+        """
+        if self.body_read:
+            return
+        try:
+            await self.read_body(max_bytes)
+        except APIError:
+            pass
 
     def watch_disconnect(self, task: asyncio.Task[Any]) -> asyncio.Task[None]:
         """Cancel `task` when the client goes away (call after the body is read).
