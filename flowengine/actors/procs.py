@@ -100,7 +100,7 @@ async def executor_main(cfg: ProcConfig) -> None:
 
     from flowengine.actors.executor import ExecutorActor, SamplerActor
     from flowengine.distributed.tp_group import init_tensor_parallel
-    from flowengine.engine.builder import build_engine_core, resolve
+    from flowengine.engine.builder import build_executor, resolve
     from flowengine.messages import ExecutorReady, ResultsMsg, StepsMsg
     from flowengine.shm import Channel, RingReader, RingWriter
 
@@ -117,19 +117,19 @@ async def executor_main(cfg: ProcConfig) -> None:
         device = torch.device("cuda", cfg.rank)
     tp = init_tensor_parallel(cfg.rank, world_size, cfg.dist_init_method, device)
     steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
-    core = build_engine_core(resolved, tp)
+    executor, num_blocks = build_executor(resolved, tp)
     freeze_startup_heap()
     try:
         if not tp.is_first:
-            await ExecutorActor(core.executor, steps, None, blocking=_inline).run()
+            await ExecutorActor(executor, steps, None, blocking=_inline).run()
             return
         results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
-        await results.send_async(ExecutorReady(core.scheduler.num_total_blocks, cfg.rank))
-        sampler = SamplerActor(core.executor, results, blocking=_inline)
-        executor = ExecutorActor(core.executor, steps, sampler, results, blocking=_inline)
+        await results.send_async(ExecutorReady(num_blocks, cfg.rank))
+        sampler = SamplerActor(executor, results, blocking=_inline)
+        actor = ExecutorActor(executor, steps, sampler, results, blocking=_inline)
         async with anyio.create_task_group() as tg:
             tg.start_soon(sampler.run)
-            tg.start_soon(executor.run)
+            tg.start_soon(actor.run)
     finally:
         if tp.world_size > 1:
             torch.distributed.destroy_process_group()

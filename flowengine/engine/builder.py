@@ -1,8 +1,8 @@
 """Build an engine from `EngineArgs`: resolve the model, size the KV cache, wire parts.
 
-Split in two halves that can live in different processes:
-`resolve_frontend()` (model files, tokenizer, limits) and `build_engine_core()`
-(weights, KV cache, scheduler, executor).
+Split into parts that can live in different processes: `resolve()` (model files,
+limits), `build_executor()` (weights, KV cache), `build_scheduler()`; in one process
+`build_engine_core()` joins the last two.
 """
 
 from __future__ import annotations
@@ -162,16 +162,16 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     )
 
 
-def build_engine_core(resolved: ResolvedEngine, tp: Any = None):
-    """Load weights, allocate the KV cache and return a ready `EngineCore`.
+def build_executor(resolved: ResolvedEngine, tp: Any = None):
+    """Load weights and allocate the KV cache; return (`Executor`, number of KV blocks).
 
     tp: this process's TensorParallelGroup (executor processes under tensor
     parallelism); None for a single rank. The runner then holds this rank's shard.
+    Raises ValueError when the KV budget cannot hold one max_model_len request.
     """
     import torch
 
     from flowengine.distributed.tp_group import SINGLE_RANK
-    from flowengine.engine.engine_core import EngineCore
     from flowengine.executor.executor import Executor
     from flowengine.executor.model_runner import ModelRunner
 
@@ -197,17 +197,23 @@ def build_engine_core(resolved: ResolvedEngine, tp: Any = None):
         num_blocks = num_kv_blocks_for(resolved, per_block)
         cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
-    num_blocks = cache_config.num_blocks
-    scheduler = build_scheduler(resolved, num_blocks)
     logger.info(
-        "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+        "executor ready: %s on %s (%s), %d KV blocks of %d tokens",
         resolved.served_model_names[0],
         resolved.device,
         resolved.dtype,
-        num_blocks,
+        cache_config.num_blocks,
         args.block_size,
     )
-    return EngineCore(scheduler, Executor(runner), resolved.max_model_len)
+    return Executor(runner), cache_config.num_blocks
+
+
+def build_engine_core(resolved: ResolvedEngine):
+    """Executor and scheduler in one process (the inproc placement): a ready `EngineCore`."""
+    from flowengine.engine.engine_core import EngineCore
+
+    executor, num_blocks = build_executor(resolved)
+    return EngineCore(build_scheduler(resolved, num_blocks), executor, resolved.max_model_len)
 
 
 def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
