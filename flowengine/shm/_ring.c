@@ -31,6 +31,7 @@
 #include <string.h>
 
 #define HEADER_BYTES 8
+#define WRAP (-1) /* length word of a wrap marker */
 
 static inline long long record_bytes(long long n) { return (n + 15) & -8LL; }
 
@@ -41,7 +42,7 @@ static inline void store_release(int64_t *p, int64_t v) { __atomic_store_n(p, v,
 /* Map the buffer protocol onto a pointer to one header word, checking bounds. */
 static int64_t *word_ptr(Py_buffer *view, Py_ssize_t word)
 {
-    if (word < 0 || (word + 1) * 8 > view->len) {
+    if (word < 0 || word >= view->len / 8) {
         PyErr_Format(PyExc_ValueError, "header word %zd outside the %zd-byte mapping", word,
                      view->len);
         return NULL;
@@ -91,23 +92,33 @@ static int parse_timeout(const char *fname, PyObject *const *args, Py_ssize_t na
     return 0;
 }
 
-static PyObject *closed_error;  /* flowengine.shm.errors.ChannelClosedError, imported lazily */
+/* flowengine.shm.errors.<name>, imported on first use and kept. */
+static PyObject *shm_error(const char *name, PyObject **cache)
+{
+    if (*cache == NULL) {
+        PyObject *mod = PyImport_ImportModule("flowengine.shm.errors");
+        if (mod == NULL)
+            return NULL;
+        *cache = PyObject_GetAttrString(mod, name);
+        Py_DECREF(mod);
+    }
+    return *cache;
+}
+
+static PyObject *closed_error, *ring_error;
 
 static int raise_closed(PyObject *self, const char *end)
 {
-    if (closed_error == NULL) {
-        PyObject *mod = PyImport_ImportModule("flowengine.shm.errors");
-        if (mod == NULL)
-            return -1;
-        closed_error = PyObject_GetAttrString(mod, "ChannelClosedError");
-        Py_DECREF(mod);
-        if (closed_error == NULL)
-            return -1;
-    }
-    PyObject *name = PyObject_GetAttrString(self, "name");
-    if (name == NULL)
+    PyObject *type = shm_error("ChannelClosedError", &closed_error);
+    if (type == NULL)
         return -1;
-    PyErr_Format(closed_error, "ring %S: %s closed", name, end);
+    PyObject *name = PyObject_GetAttrString(self, "name");
+    if (name == NULL) { /* a bare core that was never set up */
+        PyErr_Clear();
+        PyErr_Format(type, "ring %s is closed (or was never attached)", end);
+        return -1;
+    }
+    PyErr_Format(type, "ring %S: %s closed", name, end);
     Py_DECREF(name);
     return -1;
 }
@@ -322,8 +333,8 @@ static PyObject *reader_bind(ReaderCore *self, PyObject *args)
         reader_unbind_view(self);
         return NULL;
     }
-    if (cap <= 0 || data_off < 0 || data_off + cap > self->view.len || data_off % 8 || cap % 8 ||
-        max_batch <= 0) {
+    if (cap <= 0 || data_off < 0 || data_off > self->view.len || cap > self->view.len - data_off ||
+        data_off % 8 || cap % 8 || max_batch <= 0) {
         reader_unbind_view(self);
         PyErr_SetString(PyExc_ValueError, "bad ring geometry");
         return NULL;
@@ -341,19 +352,6 @@ static PyObject *reader_unbind(ReaderCore *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-static int reader_publish(ReaderCore *self, long long r)
-{
-    PyObject *r_obj = PyLong_FromLongLong(r);
-    if (r_obj == NULL)
-        return -1;
-    PyObject *result = call_method((PyObject *)self, "_publish", &r_obj, 1);
-    Py_DECREF(r_obj);
-    if (result == NULL)
-        return -1;
-    Py_DECREF(result);
-    return 0;
-}
-
 /* Raise self._detached() if our slot's token changed (call after the copies). */
 static int reader_check_token(ReaderCore *self)
 {
@@ -368,14 +366,51 @@ static int reader_check_token(ReaderCore *self)
     return -1;
 }
 
+/* A length word that no record at this position can have: the writer overwrote it
+ * under a detached reader (ReaderDetachedError), or the segment is corrupt (RingError).
+ * Checked before the copy, so a bad length never makes us read past the lap's end. */
+static int reader_bad_length(ReaderCore *self, int64_t n, long long r)
+{
+    if (reader_check_token(self) < 0)
+        return -1;
+    PyObject *type = shm_error("RingError", &ring_error);
+    PyObject *name = type == NULL ? NULL : PyObject_GetAttrString((PyObject *)self, "name");
+    if (name == NULL)
+        return -1;
+    PyErr_Format(type, "ring %S: corrupt record length %lld at cursor %lld", name, (long long)n, r);
+    Py_DECREF(name);
+    return -1;
+}
+
+/* Hand the room before cursor r back to the writer (self._publish), only while this
+ * reader is attached: a detached one would free room in its successor's slot. Python
+ * runs in _publish, so the reader may have been closed meanwhile: then
+ * ChannelClosedError, and the caller must not touch the mapping again. */
+static int reader_publish(ReaderCore *self, long long r)
+{
+    if (reader_check_token(self) < 0)
+        return -1;
+    PyObject *r_obj = PyLong_FromLongLong(r);
+    if (r_obj == NULL)
+        return -1;
+    PyObject *result = call_method((PyObject *)self, "_publish", &r_obj, 1);
+    Py_DECREF(r_obj);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    if (self->mem == NULL)
+        return raise_closed((PyObject *)self, "reader");
+    return 0;
+}
+
 /* The next record, or Py_None (a new reference) when nothing is published now. */
 static PyObject *reader_try_recv_impl(ReaderCore *self)
 {
-    if (self->mem == NULL) {
-        raise_closed((PyObject *)self, "reader");
-        return NULL;
-    }
     for (;;) {
+        if (self->mem == NULL) { /* closed, also by Python run in a publish below */
+            raise_closed((PyObject *)self, "reader");
+            return NULL;
+        }
         long long r = self->r;
         if (r == self->cached_w) {
             self->cached_w = load_acquire(self->write_cursor);
@@ -385,13 +420,18 @@ static PyObject *reader_try_recv_impl(ReaderCore *self)
                 Py_RETURN_NONE;
             }
         }
-        const char *rec = self->mem + self->data_off + r % self->cap;
+        long long lap_pos = r % self->cap;
+        const char *rec = self->mem + self->data_off + lap_pos;
         int64_t n = *(const int64_t *)rec;
-        if (n < 0) { /* a wrap marker: the next record starts the next lap */
-            self->r = r + self->cap - r % self->cap;
+        if (n == WRAP) { /* the next record starts the next lap */
+            self->r = r + self->cap - lap_pos;
             if (self->r - self->published > self->publish_bytes && reader_publish(self, self->r) < 0)
                 return NULL;
             continue;
+        }
+        if (n < 0 || n > self->cap - lap_pos - HEADER_BYTES) {
+            reader_bad_length(self, n, r);
+            return NULL;
         }
         PyObject *data = PyBytes_FromStringAndSize(rec + HEADER_BYTES, (Py_ssize_t)n);
         if (data == NULL)
@@ -450,6 +490,11 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
     PyObject *records = PyList_New(0);
     if (records == NULL)
         return NULL;
+    if (self->mem == NULL) { /* closed by Python code run by a GC that PyList_New started */
+        Py_DECREF(records);
+        raise_closed((PyObject *)self, "reader");
+        return NULL;
+    }
     long long budget = self->max_batch_bytes;
     long long publish_at = self->published + self->publish_bytes;
     while (r != w && budget > 0) {
@@ -461,12 +506,18 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
         if (span > budget)
             span = budget; /* records starting before the budget's end are read whole */
         const char *start = self->mem + self->data_off + lap_pos;
+        const char *lap_end = start + (self->cap - lap_pos);
         const char *pos = start, *end = start + span;
         while (pos < end) {
             int64_t n = *(const int64_t *)pos;
-            if (n < 0) { /* wrap marker: skip the rest of the lap */
-                pos = start + (self->cap - lap_pos);
+            if (n == WRAP) { /* skip the rest of the lap */
+                pos = lap_end;
                 break;
+            }
+            if (n < 0 || n > lap_end - pos - HEADER_BYTES) {
+                reader_bad_length(self, n, r + (pos - start));
+                Py_DECREF(records);
+                return NULL;
             }
             PyObject *data = PyBytes_FromStringAndSize(pos + HEADER_BYTES, (Py_ssize_t)n);
             if (data == NULL || PyList_Append(records, data) < 0) {
@@ -477,9 +528,11 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
             Py_DECREF(data);
             pos += record_bytes(n);
             /* Hand room back within a batch too, or a writer waiting on a full ring
-             * would wait for the whole batch's copies. */
+             * would wait for the whole batch's copies. (reader_publish checks the
+             * token first, so the copies so far are intact; after it the mapping may
+             * be gone, and then it raises.) */
             if (r + (pos - start) > publish_at) {
-                if (reader_check_token(self) < 0 || reader_publish(self, r + (pos - start)) < 0) {
+                if (reader_publish(self, r + (pos - start)) < 0) {
                     Py_DECREF(records);
                     return NULL;
                 }

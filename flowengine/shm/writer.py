@@ -151,7 +151,7 @@ class RingWriter(WriterCore):
     def _send_waiting(self, data: bytes | bytearray | memoryview, timeout_s: float | None) -> None:
         # Called by WriterCore.send when the ring is full: spin, then sleep (see send).
         self.num_full_waits += 1
-        n = len(data)
+        n = memoryview(data).nbytes  # bytes, as WriterCore counts them (not items)
         spin_end_ns = time.perf_counter_ns() + SPIN_NS
         while time.perf_counter_ns() < spin_end_ns:
             if self.try_send(data):
@@ -179,7 +179,7 @@ class RingWriter(WriterCore):
         if self.try_send(data):
             return
         self.num_full_waits += 1
-        n = len(data)
+        n = memoryview(data).nbytes  # bytes, as WriterCore counts them (not items)
         spin_end_ns = time.perf_counter_ns() + SPIN_NS
         while time.perf_counter_ns() < spin_end_ns:
             await asyncio.sleep(0)  # a cooperative spin: other tasks run meanwhile

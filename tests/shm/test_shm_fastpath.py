@@ -4,13 +4,22 @@ accounting, use after close, and that closing both ends lets the mapping go."""
 from __future__ import annotations
 
 import array
+import struct
 import threading
 import time
 
 import pytest
 
-from flowengine.shm import ChannelClosedError, RingReader, RingWriter, create_ring
+from flowengine.shm import (
+    ChannelClosedError,
+    ReaderDetachedError,
+    RingReader,
+    RingWriter,
+    create_ring,
+)
+from flowengine.shm._ring import ReaderCore, WriterCore
 from flowengine.shm.record import record_bytes
+from flowengine.shm.segment import reader_cursor_word
 
 
 @pytest.fixture
@@ -115,3 +124,99 @@ def test_reader_sleeping_in_recv_is_woken_by_each_send(ring) -> None:
     thread.join(10)
     assert not thread.is_alive()
     assert received == [b"%d" % i for i in range(20)]
+
+
+def _overwrite_under_detached_reader(writer: RingWriter, length_word: int) -> None:
+    # The reader stands at lap offset 16; the writer fills lap 0 and writes a record at
+    # the start of lap 1 whose payload puts `length_word` exactly where the reader will
+    # look for its next record's length.
+    writer.send(b"F" * (4096 - 32 - 8))
+    writer.send(bytes(8) + struct.pack("<q", length_word) + bytes(8))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("length_word", [1 << 32, 5000, -1, -7])
+def test_detached_reader_never_trusts_an_overwritten_length(
+    run_id: str, batched: bool, length_word: int
+) -> None:
+    # A huge length must not make the C reader copy past the mapping; a fake wrap
+    # marker must not make it publish into the slot its successor now owns.
+    segment = create_ring("d", 4096, run_id=run_id)
+    writer, old = RingWriter(segment), RingReader(segment)
+    writer.send(b"A" * 8)
+    writer.send(b"B" * 8)
+    assert old.try_recv() == b"A" * 8
+    segment.mark_reader_dead(0)
+    successor = RingReader(segment, 0)
+    _overwrite_under_detached_reader(writer, length_word)
+    with pytest.raises(ReaderDetachedError):
+        old.try_recv_many() if batched else old.try_recv()
+    # The successor's room is intact: the writer cannot overwrite what it has not read.
+    assert segment.words[reader_cursor_word(0)] == successor._r
+    assert not writer.try_send(b"x" * 8)
+    assert successor.try_recv_many()[0] == b"F" * (4096 - 40)
+    successor.close()
+    old.close()
+    writer.close()
+    segment.close()
+
+
+class _ClosingReader(RingReader):
+    """Closes itself while the C code is inside a call (as another thread could)."""
+
+    armed = False
+
+    def _publish(self, r: int) -> None:
+        super()._publish(r)
+        if self.armed:
+            self.close()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_reader_closed_inside_a_call_raises_instead_of_crashing(run_id: str, batched) -> None:
+    segment = create_ring("k", 4096, run_id=run_id)
+    writer, reader = RingWriter(segment), _ClosingReader(segment)
+    if batched:
+        for _ in range(20):  # 20 x 112 B > 4096 / 8: publishes inside the batch
+            writer.send(b"x" * 100)
+    else:
+        writer.send(b"a" * 3000)
+        assert reader.try_recv() == b"a" * 3000
+        writer.send(b"b" * 1100)  # does not fit before the lap end: a wrap marker first
+    reader.armed = True
+    with pytest.raises(ChannelClosedError, match="reader closed"):
+        reader.try_recv_many() if batched else reader.try_recv()
+    writer.close()
+    segment.close()
+    assert segment.mm.closed
+
+
+def test_core_bind_checks_its_arguments() -> None:
+    buffer = bytearray(4096)
+    with pytest.raises(ValueError, match="outside"):
+        WriterCore()._bind(buffer, 2**61 - 1, 0)
+    with pytest.raises(ValueError, match="geometry"):
+        ReaderCore()._bind(buffer, 0, 1, 2**62, 2**62, 1)
+    with pytest.raises(ChannelClosedError, match="never attached"):
+        WriterCore().try_send(b"x")
+    with pytest.raises(ChannelClosedError, match="never attached"):
+        ReaderCore().try_recv_many()
+
+
+def test_waiting_send_counts_bytes_not_items(run_id: str) -> None:
+    # A full ring and an array payload of 400 8-byte items: the wait must be for
+    # 3,200 bytes of room, so it times out instead of spinning on "room for 400".
+    segment = create_ring("n", 4096, run_id=run_id)
+    writer, reader = RingWriter(segment), RingReader(segment)
+    for _ in range(7):
+        writer.send(b"f" * 500)
+    started = time.process_time()
+    with pytest.raises(TimeoutError):
+        writer.send(array.array("q", [1] * 400), timeout_s=0.3)
+    assert time.process_time() - started < 0.2  # slept on the doorbell, no busy loop
+    assert len(reader.try_recv_many()) == 7
+    writer.send(array.array("q", [1] * 400), timeout_s=1)
+    assert reader.recv(timeout_s=1) == array.array("q", [1] * 400).tobytes()
+    reader.close()
+    writer.close()
+    segment.close()
