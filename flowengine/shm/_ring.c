@@ -547,7 +547,12 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
         return NULL;
     }
     self->r = r;
-    if (r - self->published > self->publish_bytes && reader_publish(self, r) < 0) {
+    /* Publish every publish_bytes; and when the batch held only a wrap marker, now:
+     * the caller sees no record and may go to sleep, while the writer waits for the
+     * room behind the marker (with records, the caller's next call publishes). */
+    if ((r - self->published > self->publish_bytes ||
+         (PyList_GET_SIZE(records) == 0 && r != self->published)) &&
+        reader_publish(self, r) < 0) {
         Py_DECREF(records);
         return NULL;
     }

@@ -220,3 +220,19 @@ def test_waiting_send_counts_bytes_not_items(run_id: str) -> None:
     reader.close()
     writer.close()
     segment.close()
+
+
+def test_batch_of_only_a_wrap_marker_hands_the_room_back(ring) -> None:
+    # The reader is asleep in recv_many when the writer puts a wrap marker and then
+    # waits for the whole next lap: the reader must publish the room behind the marker
+    # before sleeping again, or both wait forever.
+    writer, reader = ring
+    writer.send(b"a" * 4000)  # 4,008 bytes; 88 left in the lap
+    assert reader.recv_many() == [b"a" * 4000]
+    got: list[list[bytes]] = []
+    thread = threading.Thread(target=lambda: got.append(reader.recv_many(timeout_s=10)))
+    thread.start()
+    time.sleep(0.2)  # the reader caught up and went to sleep
+    writer.send(b"b" * 4088, timeout_s=5)  # a wrap marker, then a record filling a lap
+    thread.join(10)
+    assert got == [[b"b" * 4088]]
