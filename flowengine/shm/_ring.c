@@ -80,6 +80,8 @@ static int parse_timeout(const char *fname, PyObject *const *args, Py_ssize_t na
     }
     if (nargs == npos + 1)
         *timeout = args[npos];
+    if (nkw == 1)
+        *timeout = args[nargs];
     if (nkw == 1) {
         if (!PyUnicode_Check(PyTuple_GET_ITEM(kwnames, 0)) ||
             PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "timeout_s") != 0) {
@@ -87,7 +89,11 @@ static int parse_timeout(const char *fname, PyObject *const *args, Py_ssize_t na
                          PyTuple_GET_ITEM(kwnames, 0));
             return -1;
         }
-        *timeout = args[nargs];
+    }
+    if (*timeout != Py_None && !PyFloat_Check(*timeout) && !PyLong_Check(*timeout)) {
+        PyErr_Format(PyExc_TypeError, "%s(): timeout_s must be a number of seconds or None, "
+                     "not %.100s", fname, Py_TYPE(*timeout)->tp_name);
+        return -1;
     }
     return 0;
 }
@@ -194,7 +200,14 @@ static int writer_fast_send(WriterCore *self, PyObject *data, Py_ssize_t *n_out)
         PyBuffer_Release(&src);
         return 0;
     }
-    char *rec = self->mem + (self->w + self->base);
+    long long off = self->w + self->base; /* the record's byte offset in the mapping */
+    if (off < 0 || end - self->w > self->view.len - off) {
+        /* Only if Python code set _w/_base/_fast_end wrongly: never write outside. */
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_RuntimeError, "ring writer state is corrupt");
+        return -1;
+    }
+    char *rec = self->mem + off;
     *(int64_t *)rec = n;
     memcpy(rec + HEADER_BYTES, src.buf, (size_t)n);
     PyBuffer_Release(&src);
@@ -293,6 +306,8 @@ typedef struct {
     const char *mem;
     int64_t *write_cursor;
     int64_t *token_word;     /* this reader slot's attach token */
+    int64_t *read_cursor;    /* this reader slot's cursor, as the writer sees it */
+    int64_t *writer_asleep;  /* header word WRITER_ASLEEP_W */
     long long data_off, cap;
     long long max_batch_bytes;
     long long r;             /* read cursor */
@@ -307,7 +322,7 @@ static void reader_unbind_view(ReaderCore *self)
     if (self->view.obj != NULL)
         PyBuffer_Release(&self->view);
     self->mem = NULL;
-    self->write_cursor = self->token_word = NULL;
+    self->write_cursor = self->token_word = self->read_cursor = self->writer_asleep = NULL;
 }
 
 static void reader_dealloc(ReaderCore *self)
@@ -319,17 +334,19 @@ static void reader_dealloc(ReaderCore *self)
 static PyObject *reader_bind(ReaderCore *self, PyObject *args)
 {
     PyObject *buffer;
-    Py_ssize_t cursor_word, token_word;
+    Py_ssize_t cursor_word, token_word, read_cursor_word, asleep_word;
     long long data_off, cap, max_batch;
-    if (!PyArg_ParseTuple(args, "OnnLLL:_bind", &buffer, &cursor_word, &token_word, &data_off,
-                          &cap, &max_batch))
+    if (!PyArg_ParseTuple(args, "OnnnnLLL:_bind", &buffer, &cursor_word, &token_word,
+                          &read_cursor_word, &asleep_word, &data_off, &cap, &max_batch))
         return NULL;
     reader_unbind_view(self);
-    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE) < 0)
         return NULL;
     self->write_cursor = word_ptr(&self->view, cursor_word);
     self->token_word = word_ptr(&self->view, token_word);
-    if (self->write_cursor == NULL || self->token_word == NULL) {
+    self->read_cursor = self->token_word == NULL ? NULL : word_ptr(&self->view, read_cursor_word);
+    self->writer_asleep = self->read_cursor == NULL ? NULL : word_ptr(&self->view, asleep_word);
+    if (self->write_cursor == NULL || self->writer_asleep == NULL) {
         reader_unbind_view(self);
         return NULL;
     }
@@ -382,19 +399,22 @@ static int reader_bad_length(ReaderCore *self, int64_t n, long long r)
     return -1;
 }
 
-/* Hand the room before cursor r back to the writer (self._publish), only while this
- * reader is attached: a detached one would free room in its successor's slot. Python
- * runs in _publish, so the reader may have been closed meanwhile: then
- * ChannelClosedError, and the caller must not touch the mapping again. */
+/* Hand the room before cursor r back to the writer: store our cursor (release: after
+ * the copies), then fence and ring the writer's doorbell if it sleeps (doorbell.py
+ * NOTE), through self._wake_writer. Only while this reader is attached: a detached one
+ * would free room in its successor's slot. The state is consistent before any Python
+ * runs; Python may close the reader in _wake_writer, which raises ChannelClosedError
+ * here, and the caller must not touch the mapping again. */
 static int reader_publish(ReaderCore *self, long long r)
 {
     if (reader_check_token(self) < 0)
         return -1;
-    PyObject *r_obj = PyLong_FromLongLong(r);
-    if (r_obj == NULL)
-        return -1;
-    PyObject *result = call_method((PyObject *)self, "_publish", &r_obj, 1);
-    Py_DECREF(r_obj);
+    store_release(self->read_cursor, r);
+    self->published = r;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!load_relaxed(self->writer_asleep))
+        return 0;
+    PyObject *result = call_method((PyObject *)self, "_wake_writer", NULL, 0);
     if (result == NULL)
         return -1;
     Py_DECREF(result);
@@ -412,6 +432,10 @@ static PyObject *reader_try_recv_impl(ReaderCore *self)
             return NULL;
         }
         long long r = self->r;
+        if (r < 0) {
+            reader_bad_length(self, 0, r);
+            return NULL;
+        }
         if (r == self->cached_w) {
             self->cached_w = load_acquire(self->write_cursor);
             if (r == self->cached_w) {
@@ -480,6 +504,10 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
         return NULL;
     }
     long long r = self->r;
+    if (r < 0) {
+        reader_bad_length(self, 0, r);
+        return NULL;
+    }
     long long w = load_acquire(self->write_cursor);
     if (r == w) {
         if (r != self->published && reader_publish(self, r) < 0)
@@ -497,7 +525,9 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
     }
     long long budget = self->max_batch_bytes;
     long long publish_at = self->published + self->publish_bytes;
-    while (r != w && budget > 0) {
+    /* r < w, not r != w: a detached reader that read an overwritten length may have
+     * stepped past w; the token check after the loop then reports it. */
+    while (r < w && budget > 0) {
         /* Records of one lap lie back to back; a wrap marker is a lap's last entry. */
         long long lap_pos = r % self->cap;
         long long span = w - r;
@@ -533,6 +563,10 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
              * be gone, and then it raises.) */
             if (r + (pos - start) > publish_at) {
                 if (reader_publish(self, r + (pos - start)) < 0) {
+                    /* The copies so far are lost to the caller, but not re-read: the
+                     * writer may already reuse their room. */
+                    if (self->published > self->r)
+                        self->r = self->published;
                     Py_DECREF(records);
                     return NULL;
                 }
@@ -544,6 +578,11 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
     }
     if (reader_check_token(self) < 0) {
         Py_DECREF(records);
+        return NULL;
+    }
+    if (r > w) { /* attached, yet past the write cursor: the ring is corrupt */
+        Py_DECREF(records);
+        reader_bad_length(self, 0, r);
         return NULL;
     }
     self->r = r;
@@ -585,8 +624,9 @@ static PyObject *reader_recv_many(ReaderCore *self, PyObject *const *args, Py_ss
 
 static PyMethodDef reader_methods[] = {
     {"_bind", (PyCFunction)reader_bind, METH_VARARGS,
-     "_bind(buffer, write_cursor_word, token_word, data_offset, capacity_bytes, "
-     "max_batch_bytes): map the ring (the segment's mmap); words are int64 indices."},
+     "_bind(buffer, write_cursor_word, token_word, read_cursor_word, writer_asleep_word, "
+     "data_offset, capacity_bytes, max_batch_bytes): map the ring (the segment's mmap); "
+     "words are int64 indices into it."},
     {"_unbind", (PyCFunction)reader_unbind, METH_NOARGS,
      "Release the buffer; later receives raise ChannelClosedError."},
     {"try_recv", (PyCFunction)reader_try_recv, METH_NOARGS,

@@ -17,8 +17,8 @@ import posix_ipc
 from flowengine.shm import _ring
 
 # NOTE: lost wakeups. The sleeper raises its asleep word, fences, and re-checks the
-# ring; the peer publishes (a record: WriterCore.send in _ring.c; room:
-# RingReader._publish), fences, and checks the word (Dekker's pattern): one of the two
+# ring; the peer publishes (a record or room: WriterCore.send, ReaderCore's publish,
+# both in _ring.c), fences, and checks the word (Dekker's pattern): one of the two
 # always sees the other, so a wakeup is never lost between live processes. The first
 # sleep after raising the word is still short, so a record published by a peer that was
 # killed before it could post the semaphore is seen within FIRST_SLICE_S. While the

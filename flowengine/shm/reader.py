@@ -3,7 +3,7 @@
 The same class reads a point-to-point ring (reader_index 0) and one slot of a
 broadcast ring. The per-record fast paths (`try_recv`, `recv`, `try_recv_many`,
 `recv_many`) are the C base class `ReaderCore` (_ring.c); this module holds set-up,
-waiting, doorbells and publishing the read cursor.
+waiting and doorbells.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Self, TypeVar
 
 from flowengine.shm._ring import ReaderCore
 from flowengine.shm.async_wait import AsyncWaiter
-from flowengine.shm.doorbell import SPIN_NS, full_fence
+from flowengine.shm.doorbell import SPIN_NS
 from flowengine.shm.errors import ChannelClosedError, ReaderDetachedError
 from flowengine.shm.segment import (
     CLOSED_W,
@@ -42,7 +42,7 @@ class RingReader(ReaderCore):
     """Reader `reader_index` of a ring. One thread or task at a time.
 
     `try_recv`, `recv(timeout_s=None)`, `try_recv_many` and `recv_many(timeout_s=None)`
-    come from ReaderCore (their docstrings give the errors); they call `_publish`,
+    come from ReaderCore (their docstrings give the errors); they call `_wake_writer`,
     `_detached` and `_recv_waiting` here.
 
     Attaching claims the slot: a slot never attached before starts at the oldest
@@ -71,6 +71,8 @@ class RingReader(ReaderCore):
             segment.mm,
             WRITE_CURSOR_W,
             self._token_w,
+            self._cursor_w,
+            WRITER_ASLEEP_W,
             segment.data_offset,
             segment.capacity_bytes,
             MAX_BATCH_BYTES,
@@ -96,15 +98,9 @@ class RingReader(ReaderCore):
             segment.close()
             raise
 
-    def _publish(self, r: int) -> None:
-        # NOTE: frees every record before r for the writer; stays after their copies.
-        # Publishing every few records instead of every record (see __init__) saves a
-        # store to a contended cache line and the writer-asleep check per record.
-        self._q[self._cursor_w] = r
-        self._published = r
-        full_fence()  # the cursor store before the asleep load (see doorbell.py NOTE)
-        if self._q[WRITER_ASLEEP_W]:
-            self._writer_bell.ring()
+    def _wake_writer(self) -> None:
+        # Called by ReaderCore after it published its cursor and saw the writer asleep.
+        self._writer_bell.ring()
 
     def _detached(self) -> ReaderDetachedError:
         return ReaderDetachedError(f"reader {self.reader_index} of {self.name} was detached")

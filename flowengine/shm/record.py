@@ -10,12 +10,12 @@ NOTE: memory ordering. Publication is "copy the record, then store the write cur
 consumption is "load the write cursor, then copy the record, then store the read
 cursor". The per-record paths are C (_ring.c) with C11 atomics: the write cursor is
 stored with release and loaded with acquire semantics, so a reader that sees the new
-cursor sees the whole record, on any CPU. The rarer stores made from Python -- a wrap
-marker and its cursor (RingWriter._try_send_slow), the read cursor (RingReader._publish),
-reader states -- go through an int64 memoryview (`words[i] = v`), which CPython executes
-as one aligned 8-byte store, and rely on x86-64 TSO: stores are not reordered with other
-stores, loads not with other loads, stores not with earlier loads. So the writer never
-reuses bytes a reader is still copying. On weakly ordered CPUs (ARM, POWER) those Python
+cursor sees the whole record, on any CPU; a read cursor is stored with release
+semantics after the copies it frees. The rarer stores made from Python -- a wrap
+marker and its cursor (RingWriter._try_send_slow), reader states at attach and detach
+-- go through an int64 memoryview (`words[i] = v`), which CPython executes as one
+aligned 8-byte store, and rely on x86-64 TSO: stores are not reordered with other
+stores, loads not with other loads, stores not with earlier loads. On weakly ordered CPUs (ARM, POWER) those Python
 stores would need fences too; this package does not provide them and must not be trusted
 there. The cross-process checksum tests in tests/shm exercise the x86 guarantee.
 """

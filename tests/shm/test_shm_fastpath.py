@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import array
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,13 +15,14 @@ import pytest
 from flowengine.shm import (
     ChannelClosedError,
     ReaderDetachedError,
+    RingError,
     RingReader,
     RingWriter,
     create_ring,
 )
 from flowengine.shm._ring import ReaderCore, WriterCore
 from flowengine.shm.record import record_bytes
-from flowengine.shm.segment import reader_cursor_word
+from flowengine.shm.segment import WRITER_ASLEEP_W, reader_cursor_word
 
 
 @pytest.fixture
@@ -166,8 +169,8 @@ class _ClosingReader(RingReader):
 
     armed = False
 
-    def _publish(self, r: int) -> None:
-        super()._publish(r)
+    def _wake_writer(self) -> None:
+        super()._wake_writer()
         if self.armed:
             self.close()
 
@@ -183,6 +186,7 @@ def test_reader_closed_inside_a_call_raises_instead_of_crashing(run_id: str, bat
         writer.send(b"a" * 3000)
         assert reader.try_recv() == b"a" * 3000
         writer.send(b"b" * 1100)  # does not fit before the lap end: a wrap marker first
+    segment.words[WRITER_ASLEEP_W] = 1  # so that publishing calls _wake_writer
     reader.armed = True
     with pytest.raises(ChannelClosedError, match="reader closed"):
         reader.try_recv_many() if batched else reader.try_recv()
@@ -191,12 +195,44 @@ def test_reader_closed_inside_a_call_raises_instead_of_crashing(run_id: str, bat
     assert segment.mm.closed
 
 
+class _InterruptedReader(RingReader):
+    fail = False
+
+    def _wake_writer(self) -> None:
+        if self.fail:
+            self.fail = False
+            raise KeyboardInterrupt
+
+
+def test_exception_while_publishing_never_rereads_freed_room(run_id: str) -> None:
+    # An exception out of the doorbell call (Ctrl-C, say) may lose the batch it
+    # interrupted, but the reader must not read room it already handed back.
+    segment = create_ring("i", 4096, run_id=run_id)
+    writer, reader = RingWriter(segment), _InterruptedReader(segment)
+    for i in range(30):
+        writer.send(bytes([i]) * 100)
+    segment.words[WRITER_ASLEEP_W] = 1
+    reader.fail = True
+    with pytest.raises(KeyboardInterrupt):
+        reader.try_recv_many()
+    assert reader._r == reader._published == segment.words[reader_cursor_word(0)] > 0
+    first_unread = reader._r // 112  # records of 100 bytes take 112
+    while writer.try_send(b"\xee" * 100):
+        pass
+    got = reader.try_recv_many() + reader.try_recv_many()
+    assert all(data == bytes([data[0]]) * 100 for data in got)  # intact, none overwritten
+    assert [data[0] for data in got if data[0] != 0xEE] == list(range(first_unread, 30))
+    reader.close()
+    writer.close()
+    segment.close()
+
+
 def test_core_bind_checks_its_arguments() -> None:
     buffer = bytearray(4096)
     with pytest.raises(ValueError, match="outside"):
         WriterCore()._bind(buffer, 2**61 - 1, 0)
     with pytest.raises(ValueError, match="geometry"):
-        ReaderCore()._bind(buffer, 0, 1, 2**62, 2**62, 1)
+        ReaderCore()._bind(buffer, 0, 1, 2, 3, 2**62, 2**62, 1)
     with pytest.raises(ChannelClosedError, match="never attached"):
         WriterCore().try_send(b"x")
     with pytest.raises(ChannelClosedError, match="never attached"):
@@ -236,3 +272,67 @@ def test_batch_of_only_a_wrap_marker_hands_the_room_back(ring) -> None:
     writer.send(b"b" * 4088, timeout_s=5)  # a wrap marker, then a record filling a lap
     thread.join(10)
     assert got == [[b"b" * 4088]]
+
+
+_LAPPED_MID_BATCH = """
+import struct, sys
+from flowengine.shm import ReaderDetachedError, RingReader, RingWriter, create_ring
+from flowengine.shm.segment import WRITER_ASLEEP_W
+segment = create_ring("lap", 4096, run_id=sys.argv[1])
+writer = RingWriter(segment)
+
+class Reader(RingReader):
+    hooked = False
+
+    def _wake_writer(self):
+        # Mid-batch: the reader is detached and lapped; a -1 word lands where the
+        # reader looks for its next record's length (lap offset 560).
+        if not self.hooked:
+            self.hooked = True
+            segment.mark_reader_dead(0)
+            writer.send(b"F" * 728)
+            writer.send(bytes(552) + struct.pack("<q", -1) + bytes(40))
+
+reader = Reader(segment)
+for _ in range(30):
+    writer.send(b"x" * 100)
+segment.words[WRITER_ASLEEP_W] = 1
+try:
+    reader.try_recv_many()
+except ReaderDetachedError:
+    print("detached")
+reader.close(); writer.close(); segment.close()
+"""
+
+
+def test_reader_lapped_mid_batch_raises_instead_of_spinning(run_id: str) -> None:
+    # In a subprocess: the defect was an endless loop holding the GIL.
+    result = subprocess.run(
+        [sys.executable, "-c", _LAPPED_MID_BATCH, run_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "detached"
+
+
+def test_corrupt_private_state_never_writes_outside_the_ring(ring) -> None:
+    writer, reader = ring
+    writer._fast_end = 1 << 40
+    with pytest.raises(RuntimeError, match="corrupt"):
+        writer.send(b"x" * (1 << 20))
+    reader._r = -4000
+    with pytest.raises(RingError, match="corrupt"):
+        reader.try_recv()
+    with pytest.raises(RingError, match="corrupt"):
+        reader.try_recv_many()
+
+
+def test_timeout_must_be_a_number(ring) -> None:
+    writer, reader = ring
+    with pytest.raises(TypeError, match="timeout_s must be a number"):
+        writer.send(b"x", timeout_s="1")
+    with pytest.raises(TypeError, match="timeout_s must be a number"):
+        reader.recv("1")
+    assert reader.try_recv() is None  # the refused send wrote nothing
