@@ -424,7 +424,7 @@ static int reader_publish(ReaderCore *self, long long r)
 }
 
 /* The next record, or Py_None (a new reference) when nothing is published now. */
-static PyObject *reader_try_recv_impl(ReaderCore *self)
+static PyObject *reader_try_recv(ReaderCore *self, PyObject *Py_UNUSED(ignored))
 {
     for (;;) {
         if (self->mem == NULL) { /* closed, also by Python run in a publish below */
@@ -473,22 +473,11 @@ static PyObject *reader_try_recv_impl(ReaderCore *self)
     }
 }
 
-static PyObject *reader_try_recv(ReaderCore *self, PyObject *Py_UNUSED(ignored))
+/* Nothing published now: self._recv_waiting(timeout_s, self.<poll_name>) spins, then
+ * sleeps on the doorbell, polling with the given Python method. */
+static PyObject *reader_wait(ReaderCore *self, PyObject *timeout, const char *poll_name)
 {
-    return reader_try_recv_impl(self);
-}
-
-static PyObject *reader_recv(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs,
-                             PyObject *kwnames)
-{
-    PyObject *timeout;
-    if (parse_timeout("recv", args, nargs, kwnames, 0, &timeout) < 0)
-        return NULL;
-    PyObject *data = reader_try_recv_impl(self);
-    if (data != Py_None)
-        return data;
-    Py_DECREF(data);
-    PyObject *poll = PyObject_GetAttrString((PyObject *)self, "_poll");
+    PyObject *poll = PyObject_GetAttrString((PyObject *)self, poll_name);
     if (poll == NULL)
         return NULL;
     PyObject *wait_args[2] = {timeout, poll};
@@ -497,7 +486,20 @@ static PyObject *reader_recv(ReaderCore *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
-static PyObject *reader_try_recv_many_impl(ReaderCore *self)
+static PyObject *reader_recv(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    PyObject *timeout;
+    if (parse_timeout("recv", args, nargs, kwnames, 0, &timeout) < 0)
+        return NULL;
+    PyObject *data = reader_try_recv(self, NULL);
+    if (data != Py_None)
+        return data;
+    Py_DECREF(data);
+    return reader_wait(self, timeout, "_poll");
+}
+
+static PyObject *reader_try_recv_many(ReaderCore *self, PyObject *Py_UNUSED(ignored))
 {
     if (self->mem == NULL) {
         raise_closed((PyObject *)self, "reader");
@@ -598,28 +600,17 @@ static PyObject *reader_try_recv_many_impl(ReaderCore *self)
     return records;
 }
 
-static PyObject *reader_try_recv_many(ReaderCore *self, PyObject *Py_UNUSED(ignored))
-{
-    return reader_try_recv_many_impl(self);
-}
-
 static PyObject *reader_recv_many(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames)
 {
     PyObject *timeout;
     if (parse_timeout("recv_many", args, nargs, kwnames, 0, &timeout) < 0)
         return NULL;
-    PyObject *records = reader_try_recv_many_impl(self);
+    PyObject *records = reader_try_recv_many(self, NULL);
     if (records == NULL || PyList_GET_SIZE(records) > 0)
         return records;
     Py_DECREF(records);
-    PyObject *poll = PyObject_GetAttrString((PyObject *)self, "_poll_many");
-    if (poll == NULL)
-        return NULL;
-    PyObject *wait_args[2] = {timeout, poll};
-    PyObject *result = call_method((PyObject *)self, "_recv_waiting", wait_args, 2);
-    Py_DECREF(poll);
-    return result;
+    return reader_wait(self, timeout, "_poll_many");
 }
 
 static PyMethodDef reader_methods[] = {

@@ -8,17 +8,7 @@ import time
 
 import pytest
 
-from flowengine.shm import ChannelClosedError, RingReader, RingWriter, create_ring
-
-
-@pytest.fixture
-def ring(run_id: str):
-    segment = create_ring("a", 4096, run_id=run_id)
-    writer, reader = RingWriter(segment), RingReader(segment)
-    yield writer, reader
-    reader.close()
-    writer.close()
-    segment.close()
+from flowengine.shm import ChannelClosedError
 
 
 async def _tick(counter: list[int]) -> None:

@@ -25,16 +25,6 @@ from flowengine.shm.record import record_bytes
 from flowengine.shm.segment import WRITER_ASLEEP_W, reader_cursor_word
 
 
-@pytest.fixture
-def ring(run_id: str):
-    segment = create_ring("f", 4096, run_id=run_id)
-    writer, reader = RingWriter(segment), RingReader(segment)
-    yield writer, reader
-    reader.close()
-    writer.close()
-    segment.close()
-
-
 def test_any_contiguous_bytes_like_payload(ring) -> None:
     writer, reader = ring
     words = array.array("q", [1, -2, 3])

@@ -24,16 +24,6 @@ from flowengine.shm import (
 from flowengine.shm.reader import MAX_BATCH_BYTES
 
 
-@pytest.fixture
-def ring(run_id: str):
-    segment = create_ring("m", 4096, run_id=run_id)
-    writer, reader = RingWriter(segment), RingReader(segment)
-    yield writer, reader
-    reader.close()
-    writer.close()
-    segment.close()
-
-
 def test_try_recv_many_returns_every_published_record_in_order(ring) -> None:
     writer, reader = ring
     assert reader.try_recv_many() == []

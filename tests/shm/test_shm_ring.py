@@ -23,16 +23,6 @@ from flowengine.shm import (
 from flowengine.shm.segment import SHM_DIR
 
 
-@pytest.fixture
-def ring(run_id: str):
-    segment = create_ring("r", 4096, run_id=run_id)
-    writer, reader = RingWriter(segment), RingReader(segment)
-    yield writer, reader
-    reader.close()
-    writer.close()
-    segment.close()
-
-
 def test_send_recv_in_order(ring) -> None:
     writer, reader = ring
     assert reader.try_recv() is None
