@@ -46,7 +46,9 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     from flowengine.model.resolve import resolve_model
 
     resolved = resolve_model(args.model, download_dir=args.download_dir, revision=args.revision)
-    model_config = ModelConfig.from_pretrained(resolved.path, args.max_model_len)
+    model_config = ModelConfig.from_pretrained(
+        resolved.path, args.max_model_len, trust_remote_code=args.trust_remote_code
+    )
     max_model_len = model_config.max_model_len
     device = args.device
     if device == "auto":
@@ -214,6 +216,19 @@ def build_engine_core(resolved: ResolvedEngine):
 
     executor, num_blocks = build_executor(resolved)
     return EngineCore(build_scheduler(resolved, num_blocks), executor, resolved.max_model_len)
+
+
+def load_engine_tokenizer(resolved: ResolvedEngine) -> Any:
+    """The tokenizer of `--tokenizer`, else the model's; `trust_remote_code` as given.
+
+    Raises OSError/ValueError as `load_tokenizer` does (a tokenizer class that needs the
+    repository's code without --trust-remote-code is one).
+    """
+    from flowengine.tokenize.tokenizer import load_tokenizer
+
+    args = resolved.args
+    return load_tokenizer(args.tokenizer or resolved.model_path,
+                          trust_remote_code=args.trust_remote_code)
 
 
 def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
