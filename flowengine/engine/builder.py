@@ -148,7 +148,13 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
 
 def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     """The `Scheduler` for a KV cache of `num_blocks` blocks (in the engine process of
-    the multiproc placement, from the count its executor reports)."""
+    the multiproc placement, from the count its executor reports).
+
+    Its prefix-cache hashes get a fresh secret seed (kv_cache_utils.new_hash_seed): the
+    scheduler is the only place that hashes blocks, and a restarted engine process
+    starts with an empty cache, so a new seed per scheduler loses no hits.
+    """
+    from flowengine.core.kv_cache_utils import new_hash_seed
     from flowengine.core.scheduler import Scheduler
 
     args = resolved.args
@@ -161,6 +167,7 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
             policy=args.scheduling_policy,
         ),
         CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+        hash_seed=new_hash_seed(),
     )
 
 

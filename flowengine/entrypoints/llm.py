@@ -144,7 +144,8 @@ class LLM:
         if self._background is not None:
             with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
                 jobs = [
-                    ({"prompt_token_ids": p.prompt_token_ids}, p.sampling_params, p.request_id)
+                    ({"prompt_token_ids": p.prompt_token_ids, "cache_salt": p.cache_salt},
+                     p.sampling_params, p.request_id)
                     for p in processed
                 ]
                 outs = self._background.generate(jobs, lambda: bar.update(1))
