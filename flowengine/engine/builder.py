@@ -7,6 +7,7 @@ limits), `build_executor()` (weights, KV cache), `build_scheduler()`; in one pro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,12 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if not args.enable_chunked_prefill:
         budget = max(budget, max_model_len)
     name = args.model or resolved.name
+    if args.model is None:
+        # Pin the default model to the files found here: the engine and executor
+        # processes resolve args again and must not pick another source (the hub's copy
+        # or the GGUF fallback) if the network changed meanwhile.
+        args = dataclasses.replace(args, model=str(resolved.path),
+                                   served_model_name=args.served_model_name or (name,))
     return ResolvedEngine(
         args=args,
         model_path=str(resolved.path),
