@@ -232,3 +232,58 @@ def test_llm_defaults_to_disable_log_stats(monkeypatch) -> None:
         with pytest.raises(RuntimeError, match="stop after"):
             llm_module.LLM(**kwargs)
         assert captured["args"].disable_log_stats is expected
+
+
+# ------------------------------------------------------------------ request logs
+def test_enable_log_requests_and_max_log_len_flags() -> None:
+    args = _args()
+    assert (args.enable_log_requests, args.max_log_len) == (False, None)
+    args = _args("--enable-log-requests", "--max-log-len", "12")
+    assert (args.enable_log_requests, args.max_log_len) == (True, 12)
+    with pytest.raises(ValueError, match="max_log_len must be >= 0"):
+        _args("--max-log-len", "-1")
+
+
+def test_request_log_line_keeps_prompts_out_unless_asked() -> None:
+    from flowengine.engine.input_processor import ProcessedPrompt
+    from flowengine.engine.request_logger import RequestLogger
+
+    params = SamplingParams(max_tokens=3, temperature=0)
+    p = ProcessedPrompt("r1", "secret prompt text", [5, 6, 7, 8], params, [], "tenant")
+    line = RequestLogger().format("r1", p)
+    assert line == f"Received request r1: prompt_tokens=4, params={params!r}, cache_salt=<set>"
+    assert "secret" not in line and "tenant" not in line
+    line = RequestLogger(max_log_len=6).format("r1", p)
+    assert line.endswith(", cache_salt=<set>, prompt='secret', prompt_token_ids=[5, 6, 7, 8]")
+    line = RequestLogger(max_log_len=2).format("r1", p)
+    assert line.endswith("prompt='se', prompt_token_ids=[5, 6]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({}, []),
+    ({"enable_log_requests": True}, ["Received request q1: prompt_tokens="]),
+    ({"enable_log_requests": True, "max_log_len": 5}, ["Received request q1: prompt_tokens="]),
+])
+def test_async_engine_request_log(default_model_path, caplog, flags, expected) -> None:
+    from flowengine.entrypoints.async_engine import AsyncEngine
+
+    caplog.set_level(logging.INFO, logger="flowengine.requests")
+
+    async def main() -> None:
+        engine = AsyncEngine(default_model_path, max_model_len=256, num_kv_blocks=64,
+                             disable_log_stats=True, **flags)
+        await engine.start()
+        try:
+            async for _ in engine.submit("Hello there", SamplingParams(max_tokens=2), "q1"):
+                pass
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "flowengine.requests"
+             and r.levelno == logging.INFO]
+    assert [m[: len(e)] for m, e in zip(lines, expected, strict=True)] == expected
+    for m in lines:
+        assert ("prompt='Hello'" in m) is ("max_log_len" in flags)
+        assert "Hello there" not in m
