@@ -287,3 +287,19 @@ def test_async_engine_request_log(default_model_path, caplog, flags, expected) -
     for m in lines:
         assert ("prompt='Hello'" in m) is ("max_log_len" in flags)
         assert "Hello there" not in m
+
+
+def test_version_flag_and_single_version_source(capsys) -> None:
+    import importlib.metadata
+
+    import flowengine
+    from flowengine.entrypoints.cli import main
+    from flowengine.version import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"flowengine {__version__}\n"
+    assert flowengine.__version__ is __version__
+    assert importlib.metadata.version("flowengine") == __version__
+    assert "AsyncEngine" in flowengine.__all__
