@@ -126,7 +126,7 @@ class AsyncEngine:
         freeze_startup_heap()
 
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
-        from flowengine.actors.executor import ExecutorActor, SamplerActor
+        from flowengine.actors.executor import ExecutorActor
         from flowengine.actors.scheduler import SchedulerActor
         from flowengine.engine.builder import build_engine_core
 
@@ -134,15 +134,14 @@ class AsyncEngine:
         core = await anyio.to_thread.run_sync(factory, self.resolved)
         self.core = core
         requests, steps, results, outputs = (InprocChannel() for _ in range(4))
-        sampler = SamplerActor(core.executor, results)
-        executor = ExecutorActor(core.executor, steps, sampler, results)
+        executor = ExecutorActor(core.executor, steps, results)
         scheduler = SchedulerActor(
-            core.scheduler, self.max_model_len, requests, steps, results, outputs,
+            core, requests, steps, results, outputs,
             max_steps_in_flight=2 if self.args.async_scheduling else 1,
         )
         self._scheduler_actor = scheduler
-        self.engine_actors = {"scheduler": scheduler, "executor": executor, "sampler": sampler}
-        return requests, outputs, [scheduler, executor, sampler]
+        self.engine_actors = {"scheduler": scheduler, "executor": executor}
+        return requests, outputs, [scheduler, executor]
 
     async def _run(self, actors: list[Any]) -> None:
         try:
