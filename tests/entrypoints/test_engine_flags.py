@@ -162,8 +162,7 @@ def test_stat_log_line_exact_numbers() -> None:
 
 def test_stat_logger_levels(caplog) -> None:
     t = [0.0]
-    snapshots = [EngineStats(), EngineStats(prompt_tokens_total=20), EngineStats(prompt_tokens_total=20),
-                 EngineStats(prompt_tokens_total=20)]
+    snapshots = [EngineStats()] + [EngineStats(prompt_tokens_total=20)] * 3
     actor = StatLoggerActor(lambda: snapshots.pop(0), interval_s=10.0, clock=lambda: t[0])
     caplog.set_level(logging.DEBUG, logger="flowengine.stats")
     assert actor.log_once() is None  # the first snapshot only starts the interval
