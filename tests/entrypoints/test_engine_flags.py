@@ -138,6 +138,36 @@ def test_tokenizer_gets_trust_remote_code(monkeypatch, tmp_path) -> None:
     assert seen == {"path": "/m", "trust_remote_code": False}
 
 
+@pytest.mark.slow
+def test_remote_code_tokenizer_refused_then_loaded(default_model_path, tmp_path) -> None:
+    """A tokenizer class from the repository's own code (auto_map), for real."""
+    import shutil
+
+    from flowengine.engine import builder
+
+    shutil.copy(f"{default_model_path}/tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenization_flowtest.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n"
+        "class FlowTestTokenizerFast(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "FlowTestTokenizerFast",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_flowtest.FlowTestTokenizerFast"]},
+    }))
+
+    def resolved(**kwargs):
+        args = EngineArgs(tokenizer=str(tmp_path), **kwargs)
+        return builder.ResolvedEngine(args, "/m", None, 16, 16, "cpu", "float32", ("m",))
+
+    with pytest.raises(ValueError, match="pass --trust-remote-code"):
+        builder.load_engine_tokenizer(resolved())
+    tok = builder.load_engine_tokenizer(resolved(trust_remote_code=True))
+    assert type(tok).__name__ == "FlowTestTokenizerFast"
+    assert tok.encode("Hello") == builder.load_engine_tokenizer(
+        dataclasses.replace(resolved(), args=EngineArgs(tokenizer=default_model_path))
+    ).encode("Hello")
+
+
 # ------------------------------------------------------------------ log stats
 def test_disable_log_stats_flag_and_defaults() -> None:
     assert _args().disable_log_stats is False
