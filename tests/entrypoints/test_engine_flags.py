@@ -332,3 +332,23 @@ def test_version_flag_and_single_version_source(capsys) -> None:
     assert flowengine.__version__ is __version__
     assert importlib.metadata.version("flowengine") == __version__
     assert "AsyncEngine" in flowengine.__all__
+
+
+@pytest.mark.slow
+def test_in_process_llm_logs_stats_when_asked(default_model_path, monkeypatch, caplog) -> None:
+    from flowengine import LLM
+
+    monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "0.000001")  # every step
+    caplog.set_level(logging.DEBUG, logger="flowengine.stats")
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    quiet = LLM(default_model_path, max_model_len=256, num_kv_blocks=64)
+    quiet.generate([[1, 2, 3]], greedy, use_tqdm=False)
+    assert quiet._stats is None and caplog.records == []
+
+    llm = LLM(default_model_path, max_model_len=256, num_kv_blocks=64, disable_log_stats=False)
+    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], greedy, use_tqdm=False)
+    stats = llm._stats.get_stats()
+    assert stats.prompt_tokens_total == 7
+    assert stats.generation_tokens_total == sum(len(o.outputs[0].token_ids) for o in outs) == 10
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(m.startswith("Avg prompt throughput: ") for m in lines)
