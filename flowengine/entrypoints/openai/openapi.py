@@ -19,8 +19,11 @@ from flowengine.entrypoints.openai.router import Route
 REF_TEMPLATE = "#/components/schemas/{name}"
 
 
-def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, Any]:
-    """An OpenAPI 3.1 document describing every route."""
+def build_openapi(
+    routes: Sequence[Route], *, has_api_key: bool, root_path: str = ""
+) -> dict[str, Any]:
+    """An OpenAPI 3.1 document describing every route (`HEAD`, which every `GET`
+    route also answers, and `OPTIONS` are left implicit)."""
     types: list[Any] = [ErrorResponse]
     for route in routes:
         types += [*route.request_types, *([route.response_type] if route.response_type else [])]
@@ -31,7 +34,8 @@ def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, An
     for route in routes:
         op: dict[str, Any] = {
             "summary": route.summary,
-            "operationId": f"{route.method.lower()}{route.path.replace('/', '_').replace('.', '_')}",
+            "operationId": route.method.lower()
+            + route.path.replace("/", "_").replace(".", "_").replace("{", "").replace("}", ""),
             "responses": {"default": {"description": "OpenAI's error object", "content": error}},
         }
         ok: dict[str, Any] = {"description": "success"}
@@ -56,6 +60,11 @@ def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, An
                 "required": True,
                 "content": {"application/json": {"schema": body}},
             }
+        if route.path_params:
+            op["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                for name in route.path_params
+            ]
         if route.requires_auth and has_api_key:
             op["security"] = [{"bearer": []}]
         paths.setdefault(route.path, {})[route.method.lower()] = op
@@ -65,6 +74,8 @@ def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, An
         "paths": paths,
         "components": {"schemas": components},
     }
+    if root_path:
+        doc["servers"] = [{"url": root_path}]
     if has_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc

@@ -16,7 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flowengine.entrypoints.openai import sse
-from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
+from flowengine.entrypoints.openai.asgi import (
+    APIRequest,
+    Response,
+    StreamingResponse,
+    json_response,
+)
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import chat_logprobs
@@ -54,9 +59,9 @@ def _usage(stream: EngineStream) -> dict[str, int]:
     }
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle one chat completion request. Raises APIError (400/404/429/503)."""
-    req = ctx.decode(request.body, ChatCompletionRequest)
+    req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
     params = chat_params(req)
     messages = chat_messages(req)
@@ -80,7 +85,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         events = _chat_events(ctx, stream, base, params.n, num_top, include_usage)
-        return StreamingResponse(events, cleanup=stream.aclose, headers=sse.HEADERS)
+        return StreamingResponse(
+            events,
+            cleanup=stream.aclose,
+            headers=sse.HEADERS,
+            error_event=sse.error_event,
+            done_event=sse.DONE,
+        )
     choices = [_ChoiceState() for _ in range(params.n)]
     outcome = "aborted"
     try:

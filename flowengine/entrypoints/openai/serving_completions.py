@@ -15,7 +15,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from flowengine.entrypoints.openai import sse
-from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
+from flowengine.entrypoints.openai.asgi import (
+    APIRequest,
+    Response,
+    StreamingResponse,
+    json_response,
+)
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
@@ -61,9 +66,9 @@ def _prompt_text(ctx: ServingContext, stream: EngineStream) -> str:
     return ctx.tokenizer.decode(first.prompt_token_ids)
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
+async def create_completion(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle one completions request. Raises APIError (400/404/429/503)."""
-    req = ctx.decode(request.body, CompletionRequest)
+    req = ctx.decode(request.raw_body, CompletionRequest)
     model = ctx.resolve_model(req.model)
     params = completion_params(req)
     prompts = split_prompts(req.prompt)
@@ -92,6 +97,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                 _completion_events(state, streams, base, include_usage),
                 cleanup=functools.partial(close_streams, streams),
                 headers=sse.HEADERS,
+                error_event=sse.error_event,
+                done_event=sse.DONE,
             )
             handed_off = True
             return response
