@@ -190,6 +190,8 @@ class OpenAIApp:
                 self.router.routes,
                 has_api_key=options.api_key is not None,
                 root_path=options.root_path,
+                max_n=ctx.limits.max_n,
+                max_logprobs=ctx.limits.max_logprobs,
             )
         )
         self.draining = False

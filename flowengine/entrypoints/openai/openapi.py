@@ -18,9 +18,33 @@ from flowengine.entrypoints.openai.router import Route
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 
+# Ranges that SamplingParams checks (its messages name the rule, so the structs leave
+# them out), stated in the document so that it describes what the server accepts.
+SAMPLING_RANGES: dict[str, dict[str, float]] = {
+    "top_p": {"exclusiveMinimum": 0.0, "maximum": 1.0},
+    "min_p": {"minimum": 0.0, "maximum": 1.0},
+    "presence_penalty": {"minimum": -2.0, "maximum": 2.0},
+    "frequency_penalty": {"minimum": -2.0, "maximum": 2.0},
+    "repetition_penalty": {"exclusiveMinimum": 0.0},
+    "top_k": {"minimum": -1},
+}
+GENERATION_REQUESTS = ("CompletionRequest", "ChatCompletionRequest")
+
+
+def _constrain(prop: dict[str, Any], rules: dict[str, float]) -> None:
+    """Add `rules` to a property's numeric schema (also inside `anyOf` with null)."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("number", "integer"):
+            branch.update(rules)
+
 
 def build_openapi(
-    routes: Sequence[Route], *, has_api_key: bool, root_path: str = ""
+    routes: Sequence[Route],
+    *,
+    has_api_key: bool,
+    root_path: str = "",
+    max_n: int | None = None,
+    max_logprobs: int | None = None,
 ) -> dict[str, Any]:
     """An OpenAPI 3.1 document describing every route (`HEAD`, which every `GET`
     route also answers, and `OPTIONS` are left implicit)."""
@@ -29,6 +53,16 @@ def build_openapi(
         types += [*route.request_types, *([route.response_type] if route.response_type else [])]
     schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
     schema_of = dict(zip([id(t) for t in types], schemas, strict=True))
+    rules: dict[str, dict[str, float]] = dict(SAMPLING_RANGES)
+    if max_n is not None:
+        rules["n"] = rules["best_of"] = {"maximum": max_n}
+    if max_logprobs is not None:
+        rules["logprobs"] = {"maximum": max_logprobs}
+    for name in GENERATION_REQUESTS:
+        props = components.get(name, {}).get("properties", {})
+        for field_name, field_rules in rules.items():
+            if field_name in props:
+                _constrain(props[field_name], field_rules)
     error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

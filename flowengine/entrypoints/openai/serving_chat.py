@@ -27,7 +27,7 @@ from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import chat_logprobs
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
-from flowengine.entrypoints.openai.sampling import chat_messages, chat_params
+from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
 from flowengine.outputs import CompletionOutput
 
 
@@ -64,6 +64,7 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
     params = chat_params(req)
+    check_limits(ctx.limits, params, 1, ctx.engine.max_model_len)
     messages = chat_messages(req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(

@@ -27,7 +27,7 @@ from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import completion_logprobs, extend_completion_logprobs
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest
-from flowengine.entrypoints.openai.sampling import completion_params
+from flowengine.entrypoints.openai.sampling import check_limits, completion_params
 
 
 def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -72,6 +72,7 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     model = ctx.resolve_model(req.model)
     params = completion_params(req)
     prompts = split_prompts(req.prompt)
+    check_limits(ctx.limits, params, len(prompts), ctx.engine.max_model_len)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await open_streams(
         ctx.engine,

@@ -21,7 +21,7 @@ from flowengine.entrypoints.openai.asgi import (
     plain_response,
 )
 from flowengine.entrypoints.openai.context import ServingContext
-from flowengine.entrypoints.openai.errors import APIError, from_decode_error
+from flowengine.entrypoints.openai.errors import APIError, from_decode_error, too_deep
 from flowengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -62,6 +62,8 @@ def _decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReq
         return msgspec.convert(obj, type=kind)
     except msgspec.ValidationError as err:
         raise from_decode_error(err) from err
+    except RecursionError:
+        raise too_deep() from None
 
 
 async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
