@@ -171,7 +171,6 @@ def test_too_deep_json_is_400_without_traceback(http, caplog):
         ("/v1/completions", "guided_grammar", "root ::= 'a'"),
         ("/v1/completions", "prompt_logprobs", 1),
         ("/v1/completions", "truncate_prompt_tokens", 5),
-        ("/v1/completions", "cache_salt", "tenant-1"),
     ],
 )
 def test_vllm_fields_not_implemented_are_refused_by_name(http, engine, path, field, value):

@@ -36,7 +36,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
         "logits_processors", "allowed_token_ids", "bad_words", "prompt_logprobs",
-        "truncate_prompt_tokens", "cache_salt", "vllm_xargs", "kv_transfer_params",
+        "truncate_prompt_tokens", "vllm_xargs", "kv_transfer_params",
         "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
         "length_penalty", "continue_final_message", "add_special_tokens",
@@ -79,6 +79,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
+    # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = None
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
     guided_json: None = None
     guided_regex: None = None
@@ -92,7 +94,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: None = None
     prompt_logprobs: None = None
     truncate_prompt_tokens: None = None
-    cache_salt: None = None
     vllm_xargs: None = None
     kv_transfer_params: None = None
     return_tokens_as_token_ids: None = None
