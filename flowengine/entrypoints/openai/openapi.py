@@ -29,6 +29,23 @@ SAMPLING_RANGES: dict[str, dict[str, float]] = {
     "top_k": {"minimum": -1},
 }
 GENERATION_REQUESTS = ("CompletionRequest", "ChatCompletionRequest")
+_NULL = {"type": "null"}
+# Fields the structs declare (so the handlers can name them in a 400) but that only
+# accept their "off" value: the document says so.
+REFUSED_VALUES: dict[str, dict[str, Any]] = {
+    "suffix": {"anyOf": [_NULL, {"type": "string", "maxLength": 0}], "default": None},
+    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
+    "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
+    "logit_bias": {"anyOf": [_NULL, {"type": "object", "maxProperties": 0}], "default": None},
+    "tool_choice": {"anyOf": [_NULL, {"const": "none"}], "default": None},
+}
+# Message content parts: only text parts are served.
+TEXT_PART = {
+    "title": "TextPart",
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
 
 
 def _constrain(prop: dict[str, Any], rules: dict[str, float]) -> None:
@@ -63,6 +80,14 @@ def build_openapi(
         for field_name, field_rules in rules.items():
             if field_name in props:
                 _constrain(props[field_name], field_rules)
+        for field_name, schema in REFUSED_VALUES.items():
+            if field_name in props:
+                props[field_name] = schema
+    if "TextPart" in components:
+        components["TextPart"] = {**TEXT_PART, "description": components["TextPart"].get(
+            "description", "")}  # fmt: skip
+    if "ResponseFormat" in components:
+        components["ResponseFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
@@ -80,9 +105,20 @@ def build_openapi(
         elif route.response_content_type != "application/json":
             ok["content"] = {route.response_content_type: {"schema": {"type": "string"}}}
         if route.streams:
+            # One server-sent event (as OpenAPI 3.2's itemSchema describes a stream):
+            # its `data` is a chunk's JSON, an error object's JSON, or "[DONE]" last.
             ok.setdefault("content", {})["text/event-stream"] = {
                 "schema": {
-                    "type": "string",
+                    "type": "object",
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": "a chunk's JSON, or OpenAI's error object's "
+                            "JSON if the stream failed; the last event's data is [DONE]",
+                        },
+                        "event": {"type": "string"},
+                    },
+                    "required": ["data"],
                     "description": "`data: <chunk JSON>` events, then `data: [DONE]`",
                 }
             }

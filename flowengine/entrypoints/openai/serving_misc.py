@@ -108,7 +108,7 @@ async def health(ctx: ServingContext, request: APIRequest) -> Response:
         raise APIError(
             503, f"the engine is dead: {err}", type="service_unavailable_error", code="engine_dead"
         ) from err
-    return empty_response(200)
+    return plain_response(b"", "text/plain; charset=utf-8")
 
 
 async def version(ctx: ServingContext, request: APIRequest) -> Response:
