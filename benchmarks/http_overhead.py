@@ -7,7 +7,9 @@ tests/entrypoints/openai_fake_engine.py as its engine (`FLOWENGINE_TEST_ENGINE`
 hook, `FAKE_ENGINE_STEP_S=0`: a token per event-loop turn, no model). Against each,
 `flowengine bench serve` (this tree's client for both) sends short requests, so what
 is measured is the server's HTTP path: parse, validate, route, engine client glue,
-SSE/JSON encoding. Prints one row per run and a summary table (requests/s).
+SSE/JSON encoding. Prints one row per run and a summary table: requests/s (wall
+clock, sensitive to other load on the machine) and the server process's CPU time per
+request (user + system, from /proc; much less sensitive to other load).
 
     python benchmarks/http_overhead.py --tree main=/work/main --tree new=. --rounds 3
 """
@@ -57,6 +59,12 @@ def start_server(tree: Path, port: int, log: Path) -> subprocess.Popen:
     raise RuntimeError(f"server from {tree} did not start; see {log}")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench(port: int, args: argparse.Namespace, result: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     cmd = [sys.executable, "-m", "flowengine.entrypoints.cli", "bench", "serve",
@@ -81,9 +89,10 @@ def main() -> int:
     args = p.parse_args()
     trees = [(n, Path(t).resolve()) for n, _, t in (x.partition("=") for x in args.tree)]
     rates: dict[str, list[float]] = {name: [] for name, _ in trees}
+    cpu_us: dict[str, list[float]] = {name: [] for name, _ in trees}
     print(f"command: python benchmarks/http_overhead.py {' '.join(sys.argv[1:])}")
-    print("| round | tree | requests/s | mean E2EL ms | load average (1 min) before |")
-    print("|---|---|---|---|---|")
+    print("| round | tree | requests/s | mean E2EL ms | server CPU us/request | load average (1 min) before |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, tree in trees:
@@ -91,23 +100,31 @@ def main() -> int:
                 proc = start_server(tree, port, Path(tmp) / f"{name}-{r}.log")
                 try:
                     load = os.getloadavg()[0]
+                    cpu0 = cpu_s(proc.pid)
                     rec = bench(port, args, Path(tmp) / "result.json")
+                    # The bench's own /tokenize and probe requests are in this too.
+                    per_request_us = (cpu_s(proc.pid) - cpu0) / args.num_prompts * 1e6
                 finally:
                     proc.terminate()
                     proc.wait(30)
                 if rec["failed"]:
                     raise RuntimeError(f"{rec['failed']} requests failed against {name}")
                 rates[name].append(rec["request_throughput"])
+                cpu_us[name].append(per_request_us)
                 print(f"| {r + 1} | {name} | {rec['request_throughput']:.1f} | "
-                      f"{rec['latency']['e2el']['mean_ms']:.2f} | {load:.2f} |", flush=True)  # fmt: skip
+                      f"{rec['latency']['e2el']['mean_ms']:.2f} | {per_request_us:.0f} | "
+                      f"{load:.2f} |", flush=True)  # fmt: skip
     print()
-    print("| tree | runs | median requests/s | min | max |")
-    print("|---|---|---|---|---|")
+    print("| tree | runs | median requests/s | min | max | median server CPU us/request |")
+    print("|---|---|---|---|---|---|")
     for name, values in rates.items():
         print(f"| {name} | {len(values)} | {statistics.median(values):.1f} | "
-              f"{min(values):.1f} | {max(values):.1f} |")  # fmt: skip
-    base, new = (statistics.median(rates[n]) for n, _ in trees[:2])
-    print(f"\n{trees[1][0]} / {trees[0][0]}: {new / base:.3f}x requests/s (medians)")
+              f"{min(values):.1f} | {max(values):.1f} | "
+              f"{statistics.median(cpu_us[name]):.0f} |")  # fmt: skip
+    (a, _), (b, _) = trees[:2]
+    ratio = statistics.median(rates[b]) / statistics.median(rates[a])
+    cpu_ratio = statistics.median(cpu_us[b]) / statistics.median(cpu_us[a])
+    print(f"\n{b} / {a}: {ratio:.3f}x requests/s, {cpu_ratio:.3f}x server CPU per request (medians)")
     return 0
 
 
