@@ -338,3 +338,62 @@ def test_api_key_still_checked_before_content_type(server):
         headers={"content-type": "text/plain", "authorization": f"Bearer {API_KEY}"},
     )
     assert_error(resp, 415)
+
+
+def test_default_queue_limit_from_max_num_seqs_is_429_with_retry_after(tmp_path):
+    """`flowengine serve` without --max-queue-len: 2 x min(max_num_seqs, KV blocks)
+    requests may wait for their first token (the fake engine reports no KV blocks,
+    so max_num_seqs 1 gives 2); the third gets 429 with Retry-After."""
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+        "FLOWENGINE_TEST_ENGINE": "openai_fake_engine:make_engine",
+        "FAKE_ENGINE_STEP_S": "2.0",  # the first output comes after one 2 s step
+    }
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowengine.entrypoints.cli", "serve", "--port", str(port),
+         "--max-num-seqs", "1"],
+        env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        body = {"prompt": "ab", "max_tokens": 1}
+
+        def post() -> httpx.Response:
+            return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+
+        with ThreadPoolExecutor(2) as pool:
+            first = [pool.submit(post) for _ in range(2)]
+            time.sleep(0.8)  # both admitted, both still waiting for their first token
+            third = post()
+            assert_error(third, 429, code="queue_full")
+            assert third.headers["retry-after"] == "1"
+            assert "2 requests waiting" in third.json()["error"]["message"]
+            assert [f.result().status_code for f in first] == [200, 200]
+        assert post().status_code == 200  # room again
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert "max_queue_len 2 (2 x min(max_num_seqs 1, KV blocks unknown)" in log.read_text()
