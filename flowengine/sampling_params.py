@@ -67,6 +67,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -120,6 +124,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 integer("stop_token_ids", t, 0, INT64_MAX, f"token ids in [0, {INT64_MAX}]")
         if self.seed is not None:
             integer("seed", self.seed, INT64_MIN, INT64_MAX, f"in [{INT64_MIN}, {INT64_MAX}]")
+            # Sample i of n is seeded seed + i (so the samples differ): that must fit too.
+            if self.seed + self.n - 1 > INT64_MAX:
+                raise bad("seed", self.seed, f"<= {INT64_MAX} - (n - 1) with n={self.n}")
         for name in (
             "ignore_eos",
             "skip_special_tokens",

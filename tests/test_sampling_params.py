@@ -40,6 +40,7 @@ TOO_BIG = 2**64
         ({"stop": 5}, r"stop must be a list of non-empty strings"),
         ({"stop": ["a", ""]}, r"stop must be a list of non-empty strings"),
         ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens must be <= max_tokens \(4\)"),
+        ({"seed": INT64_MAX, "n": 2}, r"seed must be <= 9223372036854775807 - \(n - 1\) with n=2"),
     ],
 )
 def test_out_of_range_or_mistyped_fields_raise_value_error(fields, match):
@@ -52,10 +53,16 @@ def test_64_bit_extremes_are_accepted_and_encode_for_the_rings():
         max_tokens=INT64_MAX, min_tokens=INT64_MAX, seed=INT64_MIN, top_k=INT64_MAX,
         stop_token_ids=[0, INT64_MAX], logprobs=INT64_MAX, n=INT64_MAX,
     )  # fmt: skip
+    assert SamplingParams(seed=INT64_MAX - 3, n=4).seed == INT64_MAX - 3  # samples' seeds fit
     # msgpack (the ring codec) holds every value SamplingParams accepts.
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert again == params
     assert again.seed == INT64_MIN and again.stop_token_ids == [0, INT64_MAX]
+
+
+def test_tuples_are_taken_as_lists():
+    params = SamplingParams(stop=("a", "b"), stop_token_ids=(1, 2))
+    assert (params.stop, params.stop_token_ids) == (["a", "b"], [1, 2])
 
 
 def test_clone_validates_again():
