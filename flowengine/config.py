@@ -121,8 +121,9 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
+                             f"got {self.max_logprobs}")
         for name, allowed in (
             ("dtype", Dtype),
             ("load_format", LoadFormat),

@@ -13,6 +13,7 @@ be finite, and `bool` is not accepted where a number is meant.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import msgspec
 
@@ -40,8 +41,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     - ignore_eos: keep going after EOS; max_tokens (>= 1, None = up to max_model_len);
       min_tokens: EOS/stop ids are suppressed until this many tokens exist.
     - logprobs: number of top log-probabilities per generated token (plus the sampled
-      token's), None for none.
+      token's), None for none, -1 for the whole vocabulary (the engine's max_logprobs
+      must allow it: -1 or >= the vocabulary size).
+    - prompt_logprobs: the same for every prompt token after the first (the first has
+      None); -1 for the whole vocabulary.
+    - detokenize: False returns token ids only (text ""); stop strings need text.
     - skip_special_tokens, spaces_between_special_tokens: detokenization options.
+    - truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 = the
+      model's max_model_len), None to keep them all.
+    - logit_bias: token id -> bias in [-100, 100] added to that token's logit before
+      sampling (OpenAI's definition; -100 effectively bans, 100 effectively forces).
+    - allowed_token_ids: only these ids may be sampled (non-empty list).
+    - bad_words: words that may not be generated. Each is tokenized with and without a
+      leading space; a one-token word is always banned, a longer one bans its last
+      token when the generated tokens end with the rest (vLLM's rule).
+    - extra_args: a dict passed through untouched, for custom code (vLLM's field).
+
+    `bad_words_token_ids` is filled in by the engine's input processor (the tokenized
+    `bad_words`); callers leave it unset. Token ids in logit_bias, allowed_token_ids
+    and bad words are checked against the vocabulary there (ValueError).
     """
 
     n: int = 1
@@ -63,6 +81,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +96,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = list(self.stop)
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self._validate()
 
     def _validate(self) -> None:
@@ -109,10 +140,48 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         integer("min_tokens", self.min_tokens, 0, INT64_MAX, f">= 0 and <= {INT64_MAX}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None:
-            integer("logprobs", self.logprobs, 0, INT64_MAX, ">= 0")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; leave it unset")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                integer(name, value, -1, INT64_MAX, ">= 0, or -1 for the whole vocabulary")
+        if self.truncate_prompt_tokens is not None:
+            integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, INT64_MAX,
+                    ">= 1, or -1 for max_model_len")
+            if self.truncate_prompt_tokens == 0:
+                raise bad("truncate_prompt_tokens", 0, ">= 1, or -1 for max_model_len")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias")
+            for token_id, bias in self.logit_bias.items():
+                integer("logit_bias", token_id, 0, INT64_MAX, "keyed by token ids >= 0")
+                if not -100.0 <= number("logit_bias", bias) <= 100.0:
+                    raise bad(f"logit_bias[{token_id}]", bias, "in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise bad("allowed_token_ids", self.allowed_token_ids,
+                          "a non-empty list of token ids")
+            for t in self.allowed_token_ids:
+                integer("allowed_token_ids", t, 0, INT64_MAX, f"token ids in [0, {INT64_MAX}]")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", self.bad_words, "a list of non-blank strings")
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, list) or any(
+                not isinstance(w, list) or not w for w in self.bad_words_token_ids
+            ):
+                raise bad("bad_words_token_ids", self.bad_words_token_ids,
+                          "a list of non-empty token-id lists")
+            for word in self.bad_words_token_ids:
+                for t in word:
+                    integer("bad_words_token_ids", t, 0, INT64_MAX,
+                            f"token ids in [0, {INT64_MAX}]")
+        if self.extra_args is not None and (
+            not isinstance(self.extra_args, dict)
+            or any(not isinstance(k, str) for k in self.extra_args)
+        ):
+            raise bad("extra_args", self.extra_args, "a dict with string keys")
         if self.stop is not None and (
             not isinstance(self.stop, list) or any(not isinstance(s, str) or s == "" for s in self.stop)
         ):
@@ -132,9 +201,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             "skip_special_tokens",
             "spaces_between_special_tokens",
             "include_stop_str_in_output",
+            "detokenize",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "true or false")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are matched on the "
+                             "text); use stop_token_ids or drop detokenize=False")
 
     @property
     def is_greedy(self) -> bool:

@@ -55,7 +55,8 @@ class InputProcessor:
         eos_token_id: id that ends generation unless `ignore_eos`.
         extra_eos_token_ids: further end ids (generation_config.json), added to each
             request's stop_token_ids unless `ignore_eos` (as vLLM does).
-        max_logprobs: largest `logprobs` a request may ask for.
+        max_logprobs: largest `logprobs` / `prompt_logprobs` a request may ask for; -1
+            means no limit (then -1, the whole vocabulary, is allowed), as in vLLM.
     """
 
     def __init__(
@@ -128,7 +129,10 @@ class InputProcessor:
             text, ids = self.tokenize(prompt)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
+        ids = self.truncate(ids, params)
         self.validate(ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         now = time.monotonic() if arrival_time is None else arrival_time
         children = [
             NewRequest(
@@ -144,6 +148,46 @@ class InputProcessor:
         ]
         return ProcessedPrompt(request_id, text, ids, params, children, cache_salt)
 
+    def truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The last `truncate_prompt_tokens` ids (-1: max_model_len), or `ids` as given.
+
+        Raises ValueError when truncate_prompt_tokens exceeds max_model_len (vLLM's rule).
+        """
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = self.max_model_len
+        elif k > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={k} is greater than max_model_len="
+                f"{self.max_model_len}; choose a smaller truncation size"
+            )
+        return ids[-k:]
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Token ids of each bad word as it starts the text and, where that differs in
+        its first token only, as it follows a space (vLLM's `update_from_tokenizer`
+        rule): the word is then banned both at the beginning and in the middle of text.
+
+        Raises ValueError for a word whose tokens fall outside the vocabulary.
+        """
+        words: list[list[int]] = []
+        for word in bad_words:
+            bare = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise ValueError(f"bad word {word!r} tokenizes to no tokens")
+            words.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                words.append(spaced)
+            for ids in words[-2:]:
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"bad word {word!r} has token id {bad[0]} outside the "
+                                     f"vocabulary [0, {self.vocab_size})")
+        return words
+
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty; give at least one character or token")
@@ -158,11 +202,26 @@ class InputProcessor:
             raise ValueError(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}; "
-                "ask for fewer or raise max_logprobs"
-            )
+        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            asked = self.vocab_size if value == -1 else value
+            if asked > limit:
+                what = f"{name}=-1 (the whole vocabulary, {self.vocab_size})" if value == -1 \
+                    else f"{name}={value}"
+                raise ValueError(
+                    f"{what} exceeds max_logprobs={self.max_logprobs}; ask for fewer or "
+                    "raise max_logprobs (-1: no limit)"
+                )
+        for name in ("allowed_token_ids", "logit_bias"):
+            value = getattr(params, name)
+            bad = [t for t in (value or ()) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                )
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Params of sample `index`: seeded samples get seed + index so they differ."""

@@ -21,6 +21,10 @@ from flowengine.tokenize.text_state import IncrementalTextState
 _NO_TOKENS: list[int] = []
 
 
+def _no_text(token_ids: list[int]) -> None:
+    return None
+
+
 @dataclass(slots=True)
 class _SampleState:
     """Text state of one sample (one child request)."""
@@ -38,6 +42,8 @@ class _SampleState:
     new_text: str = ""
     new_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     dirty: bool = False
+    # SamplingParams.detokenize: False leaves text "" and logprob tokens undecoded.
+    detokenize: bool = True
 
 
 @dataclass(slots=True)
@@ -89,6 +95,7 @@ class OutputProcessor:
                 text_state=IncrementalTextState(self.tokenizer, processed.prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                detokenize=params.detokenize,
             )
             for i in range(params.n)
         ]
@@ -150,12 +157,16 @@ class OutputProcessor:
         sample.dirty = True
         if delta.new_logprobs and sample.logprobs is not None:
             for lp, tok in zip(delta.new_logprobs, new_token_ids, strict=False):
-                entry = self._logprob_entry(lp, tok)
+                entry = self._logprob_entry(lp, tok, sample.detokenize)
                 sample.logprobs.append(entry)
                 if stream:
                     sample.new_logprobs.append(entry)
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp.sampled_logprob
         finish_reason = delta.finish_reason
+        if not sample.detokenize:  # token ids only (no stop strings: SamplingParams says so)
+            if finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = finish_reason, delta.stop_reason
+            return False
         text, matched = sample.text_state.process(
             new_token_ids, finish_reason is not None, stopped_by_token=finish_reason == "stop"
         )
@@ -168,14 +179,15 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason = finish_reason, delta.stop_reason
         return False
 
-    def _logprob_entry(self, lp: TokenLogprobs, sampled: int) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self, lp: TokenLogprobs, sampled: int, detokenize: bool = True
+    ) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode if detokenize else _no_text
         entry: dict[int, Logprob] = {}
         for rank, (tok, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True)):
-            entry[tok] = Logprob(value, rank + 1, self.tokenizer.decode([tok]))
+            entry[tok] = Logprob(value, rank + 1, decode([tok]))
         if sampled not in entry:
-            entry[sampled] = Logprob(
-                lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([sampled])
-            )
+            entry[sampled] = Logprob(lp.sampled_logprob, lp.sampled_rank, decode([sampled]))
         return entry
 
     def _make_output(self, request_id: str, state: _RequestState) -> RequestOutput:

@@ -54,9 +54,11 @@ logger = logging.getLogger(__name__)
 
 def reads_token_values(params: SamplingParams) -> bool:
     """Whether sampling this request reads the values of its earlier tokens (the
-    penalties do; min_tokens and per-request seeds only count them)."""
+    penalties and multi-token bad words do; min_tokens and per-request seeds only
+    count them)."""
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
+            or params.presence_penalty != 0.0
+            or any(len(w) > 1 for w in params.bad_words_token_ids or ()))
 
 
 class CudaModelRunner(ModelRunner):

@@ -44,6 +44,20 @@ class SamplingState:
     eos_token_id: int | None = None
 
 
+def _bad_word_bans(words: list[list[int]], output_token_ids: list[int], vocab_size: int) -> list[int]:
+    """Ids that would complete a bad word now: a one-token word's id always; a longer
+    word's last id when the generated tokens end with the rest of it (vLLM's rule:
+    only generated tokens count, never the prompt)."""
+    banned = set()
+    for word in words:
+        prefix = word[:-1]
+        if not prefix or (
+            len(output_token_ids) >= len(prefix) and output_token_ids[-len(prefix):] == prefix
+        ):
+            banned.add(word[-1])
+    return sorted(t for t in banned if t < vocab_size)
+
+
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Pinned host memory makes the host-to-device copy asynchronous on CUDA.
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
@@ -73,9 +87,15 @@ class SamplingMetadata:
             each None when no row uses it; output_token_ids is None when none is used.
         min_tokens_rows / min_tokens_token_ids: [M] int64 pairs (row, id) to set to
             -inf because the row has fewer than min_tokens outputs.
+        bad_words_rows / bad_words_token_ids: [B] int64 pairs (row, id) to set to -inf
+            because the id would complete one of the row's bad words.
+        allowed_rows: [A] int64 rows with allowed_token_ids; allowed_pair_rows /
+            allowed_pair_ids: [P] int64 (row, id) pairs of the ids those rows allow.
+        logit_bias_rows / logit_bias_token_ids / logit_bias_values: [K] int64, int64,
+            float32: add value to logits[row, id].
         seeded_rows / row_seeds: rows with a per-request seed and the seed of this
             step's draw (`step_seed`).
-        num_logprobs: per row, the N of `logprobs=N` or None; logprob_rows: [L] int64
+        num_logprobs: per row, the N of `logprobs=N` (V for -1) or None; logprob_rows: [L] int64
             rows with logprobs asked, max_num_logprobs: max N over them (None if L = 0).
     """
 
@@ -95,6 +115,14 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None
     min_tokens_rows: torch.Tensor | None
     min_tokens_token_ids: torch.Tensor | None
+    bad_words_rows: torch.Tensor | None
+    bad_words_token_ids: torch.Tensor | None
+    allowed_rows: torch.Tensor | None
+    allowed_pair_rows: torch.Tensor | None
+    allowed_pair_ids: torch.Tensor | None
+    logit_bias_rows: torch.Tensor | None
+    logit_bias_token_ids: torch.Tensor | None
+    logit_bias_values: torch.Tensor | None
     seeded_rows: list[int]
     row_seeds: list[int]
     num_logprobs: list[int | None]
@@ -121,6 +149,12 @@ class SamplingMetadata:
     def no_min_tokens(self) -> bool:
         return self.min_tokens_rows is None
 
+    @property
+    def no_logits_edits(self) -> bool:
+        """True when no row uses min_tokens, bad_words, allowed_token_ids or logit_bias."""
+        return (self.min_tokens_rows is None and self.bad_words_rows is None
+                and self.allowed_rows is None and self.logit_bias_rows is None)
+
     @classmethod
     def from_states(
         cls, states: list[SamplingState], vocab_size: int, device: torch.device | str
@@ -128,7 +162,9 @@ class SamplingMetadata:
         """Batch `states` (one per logits row, in row order) for a `[R, vocab_size]` step.
 
         Stop/EOS ids outside [0, vocab_size) are ignored by min_tokens masking: the
-        model cannot produce them anyway.
+        model cannot produce them anyway; so are such ids in logit_bias,
+        allowed_token_ids and bad words (the input processor refuses them for the
+        engine's vocabulary, which the logits may pad).
         """
         device = torch.device(device)
         num_reqs = len(states)
@@ -144,6 +180,14 @@ class SamplingMetadata:
         seeded_rows: list[int] = []
         row_seeds: list[int] = []
         num_logprobs: list[int | None] = []
+        bw_rows: list[int] = []
+        bw_ids: list[int] = []
+        al_rows: list[int] = []
+        al_pair_rows: list[int] = []
+        al_pair_ids: list[int] = []
+        lb_rows: list[int] = []
+        lb_ids: list[int] = []
+        lb_vals: list[float] = []
         for row, (s, is_greedy) in enumerate(zip(states, greedy, strict=True)):
             p = s.sampling_params
             temps.append(1.0 if is_greedy else p.temperature)
@@ -153,7 +197,22 @@ class SamplingMetadata:
             reps.append(p.repetition_penalty)
             freqs.append(p.frequency_penalty)
             press.append(p.presence_penalty)
-            num_logprobs.append(p.logprobs)
+            num_logprobs.append(v if p.logprobs == -1 else p.logprobs)
+            if p.bad_words_token_ids:
+                ids = _bad_word_bans(p.bad_words_token_ids, s.output_token_ids, v)
+                bw_rows.extend([row] * len(ids))
+                bw_ids.extend(ids)
+            if p.allowed_token_ids is not None:
+                ids = sorted({t for t in p.allowed_token_ids if t < v})
+                al_rows.append(row)
+                al_pair_rows.extend([row] * len(ids))
+                al_pair_ids.extend(ids)
+            if p.logit_bias:
+                for t, bias in p.logit_bias.items():
+                    if t < v:
+                        lb_rows.append(row)
+                        lb_ids.append(t)
+                        lb_vals.append(bias)
             if not is_greedy and p.seed is not None:
                 seeded_rows.append(row)
                 row_seeds.append(step_seed(p.seed, len(s.output_token_ids)))
@@ -203,6 +262,14 @@ class SamplingMetadata:
             presence_penalties=_to_device(press, f32, device) if use_pres else None,
             min_tokens_rows=_to_device(mt_rows, torch.int64, device) if mt_rows else None,
             min_tokens_token_ids=_to_device(mt_ids, torch.int64, device) if mt_rows else None,
+            bad_words_rows=_to_device(bw_rows, torch.int64, device) if bw_rows else None,
+            bad_words_token_ids=_to_device(bw_ids, torch.int64, device) if bw_rows else None,
+            allowed_rows=_to_device(al_rows, torch.int64, device) if al_rows else None,
+            allowed_pair_rows=_to_device(al_pair_rows, torch.int64, device) if al_rows else None,
+            allowed_pair_ids=_to_device(al_pair_ids, torch.int64, device) if al_rows else None,
+            logit_bias_rows=_to_device(lb_rows, torch.int64, device) if lb_rows else None,
+            logit_bias_token_ids=_to_device(lb_ids, torch.int64, device) if lb_rows else None,
+            logit_bias_values=_to_device(lb_vals, f32, device) if lb_rows else None,
             seeded_rows=seeded_rows,
             row_seeds=row_seeds,
             num_logprobs=num_logprobs,

@@ -1,4 +1,4 @@
-"""Logit penalties and min_tokens masking, batched, in place on `[R, V]` float32 logits.
+"""Logit penalties, min_tokens / bad_words / allowed_token_ids masking and logit_bias, batched, in place on `[R, V]` float32 logits.
 
 All functions run on the logits' device with no host synchronisation; token lists
 arrive as padded id tensors (pad id = V) so one scatter builds every row's counts.
@@ -17,6 +17,35 @@ def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     """
     # new_full fills on the device; torch.tensor(-inf, device=cuda) would copy from the host.
     logits.index_put_((rows, token_ids), logits.new_full((1,), float("-inf")))
+
+
+def ban_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Set `logits[rows[m], token_ids[m]] = -inf` for every m (bad words, vLLM's
+    `apply_bad_words`). logits: [R, V] float32, in place. rows, token_ids: [M] int64."""
+    logits.index_put_((rows, token_ids), logits.new_full((1,), float("-inf")))
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor, rows: torch.Tensor, pair_rows: torch.Tensor, pair_ids: torch.Tensor
+) -> None:
+    """In each row of `rows`, set every logit to -inf except those of its allowed ids.
+
+    logits: [R, V] float32, in place. rows: [A] int64; pair_rows / pair_ids: [P] int64,
+    the (row, allowed id) pairs. Built as one [R, V] bool mask on the device.
+    """
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    banned[rows] = True
+    banned.index_put_((pair_rows, pair_ids), banned.new_zeros((1,)))
+    logits.masked_fill_(banned, float("-inf"))
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor
+) -> None:
+    """`logits[rows[k], token_ids[k]] += values[k]` (OpenAI's logit_bias: added to the
+    logits before sampling). logits: [R, V] float32, in place; rows, token_ids: [K]
+    int64, values: [K] float32 (each (row, id) pair at most once)."""
+    logits.index_put_((rows, token_ids), values, accumulate=True)
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Pipeline, in vLLM's order:
 
 1. logprobs, if any row asks, from the raw logits (vLLM v1's default "raw_logprobs");
-2. min_tokens masking of EOS / stop ids; repetition, frequency, presence penalties;
+2. allowed_token_ids and bad_words masks, min_tokens masking of EOS / stop ids,
+   logit_bias; then repetition, frequency, presence penalties;
 3. greedy rows take the argmax;
 4. other rows: temperature, top-k, top-p, min-p, then one draw per row by the
    exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. per token picks token i
@@ -23,7 +24,13 @@ import torch
 from flowengine.sample.filters import apply_min_p, apply_top_k_top_p
 from flowengine.sample.metadata import SamplingMetadata, SamplingState
 from flowengine.sample.output import LogprobsTensors, SamplerOutput
-from flowengine.sample.penalties import apply_min_tokens, apply_penalties
+from flowengine.sample.penalties import (
+    apply_allowed_token_ids,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    ban_tokens,
+)
 
 
 class Sampler:
@@ -83,10 +90,19 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits[metadata.logprob_rows], dim=-1)
 
         owned = False  # whether `logits` is our own copy that may be modified in place
-        if not metadata.no_min_tokens or not metadata.no_penalties:
+        m = metadata
+        if not m.no_logits_edits or not m.no_penalties:
             logits, owned = logits.clone(), True
-            if not metadata.no_min_tokens:
-                apply_min_tokens(logits, metadata.min_tokens_rows, metadata.min_tokens_token_ids)
+            if m.allowed_rows is not None:
+                apply_allowed_token_ids(logits, m.allowed_rows, m.allowed_pair_rows,
+                                        m.allowed_pair_ids)
+            if m.bad_words_rows is not None:
+                ban_tokens(logits, m.bad_words_rows, m.bad_words_token_ids)
+            if not m.no_min_tokens:
+                apply_min_tokens(logits, m.min_tokens_rows, m.min_tokens_token_ids)
+            if m.logit_bias_rows is not None:
+                apply_logit_bias(logits, m.logit_bias_rows, m.logit_bias_token_ids,
+                                 m.logit_bias_values)
             if not metadata.no_penalties:
                 apply_penalties(
                     logits,
