@@ -124,9 +124,13 @@ class TokenLogprobs(_Msg):
 
 
 class SampledTokens(_Msg):
+    """Tokens sampled for one request; with its first token, the logprobs of prompt
+    tokens 1.. when the request asked for prompt_logprobs."""
+
     req_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class StepResult(_Msg, tag=True):
@@ -148,6 +152,8 @@ class RequestDelta(_Msg):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Logprobs of prompt tokens 1.. (prompt_logprobs), with the first token only.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(_Msg):

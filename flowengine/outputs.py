@@ -16,6 +16,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (top-N plus the sampled token).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first, then token id -> Logprob (top-N plus
+# the prompt token itself), as vLLM's RequestOutput.prompt_logprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -43,6 +46,8 @@ class RequestOutput:
     """Outputs of one request: the prompt, its completions, whether all are finished.
 
     `num_cached_tokens` counts prompt tokens served from the prefix cache.
+    `prompt_logprobs` (requests with `prompt_logprobs` set): one entry per prompt
+    token, None for the first; in a stream it comes with the first output that has it.
     In a stream (`AsyncEngine.submit`), each `RequestOutput` holds the delta since the
     previous one: new text and new token ids only.
     """
@@ -54,3 +59,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None

@@ -42,6 +42,8 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
     pending.num_cached_tokens = new.num_cached_tokens
     if new.error is not None:
         pending.error = new.error
+    if new.prompt_logprobs is not None:
+        pending.prompt_logprobs = new.prompt_logprobs
 
 
 def _completion_index(c: CompletionOutput) -> int:

@@ -112,6 +112,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         extend_block_hashes(request, self.block_size, self.root_hash)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Its prompt logprobs need the hidden states of every prompt position (vLLM
+            # skips the prefix cache for such requests too).
+            return [], 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_num_blocks]:

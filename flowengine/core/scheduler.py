@@ -275,7 +275,8 @@ class Scheduler:
             if self.in_flight.num_placeholders(request):
                 return  # preempted with tokens in flight: resume it with them (docstring)
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
-            if manager.enable_caching and len(hit_blocks) < self._num_cacheable_blocks(request):
+            if (manager.enable_caching and request.sampling_params.prompt_logprobs is None
+                    and len(hit_blocks) < self._num_cacheable_blocks(request)):
                 if pending is None:
                     # Requests admitted earlier in this loop are in RUNNING already.
                     pending = manager.unpublished_block_hashes(self.running)

@@ -209,6 +209,7 @@ class SchedulerState:
             finish_reason,
             request.stop_reason,
             request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            prompt_logprobs=sampled.prompt_logprobs,
         )
 
     def fail_request(self, request: Request, error: str) -> RequestDelta:

@@ -226,6 +226,8 @@ class InputProcessor:
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Params of sample `index`: seeded samples get seed + index so they differ."""
         changes: dict[str, Any] = {"n": 1}
+        if index > 0 and params.prompt_logprobs is not None:
+            changes["prompt_logprobs"] = None  # sample 0 computes them for all n
         if params.seed is not None and params.n > 1:
             changes["seed"] = params.seed + index
         if self.extra_eos_token_ids and not params.ignore_eos:

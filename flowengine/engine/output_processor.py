@@ -14,7 +14,7 @@ import msgspec
 
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
-from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flowengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from flowengine.tokenize.text_state import IncrementalTextState
 
 # Placeholder of a sample's new_token_ids between outputs; never mutated (see below).
@@ -53,6 +53,8 @@ class _RequestState:
     num_unfinished: int
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # streaming: they go out once
 
 
 class OutputProcessor:
@@ -129,6 +131,8 @@ class OutputProcessor:
                 state.num_cached_tokens = delta.num_cached_tokens
             if delta.error:
                 state.error = delta.error
+            if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(state, delta.prompt_logprobs)
             if self._apply(sample, delta):
                 to_stop.append(delta.req_id)
             if sample.finish_reason is not None:
@@ -190,6 +194,15 @@ class OutputProcessor:
             entry[sampled] = Logprob(lp.sampled_logprob, lp.sampled_rank, decode([sampled]))
         return entry
 
+    def _prompt_logprobs(self, state: _RequestState, lps: list[TokenLogprobs]) -> PromptLogprobs:
+        """vLLM's form: None for the first prompt token, then one dict per token."""
+        ids = state.prompt.prompt_token_ids
+        detokenize = state.prompt.sampling_params.detokenize
+        out: PromptLogprobs = [None]
+        out.extend(self._logprob_entry(lp, tok, detokenize)
+                   for lp, tok in zip(lps, ids[1:], strict=True))
+        return out
+
     def _make_output(self, request_id: str, state: _RequestState) -> RequestOutput:
         completions = []
         if self.stream:
@@ -228,6 +241,11 @@ class OutputProcessor:
                 )
                 s.new_text = ""
                 s.dirty = False
+        prompt_logprobs = state.prompt_logprobs
+        if self.stream and prompt_logprobs is not None:
+            if state.prompt_logprobs_sent:
+                prompt_logprobs = None
+            state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id,
             state.prompt.prompt,
@@ -236,6 +254,7 @@ class OutputProcessor:
             state.num_unfinished == 0,
             state.num_cached_tokens,
             state.error,
+            prompt_logprobs,
         )
 
     def resubmit_requests(self) -> list[NewRequest]:

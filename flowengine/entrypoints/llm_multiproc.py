@@ -31,6 +31,8 @@ def merge_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOut
     total.finished = delta.finished
     total.num_cached_tokens = delta.num_cached_tokens or total.num_cached_tokens
     total.error = delta.error or total.error
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
     return total
 
 

@@ -220,6 +220,7 @@ class CudaModelRunner(ModelRunner):
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.attn_metadata)
+        self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
         for state, num in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += num
         return states, inputs, hidden

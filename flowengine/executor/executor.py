@@ -123,7 +123,8 @@ class Executor:
         results = []
         for rid, tok, lp in zip(output.req_ids, token_ids, logprobs, strict=True):
             self.runner.append_sampled(rid, [tok])
-            results.append(SampledTokens(rid, [tok], None if lp is None else [lp]))
+            prompt_lps = self.runner.get_request_state(rid).take_prompt_logprobs()
+            results.append(SampledTokens(rid, [tok], None if lp is None else [lp], prompt_lps))
         return StepResult(plan.step_id, results)
 
     def receive_sampled(self, plan: StepPlan, output: ModelOutput) -> bool:

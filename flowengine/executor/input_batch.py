@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from flowengine.executor.staging_buffer import Region, StagingBuffers
+from flowengine.messages import TokenLogprobs
 from flowengine.model.attention.metadata import AttentionMetadata
 from flowengine.sample.metadata import SamplingState
 from flowengine.sampling_params import SamplingParams
@@ -40,6 +41,9 @@ class RequestState:
     placeholder_indices: indices of token_ids that hold PLACEHOLDER_TOKEN_ID, in order.
     token_slot: the request's row in the runner's last-sampled-token device tensor
         (-1: none; only runners that sample on the device assign one).
+    prompt_logprobs: with `sampling_params.prompt_logprobs` set, the logprobs of prompt
+        tokens 1.. collected so far (prefill chunk by chunk); None once delivered with
+        the first sampled token (`take_prompt_logprobs`).
     """
 
     req_id: str
@@ -51,6 +55,20 @@ class RequestState:
     num_computed_tokens: int
     placeholder_indices: list[int] = field(default_factory=list)
     token_slot: int = -1
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and self.num_computed_tokens == 0:
+            self.prompt_logprobs = []
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The prompt logprobs once all num_prompt_tokens - 1 are collected (then
+        forgotten, so they are delivered once), else None."""
+        lps = self.prompt_logprobs
+        if lps is None or len(lps) < self.num_prompt_tokens - 1:
+            return None
+        self.prompt_logprobs = None
+        return lps
 
     @property
     def output_token_ids(self) -> list[int]:

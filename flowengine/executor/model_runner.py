@@ -14,7 +14,8 @@ import torch
 
 from flowengine.config import CacheConfig
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
-from flowengine.executor.input_batch import InputBatch, RequestState
+from flowengine.executor.input_batch import InputBatch, RequestState, StepInputs
+from flowengine.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from flowengine.messages import StepPlan
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.loader import load_model
@@ -176,6 +177,31 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                             inputs.attn_metadata)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        self.collect_prompt_logprobs(states, plan.num_scheduled_tokens, inputs, hidden)
         for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
             state.num_computed_tokens += num
         return ModelOutput(inputs.sample_req_ids, logits)
+
+    def collect_prompt_logprobs(self, states: list[RequestState], num_scheduled: list[int],
+                                inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """Append the prompt logprobs of this step's prompt positions to the states
+        that ask for them (before num_computed_tokens advances). A no-op, with no
+        device work, when none asks."""
+        qsl = inputs.attn_metadata.query_start_loc_cpu
+        for i, state in enumerate(states):
+            if state.prompt_logprobs is None:
+                continue
+            positions = prompt_logprob_rows(state.num_computed_tokens, num_scheduled[i],
+                                            state.num_prompt_tokens)
+            if not positions:
+                continue
+            start = int(qsl[i]) - state.num_computed_tokens
+            rows = torch.tensor([start + p for p in positions], dtype=torch.int64)
+            targets = torch.tensor(state.token_ids[positions.start + 1:positions.stop + 1],
+                                   dtype=torch.int64)
+            k = state.sampling_params.prompt_logprobs
+            lps = compute_prompt_logprobs(
+                hidden, self.model.compute_logits, rows.to(self.device),
+                targets.to(self.device), self.model_config.vocab_size if k == -1 else k)
+            if lps is not None:
+                state.prompt_logprobs.extend(lps)

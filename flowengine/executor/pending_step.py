@@ -107,8 +107,10 @@ class PendingStep:
                 state.token_ids[index] = token
                 state.placeholder_indices.remove(index)
             self._result = StepResult(self.step_id, [
-                SampledTokens(rid, [tok], None if lp is None else [lp])
-                for rid, tok, lp in zip(self.req_ids, token_ids, logprobs, strict=True)
+                SampledTokens(rid, [tok], None if lp is None else [lp],
+                              state.take_prompt_logprobs())
+                for rid, tok, lp, (state, _) in zip(self.req_ids, token_ids, logprobs,
+                                                    self._placeholders, strict=True)
             ])
             if self._on_done is not None:
                 self._on_done(self)
