@@ -165,12 +165,12 @@ def test_too_deep_json_is_400_without_traceback(http, caplog):
         (CHAT, "structured_outputs", {"json": {}}),
         (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
         (CHAT, "chat_template", "{{ messages }}"),
-        (CHAT, "allowed_token_ids", [1, 2]),
-        (CHAT, "bad_words", ["x"]),
+        (CHAT, "logits_processors", ["pkg.proc"]),
+        (CHAT, "kv_transfer_params", {"do_remote_decode": True}),
         (CHAT, "use_beam_search", True),
         ("/v1/completions", "guided_grammar", "root ::= 'a'"),
-        ("/v1/completions", "prompt_logprobs", 1),
-        ("/v1/completions", "truncate_prompt_tokens", 5),
+        ("/v1/completions", "return_token_ids", True),
+        ("/v1/completions", "length_penalty", 1.5),
     ],
 )
 def test_vllm_fields_not_implemented_are_refused_by_name(http, engine, path, field, value):

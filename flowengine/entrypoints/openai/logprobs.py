@@ -28,6 +28,8 @@ from typing import Any
 from flowengine.outputs import Logprob
 
 MIN_LOGPROB = -9999.0
+# num_top for a request's `-1` (the whole vocabulary): every ranked token is listed.
+ALL_LOGPROBS = 1 << 62
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPIECE_SPACE = "\u2581"  # SentencePiece's word-boundary mark "▁"
 
@@ -181,3 +183,42 @@ def completion_logprobs(
 def extend_completion_logprobs(acc: dict[str, list[Any]], more: dict[str, list[Any]]) -> None:
     for key, values in more.items():
         acc[key].extend(values)
+
+
+def echo_completion_logprobs(
+    prompt_token_ids: Sequence[int],
+    prompt_logprobs: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    tokenizer: Any,
+) -> dict[str, list[Any]]:
+    """Legacy lists for an echoed prompt (completions `echo` with `logprobs`): the
+    first token has no logprob (None in token_logprobs and top_logprobs, as OpenAI and
+    vLLM give it); offsets start at 0."""
+    first = prompt_token_ids[0]
+    text = tokenizer.decode([first])
+    out: dict[str, list[Any]] = {
+        "tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0],
+    }  # fmt: skip
+    rest = completion_logprobs(
+        prompt_token_ids[1:], [e or {} for e in prompt_logprobs[1:]], num_top, tokenizer,
+        len(text),
+    )
+    extend_completion_logprobs(out, rest)
+    return out
+
+
+def prompt_logprobs_json(
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` response field: per prompt token None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}} (JSON keys are strings)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {
+            str(tid): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                       "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]  # fmt: skip

@@ -73,8 +73,8 @@ def build_openapi(
     rules: dict[str, dict[str, float]] = dict(SAMPLING_RANGES)
     if max_n is not None:
         rules["n"] = rules["best_of"] = {"maximum": max_n}
-    if max_logprobs is not None:
-        rules["logprobs"] = {"maximum": max_logprobs}
+    if max_logprobs is not None and max_logprobs != -1:  # -1: no limit
+        rules["logprobs"] = rules["prompt_logprobs"] = {"maximum": max_logprobs}
     for name in GENERATION_REQUESTS:
         props = components.get(name, {}).get("properties", {})
         for field_name, field_rules in rules.items():

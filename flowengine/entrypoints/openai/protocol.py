@@ -28,6 +28,8 @@ INT64_MAX = (1 << 63) - 1
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=INT64_MAX)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+# A count of log-probabilities: >= 0, or -1 for the whole vocabulary (vLLM's meaning).
+NumLogprobs = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 
 # vLLM request fields (vllm/entrypoints/openai/protocol.py) that FlowEngine does not
 # implement yet. Declared with type `null` below; a value is refused with this message.
@@ -35,8 +37,7 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-        "logits_processors", "allowed_token_ids", "bad_words", "prompt_logprobs",
-        "truncate_prompt_tokens", "vllm_xargs", "kv_transfer_params",
+        "logits_processors", "kv_transfer_params",
         "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
         "length_penalty", "continue_final_message", "add_special_tokens",
@@ -81,6 +82,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Int64 = 0
     # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
     cache_salt: str | None = None
+    # vLLM's extra sampling fields, as SamplingParams (vllm_xargs -> extra_args).
+    allowed_token_ids: list[NonNegInt] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] | None = None
+    vllm_xargs: dict[str, str | int | float] | None = None
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
     guided_json: None = None
     guided_regex: None = None
@@ -90,11 +97,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: None = None
     structured_outputs: None = None
     logits_processors: None = None
-    allowed_token_ids: None = None
-    bad_words: None = None
-    prompt_logprobs: None = None
-    truncate_prompt_tokens: None = None
-    vllm_xargs: None = None
     kv_transfer_params: None = None
     return_tokens_as_token_ids: None = None
     return_token_ids: None = None
@@ -115,7 +117,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | NonNegInt | list[NonNegInt]]
     max_tokens: PosInt | None = 16
     echo: bool = False
-    logprobs: NonNegInt | None = None
+    logprobs: NumLogprobs | None = None
     suffix: str | None = None
     best_of: PosInt | None = None
     add_special_tokens: None = None
@@ -152,7 +154,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_tokens: PosInt | None = None
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=-1, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -56,12 +56,22 @@ def check_limits(
             "prompt; ask for fewer (the server's --max-n sets the limit)",
             "n",
         )
-    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        raise bad_request(
-            f"{params.logprobs} log-probabilities per token were asked for, over this "
-            f"server's limit of {limits.max_logprobs} (--max-logprobs)",
-            "logprobs",
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is None or limits.max_logprobs == -1:
+            continue
+        if value == -1:
+            raise bad_request(
+                f"{name}=-1 asks for the whole vocabulary's log-probabilities; this server "
+                f"allows {limits.max_logprobs} (--max-logprobs -1 lifts the limit)",
+                name,
+            )
+        if value > limits.max_logprobs:
+            raise bad_request(
+                f"{value} log-probabilities per token were asked for, over this "
+                f"server's limit of {limits.max_logprobs} (--max-logprobs)",
+                name,
+            )
     if limits.max_request_tokens is not None:
         per_sample = params.max_tokens if params.max_tokens is not None else max_model_len
         work = num_prompts * params.n * per_sample
@@ -74,9 +84,24 @@ def check_limits(
             )
 
 
+def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token id as a JSON string -> bias) with int keys."""
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if token_id < 0 or str(token_id) != key.strip():
+            raise bad_request(
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                "logit_bias",
+            )
+        bias[token_id] = value
+    return bias
+
+
 def _common(req: SamplingFields) -> dict[str, Any]:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported; remove it", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     fields: dict[str, Any] = {
@@ -90,7 +115,14 @@ def _common(req: SamplingFields) -> dict[str, Any]:
         "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
     }
+    if req.logit_bias:
+        fields["logit_bias"] = _logit_bias(req.logit_bias)
     optional = {
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words,
+        "prompt_logprobs": req.prompt_logprobs,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
+        "extra_args": req.vllm_xargs,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "presence_penalty": req.presence_penalty,
@@ -120,15 +152,15 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
             "or equal to n",
             "best_of",
         )
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "echo together with logprobs needs prompt log-probabilities, which are not "
-            "computed; drop one of them",
-            "logprobs",
-        )
     fields = _common(req)
     fields["max_tokens"] = req.max_tokens
     fields["logprobs"] = req.logprobs
+    if req.echo and req.logprobs is not None:
+        # The echoed prompt tokens come with their logprobs (vLLM: prompt_logprobs =
+        # logprobs unless prompt_logprobs asks for more).
+        asked = fields.get("prompt_logprobs")
+        if asked is None or (asked != -1 and (req.logprobs == -1 or req.logprobs > asked)):
+            fields["prompt_logprobs"] = req.logprobs
     return _build(fields)
 
 

@@ -24,7 +24,11 @@ from flowengine.entrypoints.openai.asgi import (
 )
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
-from flowengine.entrypoints.openai.logprobs import chat_logprobs
+from flowengine.entrypoints.openai.logprobs import (
+    ALL_LOGPROBS,
+    chat_logprobs,
+    prompt_logprobs_json,
+)
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
@@ -78,6 +82,8 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         metrics=ctx.metrics,
     )
     num_top = (req.top_logprobs or 0) if req.logprobs else None
+    if num_top == -1:  # the whole vocabulary
+        num_top = ALL_LOGPROBS
     base = {
         "id": request_id,
         "object": "chat.completion.chunk" if req.stream else "chat.completion",
@@ -96,8 +102,11 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         )
     choices = [_ChoiceState() for _ in range(params.n)]
     outcome = "aborted"
+    prompt_logprobs = None
     try:
         async for out in stream:
+            if out.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = out.prompt_logprobs
             for c in out.outputs:
                 choices[c.index].add(c)
         outcome = "ok"
@@ -109,6 +118,9 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
             **base,
             "choices": [_choice_body(ctx, i, ch, num_top) for i, ch in enumerate(choices)],
             "usage": _usage(stream),
+            # vLLM's field: the prompt's logprobs when prompt_logprobs was asked for.
+            **({"prompt_logprobs": prompt_logprobs_json(prompt_logprobs)}
+               if params.prompt_logprobs is not None else {}),
         }
     )
 

@@ -24,7 +24,13 @@ from flowengine.entrypoints.openai.asgi import (
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
-from flowengine.entrypoints.openai.logprobs import completion_logprobs, extend_completion_logprobs
+from flowengine.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    echo_completion_logprobs,
+    extend_completion_logprobs,
+    prompt_logprobs_json,
+)
+from flowengine.entrypoints.openai.logprobs import ALL_LOGPROBS
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest
 from flowengine.entrypoints.openai.sampling import check_limits, completion_params
@@ -94,7 +100,8 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     }
     handed_off = False
     try:
-        state = _Choices(ctx, streams, params.n, req.echo, req.logprobs)
+        state = _Choices(ctx, streams, params.n, req.echo, req.logprobs,
+                         req.prompt_logprobs is not None)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             response = StreamingResponse(
@@ -121,6 +128,7 @@ async def _collect(
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
+                state.record_prompt_logprobs(i, out.prompt_logprobs)
                 for c in out.outputs:
                     k = i * n + c.index
                     state.add(k, c.text, c.token_ids, c.logprobs)
@@ -139,6 +147,9 @@ async def _collect(
         }
         for k in range(len(state.texts))
     ]
+    if state.want_prompt_logprobs:
+        for k, choice in enumerate(choices):
+            choice["prompt_logprobs"] = prompt_logprobs_json(state.prompt_logprobs[k // n])
     return {**base, "choices": choices, "usage": _usage(streams)}
 
 
@@ -152,15 +163,23 @@ class _Choices:
         n: int,
         echo: bool,
         num_top: int | None,
+        want_prompt_logprobs: bool = False,
     ) -> None:
         self.ctx = ctx
-        self.num_top = num_top
+        # -1 (the whole vocabulary) lists every token in top_logprobs.
+        self.num_top = ALL_LOGPROBS if num_top == -1 else num_top
         num = len(streams) * n
         self.pending_echo: list[str] = [
             _prompt_text(ctx, streams[k // n]) if echo else "" for k in range(num)
         ]
         self.texts: list[list[str]] = [[] for _ in range(num)]
         self.offsets = [len(e) for e in self.pending_echo]
+        # Per prompt (stream): the engine's prompt logprobs, once its first output has them.
+        self.streams = streams
+        self.want_prompt_logprobs = want_prompt_logprobs
+        self.prompt_logprobs: list[Any] = [None] * len(streams)
+        # echo with logprobs: the prompt's tokens and logprobs lead the choice's lists.
+        self.pending_echo_logprobs = [echo and num_top is not None] * num
         self.logprobs: list[dict[str, list[Any]] | None] = [
             None if num_top is None else {
                 "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
@@ -182,9 +201,30 @@ class _Choices:
             delta_lp = completion_logprobs(
                 token_ids, logprobs, self.num_top, self.ctx.tokenizer, self.offsets[k]
             )
+            if self.pending_echo_logprobs[k]:
+                self.pending_echo_logprobs[k] = False
+                delta_lp = self._echoed(k, delta_lp)
             extend_completion_logprobs(self.logprobs[k], delta_lp)  # type: ignore[arg-type]
             self.offsets[k] = delta_lp["text_offset"][-1] + len(delta_lp["tokens"][-1])
         return text, delta_lp
+
+    def record_prompt_logprobs(self, i: int, prompt_logprobs: Any) -> None:
+        """Keep prompt i's logprobs (they come with its first output)."""
+        if prompt_logprobs is not None and self.prompt_logprobs[i] is None:
+            self.prompt_logprobs[i] = prompt_logprobs
+
+    def _echoed(self, k: int, output_lp: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """The prompt's lists followed by the output's, offsets re-based after the prompt."""
+        n = len(self.texts) // len(self.streams)
+        ids = self.streams[k // n].first_output.prompt_token_ids
+        plps = self.prompt_logprobs[k // n]
+        if plps is None:
+            raise RuntimeError("the engine returned no prompt logprobs for an echo request")
+        merged = echo_completion_logprobs(ids, plps, self.num_top or 0, self.ctx.tokenizer)
+        shift = merged["text_offset"][-1] + len(merged["tokens"][-1]) - self.offsets[k]
+        output_lp["text_offset"] = [o + shift for o in output_lp["text_offset"]]
+        extend_completion_logprobs(merged, output_lp)
+        return merged
 
     def finish(self, k: int, reason: str, stop_reason: int | str | None) -> None:
         self.finish_reasons[k], self.stop_reasons[k] = reason, stop_reason
@@ -202,6 +242,7 @@ async def _completion_events(
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
+                state.record_prompt_logprobs(i, out.prompt_logprobs)
                 for c in out.outputs:
                     k = i * n + c.index
                     text, lp = state.add(k, c.text, c.token_ids, c.logprobs)
