@@ -165,3 +165,35 @@ def test_resubmit_carries_delivered_tokens(tok) -> None:
     (msg,) = op.resubmit_requests()
     assert msg.request_id == "a" and msg.output_token_ids == ids("abc")
     assert op.abort("a") == ["a"] and len(op) == 0
+
+
+def _plp(top: int, value: float) -> TokenLogprobs:
+    return TokenLogprobs(top_token_ids=[top], top_logprobs=[value - 1.0],
+                         sampled_logprob=value, sampled_rank=2)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_none_first_then_one_entry_per_prompt_token(tok, stream) -> None:
+    op = OutputProcessor(tok, stream=stream)
+    op.add_request(prompt("p", SamplingParams(max_tokens=4, prompt_logprobs=1)))
+    q, colon, space = ids("Q: ")
+    delta = RequestDelta("p", ids("a"), prompt_logprobs=[_plp(7, -0.5), _plp(8, -1.5)])
+    (out,), _ = op.process([delta])
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 3
+    first, second = out.prompt_logprobs[1:]
+    assert set(first) == {7, colon} and first[colon].logprob == -0.5 and first[colon].rank == 2
+    assert first[7].logprob == -1.5 and first[7].rank == 1 and first[7].decoded_token == "\x07"
+    assert second[space].logprob == -1.5 and second[space].decoded_token == " "
+    (later,), _ = op.process([RequestDelta("p", ids("b"), finish_reason="length")])
+    # A stream sends them once (with the first output); cumulative outputs keep them.
+    assert (later.prompt_logprobs is None) if stream else (later.prompt_logprobs == out.prompt_logprobs)
+
+
+def test_detokenize_false_gives_no_text(tok) -> None:
+    op = OutputProcessor(tok)
+    op.add_request(prompt("d", SamplingParams(max_tokens=4, detokenize=False, logprobs=0)))
+    lp = TokenLogprobs(top_token_ids=[], top_logprobs=[], sampled_logprob=-0.1, sampled_rank=1)
+    (out,), _ = op.process([RequestDelta("d", ids("hi"), [lp, lp], finish_reason="length")])
+    c = out.outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason) == ("", ids("hi"), "length")
+    assert [e[t].decoded_token for e, t in zip(c.logprobs, c.token_ids, strict=True)] == [None, None]
