@@ -214,10 +214,12 @@ def test_min_tokens_holds_back_stop_token_ids_and_eos(llm):
     assert len(got) >= 4 and stop not in got[:4]
     assert got[0] == toks[0]  # before the ban changes anything, the same tokens
     eos = llm.tokenizer.eos_token_id
-    chat = llm.chat([{"role": "user", "content": "Say hi."}],
-                    SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
-    assert chat.finish_reason == "stop" and len(chat.token_ids) < 20
-    longer = llm.chat([{"role": "user", "content": "Say hi."}],
-                      SamplingParams(temperature=0, max_tokens=64, min_tokens=20))[0].outputs[0]
-    assert len(longer.token_ids) >= 20 and eos not in longer.token_ids[:20]
+    hi = [{"role": "user", "content": "Say hi."}]
+    chat = llm.chat(hi, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == eos
+    at_least = len(chat.token_ids) + 3
+    longer = llm.chat(hi, SamplingParams(temperature=0, max_tokens=at_least + 2,
+                                         min_tokens=at_least))[0].outputs[0]
+    assert len(longer.token_ids) >= at_least and eos not in longer.token_ids[:at_least]
+    assert longer.token_ids[:len(chat.token_ids) - 1] == chat.token_ids[:-1]
     _free(llm)
