@@ -36,7 +36,12 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
     "suffix": {"anyOf": [_NULL, {"type": "string", "maxLength": 0}], "default": None},
     "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
-    "logit_bias": {"anyOf": [_NULL, {"type": "object", "maxProperties": 0}], "default": None},
+    # Not refused, but narrower than its type: token-id keys, biases in [-100, 100].
+    "logit_bias": {"anyOf": [_NULL, {
+        "type": "object",
+        "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    }], "default": None},
     "tool_choice": {"anyOf": [_NULL, {"const": "none"}], "default": None},
 }
 # Message content parts: only text parts are served.

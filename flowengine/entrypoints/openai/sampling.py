@@ -92,7 +92,7 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
             token_id = int(key)
         except ValueError:
             token_id = -1
-        if token_id < 0 or str(token_id) != key.strip():
+        if token_id < 0 or str(token_id) != key:  # digits only, as the OpenAPI document says
             raise bad_request(
                 f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 "logit_bias",
