@@ -44,11 +44,29 @@ def test_enable_chunked_prefill_flag() -> None:
 def test_no_chunked_prefill_reaches_the_scheduler(default_model_path) -> None:
     from flowengine.engine.builder import build_scheduler, resolve
 
-    on = resolve(_args(default_model_path, "--max-model-len", "512",
-                       "--max-num-batched-tokens", "64", "--device", "cpu"))
-    off = resolve(_args(default_model_path, "--max-model-len", "512",
-                        "--max-num-batched-tokens", "64", "--device", "cpu",
-                        "--no-enable-chunked-prefill"))
+    on = resolve(
+        _args(
+            default_model_path,
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "64",
+            "--device",
+            "cpu",
+        )
+    )
+    off = resolve(
+        _args(
+            default_model_path,
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "64",
+            "--device",
+            "cpu",
+            "--no-enable-chunked-prefill",
+        )
+    )
     assert on.max_num_batched_tokens == 64
     # Without chunking a whole prompt must fit one step: the budget becomes max_model_len.
     assert off.max_num_batched_tokens == 512
@@ -72,8 +90,17 @@ def test_num_gpu_blocks_override_is_num_kv_blocks() -> None:
 def test_num_gpu_blocks_override_sizes_the_cache(default_model_path) -> None:
     from flowengine.engine.builder import num_kv_blocks_for, resolve
 
-    resolved = resolve(_args(default_model_path, "--num-gpu-blocks-override", "37",
-                             "--kv-cache-memory-bytes", str(1 << 30), "--device", "cpu"))
+    resolved = resolve(
+        _args(
+            default_model_path,
+            "--num-gpu-blocks-override",
+            "37",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            "--device",
+            "cpu",
+        )
+    )
     assert num_kv_blocks_for(resolved, bytes_per_block=4096) == 37
 
 
@@ -85,14 +112,23 @@ def _custom_config_model(tmp_path) -> str:
         "class FlowTestConfig(LlamaConfig):\n"
         "    model_type = 'flowtest_llama'\n"
     )
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "flowtest_llama",
-        "architectures": ["LlamaForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_flowtest.FlowTestConfig"},
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "hidden_act": "silu",
-    }))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "flowtest_llama",
+                "architectures": ["LlamaForCausalLM"],
+                "auto_map": {"AutoConfig": "configuration_flowtest.FlowTestConfig"},
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+                "hidden_act": "silu",
+            }
+        )
+    )
     return str(tmp_path)
 
 
@@ -145,11 +181,21 @@ def test_disable_log_stats_flag_and_defaults() -> None:
 
 
 def test_stat_log_line_exact_numbers() -> None:
-    prev = EngineStats(prompt_tokens_total=100, generation_tokens_total=50,
-                       prefix_cache_queries_total=64, prefix_cache_hits_total=16)
-    now = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25,
-                      prompt_tokens_total=300, generation_tokens_total=90,
-                      prefix_cache_queries_total=144, prefix_cache_hits_total=76)
+    prev = EngineStats(
+        prompt_tokens_total=100,
+        generation_tokens_total=50,
+        prefix_cache_queries_total=64,
+        prefix_cache_hits_total=16,
+    )
+    now = EngineStats(
+        num_running=3,
+        num_waiting=2,
+        kv_cache_usage=0.25,
+        prompt_tokens_total=300,
+        generation_tokens_total=90,
+        prefix_cache_queries_total=144,
+        prefix_cache_hits_total=76,
+    )
     line = StatLogLine.between(prev, now, 4.0)
     assert line == StatLogLine(50.0, 10.0, 3, 2, 25.0, 75.0)
     assert line.format() == (
@@ -162,8 +208,12 @@ def test_stat_log_line_exact_numbers() -> None:
 
 def test_stat_logger_levels(caplog) -> None:
     t = [0.0]
-    snapshots = [EngineStats(), EngineStats(prompt_tokens_total=20), EngineStats(prompt_tokens_total=20),
-                 EngineStats(prompt_tokens_total=20)]
+    snapshots = [
+        EngineStats(),
+        EngineStats(prompt_tokens_total=20),
+        EngineStats(prompt_tokens_total=20),
+        EngineStats(prompt_tokens_total=20),
+    ]
     actor = StatLoggerActor(lambda: snapshots.pop(0), interval_s=10.0, clock=lambda: t[0])
     caplog.set_level(logging.DEBUG, logger="flowengine.stats")
     assert actor.log_once() is None  # the first snapshot only starts the interval
@@ -189,16 +239,21 @@ def test_log_stats_interval_env(monkeypatch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("disable_log_stats", [False, True])
-def test_async_engine_logs_stats_unless_disabled(default_model_path, monkeypatch, caplog,
-                                                 disable_log_stats) -> None:
+def test_async_engine_logs_stats_unless_disabled(
+    default_model_path, monkeypatch, caplog, disable_log_stats
+) -> None:
     from flowengine.entrypoints.async_engine import AsyncEngine
 
     monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "0.05")
     caplog.set_level(logging.DEBUG, logger="flowengine.stats")
 
     async def main() -> None:
-        engine = AsyncEngine(default_model_path, max_model_len=256, num_kv_blocks=64,
-                             disable_log_stats=disable_log_stats)
+        engine = AsyncEngine(
+            default_model_path,
+            max_model_len=256,
+            num_kv_blocks=64,
+            disable_log_stats=disable_log_stats,
+        )
         await engine.start()
         try:
             async for _ in engine.submit("Hello", SamplingParams(max_tokens=4, temperature=0)):

@@ -100,9 +100,10 @@ def test_n_over_the_limit_is_400_naming_it(http, engine):
 
 def test_request_token_cap_counts_prompts_n_and_max_tokens():
     limits = RequestLimits(max_n=8, max_request_tokens=40)
-    with LiveServer(FakeEngine(), limits=limits) as live, httpx.Client(
-        base_url=live.base_url, timeout=30
-    ) as http:
+    with (
+        LiveServer(FakeEngine(), limits=limits) as live,
+        httpx.Client(base_url=live.base_url, timeout=30) as http,
+    ):
         ok = {"prompt": ["ab", "cd"], "n": 4, "max_tokens": 5}  # 2 x 4 x 5 = 40
         assert http.post("/v1/completions", json=ok).status_code == 200
         err = assert_error(

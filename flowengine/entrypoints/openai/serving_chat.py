@@ -69,8 +69,11 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(
         ctx.engine,
-        [messages if req.cache_salt is None
-         else {"messages": messages, "cache_salt": req.cache_salt}],
+        [
+            messages
+            if req.cache_salt is None
+            else {"messages": messages, "cache_salt": req.cache_salt}
+        ],
         params,
         request_id,
         priority=req.priority,
