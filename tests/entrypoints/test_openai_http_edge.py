@@ -98,6 +98,16 @@ def test_n_over_the_limit_is_400_naming_it(http, engine):
     assert resp.status_code == 200 and len(resp.json()["choices"]) == 128
 
 
+def test_chat_top_logprobs_over_a_lower_max_logprobs_is_400():
+    with LiveServer(FakeEngine(), limits=RequestLimits(max_logprobs=3)) as live:
+        body = {"messages": HELLO, "logprobs": True, "top_logprobs": 4, "max_tokens": 1}
+        resp = httpx.post(f"{live.base_url}{CHAT}", json=body, timeout=30)
+        err = assert_error(resp, 400, param="top_logprobs")
+        assert "limit of 3 (--max-logprobs)" in err["message"]
+        body["top_logprobs"] = 3
+        assert httpx.post(f"{live.base_url}{CHAT}", json=body, timeout=30).status_code == 200
+
+
 def test_request_token_cap_counts_prompts_n_and_max_tokens():
     limits = RequestLimits(max_n=8, max_request_tokens=40)
     with (
