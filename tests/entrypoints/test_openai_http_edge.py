@@ -5,6 +5,7 @@ to --max-logprobs, vLLM fields that are not implemented refused by name."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -370,7 +371,7 @@ def test_default_queue_limit_from_max_num_seqs_is_429_with_retry_after(tmp_path)
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
         ),
         "FLOWENGINE_TEST_ENGINE": "openai_fake_engine:make_engine",
-        "FAKE_ENGINE_STEP_S": "2.0",  # the first output comes after one 2 s step
+        "FAKE_ENGINE_STEP_S": "5.0",  # the first output comes after one 5 s step
     }
     log = tmp_path / "server.log"
     proc = subprocess.Popen(
@@ -395,9 +396,18 @@ def test_default_queue_limit_from_max_num_seqs_is_429_with_retry_after(tmp_path)
         def post() -> httpx.Response:
             return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
 
+        def num_running() -> float:
+            text = httpx.get(f"{base}/metrics", timeout=10).text
+            m = re.search(r"^flowengine:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+            return float(m.group(1)) if m else 0.0
+
         with ThreadPoolExecutor(2) as pool:
             first = [pool.submit(post) for _ in range(2)]
-            time.sleep(0.8)  # both admitted, both still waiting for their first token
+            # Both admitted; their first output comes only after one 5 s step.
+            deadline = time.monotonic() + 4
+            while num_running() < 2:
+                assert time.monotonic() < deadline, "the two requests were not admitted"
+                time.sleep(0.05)
             third = post()
             assert_error(third, 429, code="queue_full")
             assert third.headers["retry-after"] == "1"
