@@ -183,7 +183,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ):
             raise bad("extra_args", self.extra_args, "a dict with string keys")
         if self.stop is not None and (
-            not isinstance(self.stop, list) or any(not isinstance(s, str) or s == "" for s in self.stop)
+            not isinstance(self.stop, list)
+            or any(not isinstance(s, str) or s == "" for s in self.stop)
         ):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if self.stop_token_ids is not None:

@@ -20,7 +20,6 @@ from flowengine.entrypoints.openai.protocol import (
 )
 from flowengine.sampling_params import SamplingParams
 
-
 # vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
 DEFAULT_MAX_LOGPROBS = 20
 # Completions of one request (n). Each is a sequence in the batch; past this one
@@ -47,9 +46,17 @@ class RequestLimits:
 
 
 def check_limits(
-    limits: RequestLimits, params: SamplingParams, num_prompts: int, max_model_len: int
+    limits: RequestLimits,
+    params: SamplingParams,
+    num_prompts: int,
+    max_model_len: int,
+    logprobs_field: str = "logprobs",
 ) -> None:
-    """Raise APIError(400) when a request exceeds the server's limits."""
+    """Raise APIError(400) when a request exceeds the server's limits.
+
+    `logprobs_field` is the request field that asked for log-probabilities (chat:
+    "top_logprobs"), named as the error's `param`.
+    """
     if params.n > limits.max_n:
         raise bad_request(
             f"n is {params.n}, over this server's limit of {limits.max_n} completions per "
@@ -60,17 +67,18 @@ def check_limits(
         value = getattr(params, name)
         if value is None or limits.max_logprobs == -1:
             continue
+        field_name = logprobs_field if name == "logprobs" else name
         if value == -1:
             raise bad_request(
-                f"{name}=-1 asks for the whole vocabulary's log-probabilities; this server "
-                f"allows {limits.max_logprobs} (--max-logprobs -1 lifts the limit)",
-                name,
+                f"{field_name}=-1 asks for the whole vocabulary's log-probabilities; this "
+                f"server allows {limits.max_logprobs} (--max-logprobs -1 lifts the limit)",
+                field_name,
             )
         if value > limits.max_logprobs:
             raise bad_request(
                 f"{value} log-probabilities per token were asked for, over this "
                 f"server's limit of {limits.max_logprobs} (--max-logprobs)",
-                name,
+                field_name,
             )
     if limits.max_request_tokens is not None:
         per_sample = params.max_tokens if params.max_tokens is not None else max_model_len

@@ -68,13 +68,16 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
     params = chat_params(req)
-    check_limits(ctx.limits, params, 1, ctx.engine.max_model_len)
+    check_limits(ctx.limits, params, 1, ctx.engine.max_model_len, "top_logprobs")
     messages = chat_messages(req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(
         ctx.engine,
-        [messages if req.cache_salt is None
-         else {"messages": messages, "cache_salt": req.cache_salt}],
+        [
+            messages
+            if req.cache_salt is None
+            else {"messages": messages, "cache_salt": req.cache_salt}
+        ],
         params,
         request_id,
         priority=req.priority,
