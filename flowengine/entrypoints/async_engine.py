@@ -82,15 +82,12 @@ class AsyncEngine:
             self._started = True
 
     async def _start(self) -> None:
-        from flowengine.engine.builder import make_input_processor, resolve
-        from flowengine.tokenize.tokenizer import load_tokenizer
+        from flowengine.engine.builder import load_engine_tokenizer, make_input_processor, resolve
 
         self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
         self.model_name = self.resolved.served_model_names[0]
         self.max_model_len = self.resolved.max_model_len
-        self.tokenizer = await anyio.to_thread.run_sync(
-            load_tokenizer, self.args.tokenizer or self.resolved.model_path
-        )
+        self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)
         if self.args.placement == "inproc":
             self.requests, self.outputs, engine_actors = await self._start_inproc()
         else:
@@ -115,6 +112,10 @@ class AsyncEngine:
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
         self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len)
         actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
+        if not self.args.disable_log_stats:
+            from flowengine.engine.stat_logger import StatLoggerActor
+
+            actors.append(StatLoggerActor(self.get_stats))
         self._task = asyncio.get_running_loop().create_task(self._run(actors))
         freeze_startup_heap()
 
