@@ -79,7 +79,16 @@ EOF
   say "== served ($label, flags: $*): $clients client process(es), concurrency $conc in all"
   say "server CPU s before (pid:s): $(cpu_s "$pid")"
   if command -v py-spy > /dev/null; then
-    (sleep 4; timeout 20 py-spy record --subprocesses --nonblocking -r 200 -d 6 -f raw \
+    (python3 - "$port" <<'EOF'
+import re, sys, time, urllib.request
+for _ in range(300):  # until requests run (the clients first build their prompts)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
+    m = re.search(r"^\S*num_requests_running\S* ([0-9.e+]+)$", body, re.M)
+    if m and float(m.group(1)) > 0:
+        break
+    time.sleep(0.1)
+EOF
+     timeout 20 py-spy record --subprocesses --nonblocking -r 200 -d 3 -f raw \
        -o "$out/pyspy_$label.txt" -p "$pid" > /dev/null 2>&1) &
   fi
   local t0=$SECONDS pids=()
@@ -103,3 +112,4 @@ serve_once inproc_async 1 --async-scheduling
 serve_once inproc_async_2clients 2 --async-scheduling
 serve_once multiproc_async 1 --async-scheduling --placement multiproc
 serve_once multiproc_async_2clients 2 --async-scheduling --placement multiproc
+serve_once multiproc_sync 1 --placement multiproc
