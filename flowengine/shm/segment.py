@@ -279,6 +279,31 @@ class RingSegment:
         self.writer_bell().ring()
         return cursor, token
 
+    def reset_reader(self, i: int) -> None:
+        """Make slot `i` RESERVED again at the current write cursor, as if never attached.
+
+        The restart handshake (DESIGN.md §8): the supervisor calls it after every
+        process that read or wrote this ring has exited and before their successors
+        start. Records written from then on are kept until the next reader attaches,
+        however late it does, so a one-shot message (ExecutorReady) cannot be missed.
+
+        NOTE: only safe while no process is attached to the slot or writing the ring
+        (nobody else touches the control line meanwhile). Raises RingError if a live
+        process still holds the slot.
+        """
+        if not 0 <= i < self.num_readers:
+            raise ValueError(f"reader_index {i} outside 0..{self.num_readers - 1} of {self.name}")
+        w, ctl = self.words, reader_ctl_word(i)
+        pid = w[ctl + R_PID]
+        if w[ctl + R_STATE] == LIVE and pid and is_process_alive(pid, w[ctl + R_START]):
+            raise RingError(f"reader slot {i} of {self.name} is held by live pid {pid}")
+        w[ctl + R_TOKEN] = 0  # an old attachment that still runs must not read on
+        w[ctl + R_PID] = 0
+        w[ctl + R_START] = 0
+        w[ctl + R_ASLEEP] = 0
+        w[reader_cursor_word(i)] = w[WRITE_CURSOR_W]
+        w[ctl + R_STATE] = RESERVED
+
     def release_reader(self, i: int, token: int) -> None:
         """Detach reader `i` if it is still the attachment `token` (not a successor)."""
         if self.words[reader_ctl_word(i) + R_TOKEN] == token:

@@ -195,6 +195,20 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
         logger.error("cannot start the engine: %s", err)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
+    # An engine that can no longer serve ends the process with exit code 1, so a service
+    # manager (systemd Restart=on-failure) restarts it, instead of answering 503 forever.
+    engine_died: list[BaseException] = []
+    server: APIServer | None = None
+
+    def on_engine_dead(err: BaseException) -> None:
+        logger.error("the engine cannot serve any more (%s); exiting with code 1", err)
+        engine_died.append(err)
+        if server is not None:
+            asyncio.get_running_loop().call_soon(server.begin_shutdown)
+
+    add_dead_callback = getattr(engine, "add_dead_callback", None)
+    if add_dead_callback is not None:
+        add_dead_callback(on_engine_dead)
     try:
         try:
             sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
@@ -215,9 +229,12 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             max_queue_len=options.max_queue_len,
             graceful_timeout_s=options.graceful_timeout_s,
         )
-        await server.serve(sock, install_signal_handlers=True)
+        if not engine_died:
+            await server.serve(sock, install_signal_handlers=True)
     finally:
         await engine.shutdown(drain_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S)
+    if engine_died:
+        return 1
     logger.info("stopped")
     return 0
 
