@@ -53,6 +53,8 @@ async def _streams_with_kill(engine: AsyncEngine, role: str | None):
     return await asyncio.gather(*tasks)
 
 
+# About a minute per kill on a loaded 2-core machine (a restart reloads the model).
+@pytest.mark.timeout(max(600, 2 * 60 * NUM_KILLS))
 def test_restart_soak(default_model_path, monkeypatch):
     monkeypatch.setenv(START_DELAY_ENV, "0-5")
     monkeypatch.setenv("FLOWENGINE_ENGINE_READY_TIMEOUT_S", str(READY_TIMEOUT_S))
