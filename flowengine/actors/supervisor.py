@@ -365,6 +365,10 @@ class Supervisor:
             self.requests.open_gate({m.request_id for m in resubmitted})
         finally:
             self._restarting = False
+            if not self.requests.is_open:
+                # The restart was cancelled (shutdown) or gave up (EngineDeadError):
+                # never leave a sender, e.g. a shielded abort, waiting forever.
+                self.requests.open_gate(set())
             if self._segments:
                 self._mark_progress()
         self._ready_t = time.monotonic()
