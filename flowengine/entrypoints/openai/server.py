@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from flowengine.config import EngineArgs
-from flowengine.engine.protocol import EngineClient
+from flowengine.engine.protocol import EngineClient, EngineDeadError
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
 from flowengine.entrypoints.openai.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppOptions
 from flowengine.entrypoints.openai.hypercorn_server import APIServer
@@ -191,7 +191,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
         started = getattr(engine, "start", lambda: None)()
         if inspect.isawaitable(started):
             await started
-    except (ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError, EngineDeadError) as err:
         logger.error("cannot start the engine: %s", err)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
