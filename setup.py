@@ -1,12 +1,28 @@
-"""The C extension of the shared-memory rings; all other metadata is in pyproject.toml.
+"""The C extension of the shared-memory rings, and the `flowengine.kernels` package;
+all other metadata is in pyproject.toml.
 
-setuptools builds it on `pip install` (a C compiler and the Python headers are needed:
-gcc and python3-dev on Debian). See flowengine/shm/_ring.c.
+setuptools builds the extension on `pip install` (a C compiler and the Python headers are
+needed: gcc and python3-dev on Debian). See flowengine/shm/_ring.c.
 """
 
 from setuptools import Extension, setup
+from setuptools.dist import Distribution
+
+# The Triton kernels live in the top-level kernels/ folder and install as
+# flowengine.kernels (pyproject.toml's package-dir). `[tool.setuptools.packages.find]`
+# only finds packages by their folder, so this one is added to what it found.
+_REMAPPED_PACKAGES = ["flowengine.kernels"]
+
+
+class _Distribution(Distribution):
+    def parse_config_files(self, *args, **kwargs):
+        super().parse_config_files(*args, **kwargs)
+        self.packages = list(self.packages or [])
+        self.packages += [p for p in _REMAPPED_PACKAGES if p not in self.packages]
+
 
 setup(
+    distclass=_Distribution,
     ext_modules=[
         Extension(
             "flowengine.shm._ring",

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 from flowengine.config import EngineArgs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 from flowengine.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from flowengine.version import __version__
 
 if TYPE_CHECKING:
+    from flowengine.entrypoints.async_engine import AsyncEngine
     from flowengine.entrypoints.llm import LLM
 
 __all__ = [
     "LLM",
+    "AsyncEngine",
     "CompletionOutput",
     "EngineArgs",
     "Logprob",

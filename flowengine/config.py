@@ -25,6 +25,10 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
+# vLLM names accepted for a field that carries another name here (same meaning).
+ENGINE_ARG_ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineArgs:
     """User-facing engine arguments (vLLM names). See `validate()` for the rules.
@@ -57,7 +61,9 @@ class EngineArgs:
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
     served_model_name: tuple[str, ...] = field(default_factory=tuple)
-    disable_log_stats: bool = True
+    # No periodic stats line (engine/stat_logger.py); LLM() turns it off by default.
+    disable_log_stats: bool = False
+    # Let transformers run a model repository's config/tokenizer code (auto_map).
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
@@ -69,6 +75,11 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Build from keyword arguments; an unknown name raises `TypeError` with a hint."""
+        for alias, name in ENGINE_ARG_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give {name!r} or its alias {alias!r}, not both")
+                kwargs[name] = kwargs.pop(alias)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in kwargs if k not in names]
         if unknown:

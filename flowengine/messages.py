@@ -37,9 +37,11 @@ class AbortRequest(_Msg, tag=True):
 
 
 class Shutdown(_Msg, tag=True):
-    """Drain and stop."""
+    """Drain and stop: the engine finishes the requests it holds, then exits.
 
-    drain_timeout_s: float = 0.0
+    It carries no timeout: the frontend bounds the drain (`AsyncEngine.shutdown`'s
+    `drain_timeout_s`) and stops the engine itself when the time is up.
+    """
 
 
 RequestsMsg = NewRequest | AbortRequest | Shutdown

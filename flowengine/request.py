@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from flowengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from flowengine.messages import NewRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -101,6 +105,29 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+
+    @classmethod
+    def from_new_request(cls, msg: NewRequest, max_model_len: int) -> Request:
+        """The scheduler's `Request` for a `NewRequest` message; max_tokens capped so
+        that prompt + output fit max_model_len. Tokens the caller already holds (a
+        recompute after an engine restart) become its first outputs. Raises ValueError
+        for an empty prompt."""
+        params = msg.sampling_params
+        budget = max_model_len - len(msg.prompt_token_ids)
+        max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        request = cls(
+            msg.request_id,
+            msg.prompt_token_ids,
+            params,
+            eos_token_id=msg.eos_token_id,
+            max_tokens=max_tokens,
+            arrival_time=msg.arrival_time,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+        )
+        if msg.output_token_ids:
+            request.append_output_token_ids(list(msg.output_token_ids))
+        return request
 
     @property
     def num_prompt_tokens(self) -> int:

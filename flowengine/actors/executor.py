@@ -1,11 +1,24 @@
-"""Executor and Sampler actors: step plans in, sampled tokens out (DESIGN.md §1, §6).
+"""Executor actor: step plans in, sampled tokens out (DESIGN.md §1, §5, §6).
 
-One Executor actor per device (tensor-parallel rank). Rank 0 also runs the Sampler
-actor, which turns the step's logits into tokens, broadcasts them to the other ranks
-and writes the `results` channel. The two actors live in one process and one event
-loop: logits are device tensors. The other ranks run the same forward (their
-collectives meet rank 0's) and receive the sampled tokens, so every rank's requests
-hold the same tokens for the next step.
+One Executor actor per device (tensor-parallel rank). On rank 0 it has two tasks:
+
+- the *launcher* takes each `StepPlan` off the `steps` channel and calls
+  `Executor.launch(plan)`: forward, sampling and the sampled ids' copy to the host,
+  all enqueued on the device (with a CudaModelRunner at TP = 1 nothing waits for the
+  device), and passes the returned handle on. It then takes the next plan at once, so
+  step N+1 is launched before step N's tokens have reached the host: the sampled ids
+  stay on the device and feed step N+1 there (flowengine/executor/cuda_runner.py);
+- the *resolver* takes the handles in launch order, waits for each one's tokens (in a
+  worker thread while the device still runs; inline when they are there already) and
+  writes its `StepResult` to the `results` channel.
+
+The sampler runs inside the launch, not as a second actor: there is no handshake per
+step. On the CPU (and with any runner that computes a step before `launch` returns)
+the handle is complete at once and the resolver sends it without waiting: the same path.
+
+Under tensor parallelism rank 0 forwards, samples and broadcasts the sampled ids; the
+other ranks (`results=None`) run the same forward (their collectives meet rank 0's)
+and receive the ids, so every rank's requests hold the same tokens for the next step.
 """
 
 from __future__ import annotations
@@ -17,107 +30,125 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from flowengine.actors.base import Channel, run_blocking
-from flowengine.executor.executor import Executor
+from flowengine.executor.executor import CompletedStep, Executor, StepHandle
 from flowengine.messages import Shutdown, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
+# Handles launched and not yet taken by the resolver. The scheduler keeps at most two
+# steps in flight (DESIGN.md §5), so this bound is never what stops the launcher; it
+# only keeps a runaway sender from queueing device work without end.
+MAX_UNRESOLVED_STEPS = 4
 
-class SamplerActor:
-    """Samples each step's logits (rank 0) and sends the `StepResult`."""
 
-    def __init__(
-        self,
-        executor: Executor,
-        results: Channel,
-        blocking: Callable[..., Awaitable[Any]] = run_blocking,
-    ) -> None:
-        self.executor = executor
-        self.results = results
-        self._blocking = blocking
-        send, recv = anyio.create_memory_object_stream[tuple[StepPlan, Any, anyio.Event] | None](1)
-        self.inbox = send
-        self._recv = recv
-        self.busy_s = 0.0  # time sampling
-
-    async def run(self) -> None:
-        async with self._recv:
-            async for item in self._recv:
-                if item is None:
-                    return
-                plan, model_output, done = item
-                start = time.perf_counter()
-                try:
-                    result = await self._blocking(self.executor.sample, plan, model_output)
-                except Exception as exc:
-                    logger.error("sampling step %d failed: %s", plan.step_id, traceback.format_exc())
-                    result = StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}")
-                self.busy_s += time.perf_counter() - start
-                done.set()  # the runner holds the new tokens: the next step may start
-                await self.results.send_async(result)
+def _error_result(plan: StepPlan, exc: BaseException) -> StepResult:
+    return StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}")
 
 
 class ExecutorActor:
-    """Runs each `StepPlan` through the model.
+    """Runs each `StepPlan` through the model; rank 0 also writes its `StepResult`.
 
     Args:
         executor: model runner + sampler for this device.
         steps: inbox of `StepPlan | Shutdown` (this rank's reader of the broadcast).
-        sampler: the Sampler actor on rank 0, None on other ranks.
-        results: where a failed forward's error goes when there is no sampler (rank 0).
+        results: outbox of `StepResult` on rank 0 (the channel's one writer); None on
+            the other tensor-parallel ranks.
+        blocking: runs a launch (a CPU forward is synchronous) off the event loop:
+            a worker thread in the in-process placement, inline in an executor process.
+        wait: runs the resolution of a step whose tokens are still on the device;
+            defaults to a worker thread (the wait releases the GIL, so the launcher
+            keeps launching meanwhile).
+
+    A failed step becomes a StepResult with `error` set (its requests finish with
+    "error", the engine keeps serving). Under tensor parallelism only an invalid plan
+    (ValueError, raised on every rank before any collective) is survivable: after any
+    other failure of the forward the ranks may be out of step, so the actor raises and
+    the supervisor restarts the group (the requests in flight are recomputed).
     """
 
     def __init__(
         self,
         executor: Executor,
         steps: Channel,
-        sampler: SamplerActor | None,
-        results: Channel | None = None,
+        results: Channel | None,
         blocking: Callable[..., Awaitable[Any]] = run_blocking,
+        wait: Callable[..., Awaitable[Any]] = run_blocking,
     ) -> None:
         self.executor = executor
         self.steps = steps
-        self.sampler = sampler
         self.results = results
         self._blocking = blocking
-        self.busy_s = 0.0  # time in the model forward
+        self._wait = wait
+        self._tensor_parallel = executor.runner.tp.world_size > 1
+        self.busy_s = 0.0  # time launching steps (forward + sampling on the CPU)
+        self.resolve_s = 0.0  # time resolving handles (waits for the device included)
+        self.num_waited = 0  # handles whose tokens were not on the host yet
 
     async def run(self) -> None:
-        try:
+        if self.results is None:
+            await self._follow()
+            return
+        send, recv = anyio.create_memory_object_stream[StepHandle](MAX_UNRESOLVED_STEPS)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._resolve, recv, name="resolver")
+            await self._launch_all(send)
+
+    # ------------------------------------------------------------------ rank 0
+    async def _launch_all(self, handles: MemoryObjectSendStream[StepHandle]) -> None:
+        async with handles:  # closing it lets the resolver finish the last handles
             while True:
                 msg = await self.steps.recv_async()
                 if isinstance(msg, Shutdown):
                     return
-                await self._step(msg)
-        finally:
-            if self.sampler is not None:
-                await self.sampler.inbox.send(None)
+                await handles.send(await self._launch(msg))
 
-    async def _step(self, plan: StepPlan) -> None:
+    async def _launch(self, plan: StepPlan) -> StepHandle:
         start = time.perf_counter()
-        tensor_parallel = self.executor.runner.tp.world_size > 1
         try:
-            output = await self._blocking(self.executor.runner.execute_model, plan)
-            if self.sampler is None and tensor_parallel and not await self._blocking(
-                    self.executor.receive_sampled, plan, output):
-                logger.error("step %d: rank 0 failed to sample it", plan.step_id)
+            return await self._blocking(self.executor.launch, plan)
         except Exception as exc:
-            if tensor_parallel and not isinstance(exc, ValueError):
-                # Only an invalid plan (ValueError, raised on every rank before any
-                # collective) leaves the ranks in step; after anything else the group
-                # must restart (the supervisor recomputes the requests in flight).
-                raise
+            if self._tensor_parallel and not isinstance(exc, ValueError):
+                raise  # the group must restart (class docstring)
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
-            if self.results is not None:
-                error = f"{type(exc).__name__}: {exc}"
-                await self.results.send_async(StepResult(plan.step_id, [], error=error))
-            return
+            return CompletedStep(_error_result(plan, exc))
         finally:
             self.busy_s += time.perf_counter() - start
-        if self.sampler is None:
-            return
-        done = anyio.Event()
-        await self.sampler.inbox.send((plan, output, done))
-        await done.wait()
+
+    async def _resolve(self, handles: MemoryObjectReceiveStream[StepHandle]) -> None:
+        assert self.results is not None
+        async with handles:
+            async for handle in handles:
+                start = time.perf_counter()
+                try:
+                    if handle.done():
+                        result = handle.result()
+                    else:
+                        # The device still runs it: wait (GIL released) off the loop.
+                        self.num_waited += 1
+                        result = await self._wait(handle.result)
+                except Exception as exc:  # e.g. a device fault surfacing at the copy
+                    logger.error("step %d failed: %s", handle.step_id, traceback.format_exc())
+                    result = StepResult(handle.step_id, [],
+                                        error=f"{type(exc).__name__}: {exc}")
+                self.resolve_s += time.perf_counter() - start
+                await self.results.send_async(result)
+
+    # ------------------------------------------------------------------ ranks 1..N-1
+    async def _follow(self) -> None:
+        while True:
+            msg = await self.steps.recv_async()
+            if isinstance(msg, Shutdown):
+                return
+            start = time.perf_counter()
+            try:
+                if not await self._blocking(self.executor.follow, msg):
+                    logger.error("step %d: rank 0 failed to sample it", msg.step_id)
+            except ValueError:
+                # An invalid plan: every rank refused it before any collective, and rank
+                # 0 reports it on the results channel.
+                logger.error("step %d failed: %s", msg.step_id, traceback.format_exc())
+            finally:
+                self.busy_s += time.perf_counter() - start

@@ -80,8 +80,9 @@ def start_delay_s(spec: str | None) -> float:
 
 async def engine_main(cfg: ProcConfig) -> None:
     """Scheduler actor: requests ring in, steps ring out, results in, outputs out."""
-    from flowengine.actors.scheduler import SchedulerActor, scheduler_stats
+    from flowengine.actors.scheduler import SchedulerActor
     from flowengine.engine.builder import build_scheduler, resolve
+    from flowengine.engine.engine_core import EngineCore
     from flowengine.messages import (
         EngineOutputs,
         ExecutorReady,
@@ -112,14 +113,14 @@ async def engine_main(cfg: ProcConfig) -> None:
         raise RuntimeError(f"expected ExecutorReady from rank 0, got {type(ready).__name__}")
     scheduler = build_scheduler(resolved, ready.num_kv_blocks)
     actor = SchedulerActor(
-        scheduler, resolved.max_model_len, requests, steps, results, outputs,
+        EngineCore(scheduler, None, resolved.max_model_len), requests, steps, results, outputs,
         max_steps_in_flight=2 if cfg.engine_args.async_scheduling else 1,
         generation=cfg.generation,
     )
     freeze_startup_heap()
     # The ready message: the frontend resubmits in-flight requests after it.
     await outputs.send_async(
-        EngineOutputs([], time.time(), scheduler_stats(scheduler), cfg.generation)
+        EngineOutputs([], time.time(), scheduler.make_stats(), cfg.generation)
     )
     await actor.run()
 
@@ -132,10 +133,9 @@ async def _inline(fn: Any, *args: Any) -> Any:
 async def executor_main(cfg: ProcConfig) -> None:
     """Executor of one tensor-parallel rank (+ Sampler on rank 0): steps ring in,
     results ring out (rank 0 only, the ring's one writer)."""
-    import anyio
     import torch
 
-    from flowengine.actors.executor import ExecutorActor, SamplerActor
+    from flowengine.actors.executor import ExecutorActor
     from flowengine.distributed.tp_group import init_tensor_parallel
     from flowengine.engine.builder import build_executor, resolve
     from flowengine.messages import ExecutorReady, ResultsMsg, StepsMsg
@@ -162,11 +162,7 @@ async def executor_main(cfg: ProcConfig) -> None:
             return
         results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
         await results.send_async(ExecutorReady(num_blocks, cfg.rank))
-        sampler = SamplerActor(executor, results, blocking=_inline)
-        actor = ExecutorActor(executor, steps, sampler, results, blocking=_inline)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sampler.run)
-            tg.start_soon(actor.run)
+        await ExecutorActor(executor, steps, results, blocking=_inline).run()
     finally:
         if tp.world_size > 1:
             torch.distributed.destroy_process_group()

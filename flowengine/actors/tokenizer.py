@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class TokenizeJob:
     request_id: str
-    prompt: Any  # text, token ids, {"prompt_token_ids": ...} or a conversation
+    # text, token ids, {"prompt"|"prompt_token_ids": ..., "cache_salt": ...}, a
+    # conversation, or {"messages": conversation, "cache_salt": ...}
+    prompt: Any
     params: SamplingParams
     priority: int
     future: asyncio.Future
@@ -113,11 +115,17 @@ class TokenizerActor:
 
     def _process(self, job: TokenizeJob):
         ip = self.input_processor
-        if is_conversation(job.prompt):
-            text, ids = ip.chat_prompt(job.prompt)
+        prompt, cache_salt = job.prompt, None
+        if isinstance(prompt, dict) and "messages" in prompt:
+            # {"messages": [...], "cache_salt": ...}: a conversation with a cache salt.
+            prompt, cache_salt = prompt["messages"], prompt.get("cache_salt")
+            if not is_conversation(prompt):
+                raise ValueError("'messages' must be a non-empty list of message objects")
+        if is_conversation(prompt):
+            text, ids = ip.chat_prompt(prompt)
             return ip.process(job.request_id, text, job.params, priority=job.priority,
-                              prompt_token_ids=ids)
-        return ip.process(job.request_id, job.prompt, job.params, priority=job.priority)
+                              prompt_token_ids=ids, cache_salt=cache_salt)
+        return ip.process(job.request_id, prompt, job.params, priority=job.priority)
 
 
 def _fail(job: TokenizeJob, exc: BaseException) -> None:

@@ -3,10 +3,10 @@
     flowengine bench pipeline --num-streams 1000 --output-len 64
 
 A null executor emits one token per running request per step instantly (no model),
-so the figure is what the actors (ingress, tokenizer, scheduler, sampler stand-in,
-detokenizer, streamer) and 1,000 concurrent `submit()` callers can deliver: tokens/s
-received by the callers, with the busy time of each actor. Placement is inproc: every
-actor in this one process, sharing its core with the callers.
+so the figure is what the actors (ingress, tokenizer, scheduler, executor with its
+resolver, detokenizer, streamer) and 1,000 concurrent `submit()` callers can deliver:
+tokens/s received by the callers, with the busy time of each actor. Placement is
+inproc: every actor in this one process, sharing its core with the callers.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import shlex
 import time
 from typing import Any
 
+from flowengine.executor.executor import CompletedStep
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 
 
@@ -28,8 +29,10 @@ class _SingleRank:
 
 
 class NullModelExecutor:
-    """Stands in for model runner + sampler: every request that would sample gets one
-    token, at once. Tracks token counts from the plans like a real executor does."""
+    """Stands in for model runner + sampler (`flowengine.executor.Executor`): every
+    request that would sample gets one token, at once. Tracks token counts from the
+    plans like a real executor does; `launch` returns a completed handle, as a runner
+    that computes the step before returning does."""
 
     def __init__(self, vocab_ids: list[int]) -> None:
         self.runner = self
@@ -38,7 +41,8 @@ class NullModelExecutor:
         self._vocab = vocab_ids
         self._i = 0
 
-    def execute_model(self, plan: StepPlan) -> list[str]:
+    def forward(self, plan: StepPlan) -> list[str]:
+        """The requests of `plan` that sample (their tokens reach the last known one)."""
         for rid in plan.finished_req_ids:
             self._num_tokens.pop(rid, None)
         for r in plan.new_reqs:
@@ -50,6 +54,12 @@ class NullModelExecutor:
             if computed[rid] + n >= self._num_tokens[rid]:
                 sampling.append(rid)
         return sampling
+
+    def launch(self, plan: StepPlan) -> CompletedStep:
+        return CompletedStep(self.sample(plan, self.forward(plan)))
+
+    def execute_model(self, plan: StepPlan) -> StepResult:
+        return self.sample(plan, self.forward(plan))
 
     def sample(self, plan: StepPlan, req_ids: list[str]) -> StepResult:
         out = []
@@ -79,9 +89,8 @@ async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> 
 
     engine = AsyncEngine(core_factory=null_core_factory, max_queue_len=num_streams + 1, **args)
     await engine.start()
-    # No worker threads for a null model: run "forward" and "sampling" inline.
-    for name in ("executor", "sampler"):
-        engine.engine_actors[name]._blocking = _inline
+    # No worker threads for a null model: launch inline (its handles are complete).
+    engine.engine_actors["executor"]._blocking = _inline
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     prompt = list(range(2000, 2000 + input_len))
     consumer_s = 0.0
@@ -99,6 +108,7 @@ async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> 
     counts = await asyncio.gather(*(one() for _ in range(num_streams)))
     elapsed = time.perf_counter() - start
     busy = {name: a.busy_s for name, a in engine.engine_actors.items()}
+    busy["executor (resolver)"] = engine.engine_actors["executor"].resolve_s
     busy["tokenizer"] = engine.tokenizer_actor.busy_s
     busy["detokenizer"] = engine.detokenizer.busy_s
     busy["streamer"] = engine.streamer.busy_s

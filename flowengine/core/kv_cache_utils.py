@@ -12,8 +12,13 @@ depend on PYTHONHASHSEED, so every process computes the same hashes. The cache s
 an extra key of the first block only; chaining carries it into every later hash.
 
 NOTE: 64-bit hashes collide with probability about n^2 / 2^65 for n distinct blocks
-(~3e-6 for ten million). A secret, random `hash_seed` per run keeps anyone who does not
-know it from crafting collisions on purpose.
+(~3e-6 for ten million). A secret, random `hash_seed` per run (`new_hash_seed()`, made
+when the engine builds its scheduler, the one place that hashes blocks) keeps anyone who
+does not know it from crafting collisions on purpose, or from precomputing the hashes of
+another tenant's prefixes. The seed is never logged or sent anywhere. Tenants that must
+not share cached prefixes at all pass different cache salts (`cache_salt`): a salted
+block 0 hashes differently, so no block of one tenant's chain can match another's, and
+a prefix-cache hit (a faster first token) tells nothing about other tenants' prompts.
 
 Pure Python: this module must not import torch.
 """
@@ -21,6 +26,7 @@ Pure Python: this module must not import torch.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 
 import msgspec
@@ -37,6 +43,11 @@ ExtraKeys = tuple[str | int, ...]
 
 def _digest64(payload: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+
+def new_hash_seed() -> str:
+    """A fresh secret seed for one engine run: 128 random bits from the OS, as hex."""
+    return secrets.token_hex(16)
 
 
 def root_block_hash(hash_seed: str = "") -> int:

@@ -47,21 +47,22 @@ Pure Python: this module must not import torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.block_pool import KVCacheBlock
 from flowengine.core.in_flight import ScheduledRequest
+from flowengine.core.kv_cache_manager import PrefixCacheStats
 from flowengine.core.scheduler_state import SchedulerState
 from flowengine.core.step_draft import NO_NEW_BLOCKS, StepDraft
-from flowengine.messages import RequestDelta, StepPlan, StepResult
+from flowengine.messages import RequestDelta, SchedulerStats, StepPlan, StepResult
 from flowengine.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler(SchedulerState):
+class Scheduler:
     """Plans steps over a paged KV cache and applies their results.
 
     Args:
@@ -80,6 +81,10 @@ class Scheduler(SchedulerState):
     The longest sequence is `max_len = min(max_model_len, num_blocks * block_size)`:
     a request reaching it ends with "length", so one request alone always fits in the
     KV cache and preemption can always make progress.
+
+    The requests and their life cycle live in `state` (a `SchedulerState`, which this
+    object owns and changes only through its public methods); the methods and
+    properties below that are not about planning hand through to it.
     """
 
     def __init__(
@@ -90,8 +95,89 @@ class Scheduler(SchedulerState):
         hash_seed: str = "",
         async_scheduling: bool = False,
     ) -> None:
-        super().__init__(scheduler_config, cache_config, hash_seed=hash_seed)
+        self.state = state = SchedulerState(scheduler_config, cache_config, hash_seed=hash_seed)
         self.async_scheduling = async_scheduling
+        # The state's long-lived parts, bound once: the planning loops read them on
+        # every step.
+        self.config = state.config
+        self.cache_config = state.cache_config
+        self.block_size = state.block_size
+        self.max_len = state.max_len
+        self.kv_cache_manager = state.kv_cache_manager
+        self.requests = state.requests
+        self.waiting = state.waiting
+        self.running = state.running
+        self.in_flight = state.in_flight
+
+    # ------------------------------------------------------------------ life cycle
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (WAITING); raises ValueError as SchedulerState.add_request."""
+        self.state.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests with a finished status (SchedulerState.finish_requests)."""
+        self.state.finish_requests(request_ids, status)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
+        """Abort live requests; one "abort" delta each (SchedulerState.abort_requests)."""
+        return self.state.abort_requests(request_ids)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        """Snapshot of the gauges and counters for /metrics."""
+        return self.state.make_stats()
+    # ------------------------------------------------------------------ gauges
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Plans with scheduled tokens whose results have not been applied yet."""
+        return len(self.in_flight)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since start."""
+        return self.state.num_preemptions
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests, in [0, 1]."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks not held by any request (evictable prefix-cache blocks included)."""
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.prefix_cache_stats
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since start (first admissions)."""
+        return self.kv_cache_manager.prefix_cache_stats.num_queried_tokens
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens served from the prefix cache since start."""
+        return self.kv_cache_manager.prefix_cache_stats.num_hit_tokens
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
@@ -170,7 +256,7 @@ class Scheduler(SchedulerState):
             if num_coming >= manager.num_new_blocks_for(request, num_new_tokens):
                 return None
             victim = self.running.last()
-            self._preempt(victim)
+            self.state.preempt(victim)
             if victim is request:
                 return None
             new_blocks = manager.allocate_slots(request, num_new_tokens)
@@ -206,7 +292,7 @@ class Scheduler(SchedulerState):
             new_blocks = manager.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 return  # keep policy order: nobody overtakes a request short of blocks
-            self._admit(request, num_hit_tokens)
+            self.state.admit(request, num_hit_tokens)
             draft.add_new(request, num_new)
             if pending is not None:
                 pending |= manager.unpublished_block_hashes([request])
@@ -216,15 +302,10 @@ class Scheduler(SchedulerState):
         return (request.num_tokens - 1) // self.block_size
 
     def _make_plan(self, draft: StepDraft) -> StepPlan:
-        step_id = self._next_step_id
-        self._next_step_id += 1
-        finished_req_ids = self._finished_req_ids
+        step_id = self.state.next_step_id()
         # NOTE: an empty plan keeps its finished ids for the next plan too, so a caller
         # may skip sending plans with nothing scheduled without leaking executor state.
-        if draft.num_scheduled_reqs:
-            self._finished_req_ids = []
-        else:
-            finished_req_ids = list(finished_req_ids)
+        finished_req_ids = self.state.take_finished_req_ids(keep=not draft.num_scheduled_reqs)
         # Optimistic: the plan's tokens count as computed from now on (module docstring).
         # A request whose computed tokens reach its last known or placeholder token
         # samples one token in this step (the executor's rule, see StepPlan).
@@ -270,6 +351,7 @@ class Scheduler(SchedulerState):
         cache_blocks = self.kv_cache_manager.cache_blocks
         num_cached_blocks = self.kv_cache_manager.num_cached_blocks
         block_size = self.block_size
+        append_sampled = self.state.append_sampled
         deltas = []
         entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
@@ -286,7 +368,7 @@ class Scheduler(SchedulerState):
                 if num_computed // block_size > num_cached_blocks.get(req_id, 0):
                     cache_blocks(request, num_computed)
             if record.samples:
-                deltas.append(self._append_sampled(request, sampled.get(req_id)))
+                deltas.append(append_sampled(request, sampled.get(req_id)))
         return deltas
 
     def _fail_plan(
@@ -294,4 +376,4 @@ class Scheduler(SchedulerState):
     ) -> list[RequestDelta]:
         requests = [scheduled[req_id].request for req_id in plan.scheduled_req_ids]
         live = [r for r in requests if self.requests.get(r.request_id) is r]
-        return [self._fail_request(r, error) for r in live]
+        return [self.state.fail_request(r, error) for r in live]

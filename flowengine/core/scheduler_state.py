@@ -2,9 +2,10 @@
 
 `SchedulerState` holds the `Request`s, their WAITING and RUNNING queues in policy
 order, the KV cache manager and the steps in flight, and moves a request between
-states: add, admit, preempt, append sampled tokens (stop checks), finish. Freeing
-blocks waits for the last in-flight step that writes them (DESIGN.md §5). Which
-requests run in a step is decided by its subclass `Scheduler` (scheduler.py).
+states: add, admit, preempt, append sampled tokens (stop checks), finish, abort.
+Freeing blocks waits for the last in-flight step that writes them (DESIGN.md §5).
+Which requests run in a step is decided by the `Scheduler` (scheduler.py), which owns
+one `SchedulerState` and changes it only through the public methods below.
 
 Pure Python: this module must not import torch.
 """
@@ -19,12 +20,19 @@ from flowengine.core.in_flight import InFlightSteps
 from flowengine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from flowengine.core.request_queue import PolicyKey, RequestQueue, policy_key
 from flowengine.core.stop_checker import append_token_ids, check_stop
-from flowengine.messages import RequestDelta, SampledTokens
+from flowengine.messages import RequestDelta, SampledTokens, SchedulerStats
 from flowengine.request import Request, RequestStatus
 
 
 class SchedulerState:
     """Requests, queues, KV blocks and steps in flight; see `Scheduler` for the args.
+
+    Attributes:
+        requests: unfinished requests by id.
+        waiting, running: the queues, each in policy order.
+        kv_cache_manager: the KV blocks (and prefix cache) of every request.
+        in_flight: records of the plans whose results are not applied yet.
+        max_len: the longest sequence, min(max_model_len, KV cache tokens).
 
     Raises ValueError when chunked prefill is off and max_num_batched_tokens is below
     max_model_len (such prompts could never be scheduled).
@@ -91,7 +99,21 @@ class SchedulerState:
         for req_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             request = self.requests.get(req_id)
             if request is not None:
-                self._finish(request, status)
+                self.finish(request, status)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestDelta]:
+        """Finish live requests as aborted (their blocks are freed, see `finish`).
+
+        Returns one "abort" RequestDelta per request that was still unfinished; unknown
+        and already finished ids are ignored (an abort may cross the request's end).
+        """
+        deltas = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                deltas.append(RequestDelta(req_id, [], finish_reason="abort"))
+        return deltas
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -101,47 +123,40 @@ class SchedulerState:
         return bool(self.requests)
 
     @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_steps_in_flight(self) -> int:
-        """Plans with scheduled tokens whose results have not been applied yet."""
-        return len(self.in_flight)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks held by requests, in [0, 1]."""
-        return self.kv_cache_manager.usage
-
-    @property
-    def num_free_blocks(self) -> int:
-        """KV blocks not held by any request (evictable prefix-cache blocks included)."""
-        return self.kv_cache_manager.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.kv_cache_manager.num_blocks
-
-    @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.kv_cache_manager.prefix_cache_stats
 
-    @property
-    def prefix_cache_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache since start (first admissions)."""
-        return self.prefix_cache_stats.num_queried_tokens
+    def make_stats(self) -> SchedulerStats:
+        """Snapshot of the gauges and counters (vLLM's `Scheduler.make_stats`)."""
+        stats = self.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.num_blocks,
+            num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries_total=stats.num_queried_tokens,
+            prefix_cache_hits_total=stats.num_hit_tokens,
+        )
 
-    @property
-    def prefix_cache_hits(self) -> int:
-        """Prompt tokens served from the prefix cache since start."""
-        return self.prefix_cache_stats.num_hit_tokens
+    # ------------------------------------------------------------------ transitions
+    def next_step_id(self) -> int:
+        """A fresh step id (0, 1, 2, ...)."""
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        return step_id
 
-    def _preempt(self, request: Request) -> None:
+    def take_finished_req_ids(self, *, keep: bool) -> list[str]:
+        """Ids the executors must drop, for the next plan. With `keep` (a plan that
+        schedules nothing, which a caller may skip sending) they stay queued for the
+        plan after it too; a copy is returned."""
+        if keep:
+            return list(self._finished_req_ids)
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return finished
+
+    def preempt(self, request: Request) -> None:
         """Free the request's blocks and send it back to WAITING for recompute."""
         key = self._keys[request.request_id]
         self.running.remove(key)
@@ -153,7 +168,9 @@ class SchedulerState:
         self.waiting.add(key, request)
         self._finished_req_ids.append(request.request_id)
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+    def admit(self, request: Request, num_hit_tokens: int) -> None:
+        """Move a WAITING (or PREEMPTED) request to RUNNING with `num_hit_tokens` tokens
+        from the prefix cache; its blocks are allocated already."""
         key = self._keys[request.request_id]
         self.waiting.remove(key)
         self.running.add(key, request)
@@ -164,12 +181,13 @@ class SchedulerState:
             if self.kv_cache_manager.enable_caching:
                 self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
 
-    def _append_sampled(self, request: Request, sampled: SampledTokens | None) -> RequestDelta:
+    def append_sampled(self, request: Request, sampled: SampledTokens | None) -> RequestDelta:
         """Append a step's tokens with stop checks (also to a request preempted since
-        that step: its token was sampled from the right history); finish on a stop."""
+        that step: its token was sampled from the right history); finish on a stop.
+        No token at all fails the request. Returns the request's delta."""
         if sampled is None or not sampled.token_ids:
             error = f"the executor returned no token for request {request.request_id}"
-            return self._fail_request(request, error)
+            return self.fail_request(request, error)
         token_ids = sampled.token_ids
         if len(token_ids) == 1:  # one token per step unless decoding speculatively
             request.output_token_ids.append(token_ids[0])
@@ -178,7 +196,7 @@ class SchedulerState:
             num_accepted, status = append_token_ids(request, token_ids, self.max_len)
         finish_reason = None
         if status is not None:
-            self._finish(request, status)
+            self.finish(request, status)
             finish_reason = status.finish_reason
         logprobs = sampled.logprobs
         if num_accepted < len(token_ids):
@@ -193,9 +211,10 @@ class SchedulerState:
             request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
         )
 
-    def _fail_request(self, request: Request, error: str) -> RequestDelta:
+    def fail_request(self, request: Request, error: str) -> RequestDelta:
+        """Finish an unfinished request with `error`; returns its "error" delta."""
         request.error = error
-        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self.finish(request, RequestStatus.FINISHED_ERROR)
         return RequestDelta(
             req_id=request.request_id,
             new_token_ids=[],
@@ -204,7 +223,7 @@ class SchedulerState:
             error=error,
         )
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus) -> None:
         """Take an unfinished request out of its queue, free its blocks, forget it."""
         key = self._keys.pop(request.request_id)
         if request.status == RequestStatus.RUNNING:

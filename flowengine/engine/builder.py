@@ -7,6 +7,7 @@ limits), `build_executor()` (weights, KV cache), `build_scheduler()`; in one pro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,9 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     from flowengine.model.resolve import resolve_model
 
     resolved = resolve_model(args.model, download_dir=args.download_dir, revision=args.revision)
-    model_config = ModelConfig.from_pretrained(resolved.path, args.max_model_len)
+    model_config = ModelConfig.from_pretrained(
+        resolved.path, args.max_model_len, trust_remote_code=args.trust_remote_code
+    )
     max_model_len = model_config.max_model_len
     device = args.device
     if device == "auto":
@@ -61,6 +64,12 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if not args.enable_chunked_prefill:
         budget = max(budget, max_model_len)
     name = args.model or resolved.name
+    if args.model is None:
+        # Pin the default model to the files found here: the engine and executor
+        # processes resolve args again and must not pick another source (the hub's copy
+        # or the GGUF fallback) if the network changed meanwhile.
+        args = dataclasses.replace(args, model=str(resolved.path),
+                                   served_model_name=args.served_model_name or (name,))
     return ResolvedEngine(
         args=args,
         model_path=str(resolved.path),
@@ -174,7 +183,13 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
 
 def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     """The `Scheduler` for a KV cache of `num_blocks` blocks (in the engine process of
-    the multiproc placement, from the count its executor reports)."""
+    the multiproc placement, from the count its executor reports).
+
+    Its prefix-cache hashes get a fresh secret seed (kv_cache_utils.new_hash_seed): the
+    scheduler is the only place that hashes blocks, and a restarted engine process
+    starts with an empty cache, so a new seed per scheduler loses no hits.
+    """
+    from flowengine.core.kv_cache_utils import new_hash_seed
     from flowengine.core.scheduler import Scheduler
 
     args = resolved.args
@@ -187,6 +202,7 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
             policy=args.scheduling_policy,
         ),
         CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+        hash_seed=new_hash_seed(),
     )
 
 
@@ -245,6 +261,19 @@ def build_engine_core(resolved: ResolvedEngine):
 
     executor, num_blocks = build_executor(resolved)
     return EngineCore(build_scheduler(resolved, num_blocks), executor, resolved.max_model_len)
+
+
+def load_engine_tokenizer(resolved: ResolvedEngine) -> Any:
+    """The tokenizer of `--tokenizer`, else the model's; `trust_remote_code` as given.
+
+    Raises OSError/ValueError as `load_tokenizer` does (a tokenizer class that needs the
+    repository's code without --trust-remote-code is one).
+    """
+    from flowengine.tokenize.tokenizer import load_tokenizer
+
+    args = resolved.args
+    return load_tokenizer(args.tokenizer or resolved.model_path,
+                          trust_remote_code=args.trust_remote_code)
 
 
 def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):

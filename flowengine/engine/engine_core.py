@@ -1,8 +1,19 @@
-"""The engine's step loop: schedule, execute, update (DESIGN.md §4).
+"""The engine core: requests in, steps planned and applied, deltas out (DESIGN.md §4).
 
 `EngineCore` joins the pure `Scheduler` with an executor (anything with
-`execute_model(plan) -> StepResult`). It holds no asyncio and no processes: the
-in-process `LLM` drives it directly, and the Scheduler actor wraps the same object.
+`execute_model(plan) -> StepResult`). It holds no asyncio and no processes. Two
+drivers use the same object:
+
+- the in-process `LLM` calls `step()`: schedule, execute, update;
+- the Scheduler actor (flowengine/actors/scheduler.py) calls `schedule()` and, once the
+  executor actor's result arrives over the `results` channel, `update()`, with up to
+  two plans in flight. In the engine process of the multiproc placement the executor
+  is remote and the core has none (`executor=None`).
+
+Requests enter through `add_request` (raises on bad input) or `handle` (the requests
+channel's messages: bad input becomes an "error" delta). Deltas made outside a step
+(aborts, rejected requests) wait in the core's one pending list and lead the next
+`update()` (or `take_outputs()`).
 """
 
 from __future__ import annotations
@@ -13,42 +24,10 @@ import traceback
 from typing import Protocol
 
 from flowengine.core.scheduler import Scheduler
-from flowengine.messages import NewRequest, RequestDelta, StepPlan, StepResult
-from flowengine.request import Request, RequestStatus
+from flowengine.messages import AbortRequest, NewRequest, RequestDelta, StepPlan, StepResult
+from flowengine.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def request_from_msg(msg: NewRequest, max_model_len: int) -> Request:
-    """The scheduler's `Request` for a `NewRequest`; max_tokens capped by max_model_len."""
-    params = msg.sampling_params
-    budget = max_model_len - len(msg.prompt_token_ids)
-    max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
-    request = Request(
-        msg.request_id,
-        msg.prompt_token_ids,
-        params,
-        eos_token_id=msg.eos_token_id,
-        max_tokens=max_tokens,
-        arrival_time=msg.arrival_time,
-        priority=msg.priority,
-        cache_salt=msg.cache_salt,
-    )
-    if msg.output_token_ids:
-        # Recompute after an engine restart: the caller already holds these tokens.
-        request.append_output_token_ids(list(msg.output_token_ids))
-    return request
-
-
-def abort_requests(scheduler: Scheduler, request_ids: list[str]) -> list[RequestDelta]:
-    """Finish live requests as aborted (frees blocks); one "abort" delta for each."""
-    live = [
-        rid
-        for rid in request_ids
-        if (r := scheduler.get_request(rid)) is not None and not r.is_finished
-    ]
-    scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-    return [RequestDelta(rid, [], finish_reason="abort") for rid in live]
 
 
 class ExecutorLike(Protocol):
@@ -56,52 +35,85 @@ class ExecutorLike(Protocol):
 
 
 class EngineCore:
-    """Owns the scheduler and one executor; `step()` runs one engine step.
+    """Owns the scheduler and, in one process, its executor.
 
     Args:
         scheduler: the pure scheduler (block accounting, stop checks on token ids).
-        executor: runs a `StepPlan` and returns sampled tokens as a `StepResult`.
+        executor: runs a `StepPlan` and returns sampled tokens as a `StepResult`;
+            None where the executor runs elsewhere (`step()` then raises).
         max_model_len: tokens a request may hold (prompt + output).
     """
 
-    def __init__(self, scheduler: Scheduler, executor: ExecutorLike, max_model_len: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: ExecutorLike | None, max_model_len: int
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
         self.num_steps = 0
-        # Deltas produced outside a step (aborts), delivered with the next step.
+        # Deltas produced outside a step (aborts, rejected requests), delivered first
+        # by the next update() or take_outputs().
         self._pending: list[RequestDelta] = []
 
+    # ------------------------------------------------------------------ requests
     def add_request(self, msg: NewRequest) -> None:
         """Admit one tokenized request. Raises `ValueError` (nothing enters) if invalid."""
-        self.scheduler.add_request(request_from_msg(msg, self.max_model_len))
+        self.scheduler.add_request(Request.from_new_request(msg, self.max_model_len))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Finish requests as aborted and free their blocks (unknown ids are ignored)."""
-        self._pending.extend(abort_requests(self.scheduler, request_ids))
+        """Finish requests as aborted and free their blocks (unknown ids are ignored);
+        an "abort" delta for each live one is pending."""
+        self._pending.extend(self.scheduler.abort_requests(request_ids))
+
+    def handle(self, msg: NewRequest | AbortRequest) -> None:
+        """Apply one message of the requests channel. A NewRequest whose id is live is
+        ignored (resubmitted after an engine restart and also sent directly: keep
+        one); an invalid one gets an "error" delta instead of raising (the frontend
+        validates first; this is the last line, never silence)."""
+        if isinstance(msg, AbortRequest):
+            self.abort_requests(msg.request_ids)
+            return
+        if self.scheduler.get_request(msg.request_id) is not None:
+            return
+        try:
+            self.add_request(msg)
+        except ValueError as exc:
+            self._pending.append(
+                RequestDelta(msg.request_id, [], finish_reason="error", error=str(exc))
+            )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
-    def step(self) -> list[RequestDelta]:
-        """Schedule one step, run it, and return per-request deltas.
+    @property
+    def has_pending_outputs(self) -> bool:
+        """Deltas wait that no step produced (see `take_outputs`)."""
+        return bool(self._pending)
 
-        An executor exception becomes a `StepResult` with `error` set, so every request
-        of that step finishes with finish_reason "error" instead of hanging.
-        """
+    def take_outputs(self) -> list[RequestDelta]:
+        """The pending deltas (aborts, rejected requests); clears them."""
         deltas, self._pending = self._pending, []
-        if not self.scheduler.has_unfinished_requests():
-            return deltas
+        return deltas
+
+    # ------------------------------------------------------------------ steps
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step; None when it schedules no token (its finished ids are
+        repeated in the next plan, so it need not be sent)."""
         plan = self.scheduler.schedule()
-        if not plan.num_scheduled_tokens:
-            return deltas
+        return plan if plan.num_scheduled_tokens else None
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run `plan` on the executor. An executor exception becomes a `StepResult`
+        with `error` set, so every request of the step finishes with finish_reason
+        "error" instead of hanging. Raises RuntimeError without an executor."""
+        if self.executor is None:
+            raise RuntimeError("this EngineCore has no executor: its steps run remotely")
         start = time.perf_counter()
         try:
             result = self.executor.execute_model(plan)
         except Exception as exc:  # surfaced to each caller of this step
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
             result = StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}")
-        self.num_steps += 1
         logger.debug(
             "step %d: %d reqs, %d tokens, %.1f ms",
             plan.step_id,
@@ -109,5 +121,21 @@ class EngineCore:
             plan.total_num_scheduled_tokens,
             1e3 * (time.perf_counter() - start),
         )
+        return result
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
+        """Apply a step's result (`Scheduler.update_from_output`, same rules and
+        errors); returns the pending deltas followed by the step's."""
+        self.num_steps += 1
+        deltas = self.take_outputs()
         deltas.extend(self.scheduler.update_from_output(plan, result))
         return deltas
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule one step, run it, and return per-request deltas (pending first)."""
+        if not self.scheduler.has_unfinished_requests():
+            return self.take_outputs()
+        plan = self.schedule()
+        if plan is None:
+            return self.take_outputs()
+        return self.update(plan, self.execute(plan))

@@ -16,7 +16,8 @@ from flowengine.messages import NewRequest
 from flowengine.sampling_params import SamplingParams
 from flowengine.tokenize.chat import apply_chat_template
 
-# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...},
+# which may also carry "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
 PromptType = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
@@ -30,6 +31,13 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     children: list[NewRequest]
+    cache_salt: str | None = None
+
+
+def validate_cache_salt(cache_salt: object) -> None:
+    """Raise ValueError unless `cache_salt` is None or a non-empty string (vLLM's rule)."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -103,10 +111,19 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> ProcessedPrompt:
-        """Validate one request and fan it out into `params.n` `NewRequest`s."""
+        """Validate one request and fan it out into `params.n` `NewRequest`s.
+
+        cache_salt: isolates the request's prefix-cache blocks: only requests with the
+        same salt share them (vLLM's `cache_salt`; a dict prompt's "cache_salt" key is
+        used when this is None). Raises ValueError unless it is None or a non-empty str.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        validate_cache_salt(cache_salt)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -121,10 +138,11 @@ class InputProcessor:
                 now,
                 eos_token_id=self.eos_token_id,
                 priority=priority,
+                cache_salt=cache_salt,
             )
             for i in range(params.n)
         ]
-        return ProcessedPrompt(request_id, text, ids, params, children)
+        return ProcessedPrompt(request_id, text, ids, params, children, cache_salt)
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -83,15 +83,12 @@ class AsyncEngine:
             self._started = True
 
     async def _start(self) -> None:
-        from flowengine.engine.builder import make_input_processor, resolve
-        from flowengine.tokenize.tokenizer import load_tokenizer
+        from flowengine.engine.builder import load_engine_tokenizer, make_input_processor, resolve
 
         self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
         self.model_name = self.resolved.served_model_names[0]
         self.max_model_len = self.resolved.max_model_len
-        self.tokenizer = await anyio.to_thread.run_sync(
-            load_tokenizer, self.args.tokenizer or self.resolved.model_path
-        )
+        self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)
         if self.args.placement == "inproc":
             self.requests, self.outputs, engine_actors = await self._start_inproc()
         else:
@@ -119,11 +116,15 @@ class AsyncEngine:
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
         self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len)
         actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
+        if not self.args.disable_log_stats:
+            from flowengine.engine.stat_logger import StatLoggerActor
+
+            actors.append(StatLoggerActor(self.get_stats))
         self._task = asyncio.get_running_loop().create_task(self._run(actors))
         freeze_startup_heap()
 
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
-        from flowengine.actors.executor import ExecutorActor, SamplerActor
+        from flowengine.actors.executor import ExecutorActor
         from flowengine.actors.scheduler import SchedulerActor
         from flowengine.engine.builder import build_engine_core
 
@@ -132,15 +133,14 @@ class AsyncEngine:
         self.core = core
         self._fit_max_model_len(core.scheduler.num_total_blocks)
         requests, steps, results, outputs = (InprocChannel() for _ in range(4))
-        sampler = SamplerActor(core.executor, results)
-        executor = ExecutorActor(core.executor, steps, sampler, results)
+        executor = ExecutorActor(core.executor, steps, results)
         scheduler = SchedulerActor(
-            core.scheduler, self.max_model_len, requests, steps, results, outputs,
+            core, requests, steps, results, outputs,
             max_steps_in_flight=2 if self.args.async_scheduling else 1,
         )
         self._scheduler_actor = scheduler
-        self.engine_actors = {"scheduler": scheduler, "executor": executor, "sampler": sampler}
-        return requests, outputs, [scheduler, executor, sampler]
+        self.engine_actors = {"scheduler": scheduler, "executor": executor}
+        return requests, outputs, [scheduler, executor]
 
     def _fit_max_model_len(self, num_kv_blocks: int) -> None:
         """Apply the KV-cache fit (`builder.fit_max_model_len`) to the frontend's limits,

@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flowengine.version import __version__
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="flowengine", description="FlowEngine: LLM inference and serving"
     )
+    parser.add_argument("--version", action="version", version=f"flowengine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server", add_help=False)
     sub.add_parser("generate", help="print completions of prompts", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ring, pipeline")
     bench.add_argument("which", choices=["throughput", "serve", "ring", "pipeline"])
     if not argv or argv[0] not in ("serve", "generate", "bench"):
+        # Also answers --version / --help (argparse exits 0 for them).
         parser.parse_args(argv)  # prints usage / errors
         return 2
     command, rest = argv[0], argv[1:]

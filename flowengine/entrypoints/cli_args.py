@@ -39,12 +39,28 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help="reuse KV blocks of shared prompt prefixes (default on)",
     )
     g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split long prompts across steps within --max-num-batched-tokens (default on); "
+        "off: a prompt is prefilled in one step, and the step budget is raised to "
+        "max_model_len",
+    )
+    g.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
         help="KV cache budget in bytes (CPU; on GPU it overrides --gpu-memory-utilization)",
     )
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument(
+        "--num-kv-blocks",
+        "--num-gpu-blocks-override",
+        dest="num_kv_blocks",
+        type=int,
+        default=None,
+        help="exact number of KV blocks, instead of profiling (GPU) or the byte budget (CPU); "
+        "--num-gpu-blocks-override is vLLM's name",
+    )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -54,6 +70,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument("--served-model-name", nargs="+", default=None)
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, running/waiting, KV cache usage, prefix "
+        "cache hit rate) every $FLOWENGINE_LOG_STATS_INTERVAL seconds (default 10)",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run the Python code a model repository ships for its config "
+        "and tokenizer classes (auto_map); without it such a model is refused with an error. "
+        "The model forward is always FlowEngine's own",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:

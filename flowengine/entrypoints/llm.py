@@ -25,6 +25,7 @@ class LLM:
             once into `~/.cache/flowengine`).
         **engine_args: any `EngineArgs` field (vLLM names), e.g. `max_model_len`,
             `max_num_seqs`, `enable_prefix_caching`, `load_format="dummy"`.
+            `disable_log_stats` defaults to True here, as in vLLM's `LLM`.
 
     Raises:
         TypeError: an unknown engine argument (the message suggests the closest name).
@@ -32,12 +33,17 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        from flowengine.engine.builder import build_engine_core, make_input_processor, resolve
-        from flowengine.tokenize.tokenizer import load_tokenizer
+        from flowengine.engine.builder import (
+            build_engine_core,
+            load_engine_tokenizer,
+            make_input_processor,
+            resolve,
+        )
 
+        engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.resolved = resolve(self.engine_args)
-        self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.resolved.model_path)
+        self.tokenizer = load_engine_tokenizer(self.resolved)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self._ids = itertools.count()
         self._background = None
@@ -138,7 +144,8 @@ class LLM:
         if self._background is not None:
             with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
                 jobs = [
-                    ({"prompt_token_ids": p.prompt_token_ids}, p.sampling_params, p.request_id)
+                    ({"prompt_token_ids": p.prompt_token_ids, "cache_salt": p.cache_salt},
+                     p.sampling_params, p.request_id)
                     for p in processed
                 ]
                 outs = self._background.generate(jobs, lambda: bar.update(1))

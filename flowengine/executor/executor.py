@@ -4,15 +4,19 @@ The Executor actor (and, in the in-process engine, `EngineCore`) calls
 `execute_model`. The sampled tokens are appended to the runner's own copy of each
 request, so the next plan needs to carry only deltas (DESIGN.md §2, §5).
 
-`launch(plan)` is the overlapping form: it returns a handle at once and
-`handle.result()` gives the StepResult later. With a CudaModelRunner the step is only
-enqueued on the device, so a caller can launch step N+1 before reading step N's
-result (the scheduler plans N+1 with async scheduling); other runners compute the
-step before returning.
+`launch(plan)` is the overlapping form, the one the Executor actor uses: it returns
+a handle at once and `handle.result()` gives the StepResult later. With a
+CudaModelRunner at TP = 1 the step is only enqueued on the device, so a caller can
+launch step N+1 before reading step N's result (the scheduler plans N+1 with async
+scheduling); other runners, and tensor-parallel rank 0, compute the step before
+returning a completed handle. `follow(plan)` is the step of the other
+tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
+import logging
+import traceback
 from typing import Protocol
 
 import torch
@@ -21,9 +25,20 @@ from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 from flowengine.sample.sampler import Sampler
 
+logger = logging.getLogger(__name__)
+
 
 class StepHandle(Protocol):
-    """A launched step; `result()` waits for it (idempotent)."""
+    """A launched step.
+
+    step_id: the plan's step id. done(): True once result() would not wait for the
+    device. result(): waits if need be, then gives the StepResult (idempotent; may
+    run in another thread than the next launch).
+    """
+
+    step_id: int
+
+    def done(self) -> bool: ...
 
     def result(self) -> StepResult: ...
 
@@ -32,7 +47,11 @@ class CompletedStep:
     """The handle of a step computed before `launch` returned."""
 
     def __init__(self, result: StepResult) -> None:
+        self.step_id = result.step_id
         self._result = result
+
+    def done(self) -> bool:
+        return True
 
     def result(self) -> StepResult:
         return self._result
@@ -55,14 +74,31 @@ class Executor:
         return self.launch(plan).result()
 
     def launch(self, plan: StepPlan) -> StepHandle:
-        """Start one step; plans must be launched in step order. Raises as
-        execute_model for an inconsistent plan."""
+        """Start one step; plans must be launched in step order.
+
+        Raises ValueError for an inconsistent plan (as execute_model) and whatever the
+        forward raises. A sampling failure of an already computed step comes back as
+        a completed handle whose result has `error` set (under tensor parallelism the
+        other ranks are released with a failure mark, see `sample`).
+        """
         launch = getattr(self.runner, "launch", None)
         if launch is not None and self.runner.tp.world_size == 1:
             # A runner that samples on the device (CudaModelRunner); tensor-parallel
             # ranks take the path below, where rank 0 shares the sampled tokens.
             return launch(plan, self.sampler)
-        return CompletedStep(self.sample(plan, self.runner.execute_model(plan)))
+        output = self.runner.execute_model(plan)
+        try:
+            return CompletedStep(self.sample(plan, output))
+        except Exception as exc:
+            logger.error("sampling step %d failed: %s", plan.step_id, traceback.format_exc())
+            return CompletedStep(
+                StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}"))
+
+    def follow(self, plan: StepPlan) -> bool:
+        """The step of a tensor-parallel rank other than 0: the same forward as rank 0,
+        then the ids rank 0 sampled (`receive_sampled`). Returns False when rank 0
+        failed to sample the step. Raises as execute_model."""
+        return self.receive_sampled(plan, self.runner.execute_model(plan))
 
     def sample(self, plan: StepPlan, output: ModelOutput) -> StepResult:
         """Sample the step's logits and append the tokens to the runner's requests.

@@ -83,6 +83,10 @@ class PendingStep:
     def is_resolved(self) -> bool:
         return self._result is not None
 
+    def done(self) -> bool:
+        """True once the step's tokens are in host memory (result() will not wait)."""
+        return self._result is not None or self._event is None or self._event.query()
+
     def result(self) -> StepResult:
         """Wait for the step's tokens, write them into the requests, return the result.
 

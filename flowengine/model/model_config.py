@@ -89,9 +89,13 @@ class ModelConfig:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @classmethod
-    def from_pretrained(cls, model_path: str, max_model_len: int | None = None) -> ModelConfig:
+    def from_pretrained(
+        cls, model_path: str, max_model_len: int | None = None, *, trust_remote_code: bool = False
+    ) -> ModelConfig:
         """Read `config.json` (+ `generation_config.json` for EOS ids) from a local directory.
 
+        trust_remote_code: let transformers run a config class the model ships (`auto_map`);
+        without it such a config raises ValueError (transformers' message says so).
         Raises ValueError for an unsupported architecture or option, or a `max_model_len`
         the model cannot serve; OSError when `config.json` is missing or unreadable.
         """
@@ -99,7 +103,16 @@ class ModelConfig:
         # module only need the dataclass.
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(model_path)
+        try:
+            hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        except ValueError as err:
+            if trust_remote_code or "trust_remote_code" not in str(err):
+                raise
+            raise ValueError(
+                f"the config of {model_path} is a class of the model repository's own code "
+                "(auto_map in config.json); pass --trust-remote-code (trust_remote_code=True) "
+                "to let transformers run it. FlowEngine still runs its own model forward."
+            ) from err
         generation_eos = _generation_config_eos(model_path)
         return cls.from_hf_config(hf_config, model_path, max_model_len, generation_eos)
 

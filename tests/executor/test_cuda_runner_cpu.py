@@ -14,7 +14,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.scheduler import Scheduler
-from flowengine.engine.engine_core import request_from_msg
 from flowengine.executor.cuda_graphs import (
     CAPTURE_SIZES,
     DecodeCudaGraphs,
@@ -29,6 +28,7 @@ from flowengine.executor.model_runner import ModelRunner
 from flowengine.executor.staging_buffer import StagingBuffers, buffer_layout
 from flowengine.messages import NewRequest, TokenLogprobs
 from flowengine.model.model_config import ModelConfig
+from flowengine.request import Request
 from flowengine.sample.sampler import Sampler
 from flowengine.sampling_params import SamplingParams
 
@@ -169,7 +169,7 @@ def _generate(executor: Executor, max_in_flight: int
     scheduler = Scheduler(SchedulerConfig(8, 12, 96), CacheConfig(BLOCK, 40),
                           async_scheduling=max_in_flight > 1)
     for msg in _requests():
-        scheduler.add_request(request_from_msg(msg, 96))
+        scheduler.add_request(Request.from_new_request(msg, 96))
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprobs]] = {}
     in_flight: deque = deque()

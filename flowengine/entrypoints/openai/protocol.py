@@ -51,6 +51,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -63,7 +63,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(
         ctx.engine,
-        [messages],
+        [messages if req.cache_salt is None
+         else {"messages": messages, "cache_salt": req.cache_salt}],
         params,
         request_id,
         priority=req.priority,

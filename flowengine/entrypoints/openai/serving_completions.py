@@ -67,6 +67,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     model = ctx.resolve_model(req.model)
     params = completion_params(req)
     prompts = split_prompts(req.prompt)
+    if req.cache_salt is not None:
+        prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p,
+                    "cache_salt": req.cache_salt} for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await open_streams(
         ctx.engine,

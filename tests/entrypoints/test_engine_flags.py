@@ -1,0 +1,234 @@
+"""Engine flags vLLM users set (issue #11 item 7): each parsed, and each one reaching the
+code it controls."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from flowengine import SamplingParams
+from flowengine.config import EngineArgs
+from flowengine.engine.protocol import EngineStats
+from flowengine.engine.stat_logger import StatLoggerActor, StatLogLine, log_stats_interval_s
+from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
+
+
+def _args(*flags: str) -> EngineArgs:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_args_from(parser.parse_args(list(flags)))
+
+
+def test_every_engine_arg_has_a_flag() -> None:
+    """Every EngineArgs field is settable from the command line (and so is read: the
+    tests below and the rest of the suite cover what each one changes)."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    dests = {a.dest for a in parser._actions}
+    assert sorted(f.name for f in dataclasses.fields(EngineArgs) if f.name not in dests) == []
+
+
+# ------------------------------------------------------------------ chunked prefill
+def test_enable_chunked_prefill_flag() -> None:
+    assert _args().enable_chunked_prefill is True
+    assert _args("--enable-chunked-prefill").enable_chunked_prefill is True
+    assert _args("--no-enable-chunked-prefill").enable_chunked_prefill is False
+
+
+@pytest.mark.slow
+def test_no_chunked_prefill_reaches_the_scheduler(default_model_path) -> None:
+    from flowengine.engine.builder import build_scheduler, resolve
+
+    on = resolve(_args(default_model_path, "--max-model-len", "512",
+                       "--max-num-batched-tokens", "64", "--device", "cpu"))
+    off = resolve(_args(default_model_path, "--max-model-len", "512",
+                        "--max-num-batched-tokens", "64", "--device", "cpu",
+                        "--no-enable-chunked-prefill"))
+    assert on.max_num_batched_tokens == 64
+    # Without chunking a whole prompt must fit one step: the budget becomes max_model_len.
+    assert off.max_num_batched_tokens == 512
+    scheduler = build_scheduler(off, 64)
+    assert scheduler.config.enable_chunked_prefill is False
+    assert build_scheduler(on, 64).config.enable_chunked_prefill is True
+
+
+# ------------------------------------------------------------------ KV blocks
+def test_num_gpu_blocks_override_is_num_kv_blocks() -> None:
+    assert _args("--num-gpu-blocks-override", "37").num_kv_blocks == 37
+    assert _args("--num-kv-blocks", "41").num_kv_blocks == 41
+    assert EngineArgs.from_kwargs(num_gpu_blocks_override=37).num_kv_blocks == 37
+    with pytest.raises(TypeError, match="not both"):
+        EngineArgs.from_kwargs(num_gpu_blocks_override=37, num_kv_blocks=37)
+    with pytest.raises(ValueError, match="num_kv_blocks must be >= 1"):
+        EngineArgs.from_kwargs(num_gpu_blocks_override=0)
+
+
+@pytest.mark.slow
+def test_num_gpu_blocks_override_sizes_the_cache(default_model_path) -> None:
+    from flowengine.engine.builder import num_kv_blocks_for, resolve
+
+    resolved = resolve(_args(default_model_path, "--num-gpu-blocks-override", "37",
+                             "--kv-cache-memory-bytes", str(1 << 30), "--device", "cpu"))
+    assert num_kv_blocks_for(resolved, bytes_per_block=4096) == 37
+
+
+# ------------------------------------------------------------------ trust_remote_code
+def _custom_config_model(tmp_path) -> str:
+    """A model directory whose config class is the repository's own code (auto_map)."""
+    (tmp_path / "configuration_flowtest.py").write_text(
+        "from transformers import LlamaConfig\n\n"
+        "class FlowTestConfig(LlamaConfig):\n"
+        "    model_type = 'flowtest_llama'\n"
+    )
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "flowtest_llama",
+        "architectures": ["LlamaForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_flowtest.FlowTestConfig"},
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "hidden_act": "silu",
+    }))
+    return str(tmp_path)
+
+
+def test_trust_remote_code_flag() -> None:
+    assert _args().trust_remote_code is False
+    assert _args("--trust-remote-code").trust_remote_code is True
+
+
+def test_remote_code_model_refused_without_trust_remote_code(tmp_path) -> None:
+    from flowengine.engine.builder import resolve
+
+    model = _custom_config_model(tmp_path)
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        resolve(_args(model, "--device", "cpu"))
+
+
+def test_remote_code_model_loads_with_trust_remote_code(tmp_path) -> None:
+    from flowengine.engine.builder import resolve
+
+    model = _custom_config_model(tmp_path)
+    resolved = resolve(_args(model, "--device", "cpu", "--trust-remote-code"))
+    assert resolved.model_config.hidden_size == 64
+    assert resolved.model_config.num_kv_heads == 2
+    assert resolved.max_model_len == 512
+
+
+def test_tokenizer_gets_trust_remote_code(monkeypatch, tmp_path) -> None:
+    from flowengine.engine import builder
+
+    seen = {}
+
+    def fake_load(path, revision=None, *, trust_remote_code=False):
+        seen.update(path=path, trust_remote_code=trust_remote_code)
+        return "tok"
+
+    monkeypatch.setattr("flowengine.tokenize.tokenizer.load_tokenizer", fake_load)
+    args = EngineArgs(tokenizer=str(tmp_path), trust_remote_code=True)
+    resolved = builder.ResolvedEngine(args, "/m", None, 16, 16, "cpu", "float32", ("m",))
+    assert builder.load_engine_tokenizer(resolved) == "tok"
+    assert seen == {"path": str(tmp_path), "trust_remote_code": True}
+    resolved = dataclasses.replace(resolved, args=EngineArgs())
+    builder.load_engine_tokenizer(resolved)
+    assert seen == {"path": "/m", "trust_remote_code": False}
+
+
+# ------------------------------------------------------------------ log stats
+def test_disable_log_stats_flag_and_defaults() -> None:
+    assert _args().disable_log_stats is False
+    assert _args("--disable-log-stats").disable_log_stats is True
+
+
+def test_stat_log_line_exact_numbers() -> None:
+    prev = EngineStats(prompt_tokens_total=100, generation_tokens_total=50,
+                       prefix_cache_queries_total=64, prefix_cache_hits_total=16)
+    now = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25,
+                      prompt_tokens_total=300, generation_tokens_total=90,
+                      prefix_cache_queries_total=144, prefix_cache_hits_total=76)
+    line = StatLogLine.between(prev, now, 4.0)
+    assert line == StatLogLine(50.0, 10.0, 3, 2, 25.0, 75.0)
+    assert line.format() == (
+        "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
+        "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, "
+        "Prefix cache hit rate: 75.0%"
+    )
+    assert StatLogLine.between(now, now, 1.0).prefix_cache_hit_rate_pct == 0.0
+
+
+def test_stat_logger_levels(caplog) -> None:
+    t = [0.0]
+    snapshots = [EngineStats(), EngineStats(prompt_tokens_total=20), EngineStats(prompt_tokens_total=20),
+                 EngineStats(prompt_tokens_total=20)]
+    actor = StatLoggerActor(lambda: snapshots.pop(0), interval_s=10.0, clock=lambda: t[0])
+    caplog.set_level(logging.DEBUG, logger="flowengine.stats")
+    assert actor.log_once() is None  # the first snapshot only starts the interval
+    levels = []
+    for _ in range(3):
+        t[0] += 10.0
+        actor.log_once()
+        levels.append(caplog.records[-1].levelno)
+    # busy interval INFO, the first idle one still INFO, later idle ones DEBUG
+    assert levels == [logging.INFO, logging.INFO, logging.DEBUG]
+    assert caplog.records[0].getMessage().startswith("Avg prompt throughput: 2.0 tokens/s")
+
+
+def test_log_stats_interval_env(monkeypatch) -> None:
+    monkeypatch.delenv("FLOWENGINE_LOG_STATS_INTERVAL", raising=False)
+    assert log_stats_interval_s() == 10.0
+    monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "0.5")
+    assert log_stats_interval_s() == 0.5
+    monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "0")
+    with pytest.raises(ValueError, match="must be > 0"):
+        log_stats_interval_s()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disable_log_stats", [False, True])
+def test_async_engine_logs_stats_unless_disabled(default_model_path, monkeypatch, caplog,
+                                                 disable_log_stats) -> None:
+    from flowengine.entrypoints.async_engine import AsyncEngine
+
+    monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "0.05")
+    caplog.set_level(logging.DEBUG, logger="flowengine.stats")
+
+    async def main() -> None:
+        engine = AsyncEngine(default_model_path, max_model_len=256, num_kv_blocks=64,
+                             disable_log_stats=disable_log_stats)
+        await engine.start()
+        try:
+            async for _ in engine.submit("Hello", SamplingParams(max_tokens=4, temperature=0)):
+                pass
+            await asyncio.sleep(0.3)
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "flowengine.stats"]
+    if disable_log_stats:
+        assert lines == []
+    else:
+        assert lines and all(m.startswith("Avg prompt throughput: ") for m in lines)
+        # The request's tokens were counted in some interval.
+        assert any("Avg generation throughput: 0.0 tokens/s" not in m for m in lines)
+
+
+def test_llm_defaults_to_disable_log_stats(monkeypatch) -> None:
+    """LLM() passes disable_log_stats=True unless told otherwise (vLLM's LLM default)."""
+    from flowengine.entrypoints import llm as llm_module
+
+    captured = {}
+
+    def stop(args):
+        captured["args"] = args
+        raise RuntimeError("stop after the arguments")
+
+    monkeypatch.setattr("flowengine.engine.builder.resolve", stop)
+    for kwargs, expected in (({}, True), ({"disable_log_stats": False}, False)):
+        with pytest.raises(RuntimeError, match="stop after"):
+            llm_module.LLM(**kwargs)
+        assert captured["args"].disable_log_stats is expected

@@ -1,0 +1,171 @@
+"""The Executor actor's launcher and resolver (flowengine/actors/executor.py).
+
+A scripted executor hands out handles that stay unresolved until the test releases
+them, as a CudaModelRunner's do while the device runs: the actor must launch step N+1
+before step N's tokens are on the host, send results in launch order, and turn every
+failure into an error result for that step only.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+
+from flowengine.actors.executor import ExecutorActor
+from flowengine.executor.executor import CompletedStep
+from flowengine.messages import SampledTokens, Shutdown, StepPlan, StepResult
+from flowengine.shm.inproc import InprocChannel
+
+
+class _Tp:
+    rank = 0
+    world_size = 1
+
+
+class _Handle:
+    """Unresolved until `release()`; result() then gives one token per plan."""
+
+    def __init__(self, step_id: int, log: list[str]) -> None:
+        self.step_id = step_id
+        self._released = threading.Event()
+        self._log = log
+
+    def release(self) -> None:
+        self._released.set()
+
+    def done(self) -> bool:
+        return self._released.is_set()
+
+    def result(self) -> StepResult:
+        self._released.wait(timeout=30)
+        self._log.append(f"resolved {self.step_id}")
+        return StepResult(self.step_id, [SampledTokens("r", [100 + self.step_id])])
+
+
+class _ScriptedExecutor:
+    def __init__(self, fail_launch: set[int], fail_result: set[int]) -> None:
+        self.runner = self
+        self.tp = _Tp()
+        self.log: list[str] = []
+        self.handles: dict[int, _Handle] = {}
+        self._fail_launch = fail_launch
+        self._fail_result = fail_result
+
+    def launch(self, plan: StepPlan):
+        self.log.append(f"launched {plan.step_id}")
+        if plan.step_id in self._fail_launch:
+            raise RuntimeError(f"forward of step {plan.step_id} failed")
+        if plan.step_id in self._fail_result:
+            handle = _FailingHandle(plan.step_id)
+            return handle
+        handle = self.handles[plan.step_id] = _Handle(plan.step_id, self.log)
+        return handle
+
+
+class _FailingHandle:
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> StepResult:
+        raise RuntimeError("device fault")
+
+
+async def _inline(fn, *args):
+    return fn(*args)
+
+
+def _plan(step_id: int) -> StepPlan:
+    return StepPlan(step_id=step_id, new_reqs=[], cached_reqs=[], num_scheduled_tokens=[],
+                    finished_req_ids=[])
+
+
+async def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+    with anyio.fail_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(0.001)
+
+
+def test_step_n_plus_1_is_launched_before_step_n_resolves() -> None:
+    anyio.run(_test_step_n_plus_1_is_launched_before_step_n_resolves)
+
+
+async def _test_step_n_plus_1_is_launched_before_step_n_resolves() -> None:
+    executor = _ScriptedExecutor(set(), set())
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await steps.send_async(_plan(0))
+        await steps.send_async(_plan(1))
+        await _wait_for(lambda: "launched 1" in executor.log)
+        assert executor.log == ["launched 0", "launched 1"]  # nothing resolved yet
+        assert results.try_recv() is None
+        # Step 1 completes on the device first; its result still waits for step 0's.
+        executor.handles[1].release()
+        await anyio.sleep(0.05)
+        assert results.try_recv() is None
+        executor.handles[0].release()
+        with anyio.fail_after(30):
+            first, second = await results.recv_async(), await results.recv_async()
+        assert [first.step_id, second.step_id] == [0, 1]
+        assert [s.token_ids for s in first.sampled] == [[100]]
+        assert [s.token_ids for s in second.sampled] == [[101]]
+        assert executor.log == ["launched 0", "launched 1", "resolved 0", "resolved 1"]
+        await steps.send_async(Shutdown())
+    assert actor.num_waited == 1  # step 0 was waited for; step 1 was done by then
+
+
+def test_a_failed_launch_or_resolution_fails_that_step_only() -> None:
+    anyio.run(_test_a_failed_launch_or_resolution_fails_that_step_only)
+
+
+async def _test_a_failed_launch_or_resolution_fails_that_step_only() -> None:
+    executor = _ScriptedExecutor(fail_launch={1}, fail_result={2})
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        for step_id in range(4):
+            await steps.send_async(_plan(step_id))
+        await _wait_for(lambda: "launched 3" in executor.log)
+        executor.handles[0].release()
+        executor.handles[3].release()
+        with anyio.fail_after(30):
+            got = [await results.recv_async() for _ in range(4)]
+        await steps.send_async(Shutdown())
+    assert [r.step_id for r in got] == [0, 1, 2, 3]
+    assert [r.error for r in got] == [
+        None,
+        "RuntimeError: forward of step 1 failed",
+        "RuntimeError: device fault",
+        None,
+    ]
+    assert [s.token_ids for s in got[3].sampled] == [[103]]
+
+
+def test_shutdown_resolves_the_launched_steps_first() -> None:
+    anyio.run(_test_shutdown_resolves_the_launched_steps_first)
+
+
+async def _test_shutdown_resolves_the_launched_steps_first() -> None:
+    executor = _ScriptedExecutor(set(), set())
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await steps.send_async(_plan(0))
+        await steps.send_async(Shutdown())
+        await _wait_for(lambda: "launched 0" in executor.log)
+        executor.handles[0].release()
+    # run() returned only after step 0's result went out.
+    result = results.try_recv()
+    assert result is not None and result.step_id == 0 and result.error is None
+
+
+def test_completed_step_handle_is_done_at_once() -> None:
+    handle = CompletedStep(StepResult(7, []))
+    assert handle.done() and handle.step_id == 7 and handle.result() == StepResult(7, [])
