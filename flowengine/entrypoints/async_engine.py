@@ -98,7 +98,7 @@ class AsyncEngine:
                 self.resolved,
                 expect_generation=lambda g: self.detokenizer.expect_generation(g),
                 resubmit=self._resubmit_after_restart,
-                has_work=lambda: len(self.detokenizer.processor) > 0,
+                has_work=self._has_unfinished_requests,
             )
             ready = await self.supervisor.start()
             if ready.stats is not None:
@@ -153,6 +153,10 @@ class AsyncEngine:
         if max_model_len != self.resolved.max_model_len:
             self.resolved = replace(self.resolved, max_model_len=max_model_len)
             self.max_model_len = max_model_len
+
+    def _has_unfinished_requests(self) -> bool:
+        detokenizer = getattr(self, "detokenizer", None)  # None until start() built it
+        return detokenizer is not None and len(detokenizer.processor) > 0
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` on this loop when the engine stops by itself (an actor
