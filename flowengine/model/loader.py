@@ -19,13 +19,9 @@ import torch
 
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
-from flowengine.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from flowengine.model.model_config import ModelConfig
+from flowengine.model.models import model_class
 from flowengine.model.models.llama import LlamaForCausalLM
-
-# Every supported architecture is the Llama family with config switches.
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
-}
 
 # Dummy weights: small enough that 30+ layers keep activations finite in bf16.
 _DUMMY_RANGE = 1e-3
@@ -65,7 +61,7 @@ def load_model(
     if attn_backend is None:
         attn_backend = get_attn_backend(device)
     with torch.device("meta"):
-        model = _MODEL_CLASSES[model_config.architecture](model_config, attn_backend, tp)
+        model = model_class(model_config.architecture)(model_config, attn_backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)

@@ -15,13 +15,21 @@ from typing import Any
 
 import torch
 
-# Architectures served by flowengine.model.models.llama through config switches.
+# Architectures FlowEngine serves; flowengine/model/models/__init__.py maps each to its
+# model class (one file per family).
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
+
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                      "OlmoeForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,13 +59,25 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2).
+    """Architecture of a decoder-only causal LM: the Llama family (Llama 2/3, Mistral,
+    Qwen2, Qwen3, SmolLM2) and its Mixture-of-Experts relatives (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE).
 
     Sizes are counts; `head_dim` is per attention head; `max_model_len` is the longest
     sequence (prompt + output, in tokens) the engine accepts. `qkv_bias` / `o_bias` /
-    `mlp_bias` say which projections carry a bias (Qwen2: q/k/v only); `qk_norm` adds a
-    per-head RMSNorm on queries and keys before RoPE (Qwen3). `dtype` is the checkpoint's
-    dtype, not necessarily the one the engine runs in (see `resolve_dtype`).
+    `mlp_bias` say which projections carry a bias (Qwen2: q/k/v only); `qk_norm` adds an
+    RMSNorm on queries and keys before RoPE: per head (Qwen3, `qk_norm_full` False) or
+    over all heads' width at once (OLMoE, `qk_norm_full` True). `clip_qkv` clamps q, k and
+    v to [-clip_qkv, clip_qkv] (OLMoE). `dtype` is the checkpoint's dtype, not
+    necessarily the one the engine runs in (see `resolve_dtype`).
+
+    Mixture of experts (`num_experts` > 0): each MoE layer routes a token to
+    `num_experts_per_tok` of `num_experts` SwiGLU experts of width
+    `moe_intermediate_size` (softmax over the router logits, top-k, renormalised to sum
+    1 when `norm_topk_prob`); `shared_expert_intermediate_size` > 0 adds Qwen2-MoE's
+    always-on shared expert with its sigmoid gate. Layers listed in `dense_layers` keep a
+    dense MLP of width `intermediate_size` (Qwen's `mlp_only_layers` and
+    `decoder_sparse_step`).
     """
 
     model_path: str
@@ -82,6 +102,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a mixture-of-experts MLP."""
+        return self.num_experts > 0 and layer_idx not in self.dense_layers
 
     @property
     def eos_token_id(self) -> int | None:
@@ -146,7 +178,10 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(hf_config)
         max_pos = int(hf_config.max_position_embeddings)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        # Qwen2 (and Qwen2-MoE) always have q/k/v biases and never an o_proj bias
+        # (modeling_qwen2.py); newer Qwen2-MoE configs spell it `qkv_bias`.
+        is_qwen2 = arch == "Qwen2ForCausalLM" or (
+            arch == "Qwen2MoeForCausalLM" and bool(getattr(hf_config, "qkv_bias", True)))
         return cls(
             model_path=str(model_path),
             architecture=arch,
@@ -163,15 +198,56 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             max_model_len=resolve_max_model_len(max_model_len, max_pos, _sliding_window(hf_config)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and never an o_proj bias (modeling_qwen2.py).
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
             eos_token_ids=_eos_ids(getattr(hf_config, "eos_token_id", None), extra_eos_token_ids),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_checkpoint_dtype(hf_config),
+            qk_norm_full=arch == "OlmoeForCausalLM",
+            clip_qkv=(None if getattr(hf_config, "clip_qkv", None) is None
+                      else float(hf_config.clip_qkv)),
+            **_moe_fields(hf_config, arch),
         )
+
+
+def _moe_fields(hf_config: Any, arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig from a Hugging Face config (empty for
+    dense architectures). Raises ValueError for a config without experts."""
+    if arch not in _MOE_ARCHITECTURES:
+        return {}
+    num_experts = getattr(hf_config, "num_local_experts", None) or getattr(
+        hf_config, "num_experts", None)
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    if not num_experts or not top_k or top_k > num_experts:
+        raise ValueError(
+            f"{arch} config needs num_experts >= num_experts_per_tok >= 1, got "
+            f"num_experts={num_experts}, num_experts_per_tok={top_k}"
+        )
+    num_layers = int(hf_config.num_hidden_layers)
+    if arch == "MixtralForCausalLM":
+        # Mixtral: every layer is MoE, experts as wide as intermediate_size, and the
+        # top-k probabilities are always renormalised (modeling_mixtral.py).
+        return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                    moe_intermediate_size=int(hf_config.intermediate_size),
+                    norm_topk_prob=True)
+    if arch == "OlmoeForCausalLM":
+        return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                    moe_intermediate_size=int(hf_config.intermediate_size),
+                    norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)))
+    # Qwen2-MoE / Qwen3-MoE: layer i is MoE unless listed in mlp_only_layers or
+    # (i + 1) is not a multiple of decoder_sparse_step (modeling_qwen2_moe.py).
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=int(hf_config.moe_intermediate_size),
+                norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared, dense_layers=dense)
 
 
 def resolve_max_model_len(user_value: int | None, max_position_embeddings: int,
