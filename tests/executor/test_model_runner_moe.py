@@ -153,3 +153,155 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 
     with pytest.raises(ValueError, match=r"'Foo' is not supported.*LlamaForCausalLM"):
         model_class("Foo")
+
+
+# ---------------------------------------------------------------- through the engine (LLM)
+_VOCAB = 49152  # the default model's tokenizer (copied beside the weights)
+
+
+@pytest.fixture(scope="module")
+def engine_models(tmp_path_factory, default_model_path: str) -> dict[str, tuple[str, object]]:
+    """Qwen2-MoE (shared expert, a dense layer) and OLMoE (full-width q/k norm) with the
+    default model's tokenizer: {family: (path, transformers model)}."""
+    import os
+    import shutil
+
+    models = {}
+    for family in ("qwen2-moe", "olmoe"):
+        cfg = FAMILIES[family].to_dict()
+        cfg.update(vocab_size=_VOCAB, max_position_embeddings=512)
+        hf_config = type(FAMILIES[family]).from_dict(cfg)
+        path = str(tmp_path_factory.mktemp(f"moe-{family}"))
+        hf_model = save_random_moe(hf_config, path)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(default_model_path, name), path)
+        models[family] = (path, hf_model)
+    return models
+
+
+def _llm_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[object]:
+    from flowengine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+_ENGINE_PROMPTS = [[(i * 131 + 7 * j) % _VOCAB for i in range(n)]
+                   for j, n in enumerate((3, 60, 1, 17, 33, 8, 45, 24))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-moe", "olmoe"])
+def test_moe_prefix_caching_and_chunked_prefill_equal_transformers(engine_models, family):
+    from conftest import _hf_greedy as hf_greedy
+
+    from flowengine import LLM
+
+    path, hf_model = engine_models[family]
+    shared = [(i * 977 + 5) % _VOCAB for i in range(40)]  # 2 full 16-token blocks + 8
+    prompts = [shared + [100 + j, 7, 300 * j + 1] for j in range(4)]
+    reference = [hf_greedy(hf_model, p, 8) for p in prompts]
+    llm = LLM(path, enable_prefix_caching=True, max_num_batched_tokens=16, max_model_len=256)
+    first = _llm_greedy(llm, prompts[:1], 8)
+    rest = _llm_greedy(llm, prompts[1:], 8)
+    assert [list(o.outputs[0].token_ids) for o in first + rest] == reference
+    assert first[0].num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in rest] == [32, 32, 32]
+    sched = llm.engine.scheduler
+    assert sched.num_free_blocks == sched.num_total_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-moe", "olmoe"])
+def test_moe_tensor_parallel_2_equals_1(engine_models, family):
+    from flowengine import LLM
+
+    path, _ = engine_models[family]
+    ids = {}
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, max_model_len=256)
+        try:
+            ids[tp] = [list(o.outputs[0].token_ids) for o in _llm_greedy(llm, _ENGINE_PROMPTS, 8)]
+        finally:
+            llm.shutdown()
+    assert len({tuple(s) for s in ids[1]}) == len(_ENGINE_PROMPTS)  # not degenerate
+    assert ids[2] == ids[1]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dummy"])
+def test_tp_ranks_split_each_experts_intermediate_dim(tmp_path, fmt: str) -> None:
+    from flowengine.distributed.tp_group import TensorParallelGroup
+    from flowengine.model.loader import load_model
+
+    save_random_moe(FAMILIES["qwen2-moe"], str(tmp_path))
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    full = load_model(config, fmt)
+    ranks = [load_model(config, fmt, tp=TensorParallelGroup(r, 2)) for r in range(2)]
+    whole = dict(full.named_parameters())
+    parts = [dict(m.named_parameters()) for m in ranks]
+    base = "model.layers.0.mlp"
+    i = 16  # moe_intermediate_size
+    w13 = whole[f"{base}.experts.w13_weight"]
+    assert w13.shape == (60, 2 * i, 64)
+    pieces = [p[f"{base}.experts.w13_weight"] for p in parts]
+    assert all(pc.shape == (60, i, 64) for pc in pieces)
+    # gate rows then up rows within each rank's slice
+    assert torch.equal(torch.cat([pc[:, :i // 2] for pc in pieces], dim=1), w13[:, :i])
+    assert torch.equal(torch.cat([pc[:, i // 2:] for pc in pieces], dim=1), w13[:, i:])
+    assert torch.equal(torch.cat([p[f"{base}.experts.w2_weight"] for p in parts], dim=2),
+                       whole[f"{base}.experts.w2_weight"])
+    s = 64  # shared_expert_intermediate_size
+    gate_up = whole[f"{base}.shared_expert.gate_up_proj.weight"]
+    sp = [p[f"{base}.shared_expert.gate_up_proj.weight"] for p in parts]
+    assert torch.equal(torch.cat([x[:s // 2] for x in sp]), gate_up[:s])
+    assert torch.equal(torch.cat([x[s // 2:] for x in sp]), gate_up[s:])
+    for name in (f"{base}.gate.weight", f"{base}.shared_expert_gate.weight"):
+        assert all(torch.equal(p[name], whole[name]) for p in parts)  # whole on every rank
+    # the dense layer keeps intermediate_size 80, split 40 + 40
+    dense = whole["model.layers.1.mlp.gate_up_proj.weight"]
+    dp = [p["model.layers.1.mlp.gate_up_proj.weight"] for p in parts]
+    assert dense.shape == (160, 64) and all(x.shape == (80, 64) for x in dp)
+    assert torch.equal(torch.cat([x[:40] for x in dp]), dense[:80])
+
+
+def test_olmoe_qk_norm_is_split_with_the_heads(tmp_path) -> None:
+    from flowengine.distributed.tp_group import TensorParallelGroup
+    from flowengine.model.loader import load_model
+
+    save_random_moe(FAMILIES["olmoe"], str(tmp_path))
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    full = dict(load_model(config, "safetensors").named_parameters())
+    parts = [dict(load_model(config, "safetensors", tp=TensorParallelGroup(r, 2))
+                  .named_parameters()) for r in range(2)]
+    for name in ("q_norm", "k_norm"):
+        key = f"model.layers.0.self_attn.{name}.weight"
+        assert full[key].shape == (64,)
+        assert torch.equal(torch.cat([p[key] for p in parts]), full[key])
+
+
+def test_moe_layer_against_a_dense_reference() -> None:
+    # Every expert computed for every token, weighted by a dense [T, E] routing matrix.
+    torch.manual_seed(1)
+    t, e, k, h, i = 13, 6, 3, 16, 10
+    x = torch.randn(t, h, dtype=torch.float64)
+    w13 = torch.randn(e, 2 * i, h, dtype=torch.float64)
+    w2 = torch.randn(e, h, i, dtype=torch.float64)
+    logits = torch.randn(t, e, dtype=torch.float64)
+    from flowengine.model.layers.moe import fused_moe_torch, select_experts
+
+    for renorm in (False, True):
+        weights, ids = select_experts(logits, k, renorm)
+        probs = torch.softmax(logits, -1)
+        dense = torch.zeros(t, e, dtype=torch.float64)
+        top = probs.topk(k, -1)
+        vals = top.values / top.values.sum(-1, keepdim=True) if renorm else top.values
+        dense.scatter_(1, ids, weights.double())  # routing weights are float32
+        assert torch.equal(ids, top.indices)
+        torch.testing.assert_close(weights.double(), vals, atol=1e-6, rtol=0)
+        gate_up = torch.einsum("th,eoh->teo", x, w13)
+        act = torch.nn.functional.silu(gate_up[..., :i]) * gate_up[..., i:]
+        expert_out = torch.einsum("tei,ehi->teh", act, w2)
+        expected = (dense[..., None] * expert_out).sum(1)
+        got = fused_moe_torch(x, w13, w2, weights.double(), ids)
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
+    assert torch.equal(fused_moe_torch(x[:0], w13, w2, weights[:0], ids[:0]), x[:0])
