@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
 )
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -78,6 +80,10 @@ class ModelConfig:
     always-on shared expert with its sigmoid gate. Layers listed in `dense_layers` keep a
     dense MLP of width `intermediate_size` (Qwen's `mlp_only_layers` and
     `decoder_sparse_step`).
+
+    Granite's multipliers: embeddings times `embedding_multiplier`, each attention and
+    MLP output times `residual_multiplier` before its residual add, softmax scale
+    `attention_multiplier` (None: head_dim ** -0.5), logits divided by `logits_scaling`.
     """
 
     model_path: str
@@ -110,6 +116,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` has a mixture-of-experts MLP."""
@@ -201,15 +211,26 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                             "Olmo2ForCausalLM"),
             eos_token_ids=_eos_ids(getattr(hf_config, "eos_token_id", None), extra_eos_token_ids),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_checkpoint_dtype(hf_config),
-            qk_norm_full=arch == "OlmoeForCausalLM",
+            qk_norm_full=arch in ("OlmoeForCausalLM", "Olmo2ForCausalLM"),
             clip_qkv=(None if getattr(hf_config, "clip_qkv", None) is None
                       else float(hf_config.clip_qkv)),
             **_moe_fields(hf_config, arch),
+            **_granite_fields(hf_config, arch),
         )
+
+
+def _granite_fields(hf_config: Any, arch: str) -> dict[str, Any]:
+    if arch != "GraniteForCausalLM":
+        return {}
+    return dict(embedding_multiplier=float(hf_config.embedding_multiplier),
+                residual_multiplier=float(hf_config.residual_multiplier),
+                attention_multiplier=float(hf_config.attention_multiplier),
+                logits_scaling=float(hf_config.logits_scaling))
 
 
 def _moe_fields(hf_config: Any, arch: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Model classes by Hugging Face architecture name (config.json's `architectures`).
 
-One file per family; the mixture-of-experts families reuse the Llama decoder and
-replace its MLP. Classes are imported on first use.
+One file per family; the others reuse the Llama decoder and replace its MLP
+(mixture-of-experts families) or its decoder layer (OLMo 2). Classes are imported on first use.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -56,7 +56,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.head_dim ** -0.5 if config.attention_multiplier is None
+                      else config.attention_multiplier)  # Granite
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                              bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
@@ -133,6 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         # The checkpoint's name for the MLP (Mixtral: "block_sparse_moe").
         self.mlp_name = mlp_name
         setattr(self, mlp_name, LlamaMLP(config, tp) if mlp is None else mlp)
+        self.residual_multiplier = config.residual_multiplier  # Granite; 1 elsewhere
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -147,8 +149,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+        hidden = getattr(self, self.mlp_name)(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
@@ -157,14 +164,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
                  tp: TensorParallelGroup = SINGLE_RANK,
                  make_mlp: Callable[[int], nn.Module | None] | None = None,
-                 mlp_name: str = "mlp") -> None:
+                 mlp_name: str = "mlp", layer_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        layer_cls = LlamaDecoderLayer if layer_cls is None else layer_cls
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, tp,
-                              None if make_mlp is None else make_mlp(i), mlp_name)
+            layer_cls(config, attn_backend, tp, None if make_mlp is None else make_mlp(i),
+                      mlp_name)
             for i in range(config.num_layers)
         )
+        self.embedding_multiplier = config.embedding_multiplier  # Granite; 1 elsewhere
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len,
                                           config.rope_theta, config.rope_scaling)
@@ -173,6 +182,8 @@ class LlamaModel(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
@@ -194,15 +205,18 @@ class LlamaForCausalLM(nn.Module):
         ValueError: head counts or intermediate_size not divisible by tp.world_size.
     """
 
-    # The checkpoint's name of each layer's MLP module.
+    # The checkpoint's name of each layer's MLP module, and the decoder layer class
+    # (same constructor and forward as LlamaDecoderLayer).
     mlp_name = "mlp"
+    decoder_layer_cls: type[nn.Module] | None = None
 
     def __init__(self, model_config: ModelConfig, attn_backend: AttentionBackend,
                  tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = model_config
         self.tp = tp
-        self.model = LlamaModel(model_config, attn_backend, tp, self.make_mlp, self.mlp_name)
+        self.model = LlamaModel(model_config, attn_backend, tp, self.make_mlp, self.mlp_name,
+                                self.decoder_layer_cls)
         # Tied models read the embedding matrix in compute_logits: no second Parameter
         # to keep tied (Module.to_empty would silently untie a shared one). The LM head
         # is split by vocabulary rows like the embedding.
@@ -234,7 +248,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [R, hidden_size] -> logits [R, vocab_size] float32 on rank 0 (None on
         the other tensor-parallel ranks, which send their vocabulary slice to rank 0)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        if logits is not None and self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling  # Granite
+        return logits
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names a complete checkpoint provides."""
