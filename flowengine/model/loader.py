@@ -165,7 +165,11 @@ def dummy_weights(model: LlamaForCausalLM, seed: int, device: torch.device
     everything else uniform(-1e-3, 1e-3) float32 from a generator on `device` seeded by
     `seed` and the tensor's name (so a tensor does not depend on the others, nor on the
     tensor-parallel size that slices it)."""
+    seen: set[str] = set()
     for shard in model.weight_shards():
+        if shard.hf_name in seen:  # a fused tensor feeding several shards: once
+            continue
+        seen.add(shard.hf_name)
         if shard.hf_name.endswith("norm.weight"):
             yield shard.hf_name, torch.ones(shard.full_shape, device=device)
             continue

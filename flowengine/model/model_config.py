@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -81,6 +82,14 @@ class ModelConfig:
     dense MLP of width `intermediate_size` (Qwen's `mlp_only_layers` and
     `decoder_sparse_step`).
 
+    RoPE: `rotary_dim` leading dimensions of each head are rotated (0: all of head_dim;
+    Phi-4-mini's partial_rotary_factor 0.75). For scaled RoPE (linear, dynamic, yarn,
+    longrope, llama3) `rope_inv_freq` [rotary_dim // 2] and `rope_attention_scaling`
+    (yarn's and longrope's cos/sin factor) come from transformers'
+    `ROPE_INIT_FUNCTIONS`; empty `rope_inv_freq`: the plain rule from `rope_theta`.
+    Longrope also has `rope_long_inv_freq`, used for a whole step once a position in it
+    reaches `rope_original_max_position` (transformers' and vLLM's rule).
+
     Granite's multipliers: embeddings times `embedding_multiplier`, each attention and
     MLP output times `residual_multiplier` before its residual add, softmax scale
     `attention_multiplier` (None: head_dim ** -0.5), logits divided by `logits_scaling`.
@@ -120,6 +129,11 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    rotary_dim: int = 0
+    rope_inv_freq: tuple[float, ...] = ()
+    rope_attention_scaling: float = 1.0
+    rope_long_inv_freq: tuple[float, ...] = ()
+    rope_original_max_position: int = 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` has a mixture-of-experts MLP."""
@@ -185,8 +199,8 @@ class ModelConfig:
                 f"{num_kv_heads}; the checkpoint's config.json is inconsistent"
             )
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        rope_theta, rope_scaling = _rope(hf_config)
         max_pos = int(hf_config.max_position_embeddings)
+        rope_theta, rope_scaling, rope_fields = _rope(hf_config, int(head_dim), max_pos)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         # Qwen2 (and Qwen2-MoE) always have q/k/v biases and never an o_proj bias
         # (modeling_qwen2.py); newer Qwen2-MoE configs spell it `qkv_bias`.
@@ -221,6 +235,7 @@ class ModelConfig:
                       else float(hf_config.clip_qkv)),
             **_moe_fields(hf_config, arch),
             **_granite_fields(hf_config, arch),
+            **rope_fields,
         )
 
 
@@ -311,31 +326,83 @@ def resolve_dtype(user_dtype: str, checkpoint_dtype: torch.dtype, device: torch.
     return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def _rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _rope(hf_config: Any, head_dim: int, max_pos: int
+          ) -> tuple[float, RopeScaling | None, dict[str, Any]]:
+    """(rope_theta, rope_scaling, the ModelConfig RoPE fields) of a config."""
     # transformers 5 folds rope_theta into rope_parameters; 4.x keeps them apart.
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     params = dict(params or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     theta = 10000.0 if theta is None else float(theta)
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported by the Llama family model")
+    partial = float(params.get("partial_rotary_factor",
+                               getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {partial} gives an odd or empty rotary "
+                         f"dimension of head_dim {head_dim}")
+    fields: dict[str, Any] = {"rotary_dim": rotary_dim if rotary_dim != head_dim else 0}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", float(params["factor"]))
-    if rope_type == "llama3":
-        return theta, RopeScaling(
-            "llama3",
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params["original_max_position_embeddings"]),
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(
+            f"RoPE scaling type {rope_type!r} is not supported; supported: "
+            f"{', '.join(_ROPE_TYPES)}. Remove rope_scaling from config.json to serve at the "
+            "original context length"
         )
-    raise ValueError(
-        f"RoPE scaling type {rope_type!r} is not supported; supported: default, linear, llama3. "
-        "Remove rope_scaling from config.json to serve at the original context length"
-    )
+    if rope_type == "default":
+        return theta, None, fields
+    params.update(rope_type=rope_type, rope_theta=theta, partial_rotary_factor=partial)
+    original = params.get("original_max_position_embeddings",
+                          getattr(hf_config, "original_max_position_embeddings", None))
+    if original is not None:
+        params["original_max_position_embeddings"] = int(original)
+    inv_freq, attention_scaling = _hf_rope_init(params, head_dim, max_pos)
+    fields.update(rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling)
+    if rope_type == "longrope":
+        if original is None:
+            raise ValueError("longrope needs original_max_position_embeddings in config.json")
+        long_freq, _ = _hf_rope_init(params, head_dim, max_pos, seq_len=int(original) + 1)
+        fields.update(rope_long_inv_freq=long_freq, rope_original_max_position=int(original))
+    if rope_type == "llama3":
+        scaling = RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]),
+                              int(params["original_max_position_embeddings"]))
+    else:
+        scaling = RopeScaling(rope_type, float(params.get("factor") or 1.0))
+    return theta, scaling, fields
+
+
+class _RopeConfigView:
+    """The few attributes transformers' ROPE_INIT_FUNCTIONS read from a config, so they
+    run on 4.x-dialect configs and plain namespaces too."""
+
+    def __init__(self, params: dict[str, Any], head_dim: int, max_pos: int) -> None:
+        self.rope_parameters = params
+        self.head_dim = head_dim
+        self.hidden_size = head_dim
+        self.num_attention_heads = 1
+        self.max_position_embeddings = max_pos
+
+    def standardize_rope_params(self) -> None:  # already in transformers 5's form
+        pass
+
+
+def _hf_rope_init(params: dict[str, Any], head_dim: int, max_pos: int,
+                  seq_len: int | None = None) -> tuple[tuple[float, ...], float]:
+    """Inverse frequencies (float32 values) and attention scaling from transformers'
+    own RoPE initialisation for `params["rope_type"]` (modeling_rope_utils.py)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fn = ROPE_INIT_FUNCTIONS[params["rope_type"]]
+    try:
+        inv_freq, attention_scaling = fn(_RopeConfigView(params, head_dim, max_pos), "cpu",
+                                         seq_len=seq_len)
+    except KeyError as err:
+        raise ValueError(f"rope_scaling of type {params['rope_type']!r} lacks {err}; copy it "
+                         "from the model's original config.json") from err
+    return tuple(inv_freq.float().tolist()), float(attention_scaling)
 
 
 def _sliding_window(hf_config: Any) -> int | None:

@@ -1,4 +1,4 @@
-"""Dense families beyond the Llama switches (Granite, OLMo 2) against Hugging Face
+"""Dense families beyond the Llama switches (Granite, OLMo 2, Phi-3/Phi-4) against Hugging Face
 transformers, through the ModelRunner: greedy token ids exactly and every step's logits
 to atol 1e-4 in float32, 8 prompts decoded together with chunked prefill (16-token
 budget), non-contiguous blocks and a preemption (see test_model_runner_moe.py)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from runner_driver import GreedyDriver
 from test_model_runner_moe import NUM_NEW, PROMPTS, _hf_greedy, save_random_moe
-from transformers import GraniteConfig, Olmo2Config
+from transformers import GraniteConfig, Olmo2Config, Phi3Config
 
 from flowengine.config import CacheConfig
 from flowengine.executor.model_runner import ModelRunner
@@ -27,6 +27,17 @@ FAMILIES = {
                              attention_multiplier=0.0078125 * 8, logits_scaling=16.0,
                              tie_word_embeddings=True),
     "olmo2": Olmo2Config(**_COMMON, num_hidden_layers=3, num_key_value_heads=2),
+    # Phi-4 (14B)'s structure: fused qkv / gate_up checkpoint tensors, GQA, plain RoPE.
+    "phi4": Phi3Config(**_COMMON, num_hidden_layers=2, num_key_value_heads=2),
+    # Phi-4-mini's structure: partial rotary 0.75, longrope (short factors within the
+    # original 128 positions these prompts stay in), tied embeddings.
+    "phi4-mini-longrope": Phi3Config(
+        **{**_COMMON, "max_position_embeddings": 1024}, num_hidden_layers=2,
+        num_key_value_heads=1, partial_rotary_factor=0.75, tie_word_embeddings=True,
+        original_max_position_embeddings=128,
+        rope_scaling={"type": "longrope", "original_max_position_embeddings": 128,
+                      "short_factor": [1.0 + 0.05 * i for i in range(6)],
+                      "long_factor": [3.0 + i for i in range(6)]}),
 }
 
 
@@ -55,3 +66,30 @@ def test_granite_multipliers_are_read() -> None:
             c.logits_scaling) == (12.0, 0.22, 0.0625, 16.0)
     o = ModelConfig.from_hf_config(FAMILIES["olmo2"], "/m")
     assert o.qk_norm_full and o.embedding_multiplier == 1.0 and o.attention_multiplier is None
+
+
+def test_phi3_fused_checkpoint_tensors_split_by_rank(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from flowengine.distributed.tp_group import TensorParallelGroup
+    from flowengine.model.loader import load_model
+
+    save_random_moe(FAMILIES["phi4"], str(tmp_path))
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    ckpt = load_file(str(tmp_path / "model.safetensors"))
+    qkv = ckpt["model.layers.0.self_attn.qkv_proj.weight"]  # [64 + 2 * 32, 64]
+    gate_up = ckpt["model.layers.0.mlp.gate_up_proj.weight"]  # [2 * 96, 64]
+    assert torch.equal(dict(load_model(config, "safetensors").named_parameters())[
+        "model.layers.0.self_attn.qkv_proj.weight"], qkv)
+    ranks = [dict(load_model(config, "safetensors", tp=TensorParallelGroup(r, 2))
+                  .named_parameters()) for r in range(2)]
+    for r, p in enumerate(ranks):
+        q, k, v = qkv[:64], qkv[64:96], qkv[96:]
+        expected = torch.cat([q[32 * r:32 * (r + 1)], k[16 * r:16 * (r + 1)],
+                              v[16 * r:16 * (r + 1)]])
+        assert torch.equal(p["model.layers.0.self_attn.qkv_proj.weight"], expected)
+        gate, up = gate_up[:96], gate_up[96:]
+        assert torch.equal(p["model.layers.0.mlp.gate_up_proj.weight"],
+                           torch.cat([gate[48 * r:48 * (r + 1)], up[48 * r:48 * (r + 1)]]))
+    dummy = load_model(config, "dummy")  # every fused tensor drawn once, all parts filled
+    assert dummy.model.layers[0].self_attn.qkv_proj.weight.abs().min() > 0

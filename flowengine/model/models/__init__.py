@@ -24,6 +24,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

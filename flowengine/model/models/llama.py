@@ -175,8 +175,7 @@ class LlamaModel(nn.Module):
         )
         self.embedding_multiplier = config.embedding_multiplier  # Granite; 1 elsewhere
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len,
-                                          config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding.from_config(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -209,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
     # (same constructor and forward as LlamaDecoderLayer).
     mlp_name = "mlp"
     decoder_layer_cls: type[nn.Module] | None = None
+    # Checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    # tensor (Phi-3) rather than separately (Llama).
+    fused_checkpoint = False
 
     def __init__(self, model_config: ModelConfig, attn_backend: AttentionBackend,
                  tp: TensorParallelGroup = SINGLE_RANK) -> None:
@@ -267,7 +269,9 @@ class LlamaForCausalLM(nn.Module):
         tensors the model has no place for, or a tensor whose shape disagrees with
         config.json.
         """
-        targets = {shard.hf_name: shard for shard in self.weight_shards()}
+        targets: dict[str, list[WeightShard]] = {}
+        for shard in self.weight_shards():  # a fused tensor feeds several shards
+            targets.setdefault(shard.hf_name, []).append(shard)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -276,20 +280,21 @@ class LlamaForCausalLM(nn.Module):
                 hf_name == "lm_head.weight" and self.lm_head is None
             ):
                 continue
-            shard = targets.get(hf_name)
-            if shard is None:
+            shards = targets.get(hf_name)
+            if shards is None:
                 unexpected.append(hf_name)
                 continue
-            if tensor_shape(tensor) != shard.full_shape:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name} has shape {tensor_shape(tensor)} but the "
-                    f"model built from config.json expects {shard.full_shape}; the weights "
-                    "do not belong to this config.json"
-                )
-            param = params[shard.param]
-            shard.destination(param).copy_(read_shard(tensor, shard))
-            if shard.param.endswith(("embed_tokens.weight", "lm_head.weight")):
-                param[shard.length:].zero_()  # vocabulary padding rows of the last rank
+            for shard in shards:
+                if tensor_shape(tensor) != shard.full_shape:
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name} has shape {tensor_shape(tensor)} but the "
+                        f"model built from config.json expects {shard.full_shape}; the weights "
+                        "do not belong to this config.json"
+                    )
+                param = params[shard.param]
+                shard.destination(param).copy_(read_shard(tensor, shard))
+                if shard.param.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    param[shard.length:].zero_()  # vocabulary padding rows of the last rank
             loaded.add(hf_name)
         if unexpected:
             raise ValueError(
@@ -320,6 +325,12 @@ class LlamaForCausalLM(nn.Module):
                 start, length, width = ((q_start, q_len, q) if prefix.endswith("q_norm")
                                         else (kv_start, kv_len, kv))
                 shards.append(WeightShard(name, name, (width,), 0, start, length, 0))
+            elif prefix.endswith("self_attn.qkv_proj") and self.fused_checkpoint:
+                full = (q + 2 * kv, *cols)
+                shards += [WeightShard(name, name, full, 0, q_start, q_len, 0),
+                           WeightShard(name, name, full, 0, q + kv_start, kv_len, q_len),
+                           WeightShard(name, name, full, 0, q + kv + kv_start, kv_len,
+                                       q_len + kv_len)]
             elif prefix.endswith("self_attn.qkv_proj"):
                 base = prefix.removesuffix("qkv_proj")
                 shards += [
@@ -333,6 +344,12 @@ class LlamaForCausalLM(nn.Module):
                 base = prefix.removesuffix("gate_up_proj")
                 full = (parent.intermediate_size, *cols)
                 i_start, i_len = tp.shard(parent.intermediate_size, "intermediate_size")
+                if self.fused_checkpoint:
+                    inter = parent.intermediate_size
+                    full = (2 * inter, *cols)
+                    shards += [WeightShard(name, name, full, 0, i_start, i_len, 0),
+                               WeightShard(name, name, full, 0, inter + i_start, i_len, i_len)]
+                    continue
                 shards += [
                     WeightShard(f"{base}gate_proj.{leaf}", name, full, 0, i_start, i_len, 0),
                     WeightShard(f"{base}up_proj.{leaf}", name, full, 0, i_start, i_len, i_len),
