@@ -29,7 +29,13 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+# Architectures whose sliding-window layers FlowEngine applies in attention (so the
+# served length is not capped at the window).
+_WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                       "OlmoeForCausalLM")
@@ -90,6 +96,12 @@ class ModelConfig:
     Longrope also has `rope_long_inv_freq`, used for a whole step once a position in it
     reaches `rope_original_max_position` (transformers' and vLLM's rule).
 
+    Gemma: `hidden_act` "gelu_pytorch_tanh" (GeGLU MLP); layers in `sliding_layers`
+    attend to the last `sliding_window` positions only (and use `rope_local_theta`
+    when set, Gemma 3's local layers); attention scores and final logits are
+    soft-capped, cap * tanh(x / cap), by `attn_logit_softcapping` /
+    `final_logit_softcapping` (Gemma 2).
+
     Granite's multipliers: embeddings times `embedding_multiplier`, each attention and
     MLP output times `residual_multiplier` before its residual add, softmax scale
     `attention_multiplier` (None: head_dim ** -0.5), logits divided by `logits_scaling`.
@@ -134,6 +146,12 @@ class ModelConfig:
     rope_attention_scaling: float = 1.0
     rope_long_inv_freq: tuple[float, ...] = ()
     rope_original_max_position: int = 0
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` has a mixture-of-experts MLP."""
@@ -188,9 +206,12 @@ class ModelConfig:
                 f"model architecture {architectures or '(none given)'} of {model_path} is not "
                 f"supported; FlowEngine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu'); got {arch}")
+        is_gemma = arch in _WINDOWED_ARCHITECTURES
+        act = (getattr(hf_config, "hidden_activation", None) if is_gemma else None) or getattr(
+            hf_config, "hidden_act", "silu")
+        if act != "silu" and not (is_gemma and act in ("gelu_pytorch_tanh", "gelu_tanh")):
+            raise ValueError(f"hidden_act {act!r} is not supported for {arch} (only 'silu'"
+                             f"{', gelu_pytorch_tanh' if is_gemma else ''})")
         num_heads = int(hf_config.num_attention_heads)
         num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
         if num_heads % num_kv_heads:
@@ -220,13 +241,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            max_model_len=resolve_max_model_len(max_model_len, max_pos, _sliding_window(hf_config)),
+            max_model_len=resolve_max_model_len(
+                max_model_len, max_pos, None if is_gemma else _sliding_window(hf_config)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                             "Olmo2ForCausalLM"),
+                             "Olmo2ForCausalLM", "Gemma3ForCausalLM"),
             eos_token_ids=_eos_ids(getattr(hf_config, "eos_token_id", None), extra_eos_token_ids),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             dtype=_checkpoint_dtype(hf_config),
@@ -236,7 +258,36 @@ class ModelConfig:
             **_moe_fields(hf_config, arch),
             **_granite_fields(hf_config, arch),
             **rope_fields,
+            **(_gemma_fields(hf_config, arch) if is_gemma else {}),
         )
+
+
+def _gemma_fields(hf_config: Any, arch: str) -> dict[str, Any]:
+    num_layers = int(hf_config.num_hidden_layers)
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    if not layer_types:  # configs before layer_types: Gemma 2 alternates, local first
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(num_layers)]
+    window = getattr(hf_config, "sliding_window", None)
+    sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    local_theta = getattr(hf_config, "rope_local_base_freq", None)
+    if "sliding_attention" in params:  # transformers 5: rope per layer type
+        local_theta = params["sliding_attention"].get("rope_theta", local_theta)
+    soft = getattr(hf_config, "attn_logit_softcapping", None)
+    final = getattr(hf_config, "final_logit_softcapping", None)
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=None if window is None or not sliding else int(window),
+        sliding_layers=sliding if window is not None else (),
+        attn_logit_softcapping=None if soft is None else float(soft),
+        final_logit_softcapping=None if final is None else float(final),
+        rope_local_theta=(None if arch != "Gemma3ForCausalLM" or local_theta is None
+                          else float(local_theta)),
+        # sqrt(hidden_size) embedding scale and query_pre_attn_scalar ** -0.5 softmax scale
+        embedding_multiplier=float(hf_config.hidden_size) ** 0.5,
+        attention_multiplier=float(hf_config.query_pre_attn_scalar) ** -0.5,
+    )
 
 
 def _granite_fields(hf_config: Any, arch: str) -> dict[str, Any]:
@@ -335,6 +386,8 @@ def _rope(hf_config: Any, head_dim: int, max_pos: int
     # transformers 5 folds rope_theta into rope_parameters; 4.x keeps them apart.
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     params = dict(params or {})
+    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' RoPE
+        params = dict(params["full_attention"])
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     theta = 10000.0 if theta is None else float(theta)
     partial = float(params.get("partial_rotary_factor",

@@ -1,4 +1,5 @@
-"""Dense families beyond the Llama switches (Granite, OLMo 2, Phi-3/Phi-4) against Hugging Face
+"""Dense families beyond the Llama switches (Granite, OLMo 2, Phi-3/Phi-4, Gemma 2,
+Gemma 3) against Hugging Face
 transformers, through the ModelRunner: greedy token ids exactly and every step's logits
 to atol 1e-4 in float32, 8 prompts decoded together with chunked prefill (16-token
 budget), non-contiguous blocks and a preemption (see test_model_runner_moe.py)."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 from runner_driver import GreedyDriver
 from test_model_runner_moe import NUM_NEW, PROMPTS, _hf_greedy, save_random_moe
-from transformers import GraniteConfig, Olmo2Config, Phi3Config
+from transformers import Gemma2Config, Gemma3TextConfig, GraniteConfig, Olmo2Config, Phi3Config
 
 from flowengine.config import CacheConfig
 from flowengine.executor.model_runner import ModelRunner
@@ -38,6 +39,22 @@ FAMILIES = {
         rope_scaling={"type": "longrope", "original_max_position_embeddings": 128,
                       "short_factor": [1.0 + 0.05 * i for i in range(6)],
                       "long_factor": [3.0 + i for i in range(6)]}),
+    # Gemma 2's structure: local/global layers alternating with an 8-token window (most
+    # prompts below are longer), attention soft-cap 50, final soft-cap 30 (both bite at
+    # these weight scales), GeGLU, four (1 + w) norms per layer, sqrt(hidden) embedding
+    # scale, query_pre_attn_scalar != head_dim, tied embeddings.
+    "gemma2": Gemma2Config(**_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                           sliding_window=8, query_pre_attn_scalar=32,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # Gemma 3 text's structure: per-head q/k norm, local layers (window 8) with their own
+    # RoPE base (10k) and a global layer with 1M linearly scaled by 8 (the 4B+ models).
+    "gemma3": Gemma3TextConfig(
+        **_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=32,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1000000.0}}),
 }
 
 
@@ -66,6 +83,15 @@ def test_granite_multipliers_are_read() -> None:
             c.logits_scaling) == (12.0, 0.22, 0.0625, 16.0)
     o = ModelConfig.from_hf_config(FAMILIES["olmo2"], "/m")
     assert o.qk_norm_full and o.embedding_multiplier == 1.0 and o.attention_multiplier is None
+    g2 = ModelConfig.from_hf_config(FAMILIES["gemma2"], "/m")
+    assert (g2.sliding_window, g2.sliding_layers, g2.hidden_act) == (8, (0, 2), "gelu_pytorch_tanh")
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
+    assert g2.max_model_len == 256  # windowed layers are applied, not capped
+    assert g2.embedding_multiplier == 8.0 and g2.attention_multiplier == 32 ** -0.5
+    g3 = ModelConfig.from_hf_config(FAMILIES["gemma3"], "/m")
+    assert (g3.rope_local_theta, g3.rope_theta, g3.rope_scaling.rope_type) == (
+        10000.0, 1000000.0, "linear")
+    assert g3.qk_norm and not g3.qk_norm_full and g3.attn_logit_softcapping is None
 
 
 def test_phi3_fused_checkpoint_tensors_split_by_rank(tmp_path) -> None:

@@ -83,3 +83,21 @@ class ShardedRMSNorm(RMSNorm):
         sum_sq = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
         variance = sum_sq / self.full_size
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32 and
+    cast back once (modeling_gemma2.py; checkpoints store weight - 1). Plain torch on
+    every device (the Triton kernel multiplies by weight itself)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden_size] any float dtype -> same shape and dtype."""
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As RMSNorm.add_and_norm, with Gemma's norm."""
+        residual = x + residual
+        return self.forward(residual), residual

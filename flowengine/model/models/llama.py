@@ -24,7 +24,7 @@ from torch import nn
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.attention.metadata import AttentionMetadata
-from flowengine.model.layers.activation import silu_and_mul
+from flowengine.model.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from flowengine.model.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -49,7 +49,9 @@ class LlamaAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
-                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
+                 tp: TensorParallelGroup = SINGLE_RANK, *, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None,
+                 norm_cls: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = tp.shard(config.num_heads, "num_attention_heads")[1]
         self.num_kv_heads = tp.shard(config.num_kv_heads, "num_key_value_heads")[1]
@@ -69,10 +71,16 @@ class LlamaAttention(nn.Module):
             self.k_norm = ShardedRMSNorm(config.num_kv_heads * config.head_dim, self.kv_size,
                                          eps, tp)
         elif config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_cls(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(config.head_dim, config.rms_norm_eps)
         self.clip_qkv = config.clip_qkv
         self.attn_backend = attn_backend
+        # Passed to the backend only when set, so backends without them serve the rest.
+        self.attn_kwargs: dict[str, float | int] = {}
+        if sliding_window is not None:
+            self.attn_kwargs["sliding_window"] = sliding_window
+        if logits_soft_cap is not None:
+            self.attn_kwargs["logits_soft_cap"] = logits_soft_cap
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -91,7 +99,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.rotate_qk(positions, q, k)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, **self.attn_kwargs)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
 
@@ -111,10 +119,12 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter,
                                                  bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp)
+        # GeGLU (tanh GELU) for Gemma, SwiGLU for the rest.
+        self.act = gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden_size] -> [T, hidden_size]."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
