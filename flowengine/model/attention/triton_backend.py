@@ -56,6 +56,8 @@ class TritonAttentionBackend:
         scale: float,
         *,
         out: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend.
 
@@ -67,6 +69,9 @@ class TritonAttentionBackend:
                 block_tables; int64 slot_mapping).
             scale: softmax scale, normally head_dim ** -0.5.
             out: optional [T, num_heads, head_dim] output buffer.
+            sliding_window, logits_soft_cap: as the torch backend (a token at position p
+                sees p - sliding_window < j <= p; scores soft-capped); steps with either
+                run on the unified kernel (the split-KV kernel has neither yet).
 
         Returns:
             [T, num_heads, head_dim] in q's dtype; rows of padding tokens (beyond
@@ -89,7 +94,7 @@ class TritonAttentionBackend:
                 out[num_real_tokens:].zero_()
 
         num_splits = 1
-        if is_decode_only:
+        if is_decode_only and sliding_window is None and logits_soft_cap is None:
             if self.num_kv_splits is not None:
                 num_splits = self.num_kv_splits
             elif meta.max_seq_len >= self.split_kv_min_seq_len:
@@ -105,4 +110,5 @@ class TritonAttentionBackend:
         return paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             max_query_len=meta.max_query_len, scale=scale, out=out,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         )
