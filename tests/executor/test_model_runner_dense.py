@@ -119,3 +119,22 @@ def test_phi3_fused_checkpoint_tensors_split_by_rank(tmp_path) -> None:
                            torch.cat([gate[48 * r:48 * (r + 1)], up[48 * r:48 * (r + 1)]]))
     dummy = load_model(config, "dummy")  # every fused tensor drawn once, all parts filled
     assert dummy.model.layers[0].self_attn.qkv_proj.weight.abs().min() > 0
+
+
+def test_gemma2_window_changes_long_prompts_only(tmp_path) -> None:
+    # Non-vacuity of the window cases above: without the window FlowEngine's logits
+    # move for a prompt past it and stay for one within it.
+    import dataclasses
+
+    save_random_moe(FAMILIES["gemma2"], str(tmp_path))
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    full = dataclasses.replace(config, sliding_window=None, sliding_layers=())
+    prompts = {"within": [5, 17, 3, 9], "past": PROMPTS["long"]}
+    logits = []
+    for cfg in (config, full):
+        runner = ModelRunner(cfg, CacheConfig(block_size=8, num_blocks=64),
+                             torch.device("cpu"), torch.float32)
+        seqs = GreedyDriver(runner, token_budget=64).generate(prompts, 1)
+        logits.append({rid: s.logits[0] for rid, s in seqs.items()})
+    torch.testing.assert_close(logits[0]["within"], logits[1]["within"], atol=1e-5, rtol=0)
+    assert (logits[0]["past"] - logits[1]["past"]).abs().max() > 1e-2
