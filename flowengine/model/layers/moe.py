@@ -13,7 +13,8 @@ Experts are stored stacked (vLLM's `FusedMoE` layout): `w13_weight` [num_experts
 hidden, intermediate], filled from the checkpoint's per-expert tensors by
 `FusedMoE.weight_shards`. Under tensor parallelism each rank holds a slice of every
 expert's intermediate dimension (vLLM's default split) and the block ends in one
-all-reduce.
+all-reduce. On CUDA the experts run in the fused Triton kernel
+(flowengine/kernels/fused_moe.py); elsewhere in `fused_moe_torch`.
 """
 
 from __future__ import annotations
@@ -111,7 +112,13 @@ class FusedMoE(nn.Module):
         """x [T, hidden] and router_logits [T, num_experts] -> [T, hidden], x's dtype,
         summed over the tensor-parallel ranks."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_moe_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if x.is_cuda:
+            # One grouped GEMM per projection, no host sync (CUDA-graph safe).
+            from flowengine.kernels.fused_moe import fused_moe
+
+            out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = fused_moe_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return self.tp.all_reduce(out)
 
     def weight_shards(self, prefix: str) -> list[WeightShard]:
