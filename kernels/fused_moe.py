@@ -43,7 +43,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     device = flat.device
     max_rows = num_pairs + num_experts * (block_m - 1)
     num_blocks = triton.cdiv(max_rows, block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # NOTE: not torch.bincount, which reads the largest id on the host (a sync that
+    # breaks CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
