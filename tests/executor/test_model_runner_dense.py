@@ -138,3 +138,38 @@ def test_gemma2_window_changes_long_prompts_only(tmp_path) -> None:
         logits.append({rid: s.logits[0] for rid, s in seqs.items()})
     torch.testing.assert_close(logits[0]["within"], logits[1]["within"], atol=1e-5, rtol=0)
     assert (logits[0]["past"] - logits[1]["past"]).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dense_prefix_caching_and_chunked_prefill_equal_transformers(
+        family: str, tmp_path, default_model_path: str) -> None:
+    # Through the engine: the default model's tokenizer beside random weights; a
+    # 40-token shared prefix (past Gemma's 8-token window) served from the prefix
+    # cache, prefills in 16-token chunks.
+    import os
+    import shutil
+
+    from conftest import _hf_greedy as hf_greedy
+    from test_model_runner_moe import _llm_greedy
+
+    from flowengine import LLM
+
+    vocab = 49152
+    cfg = FAMILIES[family].to_dict()
+    cfg.update(vocab_size=vocab, max_position_embeddings=max(512, cfg["max_position_embeddings"]))
+    hf_model = save_random_moe(type(FAMILIES[family]).from_dict(cfg), str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_path, name), str(tmp_path))
+    shared = [(i * 977 + 5) % vocab for i in range(40)]
+    prompts = [shared + [100 + j, 7, 300 * j + 1] for j in range(4)]
+    reference = [hf_greedy(hf_model, p, 8) for p in prompts]
+    llm = LLM(str(tmp_path), enable_prefix_caching=True, max_num_batched_tokens=16,
+              max_model_len=120)
+    first = _llm_greedy(llm, prompts[:1], 8)
+    rest = _llm_greedy(llm, prompts[1:], 8)
+    assert [list(o.outputs[0].token_ids) for o in first + rest] == reference
+    assert first[0].num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in rest] == [32, 32, 32]
+    sched = llm.engine.scheduler
+    assert sched.num_free_blocks == sched.num_total_blocks
