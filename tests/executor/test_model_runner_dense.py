@@ -173,3 +173,34 @@ def test_dense_prefix_caching_and_chunked_prefill_equal_transformers(
     assert [o.num_cached_tokens for o in rest] == [32, 32, 32]
     sched = llm.engine.scheduler
     assert sched.num_free_blocks == sched.num_total_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["granite", "olmo2", "phi4-mini-longrope", "gemma2"])
+def test_dense_tensor_parallel_2_equals_1(family: str, tmp_path, default_model_path: str
+                                          ) -> None:
+    # gloo on the CPU, one executor process per rank: head-split q/k norms (OLMo 2),
+    # fused checkpoint tensors and partial rotary (Phi-4-mini), windowed soft-capped
+    # attention (Gemma 2), multipliers with a tied, vocabulary-split head (Granite).
+    import os
+    import shutil
+
+    from test_model_runner_moe import _ENGINE_PROMPTS, _llm_greedy
+
+    from flowengine import LLM
+
+    cfg = FAMILIES[family].to_dict()
+    cfg.update(vocab_size=49152, max_position_embeddings=max(512, cfg["max_position_embeddings"]),
+               num_key_value_heads=2)  # KV heads split 1 + 1
+    save_random_moe(type(FAMILIES[family]).from_dict(cfg), str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(default_model_path, name), str(tmp_path))
+    ids = {}
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path), tensor_parallel_size=tp, max_model_len=120)
+        try:
+            ids[tp] = [list(o.outputs[0].token_ids) for o in _llm_greedy(llm, _ENGINE_PROMPTS, 8)]
+        finally:
+            llm.shutdown()
+    assert len({tuple(s) for s in ids[1]}) == len(_ENGINE_PROMPTS)
+    assert ids[2] == ids[1]
