@@ -161,22 +161,24 @@ _VOCAB = 49152  # the default model's tokenizer (copied beside the weights)
 
 @pytest.fixture(scope="module")
 def engine_models(tmp_path_factory, default_model_path: str) -> dict[str, tuple[str, object]]:
-    """Qwen2-MoE (shared expert, a dense layer) and OLMoE (full-width q/k norm) with the
-    default model's tokenizer: {family: (path, transformers model)}."""
+    """Every MoE family with the default model's tokenizer, built on first use:
+    {family: (path, transformers model)}."""
     import os
     import shutil
 
-    models = {}
-    for family in ("qwen2-moe", "olmoe"):
-        cfg = FAMILIES[family].to_dict()
-        cfg.update(vocab_size=_VOCAB, max_position_embeddings=512)
-        hf_config = type(FAMILIES[family]).from_dict(cfg)
-        path = str(tmp_path_factory.mktemp(f"moe-{family}"))
-        hf_model = save_random_moe(hf_config, path)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(default_model_path, name), path)
-        models[family] = (path, hf_model)
-    return models
+    class _Models(dict):
+        def __missing__(self, family: str) -> tuple[str, object]:
+            cfg = FAMILIES[family].to_dict()
+            cfg.update(vocab_size=_VOCAB, max_position_embeddings=512)
+            hf_config = type(FAMILIES[family]).from_dict(cfg)
+            path = str(tmp_path_factory.mktemp(f"moe-{family}"))
+            hf_model = save_random_moe(hf_config, path)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(os.path.join(default_model_path, name), path)
+            self[family] = (path, hf_model)
+            return self[family]
+
+    return _Models()
 
 
 def _llm_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[object]:
@@ -191,7 +193,7 @@ _ENGINE_PROMPTS = [[(i * 131 + 7 * j) % _VOCAB for i in range(n)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2-moe", "olmoe"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_prefix_caching_and_chunked_prefill_equal_transformers(engine_models, family):
     from conftest import _hf_greedy as hf_greedy
 
@@ -212,7 +214,7 @@ def test_moe_prefix_caching_and_chunked_prefill_equal_transformers(engine_models
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2-moe", "olmoe"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_tensor_parallel_2_equals_1(engine_models, family):
     from flowengine import LLM
 
