@@ -23,16 +23,23 @@ _COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, intermedia
 FAMILIES = {
     # Granite 3.x's multipliers (granite-3.1-8b: 12, 0.22, 0.0078125, 16), tied
     # embeddings as the 2B/8B checkpoints.
-    "granite": GraniteConfig(**_COMMON, num_hidden_layers=3, num_key_value_heads=2,
-                             embedding_multiplier=12.0, residual_multiplier=0.22,
-                             attention_multiplier=0.0078125 * 8, logits_scaling=16.0,
-                             tie_word_embeddings=True),
-    "olmo2": Olmo2Config(**_COMMON, num_hidden_layers=3, num_key_value_heads=2),
+    "granite": GraniteConfig(
+        architectures=["GraniteForCausalLM"], **_COMMON,
+        num_hidden_layers=3, num_key_value_heads=2,
+        embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125 * 8, logits_scaling=16.0,
+        tie_word_embeddings=True),
+    "olmo2": Olmo2Config(
+        architectures=["Olmo2ForCausalLM"], **_COMMON,
+        num_hidden_layers=3, num_key_value_heads=2),
     # Phi-4 (14B)'s structure: fused qkv / gate_up checkpoint tensors, GQA, plain RoPE.
-    "phi4": Phi3Config(**_COMMON, num_hidden_layers=2, num_key_value_heads=2),
+    "phi4": Phi3Config(
+        architectures=["Phi3ForCausalLM"], **_COMMON,
+        num_hidden_layers=2, num_key_value_heads=2),
     # Phi-4-mini's structure: partial rotary 0.75, longrope (short factors within the
     # original 128 positions these prompts stay in), tied embeddings.
     "phi4-mini-longrope": Phi3Config(
+        architectures=["Phi3ForCausalLM"],
         **{**_COMMON, "max_position_embeddings": 1024}, num_hidden_layers=2,
         num_key_value_heads=1, partial_rotary_factor=0.75, tie_word_embeddings=True,
         original_max_position_embeddings=128,
@@ -43,12 +50,15 @@ FAMILIES = {
     # prompts below are longer), attention soft-cap 50, final soft-cap 30 (both bite at
     # these weight scales), GeGLU, four (1 + w) norms per layer, sqrt(hidden) embedding
     # scale, query_pre_attn_scalar != head_dim, tied embeddings.
-    "gemma2": Gemma2Config(**_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
-                           sliding_window=8, query_pre_attn_scalar=32,
-                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma2": Gemma2Config(
+        architectures=["Gemma2ForCausalLM"], **_COMMON,
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+        sliding_window=8, query_pre_attn_scalar=32,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     # Gemma 3 text's structure: per-head q/k norm, local layers (window 8) with their own
     # RoPE base (10k) and a global layer with 1M linearly scaled by 8 (the 4B+ models).
     "gemma3": Gemma3TextConfig(
+        architectures=["Gemma3ForCausalLM"],
         **_COMMON, num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         query_pre_attn_scalar=32,

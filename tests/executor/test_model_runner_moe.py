@@ -32,28 +32,36 @@ _COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4,
 
 FAMILIES = {
     # Mixtral-8x7B's structure: 8 experts, top-2 renormalised, GQA.
-    "mixtral": MixtralConfig(**_COMMON, num_hidden_layers=2, num_key_value_heads=2,
-                             intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
-                             sliding_window=None),
+    "mixtral": MixtralConfig(
+        architectures=["MixtralForCausalLM"], **_COMMON,
+        num_hidden_layers=2, num_key_value_heads=2,
+        intermediate_size=96, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None),
     # Qwen1.5-MoE-A2.7B's structure: 60 experts top-4 without renormalisation, a shared
     # expert 4x as wide behind a sigmoid gate, q/k/v biases; layer 1 kept dense
     # (mlp_only_layers) so both MLP kinds run.
-    "qwen2-moe": Qwen2MoeConfig(**_COMMON, num_hidden_layers=3, num_key_value_heads=4,
-                                intermediate_size=80, moe_intermediate_size=16,
-                                shared_expert_intermediate_size=64, num_experts=60,
-                                num_experts_per_tok=4, norm_topk_prob=False,
-                                mlp_only_layers=[1]),
+    "qwen2-moe": Qwen2MoeConfig(
+        architectures=["Qwen2MoeForCausalLM"], **_COMMON,
+        num_hidden_layers=3, num_key_value_heads=4,
+        intermediate_size=80, moe_intermediate_size=16,
+        shared_expert_intermediate_size=64, num_experts=60,
+        num_experts_per_tok=4, norm_topk_prob=False,
+        mlp_only_layers=[1]),
     # Qwen3-30B-A3B's structure: 128 experts top-8 renormalised, per-head q/k norm,
     # head_dim != hidden / heads, every second layer sparse here (decoder_sparse_step 2).
-    "qwen3-moe": Qwen3MoeConfig(**_COMMON, num_hidden_layers=4, num_key_value_heads=2,
-                                head_dim=32, intermediate_size=96, moe_intermediate_size=24,
-                                num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                                decoder_sparse_step=2),
+    "qwen3-moe": Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], **_COMMON,
+        num_hidden_layers=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=96, moe_intermediate_size=24,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=2),
     # OLMoE-1B-7B's structure: 64 experts top-8 not renormalised, q/k norm over the whole
     # projection, plus clip_qkv.
-    "olmoe": OlmoeConfig(**_COMMON, num_hidden_layers=2, num_key_value_heads=4,
-                         intermediate_size=32, num_experts=64, num_experts_per_tok=8,
-                         norm_topk_prob=False, clip_qkv=3.0),
+    "olmoe": OlmoeConfig(
+        architectures=["OlmoeForCausalLM"], **_COMMON,
+        num_hidden_layers=2, num_key_value_heads=4,
+        intermediate_size=32, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False, clip_qkv=3.0),
 }
 
 PROMPTS = {

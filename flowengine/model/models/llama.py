@@ -272,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy this rank's slice of each checkpoint tensor (Hugging Face names) into the
-        parameters.
+        parameters (a fused tensor, or a per-expert one, may fill parts of several).
 
         `weights` yields (name, torch.Tensor or safetensors lazy slice). Casts to the
         parameter dtype/device. Returns the names loaded. Raises ValueError listing
@@ -351,19 +351,20 @@ class LlamaForCausalLM(nn.Module):
                                 q_len + kv_len),
                 ]
             elif isinstance(parent, LlamaMLP) and prefix.endswith(".gate_up_proj"):
-                base = prefix.removesuffix("gate_up_proj")
-                full = (parent.intermediate_size, *cols)
-                i_start, i_len = tp.shard(parent.intermediate_size, "intermediate_size")
-                if self.fused_checkpoint:
-                    inter = parent.intermediate_size
+                inter = parent.intermediate_size
+                i_start, i_len = tp.shard(inter, "intermediate_size")
+                if self.fused_checkpoint:  # one [2 * inter, ...] tensor: gate rows, up rows
                     full = (2 * inter, *cols)
                     shards += [WeightShard(name, name, full, 0, i_start, i_len, 0),
                                WeightShard(name, name, full, 0, inter + i_start, i_len, i_len)]
-                    continue
-                shards += [
-                    WeightShard(f"{base}gate_proj.{leaf}", name, full, 0, i_start, i_len, 0),
-                    WeightShard(f"{base}up_proj.{leaf}", name, full, 0, i_start, i_len, i_len),
-                ]
+                else:
+                    base = prefix.removesuffix("gate_up_proj")
+                    full = (inter, *cols)
+                    shards += [
+                        WeightShard(f"{base}gate_proj.{leaf}", name, full, 0, i_start, i_len, 0),
+                        WeightShard(f"{base}up_proj.{leaf}", name, full, 0, i_start, i_len,
+                                    i_len),
+                    ]
             elif leaf == "weight" and (prefix.endswith("self_attn.o_proj") or (
                     isinstance(parent, LlamaMLP) and prefix.endswith(".down_proj"))):
                 if isinstance(parent, LlamaMLP):
