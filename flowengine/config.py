@@ -65,6 +65,10 @@ class EngineArgs:
     disable_log_stats: bool = False
     # Let transformers run a model repository's config/tokenizer code (auto_map).
     trust_remote_code: bool = False
+    # One INFO line per admitted request (engine/request_logger.py); prompt content only
+    # up to max_log_len characters/token ids when that is given (None: none).
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +119,8 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         for name, allowed in (

@@ -18,14 +18,17 @@ class IngressActor:
     Args:
         max_queue_len: most requests in flight (running + waiting) before new ones
             are refused with `EngineOverloadedError` (HTTP 429/503 with Retry-After).
+        request_logger: logs each admitted request (`--enable-log-requests`), or None.
     """
 
     def __init__(
-        self, tokenizer: TokenizerActor, streamer: StreamerActor, max_queue_len: int
+        self, tokenizer: TokenizerActor, streamer: StreamerActor, max_queue_len: int,
+        request_logger: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.streamer = streamer
         self.max_queue_len = max_queue_len
+        self.request_logger = request_logger
         self.accepting = True
 
     async def admit(
@@ -55,4 +58,6 @@ class IngressActor:
             self.streamer.close(rid)
             future.cancel()
             raise
+        if self.request_logger is not None:
+            self.request_logger.log_inputs(rid, processed)
         return rid, stream, [c.request_id for c in processed.children]

@@ -50,3 +50,22 @@ def check_request_fits(
             "prompt or give the KV cache more memory (num_kv_blocks, kv_cache_memory_bytes "
             "or gpu_memory_utilization)"
         )
+
+
+# How many batches' worth of requests may wait for their first token (see below).
+QUEUE_BATCHES = 2
+
+
+def default_max_queue_len(max_num_seqs: int, num_kv_blocks: int) -> int:
+    """The server's default `--max-queue-len`: requests that may wait for their first
+    token at once before new ones get 429 (issue 21 item 4).
+
+    Rule: `QUEUE_BATCHES x seats`, where seats = min(max_num_seqs, num_kv_blocks) is
+    how many sequences can run at once (each running sequence holds at least one KV
+    block; `num_kv_blocks` <= 0 means unknown, then max_num_seqs alone). A burst of
+    one full batch is admitted whole, one more batch waits behind it, and a request
+    beyond that would wait more than two generations' time, so it is better told to
+    retry (or go to another replica) at once. At least 1.
+    """
+    seats = max_num_seqs if num_kv_blocks <= 0 else min(max_num_seqs, num_kv_blocks)
+    return max(1, QUEUE_BATCHES * seats)

@@ -235,14 +235,23 @@ def build_engine_core(resolved: ResolvedEngine):
 def load_engine_tokenizer(resolved: ResolvedEngine) -> Any:
     """The tokenizer of `--tokenizer`, else the model's; `trust_remote_code` as given.
 
-    Raises OSError/ValueError as `load_tokenizer` does (a tokenizer class that needs the
-    repository's code without --trust-remote-code is one).
+    Raises OSError/ValueError as `load_tokenizer` does; ValueError naming
+    --trust-remote-code for a tokenizer class of the repository's own code without it.
     """
     from flowengine.tokenize.tokenizer import load_tokenizer
 
     args = resolved.args
-    return load_tokenizer(args.tokenizer or resolved.model_path,
-                          trust_remote_code=args.trust_remote_code)
+    path = args.tokenizer or resolved.model_path
+    try:
+        return load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    except OSError as err:
+        if args.trust_remote_code or "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(
+            f"the tokenizer of {path} is a class of the model repository's own code (auto_map "
+            "in tokenizer_config.json); pass --trust-remote-code (trust_remote_code=True) to "
+            "let transformers run it"
+        ) from err
 
 
 def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):

@@ -7,7 +7,8 @@ rate. Lines of an idle engine go to DEBUG, so an idle server does not fill its l
 first idle interval after activity is still INFO, so the log shows the load drop to zero.
 
 `StatLogLine` is pure (it turns two `EngineStats` snapshots into a line);
-`StatLoggerActor` polls an engine's `get_stats()` on a timer.
+`StatLoggerActor` polls an engine's `get_stats()` on a timer (`AsyncEngine`), or when its
+loop calls `log_if_due()` (the in-process `LLM`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,13 @@ class StatLoggerActor:
         self._last_was_idle = line.is_idle
         logger.log(level, "%s", line.format())
         return line
+
+    def log_if_due(self) -> StatLogLine | None:
+        """`log_once()` when `interval_s` has passed since the last snapshot (or none was
+        taken); for a synchronous loop such as the in-process `LLM`'s."""
+        if self._prev is not None and self.clock() - self._prev[0] < self.interval_s:
+            return None
+        return self.log_once()
 
     async def run(self) -> None:
         self.log_once()

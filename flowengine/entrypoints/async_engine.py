@@ -110,7 +110,13 @@ class AsyncEngine:
             self.streamer.inbox,
         )
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
-        self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len)
+        request_logger = None
+        if self.args.enable_log_requests:
+            from flowengine.engine.request_logger import RequestLogger
+
+            request_logger = RequestLogger(self.args.max_log_len)
+        self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len,
+                                    request_logger)
         actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
         if not self.args.disable_log_stats:
             from flowengine.engine.stat_logger import StatLoggerActor

@@ -77,6 +77,20 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "cache hit rate) every $FLOWENGINE_LOG_STATS_INTERVAL seconds (default 10)",
     )
     g.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="one INFO line per admitted request: id, prompt token count, sampling "
+        "parameters (prompt content only with --max-log-len)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="with --enable-log-requests: also log the first N prompt characters and "
+        "token ids (default: no prompt content; prompts are user data)",
+    )
+    g.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="let transformers run the Python code a model repository ships for its config "

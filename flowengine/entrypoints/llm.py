@@ -47,6 +47,8 @@ class LLM:
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self._ids = itertools.count()
         self._background = None
+        self._stats = None  # StatLoggerActor, made on first use unless disable_log_stats
+        self._num_tokens = [0, 0]  # prompt tokens added, tokens generated (in process)
         if self.engine_args.placement == "inproc":
             self.engine = build_engine_core(self.resolved)
         else:
@@ -127,6 +129,28 @@ class LLM:
             )
         return self._run(processed, use_tqdm)
 
+    def _stat_logger(self) -> Any:
+        """The periodic stats line of the in-process engine (disable_log_stats=False)."""
+        if self._stats is None:
+            from flowengine.engine.protocol import EngineStats
+            from flowengine.engine.stat_logger import StatLoggerActor
+
+            def get_stats() -> EngineStats:
+                s = self.engine.scheduler.make_stats()
+                return EngineStats(
+                    num_running=s.num_running, num_waiting=s.num_waiting,
+                    kv_cache_usage=s.kv_cache_usage, num_free_blocks=s.num_free_blocks,
+                    num_total_blocks=s.num_total_blocks,
+                    prompt_tokens_total=self._num_tokens[0],
+                    generation_tokens_total=self._num_tokens[1],
+                    num_preemptions_total=s.num_preemptions_total,
+                    prefix_cache_queries_total=s.prefix_cache_queries_total,
+                    prefix_cache_hits_total=s.prefix_cache_hits_total,
+                )
+
+            self._stats = StatLoggerActor(get_stats)
+        return self._stats
+
     @staticmethod
     def _params_list(
         params: SamplingParams | Sequence[SamplingParams] | None, n: int
@@ -153,6 +177,7 @@ class LLM:
                 out.prompt = p.prompt
             return outs
         outputs = OutputProcessor(self.tokenizer, final_only=True)
+        stat_logger = None if self.engine_args.disable_log_stats else self._stat_logger()
         order = {p.request_id: i for i, p in enumerate(processed)}
         results: list[RequestOutput | None] = [None] * len(processed)
         added: list[str] = []
@@ -162,9 +187,14 @@ class LLM:
                 for child in p.children:
                     self.engine.add_request(child)
                     added.append(child.request_id)
+                    self._num_tokens[0] += len(child.prompt_token_ids)
             with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
-                    done, to_stop = outputs.process(self.engine.step())
+                    deltas = self.engine.step()
+                    self._num_tokens[1] += sum(len(d.new_token_ids) for d in deltas)
+                    if stat_logger is not None:
+                        stat_logger.log_if_due()
+                    done, to_stop = outputs.process(deltas)
                     if to_stop:
                         self.engine.abort_requests(to_stop)
                     for out in done:

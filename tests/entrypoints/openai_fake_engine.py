@@ -115,6 +115,11 @@ class FakeEngine:
         return self._generate(prompt, sampling_params, request_id or "fake", priority)
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids" | "messages", "cache_salt"}
+            for key in ("prompt", "prompt_token_ids", "messages"):
+                if key in prompt:
+                    return self._prompt_ids(prompt[key])
+            raise ValueError(f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages': {prompt}")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):

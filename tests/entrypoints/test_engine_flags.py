@@ -138,6 +138,36 @@ def test_tokenizer_gets_trust_remote_code(monkeypatch, tmp_path) -> None:
     assert seen == {"path": "/m", "trust_remote_code": False}
 
 
+@pytest.mark.slow
+def test_remote_code_tokenizer_refused_then_loaded(default_model_path, tmp_path) -> None:
+    """A tokenizer class from the repository's own code (auto_map), for real."""
+    import shutil
+
+    from flowengine.engine import builder
+
+    shutil.copy(f"{default_model_path}/tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenization_flowtest.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n"
+        "class FlowTestTokenizerFast(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "FlowTestTokenizerFast",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_flowtest.FlowTestTokenizerFast"]},
+    }))
+
+    def resolved(**kwargs):
+        args = EngineArgs(tokenizer=str(tmp_path), **kwargs)
+        return builder.ResolvedEngine(args, "/m", None, 16, 16, "cpu", "float32", ("m",))
+
+    with pytest.raises(ValueError, match="pass --trust-remote-code"):
+        builder.load_engine_tokenizer(resolved())
+    tok = builder.load_engine_tokenizer(resolved(trust_remote_code=True))
+    assert type(tok).__name__ == "FlowTestTokenizerFast"
+    assert tok.encode("Hello") == builder.load_engine_tokenizer(
+        dataclasses.replace(resolved(), args=EngineArgs(tokenizer=default_model_path))
+    ).encode("Hello")
+
+
 # ------------------------------------------------------------------ log stats
 def test_disable_log_stats_flag_and_defaults() -> None:
     assert _args().disable_log_stats is False
@@ -162,8 +192,7 @@ def test_stat_log_line_exact_numbers() -> None:
 
 def test_stat_logger_levels(caplog) -> None:
     t = [0.0]
-    snapshots = [EngineStats(), EngineStats(prompt_tokens_total=20), EngineStats(prompt_tokens_total=20),
-                 EngineStats(prompt_tokens_total=20)]
+    snapshots = [EngineStats()] + [EngineStats(prompt_tokens_total=20)] * 3
     actor = StatLoggerActor(lambda: snapshots.pop(0), interval_s=10.0, clock=lambda: t[0])
     caplog.set_level(logging.DEBUG, logger="flowengine.stats")
     assert actor.log_once() is None  # the first snapshot only starts the interval
@@ -232,3 +261,94 @@ def test_llm_defaults_to_disable_log_stats(monkeypatch) -> None:
         with pytest.raises(RuntimeError, match="stop after"):
             llm_module.LLM(**kwargs)
         assert captured["args"].disable_log_stats is expected
+
+
+# ------------------------------------------------------------------ request logs
+def test_enable_log_requests_and_max_log_len_flags() -> None:
+    args = _args()
+    assert (args.enable_log_requests, args.max_log_len) == (False, None)
+    args = _args("--enable-log-requests", "--max-log-len", "12")
+    assert (args.enable_log_requests, args.max_log_len) == (True, 12)
+    with pytest.raises(ValueError, match="max_log_len must be >= 0"):
+        _args("--max-log-len", "-1")
+
+
+def test_request_log_line_keeps_prompts_out_unless_asked() -> None:
+    from flowengine.engine.input_processor import ProcessedPrompt
+    from flowengine.engine.request_logger import RequestLogger
+
+    params = SamplingParams(max_tokens=3, temperature=0)
+    p = ProcessedPrompt("r1", "secret prompt text", [5, 6, 7, 8], params, [], "tenant")
+    line = RequestLogger().format("r1", p)
+    assert line == f"Received request r1: prompt_tokens=4, params={params!r}, cache_salt=<set>"
+    assert "secret" not in line and "tenant" not in line
+    line = RequestLogger(max_log_len=6).format("r1", p)
+    assert line.endswith(", cache_salt=<set>, prompt='secret', prompt_token_ids=[5, 6, 7, 8]")
+    line = RequestLogger(max_log_len=2).format("r1", p)
+    assert line.endswith("prompt='se', prompt_token_ids=[5, 6]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({}, []),
+    ({"enable_log_requests": True}, ["Received request q1: prompt_tokens="]),
+    ({"enable_log_requests": True, "max_log_len": 5}, ["Received request q1: prompt_tokens="]),
+])
+def test_async_engine_request_log(default_model_path, caplog, flags, expected) -> None:
+    from flowengine.entrypoints.async_engine import AsyncEngine
+
+    caplog.set_level(logging.INFO, logger="flowengine.requests")
+
+    async def main() -> None:
+        engine = AsyncEngine(default_model_path, max_model_len=256, num_kv_blocks=64,
+                             disable_log_stats=True, **flags)
+        await engine.start()
+        try:
+            async for _ in engine.submit("Hello there", SamplingParams(max_tokens=2), "q1"):
+                pass
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "flowengine.requests"
+             and r.levelno == logging.INFO]
+    assert [m[: len(e)] for m, e in zip(lines, expected, strict=True)] == expected
+    for m in lines:
+        assert ("prompt='Hello'" in m) is ("max_log_len" in flags)
+        assert "Hello there" not in m
+
+
+def test_version_flag_and_single_version_source(capsys) -> None:
+    import importlib.metadata
+
+    import flowengine
+    from flowengine.entrypoints.cli import main
+    from flowengine.version import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"flowengine {__version__}\n"
+    assert flowengine.__version__ is __version__
+    assert importlib.metadata.version("flowengine") == __version__
+    assert "AsyncEngine" in flowengine.__all__
+
+
+@pytest.mark.slow
+def test_in_process_llm_logs_stats_when_asked(default_model_path, monkeypatch, caplog) -> None:
+    from flowengine import LLM
+
+    monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "0.000001")  # every step
+    caplog.set_level(logging.DEBUG, logger="flowengine.stats")
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    quiet = LLM(default_model_path, max_model_len=256, num_kv_blocks=64)
+    quiet.generate([[1, 2, 3]], greedy, use_tqdm=False)
+    assert quiet._stats is None and caplog.records == []
+
+    llm = LLM(default_model_path, max_model_len=256, num_kv_blocks=64, disable_log_stats=False)
+    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], greedy, use_tqdm=False)
+    stats = llm._stats.get_stats()
+    assert stats.prompt_tokens_total == 7
+    assert stats.generation_tokens_total == sum(len(o.outputs[0].token_ids) for o in outs) == 10
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(m.startswith("Avg prompt throughput: ") for m in lines)

@@ -144,7 +144,7 @@ def test_seeded_sampling_is_repeatable(client):
         ({"echo": True, "logprobs": 1}, "logprobs", "echo together with logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
         ({"logit_bias": {"1": 2.0}}, "logit_bias", "logit_bias is not supported"),
-        ({"logprobs": 6}, "logprobs", "<= 5"),
+        ({"logprobs": 21}, "logprobs", "limit of 20 (--max-logprobs)"),
         ({"prompt": []}, "prompt", "empty list"),
         ({"prompt": ["a", [1]]}, "prompt", "do not mix"),
         ({"top_p": 0}, None, "top_p must be in (0, 1]"),

@@ -1,36 +1,52 @@
-"""The ASGI application: routing, API key, CORS, body limit, disconnects, draining.
+"""The ASGI application, on Starlette: routes, API key, CORS, body limits, disconnects,
+draining.
 
-`OpenAIApp` is a plain ASGI 3 callable (no framework). Per HTTP request it:
-routes (404/405) → checks the API key (401) → refuses new work while draining (503)
-→ reads the body (413 past the limit) → watches for the client going away (the
-handler task is cancelled, which aborts its engine request) → runs the handler and
-sends its response. Every error is OpenAI's error object; an unexpected exception
+`OpenAIApp` builds a `Starlette` app from the route table (router.py). Starlette
+routes (404/405, `HEAD` for every `GET`, `root_path`) and runs the middleware: CORS
+and OPTIONS outermost (cors.py), then the `--middleware` hooks. Each route's endpoint
+(`_Endpoint`) then, per request: checks the API key (401) → refuses new work while
+draining (503) → checks the Content-Type of a JSON body (415) → reads the body (413
+past the size limit, 408 past the body timeout) → watches for the client going away
+(the handler task is cancelled, which aborts its engine request) → runs the handler
+and sends its response. Every error is OpenAI's error object; an unexpected exception
 is logged with its traceback and answered as a bare 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import importlib
+import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request as StarletteRequest
+from starlette.routing import Match
+from starlette.routing import Route as StarletteRoute
+from starlette.types import Receive, Scope, Send
 
 from flowengine.entrypoints.openai import responses as rs
 from flowengine.entrypoints.openai import serving_misc as misc
 from flowengine.entrypoints.openai.asgi import (
+    APIRequest,
     ClientDisconnected,
-    Receive,
-    Request,
+    PlainResponse,
     Response,
-    Scope,
-    Send,
+    StreamingResponse,
     error_response,
 )
 from flowengine.entrypoints.openai.context import ServingContext
+from flowengine.entrypoints.openai.cors import CORSMiddleware
 from flowengine.entrypoints.openai.errors import APIError, internal_error
 from flowengine.entrypoints.openai.openapi import build_openapi
 from flowengine.entrypoints.openai.protocol import (
@@ -48,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 # 32 MiB: a few hundred thousand tokens of text or token ids; raise it for longer prompts.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+# Seconds from the end of the headers to the end of the body. A client sending 32 MiB
+# at 10 Mbit/s needs ~27 s; a slow-body attack (1 byte every 2 s) is cut after this.
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -58,14 +77,33 @@ class AppOptions:
         api_key: if set, routes that need auth require `Authorization: Bearer <key>`.
         allowed_origins: CORS origins allowed to call from a browser ("*" for any);
             empty means no CORS headers (browsers refuse cross-origin calls).
+        allowed_methods, allowed_headers: what a CORS preflight may ask for ("*": any
+            method the path accepts / any header); vLLM's `--allowed-methods`,
+            `--allowed-headers`.
+        allow_credentials: CORS `Access-Control-Allow-Credentials: true`.
         max_request_body_bytes: larger bodies are answered 413.
+        request_body_timeout_s: a body still incomplete this many seconds after the
+            headers is answered 408 and its connection closed (None: no limit).
         drain_retry_after_s: `Retry-After` of the 503 sent while draining.
+        middleware: import paths ("pkg.module.attr" or "pkg.module:attr") of ASGI
+            middleware classes (added with `add_middleware`) or `async def
+            f(request, call_next)` functions (as `@app.middleware("http")`), vLLM's
+            `--middleware`; applied in order, the first outermost, inside CORS.
+        root_path: the path prefix a proxy strips (`--root-path`); the OpenAPI
+            document names it as the server URL.
+        on_startup: called once the server listens (lifespan startup).
     """
 
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_body_timeout_s: float | None = DEFAULT_REQUEST_BODY_TIMEOUT_S
     drain_retry_after_s: float = 5.0
+    middleware: tuple[str, ...] = ()
+    root_path: str = ""
     on_startup: Sequence[Callable[[], None]] = field(default_factory=tuple)
 
 
@@ -75,12 +113,15 @@ def build_routes(ctx: ServingContext, openapi: Callable[[], Response]) -> list[R
     def h(fn):  # bind the context: handlers take (ctx, request)
         return partial(fn, ctx)
 
-    async def openapi_handler(request: Request) -> Response:
+    async def openapi_handler(request: APIRequest) -> Response:
         return openapi()
 
     return [
         Route("GET", "/v1/models", h(misc.list_models), "List the served models",
               response_type=rs.ModelList),
+        Route("GET", "/v1/models/{model}", h(misc.retrieve_model), "One served model",
+              response_type=rs.ModelCard, match_path="/v1/models/{model:path}",
+              path_params=("model",)),
         Route("POST", "/v1/completions", h(create_completion), "Create a completion",
               request_types=(CompletionRequest,), response_type=rs.CompletionResponse,
               streams=True),
@@ -103,6 +144,40 @@ def build_routes(ctx: ServingContext, openapi: Callable[[], Response]) -> list[R
     ]  # fmt: skip
 
 
+def load_middleware(path: str) -> Middleware:
+    """The Starlette `Middleware` for an import path (see AppOptions.middleware).
+
+    Raises ValueError for a path that does not import or names neither a class nor an
+    async function.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"--middleware {path!r} cannot be imported: {err}") from err
+    if inspect.isclass(obj):
+        return Middleware(obj)
+    if inspect.iscoroutinefunction(obj):
+        return Middleware(BaseHTTPMiddleware, dispatch=obj)
+    raise ValueError(
+        f"--middleware {path!r} is neither an ASGI middleware class nor an "
+        "'async def f(request, call_next)' function"
+    )
+
+
+class _Flight:
+    """One request in flight: its response once the handler returned, and the error
+    it was cut with by the server (graceful-shutdown timeout), if any."""
+
+    __slots__ = ("cut_error", "response")
+
+    def __init__(self) -> None:
+        self.response: Response | None = None
+        self.cut_error: APIError | None = None
+
+
 class OpenAIApp:
     """ASGI app serving the OpenAI routes for one `ServingContext`."""
 
@@ -111,15 +186,68 @@ class OpenAIApp:
         self.options = options
         self.router = Router(build_routes(ctx, self._openapi))
         self._openapi_body = orjson.dumps(
-            build_openapi(self.router.routes, has_api_key=options.api_key is not None)
+            build_openapi(
+                self.router.routes,
+                has_api_key=options.api_key is not None,
+                root_path=options.root_path,
+                max_n=ctx.limits.max_n,
+                max_logprobs=ctx.limits.max_logprobs,
+            )
         )
         self.draining = False
-        self.num_in_flight = 0
+        self._in_flight: dict[asyncio.Task[Any], _Flight] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        by_path: dict[str, dict[str, Route]] = {}
+        for route in self.router.routes:
+            by_path.setdefault(route.match_path or route.path, {})[route.method] = route
+        routes = [
+            StarletteRoute(path, _Endpoint(self, by_method), methods=list(by_method))
+            for path, by_method in by_path.items()
+        ]
+        middleware = [
+            Middleware(
+                CORSMiddleware,
+                methods_for=self.methods_for,
+                allowed_origins=options.allowed_origins,
+                allowed_methods=options.allowed_methods,
+                allowed_headers=options.allowed_headers,
+                allow_credentials=options.allow_credentials,
+            ),
+            *(load_middleware(m) for m in options.middleware),
+        ]
+        self.starlette = Starlette(
+            routes=routes,
+            middleware=middleware,
+            exception_handlers={HTTPException: self._routing_error},
+            lifespan=self._lifespan,
+        )
+        # A trailing slash is a 404 (OpenAI's paths have none), not a 307 redirect.
+        self.starlette.router.redirect_slashes = False
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.starlette(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        for hook in self.options.on_startup:
+            hook()
+        yield
 
     def _openapi(self) -> Response:
-        return Response(200, self._openapi_body)
+        return PlainResponse(self._openapi_body, 200, media_type="application/json")
+
+    def methods_for(self, scope: Scope) -> list[str]:
+        """The methods `scope`'s path accepts, sorted (HEAD included for GET routes)."""
+        for route in self.starlette.router.routes:
+            match, _ = route.matches(scope)
+            if match is not Match.NONE:
+                return sorted(route.methods or ())
+        return []
 
     def start_draining(self) -> None:
         """From now on, new work is answered 503; in-flight requests continue."""
@@ -133,80 +261,101 @@ class OpenAIApp:
             return False
         return True
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
-            await self._http(Request(scope, receive), send)
+    def cut_in_flight(self) -> int:
+        """End every request still in flight (the graceful-shutdown timeout): a stream
+        gets an error event and `data: [DONE]`, a request not yet answered a 503.
+        Their engine requests are aborted. Returns how many were cut."""
+        err = APIError(
+            503,
+            "the server is shutting down and its graceful timeout ended this request "
+            "before it finished; retry it on another replica",
+            type="service_unavailable_error",
+            code="server_shutdown",
+        )
+        for task, flight in list(self._in_flight.items()):
+            flight.cut_error = err
+            if isinstance(flight.response, StreamingResponse):
+                flight.response.cut_error = err
+            task.cancel()
+        return len(self._in_flight)
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                for hook in self.options.on_startup:
-                    hook()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    async def _routing_error(self, request: StarletteRequest, exc: Exception) -> Response:
+        """Starlette's 404/405 as OpenAI's error object."""
+        assert isinstance(exc, HTTPException)
+        method, path = request.method, request.url.path
+        if exc.status_code == 405:
+            allowed = ", ".join(sorted((exc.headers or {}).get("Allow", "").split(", ")))
+            err = APIError(
+                405,
+                f"{path} does not accept {method}; use {allowed}",
+                code="method_not_allowed",
+                headers={"allow": allowed},
+            )
+        elif exc.status_code == 404:
+            err = APIError(
+                404, f"no route {method} {path}; /openapi.json lists the routes", code="not_found"
+            )
+        else:
+            err = APIError(exc.status_code, str(exc.detail))
+        # Read the body the client is still sending, so its connection stays usable.
+        with contextlib.suppress(ClientDisconnected):
+            await APIRequest(request.scope, request.receive).discard_body(
+                self.options.max_request_body_bytes, self.options.request_body_timeout_s
+            )
+        return error_response(err)
 
-    async def _http(self, request: Request, send: Send) -> None:
-        cors = self._cors_headers(request)
+    async def serve(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run one request of `route` (see the module docstring for the steps)."""
+        request = APIRequest(scope, receive)
         task = asyncio.current_task()
         assert task is not None  # an ASGI app always runs inside a task
+        options = self.options
         watcher: asyncio.Task[None] | None = None
-        counted = False
+        flight: _Flight | None = None
         try:
             try:
-                if request.method == "OPTIONS":
-                    await self._preflight(request).send(send, cors)
-                    return
-                route = self._admit(request)
-                self._enter()
-                counted = True
-                if request.method == "POST":
-                    await request.read_body(self.options.max_request_body_bytes)
+                self._admit(route, request)
+                flight = self._enter(task)
+                if route.request_types:
+                    _check_json_content_type(request)
+                    await request.read_body(
+                        options.max_request_body_bytes, options.request_body_timeout_s
+                    )
                 watcher = request.watch_disconnect(task)
                 response = await route.handler(request)
             except APIError as err:
-                if err.status != 413:
-                    await request.discard_body(self.options.max_request_body_bytes)
+                if err.status not in (408, 413):
+                    await request.discard_body(
+                        options.max_request_body_bytes, options.request_body_timeout_s
+                    )
                 response = error_response(err)
             except (ClientDisconnected, asyncio.CancelledError):
                 raise
             except Exception:
-                logger.exception("%s %s failed", request.method, request.path)
+                logger.exception("%s %s failed", request.method, request.url.path)
                 response = error_response(internal_error())
-            await response.send(send, cors)
+            if flight is not None:
+                flight.response = response
+            await response(scope, receive, send)
         except ClientDisconnected:  # gone while sending its body
-            logger.info("%s %s: client disconnected", request.method, request.path)
+            logger.info("%s %s: client disconnected", request.method, request.url.path)
         except asyncio.CancelledError:
-            if not request.disconnected:
+            if request.disconnected:
+                task.uncancel()  # our watcher's cancel, handled here
+                logger.info("%s %s: client disconnected", request.method, request.url.path)
+            elif flight is not None and flight.cut_error is not None:
+                task.uncancel()  # cut at the graceful timeout: answer, then end
+                if flight.response is None:
+                    await error_response(flight.cut_error)(scope, receive, send)
+            else:
                 raise  # cancelled by the server (shutdown), not by the client
-            task.uncancel()  # our watcher's cancel, handled here
-            logger.info("%s %s: client disconnected", request.method, request.path)
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if counted:
-                self._leave()
+            if flight is not None:
+                self._leave(task)
 
-    def _preflight(self, request: Request) -> Response:
-        """OPTIONS: the allowed methods, plus CORS preflight headers for allowed origins."""
-        methods = self.router.methods(request.path)
-        if not methods:
-            self.router.match(request.method, request.path)  # raises the 404
-        headers = {"allow": ", ".join([*methods, "OPTIONS"])}
-        if self._cors_headers(request):
-            headers["access-control-allow-methods"] = headers["allow"]
-            requested = request.headers.get("access-control-request-headers")
-            if requested:
-                headers["access-control-allow-headers"] = requested
-            headers["access-control-max-age"] = "600"
-        return Response(204, content_type=None, headers=headers)
-
-    def _admit(self, request: Request) -> Route:
-        route = self.router.match(request.method, request.path)
+    def _admit(self, route: Route, request: APIRequest) -> None:
         if route.requires_auth and self.options.api_key is not None:
             self._check_api_key(request)
         if self.draining and not route.while_draining:
@@ -217,9 +366,8 @@ class OpenAIApp:
                 code="server_draining",
                 retry_after_s=self.options.drain_retry_after_s,
             )
-        return route
 
-    def _check_api_key(self, request: Request) -> None:
+    def _check_api_key(self, request: APIRequest) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         expected = self.options.api_key or ""
         if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -232,18 +380,54 @@ class OpenAIApp:
                 headers={"www-authenticate": "Bearer"},
             )
 
-    def _enter(self) -> None:
-        self.num_in_flight += 1
+    def _enter(self, task: asyncio.Task[Any]) -> _Flight:
+        flight = self._in_flight[task] = _Flight()
         self._idle.clear()
+        return flight
 
-    def _leave(self) -> None:
-        self.num_in_flight -= 1
-        if self.num_in_flight == 0:
+    def _leave(self, task: asyncio.Task[Any]) -> None:
+        self._in_flight.pop(task, None)
+        if not self._in_flight:
             self._idle.set()
 
-    def _cors_headers(self, request: Request) -> dict[str, str]:
-        origin = request.headers.get("origin")
-        allowed = self.options.allowed_origins
-        if origin is None or not allowed or ("*" not in allowed and origin not in allowed):
-            return {}
-        return {"access-control-allow-origin": "*" if "*" in allowed else origin, "vary": "origin"}
+
+def _check_json_content_type(request: APIRequest) -> None:
+    """Raise APIError(415) unless the body is declared JSON.
+
+    `application/json` and `application/*+json` are JSON. A body with no Content-Type is
+    taken as JSON (as FastAPI, hence vLLM, does) unless the request carries an `Origin`:
+    a browser sends a cross-origin POST without a CORS preflight only with a "simple"
+    Content-Type (text/plain, form types) or with none (a Blob body), so refusing those
+    means a web page cannot make the server generate on a visitor's behalf.
+    """
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        if request.headers.get("origin") is None:
+            return
+        shown = "no Content-Type"
+    else:
+        media = content_type.partition(";")[0].strip().lower()
+        if media == "application/json" or (
+            media.startswith("application/") and media.endswith("+json")
+        ):
+            return
+        shown = f"Content-Type {content_type!r}"
+    raise APIError(
+        415,
+        f"the request body has {shown}; send JSON with 'Content-Type: application/json'",
+        code="unsupported_media_type",
+    )
+
+
+class _Endpoint:
+    """The Starlette endpoint (an ASGI app) of one path: dispatches on the method."""
+
+    def __init__(self, app: OpenAIApp, by_method: dict[str, Route]) -> None:
+        self.app = app
+        self.by_method = dict(by_method)
+        if "GET" in by_method:
+            self.by_method.setdefault("HEAD", by_method["GET"])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette answered 405 already for a method not in this path's list.
+        await self.app.serve(self.by_method[scope["method"]], scope, receive, send)

@@ -1,8 +1,11 @@
-"""A small ASGI toolkit: request wrapper, JSON / streaming responses, disconnect watch.
+"""Request and response classes of the server, on Starlette's.
 
-Written for this server instead of a framework (the ASGI 3.0 HTTP spec is all we
-need: https://asgi.readthedocs.io/en/latest/specs/www.html). JSON is encoded with
-orjson.
+`APIRequest` is Starlette's `Request` plus what the OpenAI routes need around it: a
+body read with a size limit (413) and a deadline (408), the drain of an unread body
+after an early error (keep-alive), and a disconnect watch that cancels the handler.
+Responses are Starlette `Response`s whose JSON is encoded with orjson; the streaming
+response runs a cleanup (engine aborts) however it ends, and a stream cut by the
+server (the graceful-shutdown timeout) ends with an error event and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -13,43 +16,71 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
+from starlette.requests import Request as StarletteRequest
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from flowengine.entrypoints.openai.errors import APIError
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+__all__ = [
+    "APIRequest",
+    "ClientDisconnected",
+    "JSONResponse",
+    "Response",
+    "StreamingResponse",
+    "error_response",
+    "json_response",
+]
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the request body was read."""
 
 
-class Request:
-    """One HTTP request: method, path, lower-cased headers, and its body once read."""
+class APIRequest(StarletteRequest):
+    """One HTTP request of an OpenAI route.
+
+    Attributes:
+        raw_body: the body bytes once `read_body` ran (b"" before; also what
+            Starlette's `await request.body()` returns then).
+        disconnected: True once the client was seen going away.
+    """
 
     def __init__(self, scope: Scope, receive: Receive) -> None:
-        self.scope = scope
-        self.receive = receive
-        self.method: str = scope["method"]
-        self.path: str = scope["path"]
-        self.headers: dict[str, str] = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
-        }
-        self.body: bytes = b""
+        super().__init__(scope, receive)
+        self.raw_body = b""
         self.body_read = False
         self.disconnected = False
 
-    async def read_body(self, max_bytes: int) -> bytes:
-        """Read the whole body. Raises APIError(413) past `max_bytes` bytes."""
+    async def read_body(self, max_bytes: int, timeout_s: float | None = None) -> bytes:
+        """Read the whole body.
+
+        Raises APIError(413) past `max_bytes` bytes, APIError(408) when the whole body
+        has not arrived `timeout_s` seconds after the headers, ClientDisconnected.
+        """
         declared = self.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             raise _too_large(int(declared), max_bytes)
+        if timeout_s is None:
+            return await self._read(max_bytes)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._read(max_bytes)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {timeout_s:g} s; send it at once "
+                "or raise --request-body-timeout",
+                code="request_timeout",
+                headers={"connection": "close"},
+            ) from None
+
+    async def _read(self, max_bytes: int) -> bytes:
         chunks: list[bytes] = []
         size = 0
+        receive = self._receive
         while True:
-            message = await self.receive()
+            message = await receive()
             if message["type"] == "http.disconnect":
                 self.disconnected = True
                 raise ClientDisconnected
@@ -60,22 +91,25 @@ class Request:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        self.body = b"".join(chunks)
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.raw_body = self._body = body
         self.body_read = True
-        return self.body
+        # NOTE: Starlette's own readers must not call receive() again for the body.
+        self._stream_consumed = True
+        return body
 
-    async def discard_body(self, max_bytes: int) -> None:
+    async def discard_body(self, max_bytes: int, timeout_s: float | None = None) -> None:
         """Read and drop a body nobody read yet (an error answered before the handler
         ran), so the connection can carry the client's next request: an HTTP/1.1 server
         that finishes a response before the request's body has arrived must close the
         connection (Hypercorn does), and a keep-alive client that reuses it fails.
-        A body over `max_bytes` is left unread; that connection closes. Raises
-        ClientDisconnected.
+        A body over `max_bytes`, or slower than `timeout_s`, is left unread; that
+        connection closes. Raises ClientDisconnected.
         """
-        if self.body_read:
+        if self.body_read or self.scope["method"] in ("GET", "HEAD"):
             return
         try:
-            await self.read_body(max_bytes)
+            await self.read_body(max_bytes, timeout_s)
         except APIError:
             pass
 
@@ -86,10 +120,11 @@ class Request:
         so a task blocked on `receive()` learns of it at once, also while the handler
         waits on the engine (non-streaming) or writes a stream.
         """
+        receive = self._receive
 
         async def watch() -> None:
             while True:
-                message = await self.receive()
+                message = await receive()
                 if message["type"] == "http.disconnect":
                     self.disconnected = True
                     task.cancel()
@@ -107,41 +142,50 @@ def _too_large(size: int, max_bytes: int) -> APIError:
     )
 
 
-class Response:
-    """A complete response: status, headers, body bytes."""
+class JSONResponse(Response):
+    """A JSON response encoded with orjson (`content-type: application/json`)."""
 
-    def __init__(
-        self,
-        status: int,
-        body: bytes = b"",
-        *,
-        content_type: str | None = "application/json",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.status = status
-        self.body = body
-        self.headers = dict(headers or {})
-        if content_type is not None:
-            self.headers["content-type"] = content_type
+    media_type = "application/json"
 
-    def raw_headers(self, extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
-        merged = {**self.headers, **extra}
-        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in merged.items()]
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
 
-    async def send(self, send: Send, extra_headers: dict[str, str]) -> None:
-        headers = self.raw_headers(extra_headers)
-        if self.status != 204:  # RFC 9110 §8.6: no Content-Length in a 204
-            headers.append((b"content-length", str(len(self.body)).encode()))
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_whole(self, scope, send)
+
+
+class PlainResponse(Response):
+    """Bytes with the given content type (or none), no body on HEAD."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_whole(self, scope, send)
+
+
+async def _send_whole(response: Response, scope: Scope, send: Send) -> None:
+    # Starlette's Response.__call__ sends the body also for HEAD; RFC 9110 §9.3.2 says
+    # a HEAD response has the GET response's headers and no content.
+    body = b"" if scope["method"] == "HEAD" else response.body
+    await send(
+        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(status, orjson.dumps(data), headers=headers)
+    return JSONResponse(data, status, headers)
 
 
 def error_response(err: APIError) -> Response:
-    return json_response(err.body(), err.status, err.headers)
+    return JSONResponse(err.body(), err.status, err.headers or None)
+
+
+def empty_response(status: int, headers: dict[str, str] | None = None) -> Response:
+    """A response with no content type; no Content-Length for 204 (RFC 9110 §8.6)."""
+    return PlainResponse(b"", status, headers)
+
+
+def plain_response(body: bytes, content_type: str | None) -> Response:
+    return PlainResponse(body, 200, media_type=content_type)
 
 
 class StreamingResponse(Response):
@@ -151,6 +195,10 @@ class StreamingResponse(Response):
     the iterator is closed and then `cleanup` runs. NOTE: `cleanup` is what releases
     the engine requests: closing an async generator that never started does not run
     its `finally` blocks, so they cannot be relied on alone.
+
+    A server that must end the stream (graceful-shutdown timeout) sets `cut_error` and
+    cancels the task: the stream then ends with that error as an event and
+    `data: [DONE]` (`error_event`/`done_event` frame them), not mid-body.
     """
 
     def __init__(
@@ -158,26 +206,52 @@ class StreamingResponse(Response):
         chunks: AsyncIterator[bytes],
         *,
         cleanup: Callable[[], Awaitable[None]] | None = None,
-        content_type: str = "text/event-stream",
+        media_type: str = "text/event-stream",
         headers: dict[str, str] | None = None,
+        error_event: Callable[[APIError], bytes] | None = None,
+        done_event: bytes = b"",
     ) -> None:
-        super().__init__(200, content_type=content_type, headers=headers)
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.body = b""
+        # Built here, not by Starlette's init_headers: no content-length (the body is
+        # chunked) and no charset appended to text/event-stream (what OpenAI sends).
+        merged = {"content-type": media_type, **(headers or {})}
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in merged.items()]
         self.chunks = chunks
         self.cleanup = cleanup
+        self.cut_error: APIError | None = None
+        self._error_event = error_event
+        self._done_event = done_event
 
-    async def send(self, send: Send, extra_headers: dict[str, str]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
         try:
             async with contextlib.aclosing(self.chunks) as chunks:  # type: ignore[type-var]
                 await send(
-                    {
-                        "type": "http.response.start",
-                        "status": self.status,
-                        "headers": self.raw_headers(extra_headers),
-                    }
+                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
                 )
+                started = True
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.cut_error is None or task is None:
+                raise
+            task.uncancel()  # the server's cut, handled here: end the stream properly
+            if self.cleanup is not None:
+                await self.cleanup()
+                self.cleanup = None
+            tail = self._done_event
+            if self._error_event is not None:
+                tail = self._error_event(self.cut_error) + tail
+            if not started:
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                )
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             if self.cleanup is not None:
                 await self.cleanup()

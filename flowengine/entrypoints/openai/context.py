@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from flowengine.engine.protocol import EngineClient
-from flowengine.entrypoints.openai.errors import APIError, from_decode_error
+from flowengine.entrypoints.openai.errors import APIError, from_decode_error, too_deep
 from flowengine.entrypoints.openai.generation import Admission
+from flowengine.entrypoints.openai.sampling import RequestLimits
 from flowengine.metrics import ServingMetrics
 
 T = TypeVar("T")
@@ -30,12 +31,14 @@ class ServingContext:
         admission: the server-side queue limit.
         metrics: the server's Prometheus metrics.
         started_s: Unix time the server started (the `created` of /v1/models).
+        limits: per-request limits (n, log-probabilities, n x max_tokens).
     """
 
     engine: EngineClient
     model_names: tuple[str, ...]
     admission: Admission
     metrics: ServingMetrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
     started_s: int = field(default_factory=lambda: int(time.time()))
 
     @cached_property
@@ -68,6 +71,9 @@ class ServingContext:
             return msgspec.json.decode(body, type=type)
         except msgspec.DecodeError as err:
             raise from_decode_error(err) from err
+        except RecursionError:
+            # msgspec recurses once per nesting level, also inside fields it skips.
+            raise too_deep() from None
 
 
 def log_request(

@@ -78,7 +78,28 @@ def from_decode_error(err: msgspec.DecodeError) -> APIError:
         param = m.group("param") or None
     elif m := _MISSING_FIELD.match(message):
         param = m.group("param")
+    if param in _unsupported_fields():
+        message = (
+            f"{param} is not supported yet by this server; remove it (it would change "
+            "the output, so it is refused rather than ignored)"
+        )
     return APIError(400, message, param=param)
+
+
+def _unsupported_fields() -> frozenset[str]:
+    from flowengine.entrypoints.openai.protocol import UNSUPPORTED_FIELDS
+
+    return UNSUPPORTED_FIELDS
+
+
+def too_deep() -> APIError:
+    """A 400 for JSON nested deeper than the decoder goes (it recurses per level)."""
+    return APIError(
+        400,
+        "the request body nests JSON too deeply (the limit is about 900 levels of "
+        "arrays/objects); flatten it",
+        code="invalid_json",
+    )
 
 
 def internal_error() -> APIError:

@@ -25,6 +25,7 @@ from flowengine.entrypoints.openai.app import AppOptions, OpenAIApp
 from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.generation import Admission
 from flowengine.entrypoints.openai.notify import sd_notify
+from flowengine.entrypoints.openai.sampling import RequestLimits
 from flowengine.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,24 @@ class APIServer:
         model_names: names accepted in `model` (the first is the default).
         app_options: API key, CORS, body limit, start-up hooks.
         max_queue_len: server-side admission limit (None: none).
-        graceful_timeout_s: longest wait for in-flight requests once draining.
+        graceful_timeout_s: longest wait for in-flight requests once draining; what is
+            still running then is cut (streams end with an error event and `[DONE]`).
+        limits: per-request limits (n, log-probabilities, n x max_tokens).
+        header_timeout_s: seconds a connection may take to send a request's headers,
+            also the idle keep-alive time between requests (Hypercorn's
+            `keep_alive_timeout`: its idle timer runs until a request's headers are
+            complete, so it cuts slow-header clients too).
+        ssl_certfile, ssl_keyfile: serve HTTPS with this certificate chain and key
+            (PEM files).
     """
 
     BACKLOG = 2048  # pending connections; bursts of a few hundred clients connect at once
     # After the drain, Hypercorn waits this long for connections to close (idle
     # keep-alive ones close at once; it cancels what remains).
     CLOSE_TIMEOUT_S = 3.0
+    # After the graceful timeout cut the requests still running, this long for them
+    # to send their last event / error.
+    CUT_TIMEOUT_S = 5.0
 
     def __init__(
         self,
@@ -54,17 +66,25 @@ class APIServer:
         app_options: AppOptions,
         max_queue_len: int | None = None,
         graceful_timeout_s: float = 120.0,
+        limits: RequestLimits | None = None,
+        header_timeout_s: float = 5.0,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("model_names is empty; give at least one served model name")
         self.engine = engine
         self.graceful_timeout_s = graceful_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.ssl_certfile = ssl_certfile
+        self.ssl_keyfile = ssl_keyfile
         self.metrics = ServingMetrics(engine.get_stats, model_names[0])
         self.context = ServingContext(
             engine=engine,
             model_names=tuple(model_names),
             admission=Admission(max_queue_len),
             metrics=self.metrics,
+            limits=limits or RequestLimits(),
         )
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None
@@ -81,6 +101,11 @@ class APIServer:
         config.bind = [f"fd://{sock.detach()}"]
         config.backlog = self.BACKLOG
         config.graceful_timeout = self.CLOSE_TIMEOUT_S
+        config.keep_alive_timeout = self.header_timeout_s
+        config.root_path = self.app.options.root_path
+        if self.ssl_certfile is not None:
+            config.certfile = self.ssl_certfile
+            config.keyfile = self.ssl_keyfile
         config.errorlog = logging.getLogger("hypercorn.error")
         # Access lines hold paths and statuses only (no bodies); written at --log-level debug.
         if logger.isEnabledFor(logging.DEBUG):
@@ -117,9 +142,11 @@ class APIServer:
     async def _drain(self) -> None:
         assert self._stop is not None
         if not await self.app.wait_idle(self.graceful_timeout_s):
+            num_cut = self.app.cut_in_flight()
             logger.warning(
-                "graceful timeout (%.0f s): cancelling %d requests still in flight",
+                "graceful timeout (%.0f s): ending %d requests still in flight with an error",
                 self.graceful_timeout_s,
-                self.app.num_in_flight,
+                num_cut,
             )
+            await self.app.wait_idle(self.CUT_TIMEOUT_S)
         self._stop.set()

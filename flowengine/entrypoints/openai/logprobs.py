@@ -11,16 +11,85 @@ decoded_token)` holding the top-N tokens (ranks 1..N) plus the sampled token
   and `text_offset` (character offset of each token in the choice's text).
 
 JSON has no -inf; like vLLM, log-probabilities are clamped at -9999.0.
+
+Chat `bytes` are the token's own bytes (OpenAI: "useful when characters are
+represented by multiple tokens and their byte representations must be combined"), so
+a token holding part of a UTF-8 character gives that part, not U+FFFD's bytes
+(`token_bytes`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 from flowengine.outputs import Logprob
 
 MIN_LOGPROB = -9999.0
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_SPIECE_SPACE = "\u2581"  # SentencePiece's word-boundary mark "▁"
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoding() -> dict[str, int]:
+    """Character → byte of the byte-level BPE alphabet (GPT-2, RoBERTa, Llama 3, Qwen,
+    SmolLM2): printable Latin-1 bytes stand for themselves, the other 68 bytes are
+    mapped in order to U+0100 and up, so every byte is one visible character."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table.values():
+            table[chr(0x100 + shifted)] = b
+            shifted += 1
+    return table
+
+
+def _decoder_kind(tokenizer: Any) -> str:
+    """"byte_level", "byte_fallback" or "text", from a Hugging Face fast tokenizer's
+    decoder (cached on the tokenizer object)."""
+    kind = getattr(tokenizer, "_flowengine_token_bytes_kind", None)
+    if kind is not None:
+        return kind
+    kind = "text"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is not None:
+        described = repr(decoder)
+        if "ByteLevel" in described:
+            kind = "byte_level"
+        elif "ByteFallback" in described:
+            kind = "byte_fallback"
+    try:
+        tokenizer._flowengine_token_bytes_kind = kind
+    except AttributeError:  # a tokenizer that takes no attributes: look it up each time
+        pass
+    return kind
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The raw bytes of one token (its piece of the UTF-8 output).
+
+    Byte-level BPE tokens are mapped back through the byte alphabet; SentencePiece
+    byte-fallback tokens `<0xNN>` are that byte, and "▁" is a space. For other
+    tokenizers (or a token outside these forms) the UTF-8 of `text`, the token's
+    decoded text.
+    """
+    kind = _decoder_kind(tokenizer)
+    if kind != "text":
+        piece = tokenizer.convert_ids_to_tokens([token_id])[0]
+        if isinstance(piece, str):
+            if kind == "byte_level":
+                table = _byte_level_decoding()
+                if all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+            else:
+                if m := _BYTE_FALLBACK.match(piece):
+                    return bytes([int(m.group(1), 16)])
+                return piece.replace(_SPIECE_SPACE, " ").encode()
+    return text.encode()
 
 
 def _clamp(value: float) -> float:
@@ -61,13 +130,17 @@ def chat_logprobs(
         for tid, tlp in _top(entry, num_top):
             ttext = _text(tid, tlp, tokenizer)
             top.append(
-                {"token": ttext, "logprob": _clamp(tlp.logprob), "bytes": list(ttext.encode())}
+                {
+                    "token": ttext,
+                    "logprob": _clamp(tlp.logprob),
+                    "bytes": list(token_bytes(tokenizer, tid, ttext)),
+                }
             )
         content.append(
             {
                 "token": text,
                 "logprob": _clamp(lp.logprob),
-                "bytes": list(text.encode()),
+                "bytes": list(token_bytes(tokenizer, token_id, text)),
                 "top_logprobs": top,
             }
         )

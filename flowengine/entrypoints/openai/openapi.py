@@ -18,20 +18,83 @@ from flowengine.entrypoints.openai.router import Route
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 
+# Ranges that SamplingParams checks (its messages name the rule, so the structs leave
+# them out), stated in the document so that it describes what the server accepts.
+SAMPLING_RANGES: dict[str, dict[str, float]] = {
+    "top_p": {"exclusiveMinimum": 0.0, "maximum": 1.0},
+    "min_p": {"minimum": 0.0, "maximum": 1.0},
+    "presence_penalty": {"minimum": -2.0, "maximum": 2.0},
+    "frequency_penalty": {"minimum": -2.0, "maximum": 2.0},
+    "repetition_penalty": {"exclusiveMinimum": 0.0},
+    "top_k": {"minimum": -1},
+}
+GENERATION_REQUESTS = ("CompletionRequest", "ChatCompletionRequest")
+_NULL = {"type": "null"}
+# Fields the structs declare (so the handlers can name them in a 400) but that only
+# accept their "off" value: the document says so.
+REFUSED_VALUES: dict[str, dict[str, Any]] = {
+    "suffix": {"anyOf": [_NULL, {"type": "string", "maxLength": 0}], "default": None},
+    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
+    "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
+    "logit_bias": {"anyOf": [_NULL, {"type": "object", "maxProperties": 0}], "default": None},
+    "tool_choice": {"anyOf": [_NULL, {"const": "none"}], "default": None},
+}
+# Message content parts: only text parts are served.
+TEXT_PART = {
+    "title": "TextPart",
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
 
-def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, Any]:
-    """An OpenAPI 3.1 document describing every route."""
+
+def _constrain(prop: dict[str, Any], rules: dict[str, float]) -> None:
+    """Add `rules` to a property's numeric schema (also inside `anyOf` with null)."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") in ("number", "integer"):
+            branch.update(rules)
+
+
+def build_openapi(
+    routes: Sequence[Route],
+    *,
+    has_api_key: bool,
+    root_path: str = "",
+    max_n: int | None = None,
+    max_logprobs: int | None = None,
+) -> dict[str, Any]:
+    """An OpenAPI 3.1 document describing every route (`HEAD`, which every `GET`
+    route also answers, and `OPTIONS` are left implicit)."""
     types: list[Any] = [ErrorResponse]
     for route in routes:
         types += [*route.request_types, *([route.response_type] if route.response_type else [])]
     schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
     schema_of = dict(zip([id(t) for t in types], schemas, strict=True))
+    rules: dict[str, dict[str, float]] = dict(SAMPLING_RANGES)
+    if max_n is not None:
+        rules["n"] = rules["best_of"] = {"maximum": max_n}
+    if max_logprobs is not None:
+        rules["logprobs"] = {"maximum": max_logprobs}
+    for name in GENERATION_REQUESTS:
+        props = components.get(name, {}).get("properties", {})
+        for field_name, field_rules in rules.items():
+            if field_name in props:
+                _constrain(props[field_name], field_rules)
+        for field_name, schema in REFUSED_VALUES.items():
+            if field_name in props:
+                props[field_name] = schema
+    if "TextPart" in components:
+        components["TextPart"] = {**TEXT_PART, "description": components["TextPart"].get(
+            "description", "")}  # fmt: skip
+    if "ResponseFormat" in components:
+        components["ResponseFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         op: dict[str, Any] = {
             "summary": route.summary,
-            "operationId": f"{route.method.lower()}{route.path.replace('/', '_').replace('.', '_')}",
+            "operationId": route.method.lower()
+            + route.path.replace("/", "_").replace(".", "_").replace("{", "").replace("}", ""),
             "responses": {"default": {"description": "OpenAI's error object", "content": error}},
         }
         ok: dict[str, Any] = {"description": "success"}
@@ -42,9 +105,20 @@ def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, An
         elif route.response_content_type != "application/json":
             ok["content"] = {route.response_content_type: {"schema": {"type": "string"}}}
         if route.streams:
+            # One server-sent event (as OpenAPI 3.2's itemSchema describes a stream):
+            # its `data` is a chunk's JSON, an error object's JSON, or "[DONE]" last.
             ok.setdefault("content", {})["text/event-stream"] = {
                 "schema": {
-                    "type": "string",
+                    "type": "object",
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": "a chunk's JSON, or OpenAI's error object's "
+                            "JSON if the stream failed; the last event's data is [DONE]",
+                        },
+                        "event": {"type": "string"},
+                    },
+                    "required": ["data"],
                     "description": "`data: <chunk JSON>` events, then `data: [DONE]`",
                 }
             }
@@ -56,6 +130,11 @@ def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, An
                 "required": True,
                 "content": {"application/json": {"schema": body}},
             }
+        if route.path_params:
+            op["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                for name in route.path_params
+            ]
         if route.requires_auth and has_api_key:
             op["security"] = [{"bearer": []}]
         paths.setdefault(route.path, {})[route.method.lower()] = op
@@ -65,6 +144,8 @@ def build_openapi(routes: Sequence[Route], *, has_api_key: bool) -> dict[str, An
         "paths": paths,
         "components": {"schemas": components},
     }
+    if root_path:
+        doc["servers"] = [{"url": root_path}]
     if has_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc

@@ -4,7 +4,15 @@ Field names, types and defaults follow the OpenAI API reference (Completions, Ch
 Completions) plus vLLM's extra sampling fields (`top_k`, `min_p`, ...), which the
 `openai` SDK sends through `extra_body`. Unknown fields are ignored, as OpenAI and
 vLLM do; fields we know but cannot honour (`suffix`, `tools`, `logit_bias`, ...) are
-declared here so the handlers can answer 400 when they are set.
+declared here so the handlers can answer 400 when they are set, and vLLM's extra
+fields that change the output but are not implemented yet (`UNSUPPORTED_FIELDS`:
+`guided_json`, `structured_outputs`, `chat_template_kwargs`, ...) are typed `null`:
+any other value is a 400 naming the field, so no client believes its output was
+constrained when it was not.
+
+Every integer is bounded to a signed 64-bit integer (`Int64`), so a request that
+passes validation can always be encoded for the engine's rings (issue 21 item 1);
+msgspec rejects non-finite floats (`1e999`) itself.
 
 Decoding with `msgspec.json.decode(body, type=...)` raises `msgspec.ValidationError`
 naming the field (`... - at $.messages[0].role`), which becomes a 400.
@@ -16,7 +24,25 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+INT64_MAX = (1 << 63) - 1
+Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=INT64_MAX)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+
+# vLLM request fields (vllm/entrypoints/openai/protocol.py) that FlowEngine does not
+# implement yet. Declared with type `null` below; a value is refused with this message.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "logits_processors", "allowed_token_ids", "bad_words", "prompt_logprobs",
+        "truncate_prompt_tokens", "vllm_xargs", "kv_transfer_params",
+        "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
+        "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
+        "length_penalty", "continue_final_message", "add_special_tokens",
+        "reasoning_effort", "parallel_tool_calls", "logprobs_mode", "thinking_token_budget",
+    }
+)  # fmt: skip
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -29,19 +55,21 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields that both generation routes accept (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    n: PosInt = 1
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    # Ranges of these floats are SamplingParams' (its messages name the rule); the
+    # OpenAPI document states them (openapi.py SAMPLING_RANGES).
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields (same names and meanings as SamplingParams).
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -50,9 +78,29 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     # vLLM's cache_salt: only requests with the same salt share prefix-cache blocks.
     cache_salt: str | None = None
+    # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    guided_decoding_backend: None = None
+    guided_whitespace_pattern: None = None
+    structured_outputs: None = None
+    logits_processors: None = None
+    allowed_token_ids: None = None
+    bad_words: None = None
+    prompt_logprobs: None = None
+    truncate_prompt_tokens: None = None
+    vllm_xargs: None = None
+    kv_transfer_params: None = None
+    return_tokens_as_token_ids: None = None
+    return_token_ids: None = None
+    use_beam_search: None = None
+    length_penalty: None = None
+    logprobs_mode: None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -60,15 +108,17 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     `prompt` is a string, a list of strings, a list of token ids, or a list of
     token-id lists (each prompt one request; choice index = prompt index * n + sample).
-    `logprobs` asks for that many top log-probabilities per token (0-5).
+    `logprobs` asks for that many top log-probabilities per token (0 to the server's
+    `--max-logprobs`, 20 by default as in vLLM).
     """
 
-    prompt: str | list[str | int | list[int]]
-    max_tokens: NonNegInt | None = 16
+    prompt: str | list[str | NonNegInt | list[NonNegInt]]
+    max_tokens: PosInt | None = 16
     echo: bool = False
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    logprobs: NonNegInt | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: PosInt | None = None
+    add_special_tokens: None = None
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -99,14 +149,23 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     """
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
-    max_tokens: NonNegInt | None = None
-    max_completion_tokens: NonNegInt | None = None
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
+    # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
+    chat_template: None = None
+    chat_template_kwargs: None = None
+    documents: None = None
+    mm_processor_kwargs: None = None
+    continue_final_message: None = None
+    add_special_tokens: None = None
+    reasoning_effort: None = None
+    parallel_tool_calls: None = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

@@ -1,14 +1,19 @@
-"""Exact-path routing with per-route metadata (auth, drain behaviour, OpenAPI schemas)."""
+"""The route table: per-route metadata (auth, drain behaviour, OpenAPI schemas).
+
+Starlette routes the requests (app.py builds one Starlette `Route` per path from this
+table); `Router` keeps the table itself, which the OpenAPI document is generated
+from, and answers exact-path lookups.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from flowengine.entrypoints.openai.asgi import Request, Response
+from flowengine.entrypoints.openai.asgi import APIRequest, Response
 from flowengine.entrypoints.openai.errors import APIError
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[APIRequest], Awaitable[Response]]
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,9 @@ class Route:
         request_types: msgspec structs the body may match (OpenAPI `oneOf` if several).
         response_type: msgspec struct of a JSON success body, for the OpenAPI document.
         streams: may answer `text/event-stream` (when the request asks `stream: true`).
+        match_path: the Starlette path pattern when it differs from `path` (the
+            OpenAPI form), e.g. "/v1/models/{model:path}" for "/v1/models/{model}".
+        path_params: names of the path parameters (strings), for OpenAPI.
     """
 
     method: str
@@ -34,6 +42,8 @@ class Route:
     response_type: type | None = None
     response_content_type: str = "application/json"
     streams: bool = False
+    match_path: str | None = None
+    path_params: tuple[str, ...] = ()
 
 
 class Router:

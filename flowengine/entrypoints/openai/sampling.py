@@ -2,11 +2,14 @@
 
 Defaults are OpenAI's where OpenAI has one (temperature 1, top_p 1, completions
 max_tokens 16) and `SamplingParams`' otherwise. `SamplingParams` validates the values;
-its `ValueError`/`TypeError` becomes a 400 with the same message.
+its `ValueError`/`TypeError` becomes a 400 with the same message. The server's
+per-request limits (`RequestLimits`: `n`, log-probabilities, `n x max_tokens`) are
+checked here, each 400 naming the limit and its flag.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from flowengine.entrypoints.openai.errors import APIError, bad_request
@@ -16,6 +19,59 @@ from flowengine.entrypoints.openai.protocol import (
     SamplingFields,
 )
 from flowengine.sampling_params import SamplingParams
+
+
+# vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
+DEFAULT_MAX_LOGPROBS = 20
+# Completions of one request (n). Each is a sequence in the batch; past this one
+# request could hold every seat of the engine for its whole run (issue 21 item 3).
+DEFAULT_MAX_N = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits of the server (each refused with a 400 naming it).
+
+    Attributes:
+        max_n: most completions per prompt (`n`, also `best_of`); `--max-n`.
+        max_logprobs: most top log-probabilities per token (completions `logprobs`,
+            chat `top_logprobs`, which OpenAI caps at 20 anyway); `--max-logprobs`.
+        max_request_tokens: most tokens one request may ask to generate, `n x
+            max_tokens` summed over its prompts (None: no limit beyond `max_n`);
+            `--max-request-tokens`.
+    """
+
+    max_n: int = DEFAULT_MAX_N
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    max_request_tokens: int | None = None
+
+
+def check_limits(
+    limits: RequestLimits, params: SamplingParams, num_prompts: int, max_model_len: int
+) -> None:
+    """Raise APIError(400) when a request exceeds the server's limits."""
+    if params.n > limits.max_n:
+        raise bad_request(
+            f"n is {params.n}, over this server's limit of {limits.max_n} completions per "
+            "prompt; ask for fewer (the server's --max-n sets the limit)",
+            "n",
+        )
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise bad_request(
+            f"{params.logprobs} log-probabilities per token were asked for, over this "
+            f"server's limit of {limits.max_logprobs} (--max-logprobs)",
+            "logprobs",
+        )
+    if limits.max_request_tokens is not None:
+        per_sample = params.max_tokens if params.max_tokens is not None else max_model_len
+        work = num_prompts * params.n * per_sample
+        if work > limits.max_request_tokens:
+            raise bad_request(
+                f"this request may generate {work} tokens ({num_prompts} prompt(s) x n="
+                f"{params.n} x max_tokens={per_sample}), over this server's limit of "
+                f"{limits.max_request_tokens} (--max-request-tokens); lower n or max_tokens",
+                "max_tokens",
+            )
 
 
 def _common(req: SamplingFields) -> dict[str, Any]:

@@ -6,7 +6,8 @@ startup completes (it accepts from the already-listening socket right after).
 
 Shutdown on SIGTERM/SIGINT: `STOPPING=1`, new requests get 503 (with `Retry-After`),
 in-flight requests and streams run to completion for at most `--graceful-timeout`
-seconds (streams still open then are cancelled, which aborts their requests), then
+seconds (streams still open then end with an error event and `data: [DONE]`,
+unanswered requests get 503, and their engine requests are aborted), then
 Hypercorn closes its sockets, `engine.shutdown()` runs, and the process exits 0. A
 second signal skips the rest of the drain.
 
@@ -20,22 +21,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
 import os
 import signal
 import socket
+import ssl
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from flowengine.config import EngineArgs
+from flowengine.core.admission import default_max_queue_len
 from flowengine.engine.protocol import EngineClient
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
-from flowengine.entrypoints.openai.app import DEFAULT_MAX_REQUEST_BODY_BYTES, AppOptions
+from flowengine.entrypoints.openai.app import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    AppOptions,
+    load_middleware,
+)
 from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
+from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
 
@@ -52,18 +63,31 @@ class ServerOptions:
 
     Attributes:
         host, port: listening address (port 0 picks a free port; the log names it).
-        app: HTTP-level options (API key, CORS, body limit).
+        uds: listen on this Unix domain socket path instead (host and port ignored).
+        app: HTTP-level options (API key, CORS, body limits, middleware, root path).
         max_queue_len: most requests waiting for their first token; more get 429.
+            None: `default_max_queue_len(max_num_seqs, KV blocks)` once the engine
+            is loaded (flowengine/core/admission.py).
         graceful_timeout_s: longest drain after SIGTERM, in seconds.
         log_requests: one INFO line per generation request (ids, counts, timings).
+        max_n: most completions per prompt; None: min(DEFAULT_MAX_N, max_num_seqs).
+        max_request_tokens: most tokens one request may ask for (n x max_tokens).
+        header_timeout_s: seconds for a request's headers (and idle keep-alive).
+        ssl_certfile, ssl_keyfile: HTTPS with these PEM files.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
+    uds: str | None = None
     app: AppOptions = AppOptions()
     max_queue_len: int | None = None
     graceful_timeout_s: float = 120.0
     log_requests: bool = True
+    max_n: int | None = None
+    max_request_tokens: int | None = None
+    header_timeout_s: float = 5.0
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -90,6 +114,36 @@ def make_parser() -> argparse.ArgumentParser:
         "(vLLM's JSON list form '[\"*\"]' works too; default: none)",
     )
     s.add_argument(
+        "--allowed-methods",
+        nargs="+",
+        default=["*"],
+        help="CORS methods a preflight may ask for ('*': those the path accepts)",
+    )
+    s.add_argument(
+        "--allowed-headers",
+        nargs="+",
+        default=["*"],
+        help="CORS request headers a preflight may ask for ('*': any)",
+    )
+    s.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+    )
+    s.add_argument("--uds", default=None, help="listen on this Unix domain socket (not TCP)")
+    s.add_argument(
+        "--root-path",
+        default="",
+        help="path prefix stripped by a path-based reverse proxy, e.g. /llm",
+    )
+    s.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key (PEM)")
+    s.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate chain (PEM)")
+    s.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="import path of an ASGI middleware class or an 'async def f(request, "
+        "call_next)' function, applied to every request (repeatable, first outermost)",
+    )
+    s.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -99,7 +153,34 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-queue-len",
         type=int,
         default=None,
-        help="requests waiting for their first token before new ones get 429 (default: no limit)",
+        help="requests waiting for their first token before new ones get 429 with "
+        "Retry-After (default: 2 x min(max_num_seqs, KV cache blocks))",
+    )
+    s.add_argument(
+        "--max-n",
+        type=int,
+        default=None,
+        help=f"most completions per prompt (n); default min({DEFAULT_MAX_N}, --max-num-seqs)",
+    )
+    s.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=None,
+        help="most tokens one request may ask to generate, prompts x n x max_tokens "
+        "(default: no limit beyond --max-n)",
+    )
+    s.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive before 408 (0: no limit)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a connection may take to send a request's headers, also the "
+        "idle keep-alive time",
     )
     s.add_argument(
         "--max-request-body-bytes",
@@ -132,20 +213,55 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {ns.max_request_body_bytes}")
     if ns.graceful_timeout < 0:
         raise ValueError(f"--graceful-timeout must be >= 0, got {ns.graceful_timeout}")
+    for flag, value in (("--max-n", ns.max_n), ("--max-request-tokens", ns.max_request_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if ns.request_body_timeout < 0:
+        raise ValueError(f"--request-body-timeout must be >= 0, got {ns.request_body_timeout}")
+    if ns.header_timeout <= 0:
+        raise ValueError(f"--header-timeout must be > 0, got {ns.header_timeout}")
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if ns.ssl_certfile is not None:
+        try:  # fail at start-up, with the file named, not at the first connection
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                ns.ssl_certfile, ns.ssl_keyfile
+            )
+        except (OSError, ssl.SSLError) as err:
+            raise ValueError(
+                f"cannot load --ssl-certfile {ns.ssl_certfile!r} / --ssl-keyfile "
+                f"{ns.ssl_keyfile!r}: {err}"
+            ) from err
+    if ns.root_path and not ns.root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {ns.root_path!r}")
+    for path in ns.middleware:
+        load_middleware(path)  # raises ValueError naming a path that does not import
     api_key = ns.api_key
     for env in API_KEY_ENVS:
         api_key = api_key or os.environ.get(env) or None
     return ServerOptions(
         host=ns.host,
         port=ns.port,
+        uds=ns.uds,
         app=AppOptions(
             api_key=api_key,
             allowed_origins=_origins(ns.allowed_origins),
+            allowed_methods=_origins(ns.allowed_methods),
+            allowed_headers=_origins(ns.allowed_headers),
+            allow_credentials=ns.allow_credentials,
             max_request_body_bytes=ns.max_request_body_bytes,
+            request_body_timeout_s=ns.request_body_timeout or None,
+            middleware=tuple(ns.middleware),
+            root_path=ns.root_path.rstrip("/"),
         ),
         max_queue_len=ns.max_queue_len,
         graceful_timeout_s=ns.graceful_timeout,
         log_requests=not ns.disable_log_requests,
+        max_n=ns.max_n,
+        max_request_tokens=ns.max_request_tokens,
+        header_timeout_s=ns.header_timeout,
+        ssl_certfile=ns.ssl_certfile,
+        ssl_keyfile=ns.ssl_keyfile,
     )
 
 
@@ -162,6 +278,23 @@ def create_engine(args: EngineArgs) -> EngineClient:
     from flowengine.entrypoints.async_engine import AsyncEngine
 
     return AsyncEngine.from_engine_args(args)
+
+
+def bind_unix_socket(path: str, backlog: int) -> socket.socket:
+    """A listening Unix domain socket at `path` (a stale socket file there is replaced;
+    any other file is an error). Raises OSError."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket; choose another --uds path")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
@@ -197,25 +330,54 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
     try:
         try:
-            sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
+            if options.uds is not None:
+                sock = bind_unix_socket(options.uds, APIServer.BACKLOG)
+                where = f"unix:{options.uds}"
+            else:
+                sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
+                host, port = sock.getsockname()[:2]
+                where = f"{host}:{port}"
         except OSError as err:
-            logger.error("cannot listen on %s:%d: %s", options.host, options.port, err)
+            target = options.uds or f"{options.host}:{options.port}"
+            logger.error("cannot listen on %s: %s", target, err)
             return 1
-        host, port = sock.getsockname()[:2]
         names = engine_args.served_model_name or (engine.model_name,)
+        scheme = "https" if options.ssl_certfile else "http"
 
         def ready() -> None:
-            logger.info("serving %s on http://%s:%d", ", ".join(names), host, port)
-            sd_notify(f"READY=1\nSTATUS=serving on {host}:{port}")
+            logger.info("serving %s on %s://%s", ", ".join(names), scheme, where)
+            sd_notify(f"READY=1\nSTATUS=serving on {where}")
 
+        max_queue_len = options.max_queue_len
+        if max_queue_len is None:
+            num_blocks = engine.get_stats().num_total_blocks
+            max_queue_len = default_max_queue_len(engine_args.max_num_seqs, num_blocks)
+            logger.info(
+                "max_queue_len %d (2 x min(max_num_seqs %d, KV blocks %s); --max-queue-len "
+                "sets it)", max_queue_len, engine_args.max_num_seqs, num_blocks or "unknown",
+            )  # fmt: skip
+        limits = RequestLimits(
+            max_n=options.max_n or min(DEFAULT_MAX_N, engine_args.max_num_seqs),
+            max_logprobs=engine_args.max_logprobs,
+            max_request_tokens=options.max_request_tokens,
+        )
         server = APIServer(
             engine,
             model_names=names,
             app_options=replace(options.app, on_startup=(ready,)),
-            max_queue_len=options.max_queue_len,
+            max_queue_len=max_queue_len,
             graceful_timeout_s=options.graceful_timeout_s,
+            limits=limits,
+            header_timeout_s=options.header_timeout_s,
+            ssl_certfile=options.ssl_certfile,
+            ssl_keyfile=options.ssl_keyfile,
         )
-        await server.serve(sock, install_signal_handlers=True)
+        try:
+            await server.serve(sock, install_signal_handlers=True)
+        finally:
+            if options.uds is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(options.uds)
     finally:
         await engine.shutdown(drain_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S)
     logger.info("stopped")

@@ -16,13 +16,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flowengine.entrypoints.openai import sse
-from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
+from flowengine.entrypoints.openai.asgi import (
+    APIRequest,
+    Response,
+    StreamingResponse,
+    json_response,
+)
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import chat_logprobs
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
-from flowengine.entrypoints.openai.sampling import chat_messages, chat_params
+from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
 from flowengine.outputs import CompletionOutput
 
 
@@ -54,11 +59,12 @@ def _usage(stream: EngineStream) -> dict[str, int]:
     }
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle one chat completion request. Raises APIError (400/404/429/503)."""
-    req = ctx.decode(request.body, ChatCompletionRequest)
+    req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
     params = chat_params(req)
+    check_limits(ctx.limits, params, 1, ctx.engine.max_model_len)
     messages = chat_messages(req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(
@@ -81,7 +87,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         events = _chat_events(ctx, stream, base, params.n, num_top, include_usage)
-        return StreamingResponse(events, cleanup=stream.aclose, headers=sse.HEADERS)
+        return StreamingResponse(
+            events,
+            cleanup=stream.aclose,
+            headers=sse.HEADERS,
+            error_event=sse.error_event,
+            done_event=sse.DONE,
+        )
     choices = [_ChoiceState() for _ in range(params.n)]
     outcome = "aborted"
     try:

@@ -15,14 +15,19 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from flowengine.entrypoints.openai import sse
-from flowengine.entrypoints.openai.asgi import Request, Response, StreamingResponse, json_response
+from flowengine.entrypoints.openai.asgi import (
+    APIRequest,
+    Response,
+    StreamingResponse,
+    json_response,
+)
 from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import completion_logprobs, extend_completion_logprobs
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest
-from flowengine.entrypoints.openai.sampling import completion_params
+from flowengine.entrypoints.openai.sampling import check_limits, completion_params
 
 
 def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -61,12 +66,13 @@ def _prompt_text(ctx: ServingContext, stream: EngineStream) -> str:
     return ctx.tokenizer.decode(first.prompt_token_ids)
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
+async def create_completion(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle one completions request. Raises APIError (400/404/429/503)."""
-    req = ctx.decode(request.body, CompletionRequest)
+    req = ctx.decode(request.raw_body, CompletionRequest)
     model = ctx.resolve_model(req.model)
     params = completion_params(req)
     prompts = split_prompts(req.prompt)
+    check_limits(ctx.limits, params, len(prompts), ctx.engine.max_model_len)
     if req.cache_salt is not None:
         prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p,
                     "cache_salt": req.cache_salt} for p in prompts]
@@ -95,6 +101,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                 _completion_events(state, streams, base, include_usage),
                 cleanup=functools.partial(close_streams, streams),
                 headers=sse.HEADERS,
+                error_event=sse.error_event,
+                done_event=sse.DONE,
             )
             handed_off = True
             return response

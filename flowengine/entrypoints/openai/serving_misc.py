@@ -1,4 +1,4 @@
-"""The small routes: /v1/models, /tokenize, /detokenize, /health, /version, /metrics.
+"""The small routes: /v1/models (and /v1/models/{model}), /tokenize, /detokenize, /health, /version, /metrics.
 
 Shapes of /tokenize and /detokenize are vLLM's (`vllm/entrypoints/openai/protocol.py`,
 TokenizeRequest / TokenizeResponse / DetokenizeResponse).
@@ -13,9 +13,15 @@ import msgspec
 
 import flowengine
 from flowengine.engine.protocol import EngineDeadError
-from flowengine.entrypoints.openai.asgi import Request, Response, json_response
+from flowengine.entrypoints.openai.asgi import (
+    APIRequest,
+    Response,
+    empty_response,
+    json_response,
+    plain_response,
+)
 from flowengine.entrypoints.openai.context import ServingContext
-from flowengine.entrypoints.openai.errors import APIError, from_decode_error
+from flowengine.entrypoints.openai.errors import APIError, from_decode_error, too_deep
 from flowengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -26,19 +32,26 @@ from flowengine.entrypoints.openai.sampling import chat_messages
 logger = logging.getLogger(__name__)
 
 
-async def list_models(ctx: ServingContext, request: Request) -> Response:
-    cards = [
-        {
-            "id": name,
-            "object": "model",
-            "created": ctx.started_s,
-            "owned_by": "flowengine",
-            "root": ctx.engine.model_name,
-            "max_model_len": ctx.engine.max_model_len,
-        }
-        for name in ctx.model_names
-    ]
-    return json_response({"object": "list", "data": cards})
+def _card(ctx: ServingContext, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": ctx.started_s,
+        "owned_by": "flowengine",
+        "root": ctx.engine.model_name,
+        "max_model_len": ctx.engine.max_model_len,
+    }
+
+
+async def list_models(ctx: ServingContext, request: APIRequest) -> Response:
+    return json_response({"object": "list", "data": [_card(ctx, n) for n in ctx.model_names]})
+
+
+async def retrieve_model(ctx: ServingContext, request: APIRequest) -> Response:
+    """GET /v1/models/{model}: the card of one served name (OpenAI's "retrieve model").
+    Raises APIError(404, model_not_found) for another name."""
+    name = request.path_params["model"]
+    return json_response(_card(ctx, ctx.resolve_model(name)))
 
 
 def _decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -49,11 +62,13 @@ def _decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReq
         return msgspec.convert(obj, type=kind)
     except msgspec.ValidationError as err:
         raise from_decode_error(err) from err
+    except RecursionError:
+        raise too_deep() from None
 
 
-async def tokenize(ctx: ServingContext, request: Request) -> Response:
+async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
     """Token ids of a prompt, or of messages after the chat template."""
-    req = _decode_tokenize(request.body)
+    req = _decode_tokenize(request.raw_body)
     ctx.resolve_model(req.model)
     tokenizer = ctx.tokenizer
     if isinstance(req, TokenizeChatRequest):
@@ -75,8 +90,8 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
     return json_response(body)
 
 
-async def detokenize(ctx: ServingContext, request: Request) -> Response:
-    req = ctx.decode(request.body, DetokenizeRequest)
+async def detokenize(ctx: ServingContext, request: APIRequest) -> Response:
+    req = ctx.decode(request.raw_body, DetokenizeRequest)
     ctx.resolve_model(req.model)
     try:
         text = ctx.tokenizer.decode(req.tokens)
@@ -85,7 +100,7 @@ async def detokenize(ctx: ServingContext, request: Request) -> Response:
     return json_response({"prompt": text})
 
 
-async def health(ctx: ServingContext, request: Request) -> Response:
+async def health(ctx: ServingContext, request: APIRequest) -> Response:
     """200 with an empty body while the engine can serve; 503 once it is dead."""
     try:
         await ctx.engine.check_health()
@@ -93,12 +108,12 @@ async def health(ctx: ServingContext, request: Request) -> Response:
         raise APIError(
             503, f"the engine is dead: {err}", type="service_unavailable_error", code="engine_dead"
         ) from err
-    return Response(200, content_type=None)
+    return plain_response(b"", "text/plain; charset=utf-8")
 
 
-async def version(ctx: ServingContext, request: Request) -> Response:
+async def version(ctx: ServingContext, request: APIRequest) -> Response:
     return json_response({"version": flowengine.__version__})
 
 
-async def metrics(ctx: ServingContext, request: Request) -> Response:
-    return Response(200, ctx.metrics.render(), content_type=ctx.metrics.content_type)
+async def metrics(ctx: ServingContext, request: APIRequest) -> Response:
+    return plain_response(ctx.metrics.render(), ctx.metrics.content_type)
