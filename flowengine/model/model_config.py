@@ -429,10 +429,17 @@ def _rope(hf_config: Any, head_dim: int, max_pos: int
 
 class _RopeConfigView:
     """The few attributes transformers' ROPE_INIT_FUNCTIONS read from a config, so they
-    run on 4.x-dialect configs and plain namespaces too."""
+    run on 4.x-dialect configs and plain namespaces too: transformers 5 reads
+    `rope_parameters`; 4.x reads `rope_scaling`, `rope_theta`, `partial_rotary_factor`
+    and `original_max_position_embeddings` (same values)."""
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_pos: int) -> None:
         self.rope_parameters = params
+        self.rope_scaling = params
+        self.rope_theta = params["rope_theta"]
+        self.partial_rotary_factor = params["partial_rotary_factor"]
+        if "original_max_position_embeddings" in params:
+            self.original_max_position_embeddings = params["original_max_position_embeddings"]
         self.head_dim = head_dim
         self.hidden_size = head_dim
         self.num_attention_heads = 1
