@@ -5,12 +5,15 @@ transformers' float32 log_softmax and the server's own greedy output."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import torch
+from openai_helpers import strict
 from openai_live_server import LiveServer
 
 from flowengine.config import EngineArgs
+from flowengine.entrypoints.openai.responses import ChatCompletionResponse, CompletionResponse
 from flowengine.entrypoints.openai.sampling import RequestLimits
 
 pytestmark = pytest.mark.slow
@@ -90,6 +93,14 @@ def test_prompt_logprobs_field_on_both_routes(client, tokenizer, hf_model):
     plp = chat.model_extra["prompt_logprobs"]
     assert plp[0] is None and all(1 <= len(e) <= 2 for e in plp[1:])
     assert len(plp) == chat.usage.prompt_tokens
+    # The documented response shapes hold them (strict decode: no unknown fields).
+    body = {"prompt_logprobs": 1, "max_tokens": 1, "echo": True, "logprobs": 0}
+    raw = httpx.post(f"{client.base_url}completions", json={"prompt": PROMPT, **body},
+                     timeout=120)
+    assert strict(raw.content, CompletionResponse).choices[0].prompt_logprobs[0] is None
+    raw = httpx.post(f"{client.base_url}chat/completions",
+                     json={"messages": CHAT, "prompt_logprobs": 1, "max_tokens": 1}, timeout=120)
+    assert strict(raw.content, ChatCompletionResponse).prompt_logprobs[0] is None
 
 
 def test_minus_one_logprobs_cover_the_vocabulary(client, model_path):

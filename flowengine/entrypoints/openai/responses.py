@@ -6,7 +6,7 @@ stay explicit as OpenAI sends them). These structs document those shapes; they u
 which keeps schema and wire in step. Shapes follow OpenAI's API reference (chat
 completion object, chat completion chunk, completion object) and vLLM's tokenizer
 routes; `stop_reason` is vLLM's extra field (the stop string or token id that ended a
-choice).
+choice), and so is `prompt_logprobs` (requests that set `prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,18 @@ class AssistantMessage(_Strict):
     content: str | None
 
 
+class PromptLogprob(_Strict):
+    """vLLM's Logprob of one prompt-token candidate."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# Per prompt token: None for the first, then {token id (a string): PromptLogprob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(_Strict):
     index: int
     message: AssistantMessage
@@ -62,6 +74,7 @@ class ChatCompletionResponse(_Strict):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(_Strict):
@@ -103,6 +116,7 @@ class CompletionChoice(_Strict):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Strict):
