@@ -25,12 +25,12 @@ from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import (
+    ALL_LOGPROBS,
     completion_logprobs,
     echo_completion_logprobs,
     extend_completion_logprobs,
     prompt_logprobs_json,
 )
-from flowengine.entrypoints.openai.logprobs import ALL_LOGPROBS
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest
 from flowengine.entrypoints.openai.sampling import check_limits, completion_params
