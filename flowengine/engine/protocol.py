@@ -55,6 +55,10 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    # The model's sampling defaults as SamplingParams keyword arguments (from
+    # generation_config.json, e.g. {"temperature": 0.6, "max_tokens": 256}; {} if none);
+    # set once start() returned. The OpenAI routes fill unset request fields from it.
+    default_sampling_params: dict[str, Any]
 
     async def start(self) -> None:
         """Load the model and start serving (idempotent)."""
@@ -64,8 +68,8 @@ class EngineClient(Protocol):
 
     def submit(
         self,
-        prompt: str | list[int] | list[dict[str, Any]],
-        sampling_params: SamplingParams,
+        prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
+        sampling_params: SamplingParams | None,
         request_id: str | None = None,
         *,
         priority: int = 0,

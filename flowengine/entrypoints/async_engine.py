@@ -102,6 +102,9 @@ class AsyncEngine:
             self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
             engine_actors = [self.supervisor]
         input_processor = make_input_processor(self.tokenizer, self.resolved)
+        # The model's sampling defaults (generation_config.json): the serving layer
+        # fills unset request fields from them (vLLM's default_sampling_params).
+        self.default_sampling_params = dict(input_processor.default_sampling_params)
         self.streamer = StreamerActor(on_orphan=self._abort_orphan)
         self.detokenizer = DetokenizerActor(
             OutputProcessor(self.tokenizer, stream=True),
@@ -193,12 +196,18 @@ class AsyncEngine:
     async def submit(
         self,
         prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield `RequestOutput` deltas until one has `finished=True`.
+
+        prompt: text, token ids, {"prompt"|"prompt_token_ids": ..., "cache_salt": ...},
+        a conversation (list of messages), or {"messages": [...], "cache_salt": ...,
+        "chat_template": ..., "chat_template_kwargs": {...}, "add_generation_prompt":
+        bool, "continue_final_message": bool}. sampling_params None: the model's
+        defaults from generation_config.json over SamplingParams' (as `LLM` does).
 
         Raises ValueError/TypeError for bad input (before any output),
         EngineOverloadedError when the queue is full, EngineDeadError if the engine is

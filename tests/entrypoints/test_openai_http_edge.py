@@ -163,7 +163,7 @@ def test_too_deep_json_is_400_without_traceback(http, caplog):
         (CHAT, "guided_regex", "a+"),
         (CHAT, "guided_choice", ["a", "b"]),
         (CHAT, "structured_outputs", {"json": {}}),
-        (CHAT, "chat_template_kwargs", {"enable_thinking": False}),
+        (CHAT, "documents", [{"title": "t", "text": "x"}]),
         (CHAT, "chat_template", "{{ messages }}"),
         (CHAT, "allowed_token_ids", [1, 2]),
         (CHAT, "bad_words", ["x"]),

@@ -63,14 +63,24 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     """Handle one chat completion request. Raises APIError (400/404/429/503)."""
     req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
-    params = chat_params(req)
+    params = chat_params(req, ctx.engine.default_sampling_params)
     check_limits(ctx.limits, params, 1, ctx.engine.max_model_len)
     messages = chat_messages(req)
+    # The plain conversation, or {"messages": ..., options} when an option is not the
+    # default (the engine's Tokenizer renders it: input_processor.CHAT_OPTIONS).
+    options: dict[str, Any] = {}
+    if req.cache_salt is not None:
+        options["cache_salt"] = req.cache_salt
+    if req.chat_template_kwargs:
+        options["chat_template_kwargs"] = req.chat_template_kwargs
+    if not req.add_generation_prompt:
+        options["add_generation_prompt"] = False
+    if req.continue_final_message:
+        options["continue_final_message"] = True
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(
         ctx.engine,
-        [messages if req.cache_salt is None
-         else {"messages": messages, "cache_salt": req.cache_salt}],
+        [{"messages": messages, **options} if options else messages],
         params,
         request_id,
         priority=req.priority,

@@ -70,7 +70,7 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     """Handle one completions request. Raises APIError (400/404/429/503)."""
     req = ctx.decode(request.raw_body, CompletionRequest)
     model = ctx.resolve_model(req.model)
-    params = completion_params(req)
+    params = completion_params(req, ctx.engine.default_sampling_params)
     prompts = split_prompts(req.prompt)
     check_limits(ctx.limits, params, len(prompts), ctx.engine.max_model_len)
     if req.cache_salt is not None:
