@@ -148,6 +148,8 @@ class RequestDelta(_Msg):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # time.monotonic() when first scheduled; on the first delta with tokens only.
+    scheduled_ts: float = 0.0
 
 
 class SchedulerStats(_Msg):

@@ -42,6 +42,10 @@ class EngineStats:
     prefix_cache_queries_total: int = 0  # tokens looked up
     prefix_cache_hits_total: int = 0  # tokens found
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Cumulative per-request histograms by metric name (engine/request_stats.py).
+    histograms: dict[str, Any] = field(default_factory=dict)
+    # The KV cache configuration, as label values of cache_config_info.
+    cache_config: dict[str, str] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

@@ -111,6 +111,7 @@ class AsyncEngine:
             self.outputs,
             self.requests,
             self.streamer.inbox,
+            max_model_len=self.max_model_len,
         )
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
         request_logger = None
@@ -277,10 +278,25 @@ class AsyncEngine:
             kv_cache_usage=st.kv_cache_usage,
             num_free_blocks=st.num_free_blocks,
             num_total_blocks=st.num_total_blocks,
-            prompt_tokens_total=self.detokenizer.prompt_tokens_total,
+            # vLLM's meaning: prefill tokens computed (prefix-cache hits excluded).
+            prompt_tokens_total=self.detokenizer.request_stats.prompt_tokens_computed_total,
             generation_tokens_total=self.detokenizer.generation_tokens_total,
             num_preemptions_total=st.num_preemptions_total,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
+            histograms=self.detokenizer.request_stats.snapshot(),
+            cache_config=self._cache_config(st.num_total_blocks),
         )
+
+    def _cache_config(self, num_blocks: int) -> dict[str, str]:
+        """cache_config_info's labels (vLLM's CacheConfig names), values as strings."""
+        args = self.args
+        return {
+            "block_size": str(args.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(args.enable_prefix_caching),
+            "gpu_memory_utilization": str(args.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_blocks),
+            "num_gpu_blocks_override": str(args.num_kv_blocks),
+        }

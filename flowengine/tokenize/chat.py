@@ -6,11 +6,10 @@ Validation happens here, before Jinja, so that a caller learns what to change
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
 import codecs
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 

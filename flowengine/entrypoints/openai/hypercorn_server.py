@@ -70,6 +70,7 @@ class APIServer:
         header_timeout_s: float = 5.0,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         if not model_names:
             raise ValueError("model_names is empty; give at least one served model name")
@@ -85,6 +86,7 @@ class APIServer:
             admission=Admission(max_queue_len),
             metrics=self.metrics,
             limits=limits or RequestLimits(),
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
         )
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None

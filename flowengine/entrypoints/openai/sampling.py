@@ -20,7 +20,6 @@ from flowengine.entrypoints.openai.protocol import (
 )
 from flowengine.sampling_params import SamplingParams
 
-
 # vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
 DEFAULT_MAX_LOGPROBS = 20
 # Completions of one request (n). Each is a sequence in the batch; past this one

@@ -74,6 +74,8 @@ class ServerOptions:
         max_request_tokens: most tokens one request may ask for (n x max_tokens).
         header_timeout_s: seconds for a request's headers (and idle keep-alive).
         ssl_certfile, ssl_keyfile: HTTPS with these PEM files.
+        enable_prompt_tokens_details: usage gets `prompt_tokens_details.cached_tokens`
+            (prompt tokens served from the prefix cache), as vLLM's flag.
     """
 
     host: str = "127.0.0.1"
@@ -88,6 +90,7 @@ class ServerOptions:
     header_timeout_s: float = 5.0
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    enable_prompt_tokens_details: bool = False
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -149,6 +152,12 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error", "critical"],
     )
     s.add_argument("--disable-log-requests", action="store_true", help="no INFO line per request")
+    s.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the "
+        "prefix cache",
+    )
     s.add_argument(
         "--max-queue-len",
         type=int,
@@ -262,6 +271,7 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         header_timeout_s=ns.header_timeout,
         ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
     )
 
 
@@ -371,6 +381,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             header_timeout_s=options.header_timeout_s,
             ssl_certfile=options.ssl_certfile,
             ssl_keyfile=options.ssl_keyfile,
+            enable_prompt_tokens_details=options.enable_prompt_tokens_details,
         )
         try:
             await server.serve(sock, install_signal_handlers=True)

@@ -22,7 +22,7 @@ from flowengine.entrypoints.openai.asgi import (
     StreamingResponse,
     json_response,
 )
-from flowengine.entrypoints.openai.context import ServingContext, log_request
+from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import chat_logprobs
 from flowengine.entrypoints.openai.multi_stream import open_streams
@@ -50,13 +50,10 @@ class _ChoiceState:
             self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
 
-def _usage(stream: EngineStream) -> dict[str, int]:
-    prompt, completion = stream.num_prompt_tokens, stream.num_generated_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def _usage(ctx: ServingContext, stream: EngineStream) -> dict[str, Any]:
+    return usage(
+        ctx, stream.num_prompt_tokens, stream.num_generated_tokens, stream.num_cached_tokens
+    )
 
 
 async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Response:
@@ -118,7 +115,7 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         {
             **base,
             "choices": [_choice_body(ctx, i, ch, num_top) for i, ch in enumerate(choices)],
-            "usage": _usage(stream),
+            "usage": _usage(ctx, stream),
         }
     )
 
@@ -176,7 +173,7 @@ async def _chat_events(
                     finish_reasons[c.index] = c.finish_reason
                 yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
-            yield sse.event({**base, "choices": [], "usage": _usage(stream)})
+            yield sse.event({**base, "choices": [], "usage": _usage(ctx, stream)})
         outcome = "ok"
     except Exception as err:
         outcome = "error"

@@ -16,7 +16,6 @@ from flowengine.engine.protocol import EngineDeadError
 from flowengine.entrypoints.openai.asgi import (
     APIRequest,
     Response,
-    empty_response,
     json_response,
     plain_response,
 )
