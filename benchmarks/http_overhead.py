@@ -91,7 +91,9 @@ def main() -> int:
     rates: dict[str, list[float]] = {name: [] for name, _ in trees}
     cpu_us: dict[str, list[float]] = {name: [] for name, _ in trees}
     print(f"command: python benchmarks/http_overhead.py {' '.join(sys.argv[1:])}")
-    print("| round | tree | requests/s | mean E2EL ms | server CPU us/request | load average (1 min) before |")
+    print(
+        "| round | tree | requests/s | mean E2EL ms | server CPU us/request | load average (1 min) before |"
+    )
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -124,7 +126,9 @@ def main() -> int:
     (a, _), (b, _) = trees[:2]
     ratio = statistics.median(rates[b]) / statistics.median(rates[a])
     cpu_ratio = statistics.median(cpu_us[b]) / statistics.median(cpu_us[a])
-    print(f"\n{b} / {a}: {ratio:.3f}x requests/s, {cpu_ratio:.3f}x server CPU per request (medians)")
+    print(
+        f"\n{b} / {a}: {ratio:.3f}x requests/s, {cpu_ratio:.3f}x server CPU per request (medians)"
+    )
     return 0
 
 

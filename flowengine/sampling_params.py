@@ -114,7 +114,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet; leave it unset")
         if self.stop is not None and (
-            not isinstance(self.stop, list) or any(not isinstance(s, str) or s == "" for s in self.stop)
+            not isinstance(self.stop, list)
+            or any(not isinstance(s, str) or s == "" for s in self.stop)
         ):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if self.stop_token_ids is not None:

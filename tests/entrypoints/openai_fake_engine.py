@@ -120,7 +120,9 @@ class FakeEngine:
             for key in ("prompt", "prompt_token_ids", "messages"):
                 if key in prompt:
                     return self._prompt_ids(prompt[key])
-            raise ValueError(f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages': {prompt}")
+            raise ValueError(
+                f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages': {prompt}"
+            )
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):

@@ -42,9 +42,11 @@ def test_completions_cache_salt(live, tokenizer) -> None:
     def complete(salt: str | None):
         def call():
             extra = {} if salt is None else {"cache_salt": salt}
-            r = client.completions.create(model=name, prompt=PROMPT, max_tokens=3,
-                                          temperature=0, extra_body=extra)
+            r = client.completions.create(
+                model=name, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=extra
+            )
             texts.append(r.choices[0].text)
+
         return call
 
     assert _hit_tokens(engine, complete("tenant-a")) == 0
@@ -66,7 +68,10 @@ def test_chat_cache_salt_and_bad_salt(live, tokenizer) -> None:
 
     def chat(salt: str):
         return lambda: client.chat.completions.create(
-            model=name, messages=messages, max_tokens=2, temperature=0,
+            model=name,
+            messages=messages,
+            max_tokens=2,
+            temperature=0,
             extra_body={"cache_salt": salt},
         )
 

@@ -43,7 +43,9 @@ def live():
 
 def _normal_request_works(base_url: str) -> None:
     resp = httpx.post(
-        f"{base_url}{CHAT}", json={"messages": HELLO, "max_tokens": 3, "temperature": 0}, timeout=120
+        f"{base_url}{CHAT}",
+        json={"messages": HELLO, "max_tokens": 3, "temperature": 0},
+        timeout=120,
     )
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 3

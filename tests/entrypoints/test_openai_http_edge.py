@@ -5,6 +5,7 @@ to --max-logprobs, vLLM fields that are not implemented refused by name."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -98,11 +99,22 @@ def test_n_over_the_limit_is_400_naming_it(http, engine):
     assert resp.status_code == 200 and len(resp.json()["choices"]) == 128
 
 
+def test_chat_top_logprobs_over_a_lower_max_logprobs_is_400():
+    with LiveServer(FakeEngine(), limits=RequestLimits(max_logprobs=3)) as live:
+        body = {"messages": HELLO, "logprobs": True, "top_logprobs": 4, "max_tokens": 1}
+        resp = httpx.post(f"{live.base_url}{CHAT}", json=body, timeout=30)
+        err = assert_error(resp, 400, param="top_logprobs")
+        assert "limit of 3 (--max-logprobs)" in err["message"]
+        body["top_logprobs"] = 3
+        assert httpx.post(f"{live.base_url}{CHAT}", json=body, timeout=30).status_code == 200
+
+
 def test_request_token_cap_counts_prompts_n_and_max_tokens():
     limits = RequestLimits(max_n=8, max_request_tokens=40)
-    with LiveServer(FakeEngine(), limits=limits) as live, httpx.Client(
-        base_url=live.base_url, timeout=30
-    ) as http:
+    with (
+        LiveServer(FakeEngine(), limits=limits) as live,
+        httpx.Client(base_url=live.base_url, timeout=30) as http,
+    ):
         ok = {"prompt": ["ab", "cd"], "n": 4, "max_tokens": 5}  # 2 x 4 x 5 = 40
         assert http.post("/v1/completions", json=ok).status_code == 200
         err = assert_error(
@@ -359,7 +371,7 @@ def test_default_queue_limit_from_max_num_seqs_is_429_with_retry_after(tmp_path)
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
         ),
         "FLOWENGINE_TEST_ENGINE": "openai_fake_engine:make_engine",
-        "FAKE_ENGINE_STEP_S": "2.0",  # the first output comes after one 2 s step
+        "FAKE_ENGINE_STEP_S": "5.0",  # the first output comes after one 5 s step
     }
     log = tmp_path / "server.log"
     proc = subprocess.Popen(
@@ -384,9 +396,18 @@ def test_default_queue_limit_from_max_num_seqs_is_429_with_retry_after(tmp_path)
         def post() -> httpx.Response:
             return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
 
+        def num_running() -> float:
+            text = httpx.get(f"{base}/metrics", timeout=10).text
+            m = re.search(r"^flowengine:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+            return float(m.group(1)) if m else 0.0
+
         with ThreadPoolExecutor(2) as pool:
             first = [pool.submit(post) for _ in range(2)]
-            time.sleep(0.8)  # both admitted, both still waiting for their first token
+            # Both admitted; their first output comes only after one 5 s step.
+            deadline = time.monotonic() + 4
+            while num_running() < 2:
+                assert time.monotonic() < deadline, "the two requests were not admitted"
+                time.sleep(0.05)
             third = post()
             assert_error(third, 429, code="queue_full")
             assert third.headers["retry-after"] == "1"

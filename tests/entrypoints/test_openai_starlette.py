@@ -145,8 +145,10 @@ def test_middleware_class_and_function():
     from openai_test_middleware import SEEN_PATHS
 
     options = AppOptions(
-        middleware=("openai_test_middleware.StampMiddleware",
-                    "openai_test_middleware:stamp_dispatch"),  # fmt: skip
+        middleware=(
+            "openai_test_middleware.StampMiddleware",
+            "openai_test_middleware:stamp_dispatch",
+        ),  # fmt: skip
     )
     with LiveServer(FakeEngine(), app_options=options) as live:
         resp = httpx.post(
@@ -296,6 +298,6 @@ def test_serve_https(tmp_path):
     with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is refused
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
     assert _stop(proc) == 0
-    assert f"serving fake-model on https://127.0.0.1:{port}" in (
-        tmp_path / "server.log"
-    ).read_text()
+    assert (
+        f"serving fake-model on https://127.0.0.1:{port}" in (tmp_path / "server.log").read_text()
+    )

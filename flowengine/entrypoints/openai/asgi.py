@@ -166,7 +166,11 @@ async def _send_whole(response: Response, scope: Scope, send: Send) -> None:
     # a HEAD response has the GET response's headers and no content.
     body = b"" if scope["method"] == "HEAD" else response.body
     await send(
-        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
     )
     await send({"type": "http.response.body", "body": body})
 

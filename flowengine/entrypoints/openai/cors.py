@@ -102,7 +102,11 @@ class CORSMiddleware:
         requested = _header(scope, b"access-control-request-method")
         if cors and requested is not None:
             allowed = [m for m in methods if "*" in self.methods or m in self.methods]
-            asked = [h.strip().lower() for h in (_header(scope, b"access-control-request-headers") or "").split(",") if h.strip()]
+            asked = [
+                h.strip().lower()
+                for h in (_header(scope, b"access-control-request-headers") or "").split(",")
+                if h.strip()
+            ]
             if requested.upper() in allowed and ("*" in self.headers or set(asked) <= self.headers):
                 headers.update(cors)
                 headers["access-control-allow-methods"] = ", ".join([*allowed, "OPTIONS"])

@@ -48,7 +48,7 @@ def _byte_level_decoding() -> dict[str, int]:
 
 
 def _decoder_kind(tokenizer: Any) -> str:
-    """"byte_level", "byte_fallback" or "text", from a Hugging Face fast tokenizer's
+    """ "byte_level", "byte_fallback" or "text", from a Hugging Face fast tokenizer's
     decoder (cached on the tokenizer object)."""
     kind = getattr(tokenizer, "_flowengine_token_bytes_kind", None)
     if kind is not None:

@@ -46,9 +46,17 @@ class RequestLimits:
 
 
 def check_limits(
-    limits: RequestLimits, params: SamplingParams, num_prompts: int, max_model_len: int
+    limits: RequestLimits,
+    params: SamplingParams,
+    num_prompts: int,
+    max_model_len: int,
+    logprobs_field: str = "logprobs",
 ) -> None:
-    """Raise APIError(400) when a request exceeds the server's limits."""
+    """Raise APIError(400) when a request exceeds the server's limits.
+
+    `logprobs_field` is the request field that asked for log-probabilities (chat:
+    "top_logprobs"), named as the error's `param`.
+    """
     if params.n > limits.max_n:
         raise bad_request(
             f"n is {params.n}, over this server's limit of {limits.max_n} completions per "
@@ -59,7 +67,7 @@ def check_limits(
         raise bad_request(
             f"{params.logprobs} log-probabilities per token were asked for, over this "
             f"server's limit of {limits.max_logprobs} (--max-logprobs)",
-            "logprobs",
+            logprobs_field,
         )
     if limits.max_request_tokens is not None:
         per_sample = params.max_tokens if params.max_tokens is not None else max_model_len

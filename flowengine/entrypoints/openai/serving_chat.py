@@ -61,7 +61,7 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
     params = chat_params(req, ctx.engine.default_sampling_params)
-    check_limits(ctx.limits, params, 1, ctx.engine.max_model_len)
+    check_limits(ctx.limits, params, 1, ctx.engine.max_model_len, "top_logprobs")
     messages = chat_messages(req)
     # The plain conversation, or {"messages": ..., options} when an option is not the
     # default (the engine's Tokenizer renders it: input_processor.CHAT_OPTIONS).

@@ -73,8 +73,13 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     prompts = split_prompts(req.prompt)
     check_limits(ctx.limits, params, len(prompts), ctx.engine.max_model_len)
     if req.cache_salt is not None:
-        prompts = [{"prompt" if isinstance(p, str) else "prompt_token_ids": p,
-                    "cache_salt": req.cache_salt} for p in prompts]
+        prompts = [
+            {
+                "prompt" if isinstance(p, str) else "prompt_token_ids": p,
+                "cache_salt": req.cache_salt,
+            }
+            for p in prompts
+        ]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await open_streams(
         ctx.engine,
