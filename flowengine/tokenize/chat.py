@@ -166,13 +166,13 @@ def apply_chat_template(
             if message["role"] == "developer":
                 message["role"] = "system"
     try:
+        # Options passed only when set: the call stays the plain one otherwise.
+        if chat_template:
+            kwargs["chat_template"] = chat_template
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         text = tokenizer.apply_chat_template(
-            checked,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **kwargs,
+            checked, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template rejected these messages: {e}") from e
