@@ -105,6 +105,7 @@ class AsyncEngine:
         # The model's sampling defaults (generation_config.json): the serving layer
         # fills unset request fields from them (vLLM's default_sampling_params).
         self.default_sampling_params = dict(input_processor.default_sampling_params)
+        self.chat_template = input_processor.chat_template  # --chat-template text or None
         self.streamer = StreamerActor(on_orphan=self._abort_orphan)
         self.detokenizer = DetokenizerActor(
             OutputProcessor(self.tokenizer, stream=True),

@@ -82,3 +82,16 @@ def test_metrics_after_known_requests(live, tokenizer) -> None:
     info = [k for k in s if k[0] == "flowengine:cache_config_info"]
     assert len(info) == 1 and s[info[0]] == 1.0
     assert dict(info[0][1])["block_size"] == "16" and dict(info[0][1])["num_gpu_blocks"] == "64"
+
+
+def test_tokenize_chat_options_on_the_real_template(live, tokenizer) -> None:
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue and"}]
+    body = {"messages": messages, "add_generation_prompt": False,
+            "continue_final_message": True}
+    got = httpx.post(f"{live.base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+    # Hugging Face's rendering of the same options (SmolLM2's ChatML template)
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nBlue and")
+    assert got == tokenizer.encode(text, add_special_tokens=False)

@@ -92,3 +92,11 @@ def test_sdk_sees_the_400(client) -> None:
         client.chat.completions.create(
             model="fake-model", messages=HELLO, extra_body={"continue_final_message": True}
         )
+
+
+
+def test_tokenize_refuses_continue_with_generation_prompt(http) -> None:
+    messages = [*HELLO, {"role": "assistant", "content": "ok"}]
+    both = {"messages": messages, "continue_final_message": True}
+    err = assert_error(http.post("/tokenize", json=both), 400)
+    assert "Cannot set both" in err["message"]
