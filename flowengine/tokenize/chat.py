@@ -176,4 +176,7 @@ def apply_chat_template(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template rejected these messages: {e}") from e
+    except TypeError as e:
+        # e.g. a chat_template_kwargs key this tokenizer's apply_chat_template refuses
+        raise ValueError(f"the chat template cannot be applied with these options: {e}") from e
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -176,7 +176,7 @@ def test_too_deep_json_is_400_without_traceback(http, caplog):
         (CHAT, "guided_choice", ["a", "b"]),
         (CHAT, "structured_outputs", {"json": {}}),
         (CHAT, "documents", [{"title": "t", "text": "x"}]),
-        (CHAT, "chat_template", "{{ messages }}"),
+        (CHAT, "mm_processor_kwargs", {"num_crops": 4}),
         (CHAT, "allowed_token_ids", [1, 2]),
         (CHAT, "bad_words", ["x"]),
         (CHAT, "use_beam_search", True),

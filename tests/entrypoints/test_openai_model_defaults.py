@@ -100,3 +100,19 @@ def test_tokenize_refuses_continue_with_generation_prompt(http) -> None:
     both = {"messages": messages, "continue_final_message": True}
     err = assert_error(http.post("/tokenize", json=both), 400)
     assert "Cannot set both" in err["message"]
+
+
+def test_request_chat_template_needs_the_trust_flag(client, server, engine) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    num = len(engine.submitted)
+    with pytest.raises(openai.BadRequestError, match="--trust-request-chat-template"):
+        client.chat.completions.create(model="fake-model", messages=HELLO,
+                                       extra_body={"chat_template": template})
+    assert len(engine.submitted) == num
+    server.server.context.trust_request_chat_template = True
+    try:
+        client.chat.completions.create(model="fake-model", messages=HELLO,
+                                       extra_body={"chat_template": template})
+    finally:
+        server.server.context.trust_request_chat_template = False
+    assert engine.submitted[-1][1] == {"messages": HELLO, "chat_template": template}

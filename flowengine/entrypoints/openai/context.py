@@ -33,6 +33,7 @@ class ServingContext:
         started_s: Unix time the server started (the `created` of /v1/models).
         limits: per-request limits (n, log-probabilities, n x max_tokens).
         enable_prompt_tokens_details: usage carries prompt_tokens_details.cached_tokens.
+        trust_request_chat_template: chat requests may bring their own `chat_template`.
     """
 
     engine: EngineClient
@@ -41,6 +42,7 @@ class ServingContext:
     metrics: ServingMetrics
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_prompt_tokens_details: bool = False
+    trust_request_chat_template: bool = False
     started_s: int = field(default_factory=lambda: int(time.time()))
 
     @cached_property

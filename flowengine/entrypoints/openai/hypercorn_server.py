@@ -71,6 +71,7 @@ class APIServer:
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
         enable_prompt_tokens_details: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> None:
         if not model_names:
             raise ValueError("model_names is empty; give at least one served model name")
@@ -87,6 +88,7 @@ class APIServer:
             metrics=self.metrics,
             limits=limits or RequestLimits(),
             enable_prompt_tokens_details=enable_prompt_tokens_details,
+            trust_request_chat_template=trust_request_chat_template,
         )
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None

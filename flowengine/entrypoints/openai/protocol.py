@@ -6,7 +6,7 @@ Completions) plus vLLM's extra sampling fields (`top_k`, `min_p`, ...), which th
 vLLM do; fields we know but cannot honour (`suffix`, `tools`, `logit_bias`, ...) are
 declared here so the handlers can answer 400 when they are set, and vLLM's extra
 fields that change the output but are not implemented yet (`UNSUPPORTED_FIELDS`:
-`guided_json`, `structured_outputs`, `chat_template`, ...) are typed `null`:
+`guided_json`, `structured_outputs`, `documents`, ...) are typed `null`:
 any other value is a 400 naming the field, so no client believes its output was
 constrained when it was not.
 
@@ -37,7 +37,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
         "logits_processors", "allowed_token_ids", "bad_words", "prompt_logprobs",
         "truncate_prompt_tokens", "vllm_xargs", "kv_transfer_params",
-        "chat_template", "documents", "mm_processor_kwargs",
+        "documents", "mm_processor_kwargs",
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
         "length_penalty", "add_special_tokens",
         "reasoning_effort", "parallel_tool_calls", "logprobs_mode", "thinking_token_budget",
@@ -162,8 +162,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # A per-request Jinja template (text); refused unless --trust-request-chat-template.
+    chat_template: str | None = None
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
-    chat_template: None = None
     documents: None = None
     mm_processor_kwargs: None = None
     add_special_tokens: None = None

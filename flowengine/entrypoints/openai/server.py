@@ -76,6 +76,7 @@ class ServerOptions:
         ssl_certfile, ssl_keyfile: HTTPS with these PEM files.
         enable_prompt_tokens_details: usage gets `prompt_tokens_details.cached_tokens`
             (prompt tokens served from the prefix cache), as vLLM's flag.
+        trust_request_chat_template: accept a chat request's own `chat_template`.
     """
 
     host: str = "127.0.0.1"
@@ -91,6 +92,7 @@ class ServerOptions:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     enable_prompt_tokens_details: bool = False
+    trust_request_chat_template: bool = False
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -157,6 +159,12 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the "
         "prefix cache",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat request's own chat_template (a Jinja template the server "
+        "renders, sandboxed); without it such a request gets 400",
     )
     s.add_argument(
         "--max-queue-len",
@@ -272,6 +280,7 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        trust_request_chat_template=ns.trust_request_chat_template,
     )
 
 
@@ -382,6 +391,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             ssl_certfile=options.ssl_certfile,
             ssl_keyfile=options.ssl_keyfile,
             enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+            trust_request_chat_template=options.trust_request_chat_template,
         )
         try:
             await server.serve(sock, install_signal_handlers=True)
