@@ -149,8 +149,11 @@ def add_requests(engine: EngineCore, tag: str, batch: int, context: int, max_tok
     no prefix-cache hits across phases), each generating max_tokens tokens."""
     rng = random.Random(tag)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # Ids inside the vocabulary of any --model (SmolLM2 has 49,152; an id past it is a
+    # device-side assert in the embedding).
+    top = min(100000, engine.executor.runner.model_config.vocab_size)
     for i in range(batch):
-        prompt = [rng.randrange(1000, 100000) for _ in range(context)]
+        prompt = [rng.randrange(1000, top) for _ in range(context)]
         engine.add_request(NewRequest(f"{tag}{i}", prompt, params, 0.0))
 
 

@@ -7,10 +7,13 @@
 #   benchmarks/served_gpu.sh MODEL_DIR OUT_DIR
 #
 # MODEL_DIR holds SmolLM2-135M-Instruct's config.json and tokenizer files only (no
-# weights: load_format dummy). The tables also land in OUT_DIR/summary.md, the device
-# figures in OUT_DIR/gpu_bench.json; server logs stay in /tmp (tailed on failure). Host time per
-# request per step = (served TPOT - device step) / 256: with the overlap on, host work
-# that fits under the device step costs nothing, so this is the part that does not.
+# weights: load_format dummy). The tables land in OUT_DIR/summary.md, the device
+# figures in OUT_DIR/gpu_bench.json; server logs stay in /tmp (tailed on failure).
+# Host time per request per step = (served TPOT - device step) / 256.
+#
+# Each served run also reports the CPU seconds of the client and of every server
+# process (from /proc), to tell a server-bound run from a client-bound one, and, with
+# py-spy on the PATH, records the server's stacks (OUT_DIR/pyspy_LABEL.txt, collapsed).
 set -uo pipefail
 model=$1
 out=$2
@@ -20,39 +23,93 @@ n=${NUM_PROMPTS:-1024}  # smaller for a dry run on the CPU
 conc=${CONCURRENCY:-256}
 dtype=${DTYPE:-bfloat16}
 common=(--load-format dummy --dtype "$dtype" --max-num-seqs "$conc" --max-model-len 2048)
+say() { echo "$*" | tee -a "$out/summary.md"; }
 
-echo "== device step alone (CUDA graph replay), engine loops 1 and 2 in flight" \
-  | tee -a "$out/summary.md"
-timeout 240 python3 benchmarks/gpu_bench.py --model "$model" --context 128 --batch 256 \
-  --max-model-len 2048 --steps 64 --no-profile --out "$out" 2>&1 \
-  | tail -8 | tee -a "$out/summary.md"
+cpu_s() {  # CPU seconds (user + system) of a pid and its children processes
+  python3 - "$@" <<'EOF'
+import os, sys
+tick = os.sysconf("SC_CLK_TCK")
+def procs(root):
+    out = [root]
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) == root:
+                    out += procs(int(p))
+            except OSError:
+                pass
+    return out
+res = []
+for pid in procs(int(sys.argv[1])):
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        res.append(f"{pid}:{(int(f[11]) + int(f[12])) / tick:.1f}")
+    except OSError:
+        pass
+print(" ".join(res))
+EOF
+}
 
-echo "== offline: flowengine bench throughput" | tee -a "$out/summary.md"
-timeout 240 "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
-  --input-len 128 --output-len 128 2>&1 | tail -6 | tee -a "$out/summary.md"
+if [ -z "${SKIP_DEVICE:-}" ]; then
+  say "== device step alone (CUDA graph replay), engine loops 1 and 2 in flight"
+  timeout 200 python3 benchmarks/gpu_bench.py --model "$model" --context 128 --batch 256 \
+    --max-model-len 2048 --steps 64 --no-profile --out "$out" > "$out/gpu_bench.log" 2>&1
+  tail -8 "$out/gpu_bench.log" | tee -a "$out/summary.md"
+  say "== offline: flowengine bench throughput"
+  timeout 200 "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
+    --input-len 128 --output-len 128 2>&1 | tail -6 | tee -a "$out/summary.md"
+fi
 
-serve_once() {  # $1: label, rest: extra serve flags
-  local label=$1; shift
+serve_once() {  # $1: label, $2: number of client processes, rest: extra serve flags
+  local label=$1 clients=$2; shift 2
   local port=$((8700 + RANDOM % 200))
   "${fe[@]}" serve "$model" "${common[@]}" --port "$port" "$@" > "/tmp/serve_$label.log" 2>&1 &
   local pid=$!
   python3 - "$port" <<'EOF'
 import sys, time, urllib.request
-for _ in range(150):
+for _ in range(400):
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
         sys.exit(0)
     except Exception:
-        time.sleep(0.2)
+        time.sleep(0.25)
 sys.exit("server did not come up")
 EOF
   if [ $? -ne 0 ]; then tail -20 "/tmp/serve_$label.log"; kill "$pid"; return 1; fi
-  echo "== served ($label): flowengine bench serve, concurrency $conc" | tee -a "$out/summary.md"
-  timeout 240 "${fe[@]}" bench serve --port "$port" --tokenizer "$model" --num-prompts "$n" \
-    --random-input-len 128 --random-output-len 128 --max-concurrency "$conc" --ignore-eos \
-    --disable-tqdm 2>&1 | tail -32 | tee -a "$out/summary.md"
+  say "== served ($label, flags: $*): $clients client process(es), concurrency $conc in all"
+  say "server CPU s before (pid:s): $(cpu_s "$pid")"
+  if command -v py-spy > /dev/null; then
+    (python3 - "$port" <<'EOF'
+import re, sys, time, urllib.request
+for _ in range(300):  # until requests run (the clients first build their prompts)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
+    m = re.search(r"^\S*num_requests_running\S* ([0-9.e+]+)$", body, re.M)
+    if m and float(m.group(1)) > 0:
+        break
+    time.sleep(0.1)
+EOF
+     timeout 20 py-spy record --subprocesses --nonblocking -r 200 -d 3 -f raw \
+       -o "$out/pyspy_$label.txt" -p "$pid" > /dev/null 2>&1) &
+  fi
+  local t0=$SECONDS pids=()
+  for i in $(seq "$clients"); do
+    ( TIMEFORMAT="client $i CPU: user %U s, sys %S s, wall %R s"
+      time timeout 200 "${fe[@]}" bench serve --port "$port" --tokenizer "$model" \
+        --num-prompts $((n / clients)) --random-input-len 128 --random-output-len 128 \
+        --max-concurrency $((conc / clients)) --ignore-eos --disable-tqdm --seed "$i" \
+        > "/tmp/client_${label}_$i.txt" 2>&1 ) 2>> "$out/summary.md" &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  say "server CPU s after (pid:s): $(cpu_s "$pid"); clients' wall $((SECONDS - t0)) s"
+  for i in $(seq "$clients"); do
+    grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT" \
+      "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
+  done
   kill -INT "$pid"; wait "$pid"
 }
-serve_once inproc_async --async-scheduling
-serve_once multiproc_async --async-scheduling --placement multiproc
-serve_once inproc_sync
+serve_once inproc_async 1 --async-scheduling
+serve_once inproc_async_2clients 2 --async-scheduling
+serve_once multiproc_async 1 --async-scheduling --placement multiproc
+serve_once multiproc_async_2clients 2 --async-scheduling --placement multiproc
+serve_once multiproc_sync 1 --placement multiproc

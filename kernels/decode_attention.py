@@ -42,6 +42,8 @@ def _decode_attention_stage1_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     scale,  # float32
+    sliding_window,  # int32, positions the new token sees (itself included); if SLIDING
+    soft_cap,  # float32, scores -> soft_cap * tanh(scores / soft_cap); if SOFT_CAP
     query_stride_token: tl.int64,
     query_stride_head: tl.int64,
     cache_stride_block: tl.int64,
@@ -57,6 +59,8 @@ def _decode_attention_stage1_kernel(
     TILE_N: tl.constexpr,  # K/V positions per loop step
     NUM_KV_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+    SLIDING: tl.constexpr,  # attend to the last sliding_window positions only
+    SOFT_CAP: tl.constexpr,  # attention logit soft-capping (Gemma 2)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,8 +71,13 @@ def _decode_attention_stage1_kernel(
     if q_len == 0:  # an empty (padding) request owns no token row
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), TILE_N) * TILE_N
-    split_start = split * split_len
+    # The new token (position seq_len - 1) sees [kv_start, seq_len); with a sliding
+    # window only its last sliding_window positions, which the splits then divide.
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(seq_len - sliding_window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_KV_SPLITS), TILE_N) * TILE_N
+    split_start = kv_start + split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -113,7 +122,12 @@ def _decode_attention_stage1_kernel(
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
         )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, TILE_N]
+        if SOFT_CAP:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+            # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, TILE_N]
         s = tl.where(h_valid[:, None] & kv_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows: no NaN
@@ -204,6 +218,8 @@ def decode_attention(
     scale: float,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged context, split-KV.
 
@@ -221,14 +237,21 @@ def decode_attention(
         num_kv_splits: ranges per context, a power of 2 <= MAX_KV_SPLITS; None picks
             choose_num_kv_splits(). Fix it when capturing a CUDA graph.
         out: optional [num_tokens, num_q_heads, head_dim] output.
+        sliding_window: the new token sees only the last sliding_window positions
+            (itself included), which the splits divide; None: the whole context.
+        logits_soft_cap: scores become cap * tanh(scores / cap) (Gemma 2); None: off.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype (`out` when given).
 
     Raises:
-        ValueError: inputs disagree, or num_kv_splits is not a power of 2 in
-            [1, MAX_KV_SPLITS].
+        ValueError: inputs disagree, num_kv_splits is not a power of 2 in
+            [1, MAX_KV_SPLITS], or a sliding window / soft cap that is not positive.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
     num_q_heads, num_kv_heads, head_dim = check_attention_inputs(
         query, kv_cache, query_start_loc, seq_lens, block_tables
     )
@@ -239,8 +262,9 @@ def decode_attention(
         raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     num_reqs = seq_lens.shape[0]
     if num_kv_splits is None:
+        attended = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_kv_splits = choose_num_kv_splits(
-            num_reqs, num_kv_heads, max_seq_len, query.device
+            num_reqs, num_kv_heads, attended, query.device
         )
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS or num_kv_splits & (num_kv_splits - 1):
         raise ValueError(
@@ -269,6 +293,8 @@ def decode_attention(
         seq_lens,
         query_start_loc,
         scale,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -284,6 +310,8 @@ def decode_attention(
         TILE_N=TILE_N,
         NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
     )
     _decode_attention_stage2_kernel[(num_reqs, num_q_heads)](
         out,

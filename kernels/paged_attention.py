@@ -71,6 +71,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_reqs,
     scale,  # float32, softmax scale (usually head_dim ** -0.5)
+    sliding_window,  # int32, positions a token sees (itself included); used if SLIDING
+    soft_cap,  # float32, scores -> soft_cap * tanh(scores / soft_cap); used if SOFT_CAP
     query_stride_token: tl.int64,
     query_stride_head: tl.int64,
     out_stride_token: tl.int64,
@@ -87,6 +89,8 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # packed rows, >= BLOCK_Q * QPK, power of 2
     TILE_N: tl.constexpr,  # K/V positions per loop step, power of 2
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
+    SLIDING: tl.constexpr,  # sliding-window attention (Mistral, Gemma local layers)
+    SOFT_CAP: tl.constexpr,  # attention logit soft-capping (Gemma 2)
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,7 +133,13 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     block_table_row = block_tables_ptr + req.to(tl.int64) * block_table_stride
-    for tile_start in range(0, kv_len, TILE_N):
+    kv_lo = 0
+    if SLIDING:
+        # The first new token of this q-block sees nothing before first_q_pos - window + 1;
+        # start at the tile holding that position (whole tiles before it are skipped).
+        first_q_pos = prefix_len + q_block_local * BLOCK_Q
+        kv_lo = tl.maximum(first_q_pos - sliding_window + 1, 0) // TILE_N * TILE_N
+    for tile_start in range(kv_lo, kv_len, TILE_N):
         kv_pos = tile_start + offs_n
         kv_valid = kv_pos < kv_len
         # NOTE: int64 before the multiply: block_id * cache_stride_block exceeds 2**31
@@ -152,8 +162,15 @@ def _paged_attention_kernel(
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
         )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if SOFT_CAP:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+            # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = row_valid[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -188,6 +205,8 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.
 
@@ -205,13 +224,22 @@ def paged_attention(
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [num_tokens, num_q_heads, head_dim] output; rows of tokens
             outside every request (beyond query_start_loc[-1]) are left untouched.
+        sliding_window: a token at position p sees positions p - sliding_window < j <= p
+            only (None: the whole context); tiles wholly before the window are skipped.
+        logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax
+            (Gemma 2; None: off).
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype (`out` when given).
 
     Raises:
-        ValueError: inputs disagree (see check_attention_inputs).
+        ValueError: inputs disagree (see check_attention_inputs), or a sliding window
+            / soft cap that is not positive.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
     num_q_heads, num_kv_heads, head_dim = check_attention_inputs(
         query, kv_cache, query_start_loc, seq_lens, block_tables
     )
@@ -241,6 +269,8 @@ def paged_attention(
         query_start_loc,
         num_reqs,
         scale,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -257,5 +287,7 @@ def paged_attention(
         BLOCK_M=block_m,
         TILE_N=TILE_N,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
     )
     return out

@@ -56,8 +56,11 @@ class ExecutorActor:
         steps: inbox of `StepPlan | Shutdown` (this rank's reader of the broadcast).
         results: outbox of `StepResult` on rank 0 (the channel's one writer); None on
             the other tensor-parallel ranks.
-        blocking: runs a launch (a CPU forward is synchronous) off the event loop:
-            a worker thread in the in-process placement, inline in an executor process.
+        blocking: runs a launch that computes on the host (a CPU forward) off the event
+            loop: a worker thread in the in-process placement, inline in an executor
+            process. A launch that only enqueues device work
+            (`executor.launches_on_device`) runs inline on the loop in any placement:
+            a worker thread would only add a thread hop and GIL hand-overs per step.
         wait: runs the resolution of a step whose tokens are still on the device;
             defaults to a worker thread (the wait releases the GIL, so the launcher
             keeps launching meanwhile).
@@ -83,6 +86,7 @@ class ExecutorActor:
         self._blocking = blocking
         self._wait = wait
         self._tensor_parallel = executor.runner.tp.world_size > 1
+        self._launch_inline = bool(getattr(executor, "launches_on_device", False))
         self.busy_s = 0.0  # time launching steps (forward + sampling on the CPU)
         self.resolve_s = 0.0  # time resolving handles (waits for the device included)
         self.num_waited = 0  # handles whose tokens were not on the host yet
@@ -108,6 +112,8 @@ class ExecutorActor:
     async def _launch(self, plan: StepPlan) -> StepHandle:
         start = time.perf_counter()
         try:
+            if self._launch_inline:
+                return self.executor.launch(plan)
             return await self._blocking(self.executor.launch, plan)
         except Exception as exc:
             if self._tensor_parallel and not isinstance(exc, ValueError):

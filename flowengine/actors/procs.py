@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -42,6 +43,8 @@ class ProcConfig(msgspec.Struct, frozen=True):
 
     dist_init_method: the tensor-parallel rendezvous ("tcp://127.0.0.1:PORT", a fresh
     port per group) when tensor_parallel_size > 1, else "".
+    ready_timeout_s: how long the engine waits for its executor's ExecutorReady (the
+    supervisor's FLOWENGINE_ENGINE_READY_TIMEOUT_S) before it exits with an error.
     """
 
     role: str  # "engine" | "executor"
@@ -50,6 +53,29 @@ class ProcConfig(msgspec.Struct, frozen=True):
     rank: int = 0
     generation: int = 0
     dist_init_method: str = ""
+    ready_timeout_s: float = 600.0
+
+
+# Test hook (the restart soak, tests/actors): the engine process sleeps this long
+# before it attaches to any ring, "S" seconds or "LO-HI" for a uniformly random delay,
+# so its executor's ExecutorReady is written before the engine reads "results".
+START_DELAY_ENV = "FLOWENGINE_TEST_ENGINE_START_DELAY_S"
+
+
+def start_delay_s(spec: str | None) -> float:
+    """Seconds from a START_DELAY_ENV value ("2.5" or "0-5"); 0 for None/"".
+    Raises ValueError for anything else."""
+    if not spec:
+        return 0.0
+    lo, sep, hi = spec.partition("-")
+    try:
+        low = float(lo)
+        high = float(hi) if sep else low
+    except ValueError:
+        raise ValueError(f"{START_DELAY_ENV}={spec!r}: expected seconds or LO-HI") from None
+    if not 0 <= low <= high:
+        raise ValueError(f"{START_DELAY_ENV}={spec!r}: expected 0 <= LO <= HI")
+    return random.uniform(low, high)
 
 
 async def engine_main(cfg: ProcConfig) -> None:
@@ -66,12 +92,23 @@ async def engine_main(cfg: ProcConfig) -> None:
     )
     from flowengine.shm import BroadcastWriter, Channel, RingReader, RingWriter
 
+    delay_s = start_delay_s(os.environ.get(START_DELAY_ENV))
+    if delay_s:
+        logger.warning("%s: starting %.2f s late", START_DELAY_ENV, delay_s)
+        await asyncio.sleep(delay_s)
     resolved = resolve(cfg.engine_args)
     requests = Channel(RingReader.attach(cfg.rings.requests), RequestsMsg)
     outputs = Channel(RingWriter.attach(cfg.rings.outputs), EngineOutputs)
     steps = Channel(BroadcastWriter.attach(cfg.rings.steps), StepsMsg)
     results = Channel(RingReader.attach(cfg.rings.results), ResultsMsg)
-    ready = await results.recv_async()
+    try:
+        # The supervisor reset this slot before the group started, so the executor's
+        # one-shot ExecutorReady is kept here however late we attach (DESIGN.md §8).
+        ready = await asyncio.wait_for(results.recv_async(), cfg.ready_timeout_s)
+    except TimeoutError:
+        raise RuntimeError(
+            f"no ExecutorReady from executor rank 0 within {cfg.ready_timeout_s:g} s "
+            "(FLOWENGINE_ENGINE_READY_TIMEOUT_S)") from None
     if not isinstance(ready, ExecutorReady):
         raise RuntimeError(f"expected ExecutorReady from rank 0, got {type(ready).__name__}")
     scheduler = build_scheduler(resolved, ready.num_kv_blocks)
@@ -141,18 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     # The frontend owns shutdown: Ctrl-C reaches the whole process group, and the
     # frontend answers it by draining and sending Shutdown down the rings.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_with_parent()
+    exit_with_parent(cfg.rings)
     coro = engine_main(cfg) if cfg.role == "engine" else executor_main(cfg)
     with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
         runner.run(coro)
     return 0
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
+def exit_with_parent(rings: RingNames | None = None, poll_s: float = 1.0) -> None:
     """Exit when the frontend process that started this one is gone (killed, crashed):
     an orphaned engine or executor would otherwise hold its memory (and GPU) forever.
-    A daemon thread polls the parent pid every `poll_s` seconds; the frontend's rings
-    of a dead run are removed by the next start (flowengine.shm.cleanup_stale)."""
+    A daemon thread polls the parent pid every `poll_s` seconds. Before exiting it
+    removes the dead frontend's ring segments and semaphores of this run (`rings`):
+    the frontend owned them and cannot (kill -9); whichever child notices first removes
+    them, and the next start's cleanup_stale catches what a killed group left."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -160,9 +199,23 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
             time.sleep(poll_s)
             if os.getppid() != parent:
                 logger.warning("the frontend process %d is gone; exiting", parent)
+                if rings is not None:
+                    remove_run_segments(rings)
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def remove_run_segments(rings: RingNames) -> None:
+    """Unlink this run's segments and semaphores whose creator (the frontend) is dead;
+    never raises (called on the way out)."""
+    from flowengine.shm import cleanup_stale
+
+    run_prefix = rings.requests.lstrip("/").rsplit("-", 1)[0] + "-"  # "fe-<run_id>-"
+    try:
+        cleanup_stale(run_prefix)
+    except Exception as exc:  # noqa: BLE001 - best effort; the next start retries
+        logger.warning("could not remove the run's segments: %r", exc)
 
 
 def new_event_loop_factory() -> Any:

@@ -3,20 +3,32 @@
 Requests come in with a future; the actor answers it with the `ProcessedPrompt` or
 the validation error, registers the request with the Detokenizer, and only then
 sends the `NewRequest`s to the engine.
+
+NOTE: whatever goes wrong with one request (a validation error, MemoryError from an
+absurd `n`, a message the ring cannot encode such as an int above 2**64-1) fails that
+request only, with the error raised to its caller; the actor keeps serving. Only the
+engine's channel being closed (the engine is gone) ends the actor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
 from flowengine.engine.input_processor import InputProcessor
+from flowengine.messages import AbortRequest
 from flowengine.sampling_params import SamplingParams
+from flowengine.shm.errors import ChannelClosedError
 from flowengine.shm.inproc import InprocChannel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,15 +67,51 @@ class TokenizerActor:
             start = time.perf_counter()
             try:
                 processed = self._process(job)
-            except (ValueError, TypeError) as exc:
-                job.future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+                if not isinstance(exc, (ValueError, TypeError)):
+                    # Not a validation error: worth a log line (type only, no prompt text).
+                    logger.warning("request %s failed in the tokenizer: %s",
+                                   job.request_id, type(exc).__name__)
+                _fail(job, exc)
                 continue
             finally:
                 self.busy_s += time.perf_counter() - start
             self.detokenizer.register(processed)
+            error = await self._send(processed)
+            if error is not None:
+                _fail(job, error)
+                continue
+            if not job.future.done():  # the caller may have gone meanwhile
+                job.future.set_result(processed)
+
+    async def _send(self, processed: Any) -> Exception | None:
+        """Send the request's children to the engine; on failure undo what was sent and
+        return the error for the caller (None on success).
+
+        Raises ChannelClosedError (the engine's channel is closed: nothing can be sent).
+        """
+        num_sent = 0
+        try:
             for child in processed.children:
                 await self.requests.send_async(child)
-            job.future.set_result(processed)
+                num_sent += 1
+            return None
+        except ChannelClosedError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        # Encoding failed before anything of that child was written (Channel encodes
+        # first), so the ring holds whole messages only: abort the children already
+        # sent and forget the request, so it leaves no trace in either process.
+        self.detokenizer.forget(processed.request_id)
+        if num_sent:
+            sent = [c.request_id for c in processed.children[:num_sent]]
+            await self.requests.send_async(AbortRequest(sent))
+        logger.warning("request %s could not be sent to the engine: %s",
+                       processed.request_id, type(error).__name__)
+        if isinstance(error, (OverflowError, msgspec.EncodeError)):
+            return ValueError(f"the request cannot be encoded for the engine: {error}")
+        return error
 
     def _process(self, job: TokenizeJob):
         ip = self.input_processor
@@ -78,3 +126,8 @@ class TokenizerActor:
             return ip.process(job.request_id, text, params, priority=job.priority,
                               prompt_token_ids=ids, cache_salt=prompt.get("cache_salt"))
         return ip.process(job.request_id, prompt, params, priority=job.priority)
+
+
+def _fail(job: TokenizeJob, exc: BaseException) -> None:
+    if not job.future.done():
+        job.future.set_exception(exc)

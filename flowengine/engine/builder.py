@@ -102,7 +102,8 @@ def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
     """KV blocks that fit the budget: `num_kv_blocks`, else `kv_cache_memory_bytes`,
     else the CPU default byte budget (CUDA profiles instead, see _build_cuda_runner).
 
-    Raises ValueError if not even one max_model_len request fits.
+    Raises ValueError if the budget holds no block (`fit_max_model_len` checks that
+    one max_model_len request fits).
     """
     args = resolved.args
     if args.num_kv_blocks is not None:
@@ -117,6 +118,39 @@ def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
     return num_blocks
 
 
+def fit_max_model_len(resolved: ResolvedEngine, num_kv_blocks: int, *, log: bool = True) -> int:
+    """The max_model_len a KV cache of `num_kv_blocks` blocks can serve.
+
+    One sequence of max_model_len tokens must fit the whole KV cache (vLLM refuses to
+    start otherwise). A max_model_len the user set is refused when it does not fit;
+    one taken from the model's config (not set) is lowered to the KV capacity with a
+    warning, so a prompt longer than the cache is a 400 at the edge, never a 5xx.
+
+    Raises ValueError naming the numbers and what to change.
+    """
+    block_size = resolved.args.block_size
+    capacity_tokens = num_kv_blocks * block_size
+    if resolved.max_model_len <= capacity_tokens:
+        return resolved.max_model_len
+    needed_blocks = -(-resolved.max_model_len // block_size)
+    if resolved.args.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len {resolved.max_model_len} needs {needed_blocks} KV blocks of "
+            f"{block_size} tokens, but the KV cache holds {num_kv_blocks} blocks "
+            f"({capacity_tokens} tokens); lower max_model_len to {capacity_tokens} or less, "
+            "or give the KV cache more room (num_kv_blocks, kv_cache_memory_bytes, "
+            "gpu_memory_utilization)"
+        )
+    if log:
+        logger.warning(
+            "the KV cache holds %d blocks of %d tokens (%d tokens), less than the model's "
+            "max_model_len %d: serving with max_model_len %d (set max_model_len, or give "
+            "the KV cache more room, to change this)",
+            num_kv_blocks, block_size, capacity_tokens, resolved.max_model_len, capacity_tokens,
+        )
+    return capacity_tokens
+
+
 def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
                        runner_kwargs: dict[str, Any]) -> tuple[Any, CacheConfig]:
     """Load the weights on CUDA, size the KV cache (num_kv_blocks, else
@@ -124,7 +158,8 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
     gpu_memory_utilization; under tensor parallelism the smallest count of any rank),
     allocate it and capture the decode CUDA graphs.
 
-    Raises ValueError when the profiled budget cannot hold one max_model_len request.
+    Raises ValueError when the budget cannot hold one max_model_len request that the
+    user set (`fit_max_model_len`; build_executor checks).
     """
     from flowengine.executor.cuda_runner import CudaModelRunner
     from flowengine.executor.memory_profile import num_kv_blocks_from_profile
@@ -139,14 +174,7 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
         num_blocks = num_kv_blocks_from_profile(profile, args.gpu_memory_utilization,
                                                 bytes_per_block)
         num_blocks = runner.tp.all_reduce_min(num_blocks, runner.device)
-        needed = -(-resolved.max_model_len // args.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens "
-                f"({num_blocks * args.block_size} tokens), less than one max_model_len "
-                f"request ({resolved.max_model_len} tokens); lower max_model_len or raise "
-                "gpu_memory_utilization"
-            )
+    fit_max_model_len(resolved, num_blocks, log=False)  # before allocating anything
     cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
     runner.initialize_kv_cache(cache_config)
     runner.capture_cuda_graphs()
@@ -169,7 +197,7 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
         SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=resolved.max_num_batched_tokens,
-            max_model_len=resolved.max_model_len,
+            max_model_len=fit_max_model_len(resolved, num_blocks, log=False),
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         ),
@@ -213,6 +241,9 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         num_blocks = num_kv_blocks_for(resolved, per_block)
         cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
+    # Before the first step, in the process that allocated the cache: a max_model_len
+    # the user set that the cache cannot hold stops start-up here with what to change.
+    fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     logger.info(
         "executor ready: %s on %s (%s), %d KV blocks of %d tokens",
         resolved.served_model_names[0],

@@ -64,6 +64,7 @@ class AsyncEngine:
         self._shutting_down = False
         self._task: asyncio.Task | None = None
         self._children: dict[str, list[str]] = {}
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN):
@@ -97,8 +98,11 @@ class AsyncEngine:
                 self.resolved,
                 expect_generation=lambda g: self.detokenizer.expect_generation(g),
                 resubmit=self._resubmit_after_restart,
+                has_work=self._has_unfinished_requests,
             )
-            await self.supervisor.start()
+            ready = await self.supervisor.start()
+            if ready.stats is not None:
+                self._fit_max_model_len(ready.stats.num_total_blocks)
             self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
             engine_actors = [self.supervisor]
         input_processor = make_input_processor(self.tokenizer, self.resolved)
@@ -138,6 +142,7 @@ class AsyncEngine:
         factory = self._core_factory or build_engine_core
         core = await anyio.to_thread.run_sync(factory, self.resolved)
         self.core = core
+        self._fit_max_model_len(core.scheduler.num_total_blocks)
         requests, steps, results, outputs = (InprocChannel() for _ in range(4))
         executor = ExecutorActor(core.executor, steps, results)
         scheduler = SchedulerActor(
@@ -147,6 +152,28 @@ class AsyncEngine:
         self._scheduler_actor = scheduler
         self.engine_actors = {"scheduler": scheduler, "executor": executor}
         return requests, outputs, [scheduler, executor]
+
+    def _fit_max_model_len(self, num_kv_blocks: int) -> None:
+        """Apply the KV-cache fit (`builder.fit_max_model_len`) to the frontend's limits,
+        so a prompt the KV cache cannot hold is refused with a ValueError (HTTP 400)."""
+        from dataclasses import replace
+
+        from flowengine.engine.builder import fit_max_model_len
+
+        max_model_len = fit_max_model_len(self.resolved, num_kv_blocks)
+        if max_model_len != self.resolved.max_model_len:
+            self.resolved = replace(self.resolved, max_model_len=max_model_len)
+            self.max_model_len = max_model_len
+
+    def _has_unfinished_requests(self) -> bool:
+        detokenizer = getattr(self, "detokenizer", None)  # None until start() built it
+        return detokenizer is not None and len(detokenizer.processor) > 0
+
+    def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback(error)` on this loop when the engine stops by itself (an actor
+        failed, or the supervisor gave up restarting), not on `shutdown()`. The server
+        uses it to exit non-zero, so a service manager restarts it."""
+        self._dead_callbacks.append(callback)
 
     async def _run(self, actors: list[Any]) -> None:
         try:
@@ -158,6 +185,12 @@ class AsyncEngine:
                 logger.error("engine stopped: %r", exc)
             self._dead = EngineDeadError(f"the engine stopped: {exc!r}")
             self.streamer.fail_all(self._dead)
+            if not self._shutting_down:
+                for callback in self._dead_callbacks:
+                    try:
+                        callback(self._dead)
+                    except Exception:  # noqa: BLE001 - one bad callback must not hide others
+                        logger.exception("engine-dead callback failed")
             if not isinstance(exc, Exception):
                 raise
 
@@ -266,10 +299,18 @@ class AsyncEngine:
         return self.tokenizer
 
     async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine cannot serve: it stopped, or (multiproc)
+        the step watchdog sees no engine step for FLOWENGINE_STEP_STALL_UNHEALTHY_S
+        seconds while requests wait (a hung or stopped process; see Supervisor)."""
         if self._dead is not None:
             raise self._dead
         if self._task is not None and self._task.done():
             raise EngineDeadError("the engine task ended")
+        supervisor = getattr(self, "supervisor", None)
+        if supervisor is not None:
+            reason = supervisor.unhealthy_reason()
+            if reason is not None:
+                raise EngineDeadError(f"the engine is stalled: {reason}")
 
     def get_stats(self) -> EngineStats:
         st = self.detokenizer.stats

@@ -101,7 +101,7 @@ class CudaModelRunner(ModelRunner):
         self.graphs: DecodeCudaGraphs | None = None
         self._pending: list[PendingStep] = []
         # launch() and a PendingStep's result() may run in different threads (the
-        # Executor and Sampler actors): both change request states under this lock.
+        # Executor actor's launcher and resolver): both change request states under this lock.
         self._lock = threading.RLock()
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []

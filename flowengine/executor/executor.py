@@ -69,6 +69,15 @@ class Executor:
         self.runner = runner
         self.sampler = sampler if sampler is not None else Sampler()
 
+    @property
+    def launches_on_device(self) -> bool:
+        """True when `launch` only enqueues device work and returns without waiting for
+        it (a CudaModelRunner at TP = 1 on a CUDA device), so a caller may launch from
+        its event loop instead of a worker thread; False when a launch computes the
+        step on the host (CPU runners, tensor-parallel rank 0)."""
+        return (getattr(self.runner, "launch", None) is not None
+                and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda")
+
     def execute_model(self, plan: StepPlan) -> StepResult:
         """Forward and sample one step (the in-process engine's path)."""
         return self.launch(plan).result()

@@ -19,13 +19,9 @@ import torch
 
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
-from flowengine.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from flowengine.model.model_config import ModelConfig
+from flowengine.model.models import model_class
 from flowengine.model.models.llama import LlamaForCausalLM
-
-# Every supported architecture is the Llama family with config switches.
-_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
-}
 
 # Dummy weights: small enough that 30+ layers keep activations finite in bf16.
 _DUMMY_RANGE = 1e-3
@@ -65,7 +61,7 @@ def load_model(
     if attn_backend is None:
         attn_backend = get_attn_backend(device)
     with torch.device("meta"):
-        model = _MODEL_CLASSES[model_config.architecture](model_config, attn_backend, tp)
+        model = model_class(model_config.architecture)(model_config, attn_backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
@@ -169,7 +165,11 @@ def dummy_weights(model: LlamaForCausalLM, seed: int, device: torch.device
     everything else uniform(-1e-3, 1e-3) float32 from a generator on `device` seeded by
     `seed` and the tensor's name (so a tensor does not depend on the others, nor on the
     tensor-parallel size that slices it)."""
+    seen: set[str] = set()
     for shard in model.weight_shards():
+        if shard.hf_name in seen:  # a fused tensor feeding several shards: once
+            continue
+        seen.add(shard.hf_name)
         if shard.hf_name.endswith("norm.weight"):
             yield shard.hf_name, torch.ones(shard.full_shape, device=device)
             continue

@@ -29,6 +29,9 @@ class WeightShard:
         dest_start: first parameter row the slice fills when dim == 0 (fused
             projections stack their parts by rows); with dim == 1 the slice fills the
             whole parameter.
+        expert: for stacked expert parameters ([num_experts, ...], see
+            flowengine/model/layers/moe.py), the expert index whose [...] sub-tensor
+            this shard fills (rows and slice as above, within that expert); -1: none.
     """
 
     hf_name: str
@@ -38,9 +41,12 @@ class WeightShard:
     start: int = 0
     length: int = -1  # -1: the whole dimension
     dest_start: int = 0
+    expert: int = -1
 
     def destination(self, param: torch.Tensor) -> torch.Tensor:
         """The view of `param` this shard writes."""
+        if self.expert >= 0:
+            param = param[self.expert]
         if self.dim == 0 and self.length >= 0:
             return param.narrow(0, self.dest_start, self.length)
         return param

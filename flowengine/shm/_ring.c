@@ -668,10 +668,41 @@ static PyObject *full_fence(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ign
     Py_RETURN_NONE;
 }
 
+/* cas64(buffer, index, expected, desired) -> bool: one atomic compare-and-swap of
+ * int64 word `index` of a writable buffer (the segment's mmap), sequentially
+ * consistent (x86-64: lock cmpxchg). The slot locks of segment.py are built on it. */
+static PyObject *cas64(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *buffer;
+    Py_ssize_t index;
+    long long expected, desired;
+    if (!PyArg_ParseTuple(args, "OnLL:cas64", &buffer, &index, &expected, &desired))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (index < 0 || index > view.len / 8 - 1 || ((uintptr_t)view.buf & 7) != 0) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_IndexError, "cas64: word %zd outside the 8-byte aligned buffer",
+                     index);
+        return NULL;
+    }
+    int64_t *word = (int64_t *)view.buf + index;
+    int64_t seen = (int64_t)expected;
+    int swapped = __atomic_compare_exchange_n(word, &seen, (int64_t)desired, 0,
+                                              __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(swapped);
+}
+
 static PyMethodDef module_methods[] = {
     {"full_fence", full_fence, METH_NOARGS,
      "Issue a sequentially consistent fence (x86-64: mfence): every earlier load and "
      "store is ordered before every later one."},
+    {"cas64", cas64, METH_VARARGS,
+     "cas64(buffer, index, expected, desired) -> bool: atomically replace int64 word "
+     "`index` of the writable buffer by `desired` if it equals `expected`. Raises "
+     "IndexError outside the buffer, BufferError for a read-only one."},
     {NULL}};
 
 static struct PyModuleDef ring_module = {

@@ -10,7 +10,8 @@ path never false-shares:
     line 1         write cursor
     line 2         writer asleep, any reader asleep, closed, writer pid, writer start
     line 3 + 2i    reader i's read cursor
-    line 4 + 2i    reader i's control: asleep, pid, state, start time, attach token
+    line 4 + 2i    reader i's control: asleep, pid, state, start time, attach token,
+                   slot lock
     data           capacity_bytes of records
 
 Cursors are byte counts since creation (monotonic int64, never wrap in practice:
@@ -30,9 +31,13 @@ import mmap
 import os
 import re
 import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import posix_ipc
 
+from flowengine.shm._ring import cas64
 from flowengine.shm.doorbell import Doorbell, full_fence
 from flowengine.shm.errors import RingError
 
@@ -49,7 +54,7 @@ MAGIC_W, VERSION_W, CAPACITY_W, NUM_READERS_W, CREATOR_PID_W, CREATOR_START_W, D
 WRITE_CURSOR_W = 8
 WRITER_ASLEEP_W, READERS_ASLEEP_W, CLOSED_W, WRITER_PID_W, WRITER_START_W = range(16, 21)
 # Offsets inside a reader's control line.
-R_ASLEEP, R_PID, R_STATE, R_START, R_TOKEN = range(5)
+R_ASLEEP, R_PID, R_STATE, R_START, R_TOKEN, R_LOCK = range(6)
 
 # Reader slot states. RESERVED slots (never attached yet) are waited for like LIVE
 # ones, so records sent before a reader process starts are not lost.
@@ -91,6 +96,16 @@ def _proc_stat(pid: int) -> tuple[bytes, int] | None:
     # The command name (field 2) may contain spaces and parentheses: split after it.
     fields = stat[stat.rindex(b")") + 2 :].split()
     return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)
+
+
+def _is_gone(pid: int) -> bool:
+    """True if `pid` runs no more (or is a zombie)."""
+    stat = _proc_stat(pid)
+    return stat is None or stat[0] in (b"Z", b"X")
+
+
+# Serialises this process's threads on the slot locks (RingSegment._slot_locked).
+_THREAD_LOCK = threading.Lock()
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -245,6 +260,31 @@ class RingSegment:
         w[CLOSED_W] = 0
         return w[WRITE_CURSOR_W]
 
+    @contextmanager
+    def _slot_locked(self, i: int) -> Iterator[None]:
+        """Hold reader slot `i`'s lock: its pid, state, start time and token change
+        together, never interleaved with another process's change (claim vs reap).
+
+        NOTE: the lock word holds the holder's pid (taken by compare-and-swap from 0).
+        A holder that died holding it (kill -9 mid-claim) is recognised and the lock
+        taken over; a live holder keeps it for a few stores only, so waiting spins.
+        """
+        word = reader_ctl_word(i) + R_LOCK
+        me = os.getpid()
+        # Threads of this process take turns on _THREAD_LOCK first, so a lock word that
+        # holds our own pid can only be left by a dead process whose pid we reuse.
+        with _THREAD_LOCK:
+            while not cas64(self.mm, word, 0, me):
+                holder = self.words[word]
+                if holder and (holder == me or _is_gone(holder)):
+                    cas64(self.mm, word, holder, 0)  # its holder is gone: free it
+                    continue
+                os.sched_yield()
+            try:
+                yield
+            finally:
+                cas64(self.mm, word, me, 0)
+
     def claim_reader(self, i: int) -> tuple[int, int]:
         """Record this process as reader `i`; return (read cursor to start from, token).
 
@@ -255,6 +295,10 @@ class RingSegment:
         """
         if not 0 <= i < self.num_readers:
             raise ValueError(f"reader_index {i} outside 0..{self.num_readers - 1} of {self.name}")
+        with self._slot_locked(i):
+            return self._claim_reader_locked(i)
+
+    def _claim_reader_locked(self, i: int) -> tuple[int, int]:
         w, ctl, cur = self.words, reader_ctl_word(i), reader_cursor_word(i)
         pid, state = w[ctl + R_PID], w[ctl + R_STATE]
         if state == LIVE and pid and is_process_alive(pid, w[ctl + R_START]):
@@ -279,10 +323,37 @@ class RingSegment:
         self.writer_bell().ring()
         return cursor, token
 
+    def reset_reader(self, i: int) -> None:
+        """Make slot `i` RESERVED again at the current write cursor, as if never attached.
+
+        The restart handshake (DESIGN.md §8): the supervisor calls it after every
+        process that read or wrote this ring has exited and before their successors
+        start. Records written from then on are kept until the next reader attaches,
+        however late it does, so a one-shot message (ExecutorReady) cannot be missed.
+
+        NOTE: only safe while no process is attached to the slot or writing the ring
+        (nobody else touches the control line meanwhile). Raises RingError if a live
+        process still holds the slot.
+        """
+        if not 0 <= i < self.num_readers:
+            raise ValueError(f"reader_index {i} outside 0..{self.num_readers - 1} of {self.name}")
+        w, ctl = self.words, reader_ctl_word(i)
+        with self._slot_locked(i):
+            pid = w[ctl + R_PID]
+            if w[ctl + R_STATE] == LIVE and pid and is_process_alive(pid, w[ctl + R_START]):
+                raise RingError(f"reader slot {i} of {self.name} is held by live pid {pid}")
+            w[ctl + R_TOKEN] = 0  # an old attachment that still runs must not read on
+            w[ctl + R_PID] = 0
+            w[ctl + R_START] = 0
+            w[ctl + R_ASLEEP] = 0
+            w[reader_cursor_word(i)] = w[WRITE_CURSOR_W]
+            w[ctl + R_STATE] = RESERVED
+
     def release_reader(self, i: int, token: int) -> None:
         """Detach reader `i` if it is still the attachment `token` (not a successor)."""
-        if self.words[reader_ctl_word(i) + R_TOKEN] == token:
-            self.mark_reader_dead(i)
+        with self._slot_locked(i):
+            if self.words[reader_ctl_word(i) + R_TOKEN] == token:
+                self._mark_reader_dead_locked(i)
 
     def mark_reader_dead(self, i: int) -> None:
         """Stop waiting for reader `i` (crashed or hung); wakes a writer blocked on it.
@@ -290,6 +361,25 @@ class RingSegment:
         Callable from any attached process (the writer, the supervisor). The reader, if
         it still runs, raises ReaderDetachedError at its next record.
         """
+        with self._slot_locked(i):
+            self._mark_reader_dead_locked(i)
+
+    def reap_reader_if_dead(self, i: int) -> bool:
+        """Mark reader `i` dead if it is LIVE and its process is gone; True if it was.
+
+        The check and the change happen under the slot lock, so a successor that
+        claims the slot meanwhile is never marked dead in its predecessor's place (nor
+        left LIVE with its token cleared).
+        """
+        w, ctl = self.words, reader_ctl_word(i)
+        with self._slot_locked(i):
+            pid = w[ctl + R_PID]
+            if w[ctl + R_STATE] != LIVE or not pid or is_process_alive(pid, w[ctl + R_START]):
+                return False
+            self._mark_reader_dead_locked(i)
+            return True
+
+    def _mark_reader_dead_locked(self, i: int) -> None:
         ctl = reader_ctl_word(i)
         # NOTE: token before state. A writer that sees DEAD may overwrite the reader's
         # records at once; the reader checks its token after each copy, and TSO makes

@@ -207,9 +207,11 @@ class RingWriter(WriterCore):
             ctl = reader_ctl_word(i)
             if self._q[ctl + R_STATE] == LIVE:
                 pid = self.segment.reader_pid(i)
+                # A first look without the lock (cheap, every STALL_CHECK_S); the slot
+                # lock then re-checks, so a successor claiming the slot is not reaped.
                 if pid and not is_process_alive(pid, self._q[ctl + R_START]):
-                    self.segment.mark_reader_dead(i)
-                    reaped.append(i)
+                    if self.segment.reap_reader_if_dead(i):
+                        reaped.append(i)
         return reaped
 
     def mark_reader_dead(self, i: int) -> None:

@@ -166,6 +166,30 @@ async def _test_shutdown_resolves_the_launched_steps_first() -> None:
     assert result is not None and result.step_id == 0 and result.error is None
 
 
+def test_a_launch_that_only_enqueues_device_work_runs_on_the_loop() -> None:
+    anyio.run(_test_a_launch_that_only_enqueues_device_work_runs_on_the_loop)
+
+
+async def _test_a_launch_that_only_enqueues_device_work_runs_on_the_loop() -> None:
+    async def no_thread(fn, *args):
+        raise AssertionError("a device launch must not go through a worker thread")
+
+    executor = _ScriptedExecutor(set(), set())
+    executor.launches_on_device = True  # type: ignore[attr-defined]
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=no_thread)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await steps.send_async(_plan(0))
+        await _wait_for(lambda: 0 in executor.handles)
+        executor.handles[0].release()
+        with anyio.fail_after(30):
+            result = await results.recv_async()
+        await steps.send_async(Shutdown())
+    assert result.step_id == 0 and result.error is None
+    assert executor.log == ["launched 0", "resolved 0"]
+
+
 def test_completed_step_handle_is_done_at_once() -> None:
     handle = CompletedStep(StepResult(7, []))
     assert handle.done() and handle.step_id == 7 and handle.result() == StepResult(7, [])

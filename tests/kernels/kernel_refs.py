@@ -125,10 +125,12 @@ def make_attention_case(
     )
 
 
-def ref_paged_attention(case: AttentionCase) -> torch.Tensor:
+def ref_paged_attention(case: AttentionCase, sliding_window: int | None = None,
+                        soft_cap: float | None = None) -> torch.Tensor:
     """float64 attention of each request's new tokens over its context gathered through
     the block table: [sum(q_lens), Hq, D]. Query j of request i sits at position
-    seq_len - q_len + j and sees positions <= its own."""
+    seq_len - q_len + j and sees positions <= its own (and > its own - sliding_window
+    when given); soft_cap: scores -> cap * tanh(scores / cap)."""
     num_q_heads = case.query.shape[1]
     block_size = case.kv_cache.shape[2]
     outs = []
@@ -143,8 +145,13 @@ def ref_paged_attention(case: AttentionCase) -> torch.Tensor:
         v = v.repeat_interleave(qpk, dim=1)
         q = case.query[token : token + q_len].double()  # [Q, Hq, D]
         scores = torch.einsum("qhd,shd->hqs", q, k) * case.scale
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=pos.device)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if sliding_window is not None:
+            scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - sliding_window,
+                                float("-inf"))
         outs.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), v))
         token += q_len
     return torch.cat(outs)

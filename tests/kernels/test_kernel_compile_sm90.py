@@ -20,12 +20,28 @@ LLAMA_ATTN = {"HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "BLOCK_SIZE": 16, "TILE_N
               "DOT_PRECISION": "tf32"}
 KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("paged_attention", "_paged_attention_kernel",
-     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64}),
+     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "SLIDING": False,
+      "SOFT_CAP": False}),
     ("paged_attention", "_paged_attention_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 64, "HEAD_DIM_PADDED": 64, "QPK": 3, "BLOCK_Q": 5,
-      "BLOCK_M": 16}),
+      "BLOCK_M": 16, "SLIDING": False, "SOFT_CAP": False}),
+    # Gemma 2 9B: head_dim 256, QPK 2, sliding window and soft-capping on.
+    ("paged_attention", "_paged_attention_kernel",
+     {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "QPK": 2, "BLOCK_Q": 32,
+      "BLOCK_M": 64, "SLIDING": True, "SOFT_CAP": True}),
+    # Fused MoE grouped GEMMs at Qwen3-30B-A3B's shapes (gate/up, then down).
+    ("fused_moe", "_grouped_gemm_kernel",
+     {"TOP_K": 8, "A_BY_TOKEN": True, "MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64,
+      "BLOCK_K": 64, "DOT_PRECISION": "tf32"}),
+    ("fused_moe", "_grouped_gemm_kernel",
+     {"TOP_K": 8, "A_BY_TOKEN": False, "MUL_WEIGHT": True, "BLOCK_M": 16, "BLOCK_N": 64,
+      "BLOCK_K": 64, "DOT_PRECISION": "tf32"}),
     ("decode_attention", "_decode_attention_stage1_kernel",
-     {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16}),
+     {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16,
+      "SLIDING": False, "SOFT_CAP": False}),
+    ("decode_attention", "_decode_attention_stage1_kernel",
+     {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "NUM_Q_HEADS": 16, "QPK": 2,
+      "BLOCK_H": 16, "NUM_KV_SPLITS": 8, "SLIDING": True, "SOFT_CAP": True}),
     ("decode_attention", "_decode_attention_stage2_kernel",
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "NUM_KV_SPLITS": 16}),
     ("reshape_and_cache", "_reshape_and_cache_kernel",
@@ -42,8 +58,10 @@ POINTER_TYPES = {
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
     "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_ptr": "*fp32",
     "sin_ptr": "*fp32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+    "sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64", "topk_weights_ptr": "*fp32",
 }
-SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32"}
+SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32",
+                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32"}
 
 
 def compile_all() -> None:

@@ -79,3 +79,28 @@ def test_rejects_bad_split_count(device: torch.device) -> None:
             case.query, case.kv_cache, case.query_start_loc, case.seq_lens,
             case.block_tables, max_seq_len=4, scale=1.0, num_kv_splits=3,
         )
+
+
+@pytest.mark.parametrize(
+    ("qpk", "num_kv_splits", "window", "soft_cap"),
+    [(1, 4, 40, None), (4, 2, 100, 2.0), (2, 8, None, 1.5), (8, 1, 16, None)],
+)
+def test_sliding_window_and_soft_cap_match_reference(
+    qpk: int, num_kv_splits: int, window: int | None, soft_cap: float | None,
+    device: torch.device,
+) -> None:
+    # Contexts longer and shorter than the window; the splits divide the window.
+    seq_lens = [int(torch.randint(150, 260, ()).item()), 7, 41, 1]
+    case = make_attention_case(
+        [1] * 4, seq_lens, num_q_heads=2 * qpk, num_kv_heads=2, head_dim=32,
+        block_size=16, dtype=torch.float32, device=device,
+    )
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(
+        case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+        max_seq_len=max(seq_lens), scale=case.scale, num_kv_splits=num_kv_splits, out=out,
+        sliding_window=window, logits_soft_cap=soft_cap,
+    )
+    expected = ref_paged_attention(case, sliding_window=window, soft_cap=soft_cap)
+    assert_close(out, expected, **FP32_TOL)
+    assert not torch.allclose(expected, ref_paged_attention(case), atol=1e-3)

@@ -109,3 +109,40 @@ def test_rejects_bad_gqa_ratio(device: torch.device) -> None:
             case.query, bad_cache, case.query_start_loc, case.seq_lens, case.block_tables,
             max_query_len=1, scale=1.0,
         )
+
+
+@pytest.mark.parametrize(
+    ("qpk", "mix", "window", "soft_cap"),
+    [
+        (1, "decode", 7, None), (4, "chunk", 13, None), (2, "mixed", 5, None),
+        (4, "prefill", None, 2.5), (1, "mixed", 9, 1.5), (8, "decode", None, 3.0),
+    ],
+)
+def test_sliding_window_and_soft_cap_match_reference_fp32(
+    qpk: int, mix: str, window: int | None, soft_cap: float | None, device: torch.device
+) -> None:
+    q_lens, seq_lens = _lengths(mix)
+    case = make_attention_case(
+        q_lens, seq_lens, num_q_heads=2 * qpk, num_kv_heads=2, head_dim=32,
+        block_size=16, dtype=torch.float32, device=device,
+    )
+    out = torch.full_like(case.query, float("nan"))
+    paged_attention(
+        case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+        max_query_len=max(case.q_lens), scale=case.scale, out=out,
+        sliding_window=window, logits_soft_cap=soft_cap,
+    )
+    expected = ref_paged_attention(case, sliding_window=window, soft_cap=soft_cap)
+    assert_close(out, expected, **FP32_TOL)
+    if window is not None and max(seq_lens) > window:  # the window changes the result
+        assert not torch.allclose(expected, ref_paged_attention(case), atol=1e-3)
+
+
+def test_bad_window_and_cap_are_refused(device: torch.device) -> None:
+    case = make_attention_case([3], [3], num_q_heads=2, num_kv_heads=2, head_dim=32,
+                               block_size=16, dtype=torch.float32, device=device)
+    args = (case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1, got 0"):
+        paged_attention(*args, max_query_len=3, scale=1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be > 0, got -1"):
+        paged_attention(*args, max_query_len=3, scale=1.0, logits_soft_cap=-1.0)

@@ -37,18 +37,20 @@ def _expected_cache(case: AttentionCase) -> torch.Tensor:
     return cache
 
 
-def _check_forward(case: AttentionCase, backend: TritonAttentionBackend) -> None:
+def _check_forward(case: AttentionCase, backend: TritonAttentionBackend, **attn: float) -> None:
     expected_cache = _expected_cache(case)
     out = torch.full_like(case.query, float("nan"))
     result = backend.forward(
-        case.query, case.key, case.value, case.kv_cache, _metadata(case), case.scale, out=out
+        case.query, case.key, case.value, case.kv_cache, _metadata(case), case.scale, out=out,
+        **attn,
     )
     assert result is out
     # Exact copy, NaN where nothing may be written (padding slots, unused blocks).
     torch.testing.assert_close(case.kv_cache, expected_cache, rtol=0, atol=0, equal_nan=True)
     num_real = sum(case.q_lens)
     case.kv_cache = expected_cache
-    assert_close(out[:num_real], ref_paged_attention(case), **FP32_TOL)
+    ref = ref_paged_attention(case, attn.get("sliding_window"), attn.get("logits_soft_cap"))
+    assert_close(out[:num_real], ref, **FP32_TOL)
     assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), "padding rows not 0"
 
 
@@ -91,3 +93,16 @@ def test_fixed_split_count_for_cuda_graphs(device: torch.device) -> None:
         device=device,
     )
     _check_forward(case, TritonAttentionBackend(num_kv_splits=4))
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_sliding_window_and_soft_cap_on_both_paths(decode_only: bool, device) -> None:
+    # Mixed steps run the unified kernel, long decode-only steps the split-KV one.
+    q_lens = [1, 1, 1] if decode_only else [1, 17, 9]
+    case = make_attention_case(
+        q_lens, [300, 40, 65], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=torch.float32, num_padding_tokens=2, fill_new_tokens=False,
+        device=device,
+    )
+    backend = TritonAttentionBackend(split_kv_min_seq_len=32)
+    _check_forward(case, backend, sliding_window=48, logits_soft_cap=2.0)

@@ -79,11 +79,14 @@ def test_unsupported_inputs_raise_clear_errors() -> None:
     gpt2 = PretrainedConfig(architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM"):
         ModelConfig.from_hf_config(gpt2, "/g")
-    yarn = LlamaConfig(architectures=["LlamaForCausalLM"],
-                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                     "original_max_position_embeddings": 1024})
-    with pytest.raises(ValueError, match="RoPE scaling type 'yarn' is not supported"):
-        ModelConfig.from_hf_config(yarn, "/y")
+    # yarn, longrope and dynamic are served now (tests/model/test_rope_variants.py); a
+    # type transformers does not know either is refused with the supported list.
+    unknown = SimpleNamespace(**LlamaConfig(architectures=["LlamaForCausalLM"]).to_dict())
+    unknown.architectures = ["LlamaForCausalLM"]
+    unknown.rope_parameters = {"rope_type": "su", "factor": 4.0, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="RoPE scaling type 'su' is not supported; supported: "
+                                         "default, linear, dynamic, yarn, longrope, llama3"):
+        ModelConfig.from_hf_config(unknown, "/y")
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds the model's "
                                          "max_position_embeddings \\(2048\\); lower"):
         resolve_max_model_len(4096, 2048)

@@ -16,9 +16,12 @@ NUM_BLOCKS = 40
 HEAD_DIM = 16
 
 
-def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None, soft_cap: float | None = None
                      ) -> torch.Tensor:
-    """Causal attention of the last q.shape[0] tokens over all of k/v, float64.
+    """Causal attention of the last q.shape[0] tokens over all of k/v, float64; with
+    `window`, query position p sees keys p - window < j <= p; with `soft_cap`, scores
+    become cap * tanh(scores / cap).
 
     q [n, Hq, D]; k, v [L, Hkv, D] -> [n, Hq, D].
     """
@@ -28,15 +31,23 @@ def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = torch.empty(n, num_heads, q.shape[2], dtype=torch.float64)
     for h in range(num_heads):
         scores = q[:, h].double() @ k[:, h // group].double().T * scale  # [n, L]
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         for j in range(n):
-            scores[j, seq_len - n + j + 1:] = -math.inf
+            pos = seq_len - n + j
+            scores[j, pos + 1:] = -math.inf
+            if window is not None:
+                scores[j, :max(pos - window + 1, 0)] = -math.inf
         out[:, h] = scores.softmax(-1) @ v[:, h // group].double()
     return out
 
 
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (3, 2.0), (None, 1.5)])
 @pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3), (1, 4)])
-def test_mixed_batch_matches_dense_attention(num_kv_heads: int, group: int) -> None:
-    """Fresh prefill, prefill chunk over a cached prefix, decodes, and padding tokens."""
+def test_mixed_batch_matches_dense_attention(num_kv_heads: int, group: int, window, soft_cap
+                                             ) -> None:
+    """Fresh prefill, prefill chunk over a cached prefix, decodes, and padding tokens;
+    also with a sliding window (shorter than most contexts) and logit soft-capping."""
     num_heads = num_kv_heads * group
     scale = HEAD_DIM ** -0.5
     # (cached tokens, new tokens) per request, in batch order.
@@ -93,12 +104,14 @@ def test_mixed_batch_matches_dense_attention(num_kv_heads: int, group: int) -> N
 
     backend = get_attn_backend(torch.device("cpu"))
     assert isinstance(backend, TorchAttentionBackend)
-    out = backend.forward(q, k, v, kv_cache, meta, scale)
+    out = backend.forward(q, k, v, kv_cache, meta, scale, sliding_window=window,
+                          logits_soft_cap=soft_cap)
 
     assert out.shape == q.shape and out.dtype == q.dtype
     for i, (_, new) in enumerate(layout):
         start = int(query_start[i])
-        expected = _dense_reference(q[start:start + new], full_k[i], full_v[i], scale)
+        expected = _dense_reference(q[start:start + new], full_k[i], full_v[i], scale,
+                                    window, soft_cap)
         torch.testing.assert_close(out[start:start + new].double(), expected,
                                    atol=1e-5, rtol=1e-5)
     assert torch.equal(out[-num_pad:], torch.zeros_like(out[-num_pad:]))

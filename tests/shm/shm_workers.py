@@ -169,3 +169,19 @@ def sum_pings(in_name: str, out_name: str) -> None:
     outbox.send(Summary(count, token_sum, last_text))
     outbox.close()
     inbox.close()
+
+
+def claim_and_release(name: str, duration_s: float, conn: Connection) -> None:
+    """Attach to reader slot 0 and detach again, as fast as possible, for `duration_s`;
+    send back how many attachments were made (the slot-lock race test)."""
+    segment = RingSegment.attach(name)
+    n = 0
+    end = time.monotonic() + duration_s
+    try:
+        while time.monotonic() < end:
+            reader = RingReader(segment)
+            n += 1
+            reader.close()
+    finally:
+        segment.close()
+    conn.send(n)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from flowengine.config import EngineArgs
 from flowengine.core.admission import default_max_queue_len
-from flowengine.engine.protocol import EngineClient
+from flowengine.engine.protocol import EngineClient, EngineDeadError
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
 from flowengine.entrypoints.openai.app import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -343,10 +343,24 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
         started = getattr(engine, "start", lambda: None)()
         if inspect.isawaitable(started):
             await started
-    except (ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError, EngineDeadError) as err:
         logger.error("cannot start the engine: %s", err)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
+    # An engine that can no longer serve ends the process with exit code 1, so a service
+    # manager (systemd Restart=on-failure) restarts it, instead of answering 503 forever.
+    engine_died: list[BaseException] = []
+    server: APIServer | None = None
+
+    def on_engine_dead(err: BaseException) -> None:
+        logger.error("the engine cannot serve any more (%s); exiting with code 1", err)
+        engine_died.append(err)
+        if server is not None:
+            asyncio.get_running_loop().call_soon(server.begin_shutdown)
+
+    add_dead_callback = getattr(engine, "add_dead_callback", None)
+    if add_dead_callback is not None:
+        add_dead_callback(on_engine_dead)
     try:
         try:
             if options.uds is not None:
@@ -394,13 +408,16 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             trust_request_chat_template=options.trust_request_chat_template,
         )
         try:
-            await server.serve(sock, install_signal_handlers=True)
+            if not engine_died:
+                await server.serve(sock, install_signal_handlers=True)
         finally:
             if options.uds is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(options.uds)
     finally:
         await engine.shutdown(drain_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S)
+    if engine_died:
+        return 1
     logger.info("stopped")
     return 0
 

@@ -49,6 +49,33 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor
             kv_cache[1].index_select(0, ids).view(shape))
 
 
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            mask: torch.Tensor | None, scale: float, soft_cap: float | None,
+            is_causal: bool = False) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked) v over [..., H, n, D] float32 inputs whose
+    head axis matches or groups (GQA: keys' heads divide the queries'). mask: bool,
+    broadcastable to [..., H, n, L], True = attend. soft_cap: Gemma 2's attention
+    logit soft-capping, cap * tanh(x / cap), which scaled_dot_product_attention cannot
+    apply, so it takes the explicit path."""
+    gqa = query.shape[-3] != keys.shape[-3]
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = query.shape[-3] // keys.shape[-3]
+        keys = keys.repeat_interleave(group, dim=-3)
+        values = values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if is_causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+
 class TorchAttentionBackend:
     """Reference implementation of `AttentionBackend` (see its docstring for semantics)."""
 
@@ -62,10 +89,17 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, N, B, Hkv, D] -> [T, Hq, D] q.dtype.
 
-        Rows of padding tokens (beyond query_start_loc[-1]) are returned as zeros.
+        sliding_window: a token at position p attends only to positions
+        p - sliding_window < j <= p (Mistral/Gemma; None: the whole context).
+        logits_soft_cap: scores become cap * tanh(scores / cap) before the softmax
+        (Gemma 2; None: off). Rows of padding tokens (beyond query_start_loc[-1]) are
+        returned as zeros.
         """
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         query_start = meta.query_start_loc_cpu.tolist()
@@ -84,18 +118,20 @@ class TorchAttentionBackend:
                 out[start:end] = self._prefill(
                     q[start:end], k[start:end], v[start:end], kv_cache,
                     meta.block_tables[i], seq_len, block_size, scale,
+                    sliding_window, logits_soft_cap,
                 )
         if decode_reqs:
-            self._decode(q, kv_cache, meta, decode_reqs, query_start, seq_lens, scale, out)
+            self._decode(q, kv_cache, meta, decode_reqs, query_start, seq_lens, scale, out,
+                         sliding_window, logits_soft_cap)
         return out
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_len: int, block_size: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> torch.Tensor:
         """One request's n new tokens over its seq_len-token context -> [n, Hq, D]."""
-        num_new, num_heads, _ = q.shape
-        num_kv_heads = k.shape[1]
+        num_new = q.shape[0]
         num_cached = seq_len - num_new
         if num_cached == 0:
             keys, values = k, v  # nothing cached: the new tokens are the whole context
@@ -109,21 +145,23 @@ class TorchAttentionBackend:
         query = q.float().transpose(0, 1)[None]  # [1, Hq, n, D]
         keys = keys.float().transpose(0, 1)[None]  # [1, Hkv, L, D]
         values = values.float().transpose(0, 1)[None]
-        if num_cached == 0:
-            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                               scale=scale, enable_gqa=num_heads != num_kv_heads)
+        windowed = sliding_window is not None and sliding_window < seq_len
+        if num_cached == 0 and not windowed:
+            o = _attend(query, keys, values, None, scale, soft_cap, is_causal=True)
         else:
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(num_cached, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]: causal after the prefix
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                               enable_gqa=num_heads != num_kv_heads)
+            if windowed:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+            o = _attend(query, keys, values, mask, scale, soft_cap)
         return o[0].transpose(0, 1).to(q.dtype)
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 reqs: list[int], query_start: list[int], seq_lens: list[int],
-                scale: float, out: torch.Tensor) -> None:
+                scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> None:
         """All one-token requests at once; results written into out's rows."""
         _, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -145,9 +183,11 @@ class TorchAttentionBackend:
         qd = q.index_select(0, tok_idx).float().view(len(reqs), num_kv_heads, group, head_dim)
         keys = keys.float().transpose(1, 2)
         values = values.float().transpose(1, 2)
-        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask[:, None, None, :],
-                                           scale=scale)
+        key_pos = torch.arange(num_blocks * block_size, device=device)[None, :]
+        mask = key_pos < lens[:, None]
+        if sliding_window is not None:  # the new token sits at position len - 1
+            mask &= key_pos >= lens[:, None] - sliding_window
+        o = _attend(qd, keys, values, mask[:, None, None, :], scale, soft_cap)
         out.index_copy_(0, tok_idx, o.reshape(len(reqs), num_heads, head_dim).to(out.dtype))
 
 

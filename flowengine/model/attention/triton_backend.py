@@ -56,6 +56,8 @@ class TritonAttentionBackend:
         scale: float,
         *,
         out: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend.
 
@@ -67,6 +69,9 @@ class TritonAttentionBackend:
                 block_tables; int64 slot_mapping).
             scale: softmax scale, normally head_dim ** -0.5.
             out: optional [T, num_heads, head_dim] output buffer.
+            sliding_window, logits_soft_cap: as the torch backend (a token at position p
+                sees p - sliding_window < j <= p; scores soft-capped); both kernels take
+                them, and a window bounds the context that decides the split count.
 
         Returns:
             [T, num_heads, head_dim] in q's dtype; rows of padding tokens (beyond
@@ -89,20 +94,23 @@ class TritonAttentionBackend:
                 out[num_real_tokens:].zero_()
 
         num_splits = 1
+        attended = (meta.max_seq_len if sliding_window is None
+                    else min(meta.max_seq_len, sliding_window))
         if is_decode_only:
             if self.num_kv_splits is not None:
                 num_splits = self.num_kv_splits
-            elif meta.max_seq_len >= self.split_kv_min_seq_len:
+            elif attended >= self.split_kv_min_seq_len:
                 num_splits = choose_num_kv_splits(
-                    meta.num_reqs, kv_cache.shape[3], meta.max_seq_len, q.device
+                    meta.num_reqs, kv_cache.shape[3], attended, q.device
                 )
         if num_splits > 1:
             return decode_attention(
                 q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 max_seq_len=meta.max_seq_len, scale=scale, num_kv_splits=num_splits,
-                out=out,
+                out=out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             )
         return paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             max_query_len=meta.max_query_len, scale=scale, out=out,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         )

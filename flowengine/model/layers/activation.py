@@ -20,3 +20,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Shazeer 2020) with the tanh approximation of GELU, Gemma's MLP:
+    gelu_tanh(gate) * up. gate_up: [T, 2 * intermediate], gate first -> [T, intermediate],
+    same dtype (torch on every device)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from flowengine.model.model_config import RopeScaling
+from flowengine.model.model_config import ModelConfig, RopeScaling
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -44,41 +44,89 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query/key heads at given positions.
 
-    Holds a cos/sin table [max_positions, 2, head_dim] float32 (a non-persistent
-    buffer, recomputed by `init_buffers()` after the module is materialized from the
-    meta device).
+    Holds a cos/sin table [rows, 2, rotary_dim] float32 (a non-persistent buffer,
+    recomputed by `init_buffers()` after the module is materialized from the meta
+    device); rows = max_positions, plus original_max_position rows of short factors
+    first for longrope.
 
     Args:
-        head_dim: rotated size per head (the whole head; partial rotary is rejected by
-            ModelConfig).
-        max_positions: table length; positions must be < max_positions.
-        base: rope_theta.
-        scaling: optional frequency scaling (linear / llama3).
+        head_dim: size per head. max_positions: table length; positions must be <
+            max_positions.
+        base: rope_theta. scaling: frequency scaling by the built-in rules (linear /
+            llama3) when `inv_freq` is not given.
+        inv_freq: [rotary_dim // 2] inverse frequencies (from transformers'
+            ROPE_INIT_FUNCTIONS, see ModelConfig), overriding base/scaling.
+        attention_scaling: factor on cos and sin (yarn, longrope).
+        rotary_dim: leading dimensions rotated per head (None: head_dim); the rest pass.
+        long_inv_freq, original_max_position: longrope's long factors, used for every
+            token of a step once any position of the step reaches original_max_position.
     """
 
     def __init__(self, head_dim: int, max_positions: int, base: float,
-                 scaling: RopeScaling | None) -> None:
+                 scaling: RopeScaling | None, *, inv_freq: tuple[float, ...] = (),
+                 attention_scaling: float = 1.0, rotary_dim: int | None = None,
+                 long_inv_freq: tuple[float, ...] = (), original_max_position: int = 0) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
         self.base = base
         self.scaling = scaling
+        self.inv_freq = inv_freq
+        self.attention_scaling = attention_scaling
+        self.long_inv_freq = long_inv_freq
+        self.original_max_position = original_max_position if long_inv_freq else 0
+        rows = max_positions + self.original_max_position
         self.register_buffer(
-            "cos_sin_cache", torch.empty(max_positions, 2, head_dim), persistent=False
+            "cos_sin_cache", torch.empty(rows, 2, self.rotary_dim), persistent=False
         )
         if self.cos_sin_cache.device.type != "meta":
             self.init_buffers()
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, rope_theta: float | None = None
+                    ) -> RotaryEmbedding:
+        """The RoPE a ModelConfig describes (rope_theta: override, e.g. Gemma 3's local
+        layers)."""
+        return cls(config.head_dim, config.max_model_len,
+                   config.rope_theta if rope_theta is None else rope_theta,
+                   config.rope_scaling, inv_freq=config.rope_inv_freq,
+                   attention_scaling=config.rope_attention_scaling,
+                   rotary_dim=config.rotary_dim or None,
+                   long_inv_freq=config.rope_long_inv_freq,
+                   original_max_position=config.rope_original_max_position)
+
+    def _table(self, inv_freq: torch.Tensor, num_positions: int) -> torch.Tensor:
+        positions = torch.arange(num_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # transformers multiplies cos and sin by the scaling in float32, then casts.
+        return torch.stack((emb.cos() * self.attention_scaling,
+                            emb.sin() * self.attention_scaling), dim=1)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         """(Re)compute the cos/sin table on the buffer's device, float32 whatever the
         module dtype (transformers computes cos/sin in float32, then casts)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
-        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        table = torch.stack((emb.cos(), emb.sin()), dim=1)
+        if self.inv_freq:
+            inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32)
+        else:
+            inv_freq = rope_inv_freq(self.rotary_dim, self.base, self.scaling)
+        table = self._table(inv_freq, self.max_positions)
+        if self.original_max_position:
+            long = torch.tensor(self.long_inv_freq, dtype=torch.float32)
+            table = torch.cat((table[:self.original_max_position],
+                               self._table(long, self.max_positions)))
         self.cos_sin_cache = table.to(self.cos_sin_cache.device)
+
+    def _table_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Row of the table for each position: longrope's long rows (after the short
+        ones) for the whole step once any position reaches the original length,
+        computed on the device (no host sync)."""
+        if not self.original_max_position:
+            return positions
+        is_long = (positions.max() >= self.original_max_position).to(positions.dtype)
+        return positions + is_long * self.original_max_position
 
     def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +137,8 @@ class RotaryEmbedding(nn.Module):
         the fused qkv output). On CUDA one Triton kernel rotates both in place (fp32
         arithmetic, one rounding) and returns them; elsewhere `forward` on each.
         """
-        if q.is_cuda:
+        positions = self._table_positions(positions)
+        if q.is_cuda and self.rotary_dim == self.head_dim:
             from flowengine.kernels.rotary import rotary_embedding
 
             half = self.head_dim // 2
@@ -99,14 +148,24 @@ class RotaryEmbedding(nn.Module):
             sin = self.cos_sin_cache[:, 1, :half]
             rotary_embedding(positions, q, k, cos, sin)
             return q, k
-        return self.forward(positions, q), self.forward(positions, k)
+        return self._rotate(positions, q), self._rotate(positions, k)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [T] int64; x: [T, num_heads, head_dim] (may be a strided view)
         -> rotated [T, num_heads, head_dim], x's dtype, contiguous."""
-        cos_sin = self.cos_sin_cache[positions].to(x.dtype)  # [T, 2, D]
+        return self._rotate(self._table_positions(positions), x)
+
+    def _rotate(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos_sin = self.cos_sin_cache[rows].to(x.dtype)  # [T, 2, rotary_dim]
         cos = cos_sin[:, 0].unsqueeze(1)
         sin = cos_sin[:, 1].unsqueeze(1)
-        half = self.head_dim // 2
+        if self.rotary_dim != self.head_dim:  # partial rotary: the tail passes through
+            x_rot, x_pass = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+            return torch.cat((self._rotate_full(x_rot, cos, sin), x_pass), dim=-1)
+        return self._rotate_full(x, cos, sin)
+
+    @staticmethod
+    def _rotate_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

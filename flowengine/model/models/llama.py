@@ -1,5 +1,9 @@
 """The Llama family in plain PyTorch: Llama 2/3/3.x, Mistral, Qwen2, Qwen3, SmolLM2.
 
+The decoder here is also the base of the mixture-of-experts families (mixtral.py,
+qwen2_moe.py, qwen3_moe.py, olmoe.py), which replace the MLP of some or all layers
+(`LlamaForCausalLM.make_mlp`) and keep everything else.
+
 One decoder (Touvron et al. 2023, "LLaMA"): pre-norm RMSNorm, grouped-query attention
 with RoPE, SwiGLU MLP. Family differences are config switches in `ModelConfig`: q/k/v
 (and o) biases for Qwen2, per-head q/k RMSNorm for Qwen3, tied embeddings for SmolLM2,
@@ -11,7 +15,7 @@ float32 outputs match transformers' to rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,14 +24,15 @@ from torch import nn
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.attention.metadata import AttentionMetadata
-from flowengine.model.layers.activation import silu_and_mul
+from flowengine.model.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from flowengine.model.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     parallel_logits,
 )
-from flowengine.model.layers.rms_norm import RMSNorm
+from flowengine.model.layers.moe import FusedMoE
+from flowengine.model.layers.rms_norm import RMSNorm, ShardedRMSNorm
 from flowengine.model.layers.rotary import RotaryEmbedding
 from flowengine.model.model_config import ModelConfig
 from flowengine.model.weight_shards import WeightShard, read_shard, tensor_shape
@@ -44,22 +49,38 @@ class LlamaAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
-                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
+                 tp: TensorParallelGroup = SINGLE_RANK, *, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None,
+                 norm_cls: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = tp.shard(config.num_heads, "num_attention_heads")[1]
         self.num_kv_heads = tp.shard(config.num_kv_heads, "num_key_value_heads")[1]
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.head_dim ** -0.5 if config.attention_multiplier is None
+                      else config.attention_multiplier)  # Granite
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                              bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.qk_norm = config.qk_norm
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm_full = config.qk_norm_full
+        if config.qk_norm_full:  # OLMoE: one norm over all heads' width
+            eps = config.rms_norm_eps
+            self.q_norm = ShardedRMSNorm(config.num_heads * config.head_dim, self.q_size, eps, tp)
+            self.k_norm = ShardedRMSNorm(config.num_kv_heads * config.head_dim, self.kv_size,
+                                         eps, tp)
+        elif config.qk_norm:
+            self.q_norm = norm_cls(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(config.head_dim, config.rms_norm_eps)
+        self.clip_qkv = config.clip_qkv
         self.attn_backend = attn_backend
+        # Passed to the backend only when set, so backends without them serve the rest.
+        self.attn_kwargs: dict[str, float | int] = {}
+        if sliding_window is not None:
+            self.attn_kwargs["sliding_window"] = sliding_window
+        if logits_soft_cap is not None:
+            self.attn_kwargs["logits_soft_cap"] = logits_soft_cap
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
@@ -67,13 +88,18 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         qk_end = self.q_size + self.kv_size
-        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size:qk_end].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:qk_end], qkv[:, qk_end:]
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:  # after OLMoE's norm, as modeling_olmoe.py
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.rotate_qk(positions, q, k)
-        v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, **self.attn_kwargs)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
 
@@ -84,16 +110,21 @@ class LlamaMLP(nn.Module):
     up and the matching rows of down; down_proj sums the ranks.
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = tp.shard(config.intermediate_size, "intermediate_size")[1]
+        # Full width (intermediate_size by default; Qwen2-MoE's shared expert has its own).
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        inter = tp.shard(self.intermediate_size, "intermediate_size")[1]
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter,
                                                  bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp)
+        # GeGLU (tanh GELU) for Gemma, SwiGLU for the rest.
+        self.act = gelu_tanh_and_mul if config.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden_size] -> [T, hidden_size]."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,12 +135,16 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
-                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
+                 tp: TensorParallelGroup = SINGLE_RANK, mlp: nn.Module | None = None,
+                 mlp_name: str = "mlp") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, attn_backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        # The checkpoint's name for the MLP (Mixtral: "block_sparse_moe").
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, LlamaMLP(config, tp) if mlp is None else mlp)
+        self.residual_multiplier = config.residual_multiplier  # Granite; 1 elsewhere
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -124,28 +159,40 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = getattr(self, self.mlp_name)(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm; one RoPE table shared by all layers."""
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
-                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
+                 tp: TensorParallelGroup = SINGLE_RANK,
+                 make_mlp: Callable[[int], nn.Module | None] | None = None,
+                 mlp_name: str = "mlp", layer_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        layer_cls = LlamaDecoderLayer if layer_cls is None else layer_cls
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, tp) for _ in range(config.num_layers)
+            layer_cls(config, attn_backend, tp, None if make_mlp is None else make_mlp(i),
+                      mlp_name)
+            for i in range(config.num_layers)
         )
+        self.embedding_multiplier = config.embedding_multiplier  # Granite; 1 elsewhere
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len,
-                                          config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding.from_config(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
@@ -167,12 +214,21 @@ class LlamaForCausalLM(nn.Module):
         ValueError: head counts or intermediate_size not divisible by tp.world_size.
     """
 
+    # The checkpoint's name of each layer's MLP module, and the decoder layer class
+    # (same constructor and forward as LlamaDecoderLayer).
+    mlp_name = "mlp"
+    decoder_layer_cls: type[nn.Module] | None = None
+    # Checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    # tensor (Phi-3) rather than separately (Llama).
+    fused_checkpoint = False
+
     def __init__(self, model_config: ModelConfig, attn_backend: AttentionBackend,
                  tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = model_config
         self.tp = tp
-        self.model = LlamaModel(model_config, attn_backend, tp)
+        self.model = LlamaModel(model_config, attn_backend, tp, self.make_mlp, self.mlp_name,
+                                self.decoder_layer_cls)
         # Tied models read the embedding matrix in compute_logits: no second Parameter
         # to keep tied (Module.to_empty would silently untie a shared one). The LM head
         # is split by vocabulary rows like the embedding.
@@ -195,11 +251,19 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """The MLP of decoder layer `layer_idx`; None: the dense SwiGLU LlamaMLP. Families
+        with mixture-of-experts layers override this."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [R, hidden_size] -> logits [R, vocab_size] float32 on rank 0 (None on
         the other tensor-parallel ranks, which send their vocabulary slice to rank 0)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        logits = parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
+        if logits is not None and self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling  # Granite
+        return logits
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face tensor names a complete checkpoint provides."""
@@ -208,14 +272,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy this rank's slice of each checkpoint tensor (Hugging Face names) into the
-        parameters.
+        parameters (a fused tensor, or a per-expert one, may fill parts of several).
 
         `weights` yields (name, torch.Tensor or safetensors lazy slice). Casts to the
         parameter dtype/device. Returns the names loaded. Raises ValueError listing
         tensors the model has no place for, or a tensor whose shape disagrees with
         config.json.
         """
-        targets = {shard.hf_name: shard for shard in self.weight_shards()}
+        targets: dict[str, list[WeightShard]] = {}
+        for shard in self.weight_shards():  # a fused tensor feeds several shards
+            targets.setdefault(shard.hf_name, []).append(shard)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -224,20 +290,21 @@ class LlamaForCausalLM(nn.Module):
                 hf_name == "lm_head.weight" and self.lm_head is None
             ):
                 continue
-            shard = targets.get(hf_name)
-            if shard is None:
+            shards = targets.get(hf_name)
+            if shards is None:
                 unexpected.append(hf_name)
                 continue
-            if tensor_shape(tensor) != shard.full_shape:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name} has shape {tensor_shape(tensor)} but the "
-                    f"model built from config.json expects {shard.full_shape}; the weights "
-                    "do not belong to this config.json"
-                )
-            param = params[shard.param]
-            shard.destination(param).copy_(read_shard(tensor, shard))
-            if shard.param.endswith(("embed_tokens.weight", "lm_head.weight")):
-                param[shard.length:].zero_()  # vocabulary padding rows of the last rank
+            for shard in shards:
+                if tensor_shape(tensor) != shard.full_shape:
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name} has shape {tensor_shape(tensor)} but the "
+                        f"model built from config.json expects {shard.full_shape}; the weights "
+                        "do not belong to this config.json"
+                    )
+                param = params[shard.param]
+                shard.destination(param).copy_(read_shard(tensor, shard))
+                if shard.param.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    param[shard.length:].zero_()  # vocabulary padding rows of the last rank
             loaded.add(hf_name)
         if unexpected:
             raise ValueError(
@@ -254,13 +321,27 @@ class LlamaForCausalLM(nn.Module):
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q_start, q_len = tp.shard(q, "num_attention_heads * head_dim")
         kv_start, kv_len = tp.shard(kv, "num_key_value_heads * head_dim")
-        i_start, i_len = tp.shard(c.intermediate_size, "intermediate_size")
         v_start, _, v_len = tp.padded_shard(c.vocab_size)
+        modules = dict(self.named_modules())
         shards: list[WeightShard] = []
         for name, param in self.named_parameters():
             prefix, _, leaf = name.rpartition(".")  # leaf: "weight" / "bias"
             cols = (c.hidden_size,) if leaf == "weight" else ()
-            if prefix.endswith("self_attn.qkv_proj"):
+            module, parent = modules[prefix], modules.get(prefix.rpartition(".")[0])
+            if isinstance(module, FusedMoE):
+                if leaf == "w13_weight":  # one call covers both stacked parameters
+                    shards += module.weight_shards(prefix)
+            elif c.qk_norm_full and prefix.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+                start, length, width = ((q_start, q_len, q) if prefix.endswith("q_norm")
+                                        else (kv_start, kv_len, kv))
+                shards.append(WeightShard(name, name, (width,), 0, start, length, 0))
+            elif prefix.endswith("self_attn.qkv_proj") and self.fused_checkpoint:
+                full = (q + 2 * kv, *cols)
+                shards += [WeightShard(name, name, full, 0, q_start, q_len, 0),
+                           WeightShard(name, name, full, 0, q + kv_start, kv_len, q_len),
+                           WeightShard(name, name, full, 0, q + kv + kv_start, kv_len,
+                                       q_len + kv_len)]
+            elif prefix.endswith("self_attn.qkv_proj"):
                 base = prefix.removesuffix("qkv_proj")
                 shards += [
                     WeightShard(f"{base}q_proj.{leaf}", name, (q, *cols), 0, q_start, q_len, 0),
@@ -269,20 +350,32 @@ class LlamaForCausalLM(nn.Module):
                     WeightShard(f"{base}v_proj.{leaf}", name, (kv, *cols), 0, kv_start, kv_len,
                                 q_len + kv_len),
                 ]
-            elif prefix.endswith("mlp.gate_up_proj"):
-                base = prefix.removesuffix("gate_up_proj")
-                full = (c.intermediate_size, *cols)
-                shards += [
-                    WeightShard(f"{base}gate_proj.{leaf}", name, full, 0, i_start, i_len, 0),
-                    WeightShard(f"{base}up_proj.{leaf}", name, full, 0, i_start, i_len, i_len),
-                ]
-            elif prefix.endswith(("self_attn.o_proj", "mlp.down_proj")) and leaf == "weight":
-                start, length, width = ((q_start, q_len, q) if "o_proj" in prefix
-                                        else (i_start, i_len, c.intermediate_size))
+            elif isinstance(parent, LlamaMLP) and prefix.endswith(".gate_up_proj"):
+                inter = parent.intermediate_size
+                i_start, i_len = tp.shard(inter, "intermediate_size")
+                if self.fused_checkpoint:  # one [2 * inter, ...] tensor: gate rows, up rows
+                    full = (2 * inter, *cols)
+                    shards += [WeightShard(name, name, full, 0, i_start, i_len, 0),
+                               WeightShard(name, name, full, 0, inter + i_start, i_len, i_len)]
+                else:
+                    base = prefix.removesuffix("gate_up_proj")
+                    full = (inter, *cols)
+                    shards += [
+                        WeightShard(f"{base}gate_proj.{leaf}", name, full, 0, i_start, i_len, 0),
+                        WeightShard(f"{base}up_proj.{leaf}", name, full, 0, i_start, i_len,
+                                    i_len),
+                    ]
+            elif leaf == "weight" and (prefix.endswith("self_attn.o_proj") or (
+                    isinstance(parent, LlamaMLP) and prefix.endswith(".down_proj"))):
+                if isinstance(parent, LlamaMLP):
+                    width = parent.intermediate_size
+                    start, length = tp.shard(width, "intermediate_size")
+                else:
+                    start, length, width = q_start, q_len, q
                 shards.append(WeightShard(name, name, (c.hidden_size, width), 1, start, length))
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 shards.append(WeightShard(name, name, (c.vocab_size, c.hidden_size), 0,
                                           v_start, v_len, 0))
-            else:  # norms, o/down biases: whole on every rank
+            else:  # norms, o/down biases, MoE routers and shared-expert gates: whole
                 shards.append(WeightShard(name, name, tuple(param.shape)))
         return shards

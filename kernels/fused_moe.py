@@ -1,0 +1,186 @@
+"""Fused mixture-of-experts MLP: tokens grouped by expert, two grouped GEMMs.
+
+The MegaBlocks / vLLM `fused_moe` scheme (Gale et al. 2023, "MegaBlocks: Efficient
+Sparse Training with Mixture-of-Experts"): every (token, top-k slot) pair is sorted by
+its expert and each expert's run is padded to a multiple of BLOCK_M
+(`moe_align_block_size`), so that one program's BLOCK_M rows all belong to one expert.
+Then
+
+1. one grouped GEMM: rows x W13[e]^T -> [T * k, 2 * I] (gate | up);
+2. SiLU-and-mul -> [T * k, I];
+3. one grouped GEMM: rows W2[e]^T, times each pair's routing weight -> [T * k, hidden];
+4. the k rows of each token summed -> [T, hidden].
+
+The alignment runs in torch with a static upper bound on the padded length
+(T * k + E * (BLOCK_M - 1)), so nothing syncs with the host and a decode step can be
+captured in a CUDA graph; padding blocks and blocks past the end exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .activation import silu_and_mul
+from .validation import FLOAT_DTYPES, check_tensor
+
+BLOCK_M = 16  # rows (token-slot pairs) per program; tl.dot needs >= 16
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the T * k (token, slot) pairs by expert, each group padded to block_m rows.
+
+    topk_ids: [T, k] int32/int64 in [0, num_experts). Returns (sorted_ids
+    [T * k + E * (block_m - 1)] int64: flat pair index t * k + j, grouped by expert in
+    ascending order (pairs of one expert in index order), T * k marking padding;
+    block_experts [len(sorted_ids) // block_m rounded up] int64: the expert of each
+    block_m-row block, -1 for blocks past the last group). No host sync.
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    device = flat.device
+    max_rows = num_pairs + num_experts * (block_m - 1)
+    num_blocks = triton.cdiv(max_rows, block_m)
+    # NOTE: not torch.bincount, which reads the largest id on the host (a sync that
+    # breaks CUDA-graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    group_start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=device) - group_start[expert_of]
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
+    sorted_ids[padded_start[expert_of] + rank] = order
+    block_row = torch.arange(num_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(padded_end, block_row, right=True)
+    block_experts = torch.where(block_row < padded_end[-1], block_experts, -1)
+    return sorted_ids, block_experts
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    out_ptr,  # [num_pairs, N]
+    a_ptr,  # [num_tokens, K] (A_BY_TOKEN) or [num_pairs, K]
+    w_ptr,  # [num_experts, N, K]
+    sorted_ids_ptr,  # [num_blocks * BLOCK_M] int64, num_pairs = padding
+    block_experts_ptr,  # [num_blocks] int64, -1 = no rows
+    topk_weights_ptr,  # [num_pairs] float32 (read when MUL_WEIGHT)
+    num_pairs,
+    N,
+    K,
+    a_stride: tl.int64,
+    w_stride_e: tl.int64,
+    w_stride_n: tl.int64,
+    out_stride: tl.int64,
+    TOP_K: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr,  # A rows are tokens (pair // TOP_K), else pairs
+    MUL_WEIGHT: tl.constexpr,  # scale each output row by its routing weight
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_valid = pair < num_pairs
+    if A_BY_TOKEN:
+        a_row = pair // TOP_K
+    else:
+        a_row = pair
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None].to(tl.int64) * a_stride + offs_k[None, :]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * w_stride_e
+              + offs_n[None, :].to(tl.int64) * w_stride_n + offs_k[:, None])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_WEIGHT:
+        weight = tl.load(topk_weights_ptr + pair, mask=row_valid, other=0.0)
+        acc = acc * weight[:, None]
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * out_stride + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,
+                  block_experts: torch.Tensor, num_pairs: int, top_k: int, a_by_token: bool,
+                  topk_weights: torch.Tensor | None) -> torch.Tensor:
+    n, k = w.shape[1], w.shape[2]
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    grid = (block_experts.shape[0], triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        out, a, w, sorted_ids, block_experts,
+        topk_weights if topk_weights is not None else out,  # unused without MUL_WEIGHT
+        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, A_BY_TOKEN=a_by_token, MUL_WEIGHT=topk_weights is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * W2[e] silu_and_mul(W13[e] x[t]), e = topk_ids[t, j].
+
+    Args:
+        x: [T, hidden] float32/float16/bfloat16.
+        w13: [E, 2 * I, hidden], x's dtype (gate rows then up rows per expert).
+        w2: [E, hidden, I], x's dtype.
+        topk_weights: [T, k] float32 routing weights.
+        topk_ids: [T, k] int32/int64 experts in [0, E) (not checked on the device).
+
+    Returns:
+        [T, hidden] in x's dtype; fp32 accumulation, intermediates rounded to x's dtype
+        (as the unfused computation in that dtype).
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
+    check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
+    check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
+                 device=x.device)
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    if (w13.shape[2] != hidden or two_i % 2 or w2.shape != (num_experts, hidden, two_i // 2)
+            or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != num_tokens):
+        raise ValueError(
+            f"fused_moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 "
+            f"{tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, topk_ids "
+            f"{tuple(topk_ids.shape)}; want w13 [E, 2I, hidden], w2 [E, hidden, I], "
+            "[T, k] routing"
+        )
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    sorted_ids, block_experts = moe_align_block_size(topk_ids, num_experts, BLOCK_M)
+    gate_up = _grouped_gemm(x, w13, sorted_ids, block_experts, num_pairs, top_k, True, None)
+    act = silu_and_mul(gate_up)
+    down = _grouped_gemm(act, w2, sorted_ids, block_experts, num_pairs, top_k, False,
+                         topk_weights.reshape(-1).contiguous())
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
