@@ -69,6 +69,14 @@ class EngineArgs:
     # up to max_log_len characters/token ids when that is given (None: none).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # Sampling defaults from generation_config.json: "auto" (the model's), "vllm" (none)
+    # or a folder; override_generation_config is applied over it (vLLM's flags;
+    # flowengine/model/generation_config.py).
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    # Jinja chat template (a file path or the template text) instead of the tokenizer's
+    # (vLLM's --chat-template; flowengine/tokenize/chat.py load_chat_template).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,6 +129,15 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder, got ''")
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError(
+                "override_generation_config must be a dict (JSON object), got "
+                f"{type(self.override_generation_config).__name__}"
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
                              f"got {self.max_logprobs}")

@@ -154,6 +154,8 @@ class RequestDelta(_Msg):
     error: str | None = None
     # Logprobs of prompt tokens 1.. (prompt_logprobs), with the first token only.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # time.monotonic() when first scheduled; on the first delta with tokens only.
+    scheduled_ts: float = 0.0
 
 
 class SchedulerStats(_Msg):

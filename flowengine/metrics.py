@@ -10,7 +10,13 @@ over by renaming. Two sources feed them:
   the server per request, which is where a client's latency is seen.
 
 Each `ServingMetrics` owns its own `CollectorRegistry` (several servers, e.g. in tests,
-can live in one process). All metrics carry the label `model_name`.
+can live in one process). All metrics carry the label `model_name`; the per-request
+histograms of vLLM v1 (`request_*`, `iteration_tokens_total`, from
+`flowengine/engine/request_stats.py`) and `cache_config_info` also carry `engine`
+(the engine index, "0": one engine per server).
+
+`prompt_tokens_total` counts prefill tokens computed, as vLLM does: prefix-cache hits
+are not counted.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from flowengine.engine.protocol import EngineStats
@@ -27,6 +38,22 @@ from flowengine.engine.protocol import EngineStats
 logger = logging.getLogger(__name__)
 
 PREFIX = "flowengine:"
+ENGINE_INDEX = "0"
+
+# Help texts of the per-request histograms (vLLM's wording).
+HISTOGRAM_DOCS = {
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds "
+    "per request.",
+    "request_params_n": "Histogram of the n request parameter.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+}
 
 # Bucket edges in seconds, vLLM v1's.
 TTFT_BUCKETS_S = (
@@ -98,6 +125,32 @@ class EngineStatsCollector(Collector):
         for reason, count in sorted(stats.finished_by_reason.items()):
             success.add_metric([self.model_name, reason], count)
         yield success
+        engine_labels = ["model_name", "engine"]
+        engine_values = [self.model_name, ENGINE_INDEX]
+        # Every family is described even before the engine has data for it (an engine
+        # without per-request stats, or before the first request): no sample then.
+        for name, doc in HISTOGRAM_DOCS.items():
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=engine_labels)
+            data = stats.histograms.get(name)
+            if data is not None:
+                edges = [*(_le(b) for b in data.buckets), "+Inf"]
+                family.add_metric(
+                    engine_values, list(zip(edges, data.counts, strict=True)), data.sum
+                )
+            yield family
+        keys = sorted(stats.cache_config)
+        info = GaugeMetricFamily(
+            PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=[*keys, "engine"],
+        )
+        if keys:
+            info.add_metric([stats.cache_config[k] for k in keys] + [ENGINE_INDEX], 1.0)
+        yield info
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus writes it (1 -> "1.0")."""
+    return repr(float(bound))
 
 
 class ServingMetrics:

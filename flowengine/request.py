@@ -68,6 +68,7 @@ class Request:
         "status",
         "block_hashes",
         "num_cached_tokens",
+        "scheduled_time",
         "num_preemptions",
         "stop_reason",
         "max_tokens",
@@ -102,6 +103,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[int] = []
         self.num_cached_tokens = -1  # set when first scheduled
+        self.scheduled_time = 0.0  # time.monotonic() when first scheduled (metrics)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None

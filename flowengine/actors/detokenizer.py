@@ -10,6 +10,7 @@ import anyio
 from flowengine.actors.base import Channel
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.engine.output_processor import OutputProcessor
+from flowengine.engine.request_stats import RequestStats
 from flowengine.messages import AbortRequest, EngineOutputs, SchedulerStats
 from flowengine.shm.inproc import InprocChannel
 
@@ -33,6 +34,7 @@ class DetokenizerActor:
         outputs: Channel,
         requests: Channel,
         streamer_inbox: Channel,
+        max_model_len: int = 1 << 20,
     ) -> None:
         self.processor = output_processor
         self.outputs = outputs
@@ -40,7 +42,9 @@ class DetokenizerActor:
         self.streamer_inbox = streamer_inbox
         self.control = InprocChannel()
         self.stats = SchedulerStats()
-        self.prompt_tokens_total = 0
+        self.prompt_tokens_total = 0  # every prompt token, cached or computed
+        # vLLM's per-request metrics (prompt tokens computed, timings, histograms).
+        self.request_stats = RequestStats(max_model_len)
         self.generation_tokens_total = 0
         self.finished_by_reason: Counter[str] = Counter()
         # Engine generation whose outputs are current; older ones are dropped (their
@@ -72,8 +76,13 @@ class DetokenizerActor:
             if op == "add":
                 self.processor.add_request(arg)
                 self.prompt_tokens_total += len(arg.prompt_token_ids)
+                params = arg.sampling_params
+                self.request_stats.add_request(
+                    [c.request_id for c in arg.children], len(arg.prompt_token_ids),
+                    params.n, params.max_tokens, arg.children[0].arrival_time,
+                )
             else:
-                self.processor.abort(arg)
+                self.request_stats.forget(self.processor.abort(arg))
 
     async def run(self) -> None:
         while True:
@@ -92,6 +101,7 @@ class DetokenizerActor:
                 if delta.finish_reason is not None:
                     self.finished_by_reason[delta.finish_reason] += 1
             self.generation_tokens_total += num_tokens
+            self.request_stats.on_step(msg.outputs)
             start = time.perf_counter()
             outs, to_stop = self.processor.process(msg.outputs)
             self.busy_s += time.perf_counter() - start

@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 class TokenizeJob:
     request_id: str
     # text, token ids, {"prompt"|"prompt_token_ids": ..., "cache_salt": ...}, a
-    # conversation, or {"messages": conversation, "cache_salt": ...}
+    # conversation, or {"messages": conversation, "cache_salt": ..., <CHAT_OPTIONS>}
     prompt: Any
-    params: SamplingParams
+    params: SamplingParams | None  # None: the model's defaults
     priority: int
     future: asyncio.Future
 
@@ -115,17 +115,17 @@ class TokenizerActor:
 
     def _process(self, job: TokenizeJob):
         ip = self.input_processor
-        prompt, cache_salt = job.prompt, None
-        if isinstance(prompt, dict) and "messages" in prompt:
-            # {"messages": [...], "cache_salt": ...}: a conversation with a cache salt.
-            prompt, cache_salt = prompt["messages"], prompt.get("cache_salt")
-            if not is_conversation(prompt):
-                raise ValueError("'messages' must be a non-empty list of message objects")
+        prompt = job.prompt
+        # No SamplingParams given: the model's defaults (generation_config.json).
+        params = ip.default_params() if job.params is None else job.params
         if is_conversation(prompt):
-            text, ids = ip.chat_prompt(prompt)
-            return ip.process(job.request_id, text, job.params, priority=job.priority,
-                              prompt_token_ids=ids, cache_salt=cache_salt)
-        return ip.process(job.request_id, prompt, job.params, priority=job.priority)
+            prompt = {"messages": prompt}
+        if isinstance(prompt, dict) and "messages" in prompt:
+            # {"messages": [...], "cache_salt": ..., "chat_template_kwargs": ..., ...}
+            text, ids = ip.chat_request(prompt)
+            return ip.process(job.request_id, text, params, priority=job.priority,
+                              prompt_token_ids=ids, cache_salt=prompt.get("cache_salt"))
+        return ip.process(job.request_id, prompt, params, priority=job.priority)
 
 
 def _fail(job: TokenizeJob, exc: BaseException) -> None:

@@ -12,6 +12,7 @@ Pure Python: this module must not import torch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from flowengine.config import CacheConfig, SchedulerConfig
@@ -178,6 +179,7 @@ class SchedulerState:
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:  # first admission, not a resume
             request.num_cached_tokens = num_hit_tokens
+            request.scheduled_time = time.monotonic()
             if self.kv_cache_manager.enable_caching:
                 self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
 
@@ -210,6 +212,9 @@ class SchedulerState:
             request.stop_reason,
             request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
             prompt_logprobs=sampled.prompt_logprobs,
+            # Once, with the first tokens: when the request was first scheduled.
+            scheduled_ts=(request.scheduled_time
+                          if len(request.output_token_ids) == num_accepted else 0.0),
         )
 
     def fail_request(self, request: Request, error: str) -> RequestDelta:

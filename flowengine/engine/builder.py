@@ -286,13 +286,21 @@ def load_engine_tokenizer(resolved: ResolvedEngine) -> Any:
 
 
 def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
-    """The frontend's `InputProcessor` for this model (limits, EOS ids)."""
+    """The frontend's `InputProcessor` for this model (limits, EOS ids, chat template,
+    sampling defaults). Raises ValueError for a bad --chat-template/--generation-config."""
     from flowengine.engine.input_processor import InputProcessor
+    from flowengine.model.generation_config import load_generation_defaults
+    from flowengine.tokenize.chat import load_chat_template
     from flowengine.tokenize.tokenizer import TokenizerInfo
 
+    args = resolved.args
     info = TokenizerInfo.from_tokenizer(tokenizer, resolved.model_path)
     return InputProcessor(
         tokenizer,
+        chat_template=load_chat_template(args.chat_template),
+        default_sampling_params=load_generation_defaults(
+            resolved.model_path, args.generation_config, args.override_generation_config
+        ),
         max_model_len=resolved.max_model_len,
         vocab_size=resolved.model_config.vocab_size,
         eos_token_id=info.eos_token_id,

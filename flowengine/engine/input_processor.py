@@ -20,6 +20,11 @@ from flowengine.tokenize.chat import apply_chat_template
 # which may also carry "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
 PromptType = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
+# Chat-template options of a conversation request (vLLM's request field names); they
+# travel with the messages as {"messages": [...], "chat_template_kwargs": {...}, ...}.
+CHAT_OPTIONS = (
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+)  # fmt: skip
 
 
 @dataclass
@@ -57,6 +62,9 @@ class InputProcessor:
             request's stop_token_ids unless `ignore_eos` (as vLLM does).
         max_logprobs: largest `logprobs` / `prompt_logprobs` a request may ask for; -1
             means no limit (then -1, the whole vocabulary, is allowed), as in vLLM.
+        chat_template: template text used instead of the tokenizer's (`--chat-template`).
+        default_sampling_params: the model's sampling defaults (generation_config.json,
+            flowengine/model/generation_config.py), as SamplingParams keyword arguments.
     """
 
     def __init__(
@@ -68,8 +76,12 @@ class InputProcessor:
         eos_token_id: int | None,
         extra_eos_token_ids: tuple[int, ...] = (),
         max_logprobs: int = 20,
+        chat_template: str | None = None,
+        default_sampling_params: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.default_sampling_params = dict(default_sampling_params or {})
         self.extra_eos_token_ids = extra_eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -98,10 +110,53 @@ class InputProcessor:
             f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
         )
 
-    def chat_prompt(self, conversation: Conversation) -> tuple[str, list[int]]:
-        """Apply the chat template (with the generation prompt) to one conversation."""
-        ids = apply_chat_template(self.tokenizer, conversation, add_generation_prompt=True)
+    def default_params(self) -> SamplingParams:
+        """SamplingParams for a request that gives none: the model's defaults over
+        SamplingParams' (vLLM's `get_default_sampling_params`)."""
+        return SamplingParams(**self.default_sampling_params)
+
+    def chat_prompt(
+        self,
+        conversation: Conversation,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Apply the chat template to one conversation: (text, token ids).
+
+        chat_template: this request's template text, else `--chat-template`'s, else the
+        tokenizer's. The other options as `flowengine.tokenize.chat.apply_chat_template`.
+        Raises ValueError/TypeError naming the bad option.
+        """
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                "chat_template_kwargs must be a dict, got "
+                f"{type(chat_template_kwargs).__name__}"
+            )
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        ids = apply_chat_template(
+            self.tokenizer,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template or self.chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return self.tokenizer.decode(ids), ids
+
+    def chat_request(self, prompt: dict[str, Any]) -> tuple[str, list[int]]:
+        """`chat_prompt` of {"messages": [...], <CHAT_OPTIONS>...} (other keys ignored)."""
+        messages = prompt["messages"]
+        if not isinstance(messages, list) or not messages or not isinstance(messages[0], dict):
+            raise ValueError("'messages' must be a non-empty list of message objects")
+        return self.chat_prompt(
+            messages, **{k: prompt[k] for k in CHAT_OPTIONS if prompt.get(k) is not None}
+        )
 
     def process(
         self,

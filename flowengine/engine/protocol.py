@@ -42,6 +42,10 @@ class EngineStats:
     prefix_cache_queries_total: int = 0  # tokens looked up
     prefix_cache_hits_total: int = 0  # tokens found
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Cumulative per-request histograms by metric name (engine/request_stats.py).
+    histograms: dict[str, Any] = field(default_factory=dict)
+    # The KV cache configuration, as label values of cache_config_info.
+    cache_config: dict[str, str] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):
@@ -55,6 +59,10 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    # The model's sampling defaults as SamplingParams keyword arguments (from
+    # generation_config.json, e.g. {"temperature": 0.6, "max_tokens": 256}; {} if none);
+    # set once start() returned. The OpenAI routes fill unset request fields from it.
+    default_sampling_params: dict[str, Any]
 
     async def start(self) -> None:
         """Load the model and start serving (idempotent)."""
@@ -64,8 +72,8 @@ class EngineClient(Protocol):
 
     def submit(
         self,
-        prompt: str | list[int] | list[dict[str, Any]],
-        sampling_params: SamplingParams,
+        prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
+        sampling_params: SamplingParams | None,
         request_id: str | None = None,
         *,
         priority: int = 0,

@@ -106,12 +106,17 @@ class AsyncEngine:
             self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
             engine_actors = [self.supervisor]
         input_processor = make_input_processor(self.tokenizer, self.resolved)
+        # The model's sampling defaults (generation_config.json): the serving layer
+        # fills unset request fields from them (vLLM's default_sampling_params).
+        self.default_sampling_params = dict(input_processor.default_sampling_params)
+        self.chat_template = input_processor.chat_template  # --chat-template text or None
         self.streamer = StreamerActor(on_orphan=self._abort_orphan)
         self.detokenizer = DetokenizerActor(
             OutputProcessor(self.tokenizer, stream=True),
             self.outputs,
             self.requests,
             self.streamer.inbox,
+            max_model_len=self.max_model_len,
         )
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
         request_logger = None
@@ -226,12 +231,18 @@ class AsyncEngine:
     async def submit(
         self,
         prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield `RequestOutput` deltas until one has `finished=True`.
+
+        prompt: text, token ids, {"prompt"|"prompt_token_ids": ..., "cache_salt": ...},
+        a conversation (list of messages), or {"messages": [...], "cache_salt": ...,
+        "chat_template": ..., "chat_template_kwargs": {...}, "add_generation_prompt":
+        bool, "continue_final_message": bool}. sampling_params None: the model's
+        defaults from generation_config.json over SamplingParams' (as `LLM` does).
 
         Raises ValueError/TypeError for bad input (before any output),
         EngineOverloadedError when the queue is full, EngineDeadError if the engine is
@@ -309,10 +320,25 @@ class AsyncEngine:
             kv_cache_usage=st.kv_cache_usage,
             num_free_blocks=st.num_free_blocks,
             num_total_blocks=st.num_total_blocks,
-            prompt_tokens_total=self.detokenizer.prompt_tokens_total,
+            # vLLM's meaning: prefill tokens computed (prefix-cache hits excluded).
+            prompt_tokens_total=self.detokenizer.request_stats.prompt_tokens_computed_total,
             generation_tokens_total=self.detokenizer.generation_tokens_total,
             num_preemptions_total=st.num_preemptions_total,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
+            histograms=self.detokenizer.request_stats.snapshot(),
+            cache_config=self._cache_config(st.num_total_blocks),
         )
+
+    def _cache_config(self, num_blocks: int) -> dict[str, str]:
+        """cache_config_info's labels (vLLM's CacheConfig names), values as strings."""
+        args = self.args
+        return {
+            "block_size": str(args.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(args.enable_prefix_caching),
+            "gpu_memory_utilization": str(args.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_blocks),
+            "num_gpu_blocks_override": str(args.num_kv_blocks),
+        }

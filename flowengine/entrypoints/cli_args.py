@@ -97,6 +97,37 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "and tokenizer classes (auto_map); without it such a model is refused with an error. "
         "The model forward is always FlowEngine's own",
     )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens as max_tokens) for requests that do not set them: 'auto' reads the "
+        "model's generation_config.json, 'vllm' ignores it, a folder reads that folder's",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        help='JSON object applied over the generation config, e.g. \'{"temperature": 0.5}\'',
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template for chat requests instead of the tokenizer's: a file "
+        "path, or the template itself",
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import orjson
+
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:

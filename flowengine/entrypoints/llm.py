@@ -74,6 +74,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when none are given: the model's generation config
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
+        as max_tokens) over SamplingParams' own, unless `generation_config="vllm"`."""
+        return self.input_processor.default_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -113,15 +119,34 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """Answer one conversation (a list of {"role", "content"} dicts) or a list of them.
+
+        chat_template: template text (or a file, as `--chat-template`) instead of the
+        engine's. add_generation_prompt / continue_final_message: vLLM's options (both
+        true is a ValueError). chat_template_kwargs: extra template variables, e.g.
+        {"enable_thinking": False}. Every conversation is rendered before any runs.
+        """
+        from flowengine.tokenize.chat import load_chat_template
+
         if not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty conversation or list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         params_list = self._params_list(sampling_params, len(conversations))
+        template = load_chat_template(chat_template)
         processed = []
         for conv, params in zip(conversations, params_list, strict=True):
-            text, ids = self.input_processor.chat_prompt(conv)
+            text, ids = self.input_processor.chat_prompt(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
             processed.append(
                 self.input_processor.process(
                     str(next(self._ids)), text, params, prompt_token_ids=ids
@@ -151,12 +176,11 @@ class LLM:
             self._stats = StatLoggerActor(get_stats)
         return self._stats
 
-    @staticmethod
     def _params_list(
-        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+        self, params: SamplingParams | Sequence[SamplingParams] | None, n: int
     ) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams()] * n
+        if params is None:  # vLLM: the model's generation-config defaults
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

@@ -6,7 +6,9 @@ Validation happens here, before Jinja, so that a caller learns what to change
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -43,8 +45,40 @@ def _content_text(index: int, role: str, content: Any) -> str | None:
     )
 
 
-def _template_text(tokenizer: PreTrainedTokenizerBase) -> str:
-    template = tokenizer.chat_template
+# apply_chat_template's own arguments: a chat_template_kwargs key may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def load_chat_template(value: str | Path | None) -> str | None:
+    """A `--chat-template` value as template text (vLLM's `load_chat_template` rule).
+
+    A path that opens is read; otherwise a string holding any of the Jinja characters
+    `{`, `}` or a newline is the template itself (with backslash escapes such as `\\n`
+    decoded). Raises ValueError for a string that looks like a path but does not open.
+    """
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        if isinstance(value, Path) or not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"the chat template {str(value)!r} looks like a file path, but it cannot "
+                f"be opened ({err}); give an existing file or the template text"
+            ) from err
+        return codecs.decode(value, "unicode_escape")
+
+
+def _template_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> str:
+    template = chat_template or tokenizer.chat_template
     if isinstance(template, Mapping):  # named templates: "default", "tool_use", ...
         return "\n".join(str(t) for t in template.values())
     return str(template)
@@ -85,34 +119,64 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Any,
     add_generation_prompt: bool = True,
+    *,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """Render `messages` with the tokenizer's chat template and tokenize the result.
+    """Render `messages` with the chat template and tokenize the result.
 
     The template already writes the special tokens the model expects (BOS, turn
     markers), so the text is encoded with add_special_tokens=False, as Hugging Face's
     `apply_chat_template(tokenize=True)` does. Role "developer" (OpenAI's newer name
     for system) becomes "system" when the template never mentions "developer".
-    add_generation_prompt appends the assistant turn header.
 
-    Returns the prompt token ids. Raises ValueError when the tokenizer has no chat
-    template, when `messages` is malformed (see `validate_messages`), or when the
-    template rejects the conversation (for example roles that do not alternate).
+    add_generation_prompt appends the assistant turn header; continue_final_message
+    leaves the last message open (no end-of-turn marker) so the model continues it
+    (vLLM's and Hugging Face's names; both true is an error). chat_template: template
+    text instead of the tokenizer's. chat_template_kwargs: extra variables for the
+    template, e.g. {"enable_thinking": False} (Qwen3); a key naming one of
+    apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS) is an error.
+
+    Returns the prompt token ids. Raises ValueError when there is no chat template,
+    when `messages` is malformed (see `validate_messages`), for the option conflicts
+    above, or when the template rejects the conversation (e.g. roles that do not
+    alternate).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: these are options of "
+            "the request itself, not template variables"
+        )
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
             "send a completion prompt (/v1/completions, LLM.generate) instead, "
             "or use a model that ships a chat template"
         )
     checked = validate_messages(messages)
-    if "developer" not in _template_text(tokenizer):
+    if "developer" not in _template_text(tokenizer, chat_template):
         for message in checked:
             if message["role"] == "developer":
                 message["role"] = "system"
     try:
+        # Options passed only when set: the call stays the plain one otherwise.
+        if chat_template:
+            kwargs["chat_template"] = chat_template
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         text = tokenizer.apply_chat_template(
-            checked, tokenize=False, add_generation_prompt=add_generation_prompt
+            checked, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except jinja2.TemplateError as e:
-        raise ValueError(f"the model's chat template rejected these messages: {e}") from e
+        raise ValueError(f"the chat template rejected these messages: {e}") from e
+    except TypeError as e:
+        # e.g. a chat_template_kwargs key this tokenizer's apply_chat_template refuses
+        raise ValueError(f"the chat template cannot be applied with these options: {e}") from e
     return list(tokenizer.encode(text, add_special_tokens=False))

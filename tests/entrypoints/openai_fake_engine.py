@@ -88,6 +88,7 @@ class FakeEngine:
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.default_sampling_params: dict[str, Any] = {}
         self.step_s = step_s
         self.max_running = max_running
         self.tokenizer = ByteTokenizer()

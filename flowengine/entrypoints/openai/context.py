@@ -32,6 +32,8 @@ class ServingContext:
         metrics: the server's Prometheus metrics.
         started_s: Unix time the server started (the `created` of /v1/models).
         limits: per-request limits (n, log-probabilities, n x max_tokens).
+        enable_prompt_tokens_details: usage carries prompt_tokens_details.cached_tokens.
+        trust_request_chat_template: chat requests may bring their own `chat_template`.
     """
 
     engine: EngineClient
@@ -39,6 +41,8 @@ class ServingContext:
     admission: Admission
     metrics: ServingMetrics
     limits: RequestLimits = field(default_factory=RequestLimits)
+    enable_prompt_tokens_details: bool = False
+    trust_request_chat_template: bool = False
     started_s: int = field(default_factory=lambda: int(time.time()))
 
     @cached_property
@@ -74,6 +78,21 @@ class ServingContext:
         except RecursionError:
             # msgspec recurses once per nesting level, also inside fields it skips.
             raise too_deep() from None
+
+
+def usage(
+    ctx: ServingContext, num_prompt: int, num_completion: int, num_cached: int
+) -> dict[str, Any]:
+    """OpenAI's usage object; with --enable-prompt-tokens-details also
+    prompt_tokens_details.cached_tokens (prefix-cache hit tokens), as vLLM."""
+    body: dict[str, Any] = {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+    if ctx.enable_prompt_tokens_details:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return body
 
 
 def log_request(

@@ -85,6 +85,7 @@ class EngineStream:
     Attributes:
         request_id: the engine request id.
         num_prompt_tokens: prompt length in tokens.
+        num_cached_tokens: prompt tokens served from the prefix cache.
         finished: True once the output with `finished=True` was yielded.
     """
 
@@ -107,6 +108,7 @@ class EngineStream:
         self._metrics = metrics
         self.first_output = first
         self.num_prompt_tokens = len(first.prompt_token_ids)
+        self.num_cached_tokens = first.num_cached_tokens  # prefix-cache hit tokens
         self.num_generated_tokens = 0
         self.finished = False
         self._closed = False

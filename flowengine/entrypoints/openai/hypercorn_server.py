@@ -70,6 +70,8 @@ class APIServer:
         header_timeout_s: float = 5.0,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        enable_prompt_tokens_details: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> None:
         if not model_names:
             raise ValueError("model_names is empty; give at least one served model name")
@@ -85,6 +87,8 @@ class APIServer:
             admission=Admission(max_queue_len),
             metrics=self.metrics,
             limits=limits or RequestLimits(),
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
+            trust_request_chat_template=trust_request_chat_template,
         )
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None

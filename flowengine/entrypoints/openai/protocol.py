@@ -6,7 +6,7 @@ Completions) plus vLLM's extra sampling fields (`top_k`, `min_p`, ...), which th
 vLLM do; fields we know but cannot honour (`suffix`, `tools`, `logit_bias`, ...) are
 declared here so the handlers can answer 400 when they are set, and vLLM's extra
 fields that change the output but are not implemented yet (`UNSUPPORTED_FIELDS`:
-`guided_json`, `structured_outputs`, `chat_template_kwargs`, ...) are typed `null`:
+`guided_json`, `structured_outputs`, `documents`, ...) are typed `null`:
 any other value is a 400 naming the field, so no client believes its output was
 constrained when it was not.
 
@@ -38,9 +38,9 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
         "logits_processors", "kv_transfer_params",
-        "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
+        "documents", "mm_processor_kwargs",
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
-        "length_penalty", "continue_final_message", "add_special_tokens",
+        "length_penalty", "add_special_tokens",
         "reasoning_effort", "parallel_tool_calls", "logprobs_mode", "thinking_token_budget",
     }
 )  # fmt: skip
@@ -159,12 +159,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
+    # vLLM's chat-template options: extra template variables (e.g. enable_thinking),
+    # the assistant header, or continuing the last message (not with the header).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # A per-request Jinja template (text); refused unless --trust-request-chat-template.
+    chat_template: str | None = None
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
-    chat_template: None = None
-    chat_template_kwargs: None = None
     documents: None = None
     mm_processor_kwargs: None = None
-    continue_final_message: None = None
     add_special_tokens: None = None
     reasoning_effort: None = None
     parallel_tool_calls: None = None
@@ -185,6 +189,8 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     model: str | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

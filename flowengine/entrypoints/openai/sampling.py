@@ -92,6 +92,18 @@ def check_limits(
             )
 
 
+# Request fields a model's generation_config.json may give a default for (vLLM's
+# default_sampling_params); max_tokens is handled apart (a cap, see _max_tokens).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | None:
+    """vLLM's `get_max_tokens`: the smallest of the request's max_tokens and the
+    model's max_new_tokens (the engine caps it at the context left as well)."""
+    values = [v for v in (requested, defaults.get("max_tokens")) if v is not None]
+    return min(values) if values else None
+
+
 def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias (token id as a JSON string -> bias) with int keys."""
     bias = {}
@@ -109,7 +121,10 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
     return bias
 
 
-def _common(req: SamplingFields) -> dict[str, Any]:
+def _common(req: SamplingFields, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """SamplingParams keyword arguments both routes share. `defaults`: the engine's
+    `default_sampling_params`, used for MODEL_DEFAULT_FIELDS the request leaves unset
+    (request > model defaults > SamplingParams defaults, as vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     fields: dict[str, Any] = {
@@ -139,6 +154,9 @@ def _common(req: SamplingFields) -> dict[str, Any]:
         "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty,
     }
+    for name in MODEL_DEFAULT_FIELDS:
+        if optional[name] is None and defaults and defaults.get(name) is not None:
+            optional[name] = defaults[name]
     fields.update({k: v for k, v in optional.items() if v is not None})
     return fields
 
@@ -150,8 +168,11 @@ def _build(fields: dict[str, Any]) -> SamplingParams:
         raise APIError(400, str(err)) from err
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
-    """SamplingParams for /v1/completions. Raises APIError(400)."""
+def completion_params(
+    req: CompletionRequest, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """SamplingParams for /v1/completions; `defaults` as for `_common`. Raises
+    APIError(400)."""
     if req.suffix:
         raise bad_request("suffix is not supported; put the text in the prompt", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -160,8 +181,8 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
             "or equal to n",
             "best_of",
         )
-    fields = _common(req)
-    fields["max_tokens"] = req.max_tokens
+    fields = _common(req, defaults)
+    fields["max_tokens"] = _max_tokens(req.max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
     if req.echo and req.logprobs is not None:
         # The echoed prompt tokens come with their logprobs (vLLM: prompt_logprobs =
@@ -172,8 +193,16 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     return _build(fields)
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
-    """SamplingParams for /v1/chat/completions. Raises APIError(400)."""
+def chat_params(
+    req: ChatCompletionRequest, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """SamplingParams for /v1/chat/completions; `defaults` as for `_common`. Raises
+    APIError(400), also for continue_final_message with add_generation_prompt."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
     if req.tools or req.functions:
         raise bad_request("tools and functions are not supported; remove them", "tools")
     if req.tool_choice not in (None, "none"):
@@ -185,9 +214,10 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    fields = _common(req)
+    fields = _common(req, defaults)
     max_tokens = req.max_completion_tokens
-    fields["max_tokens"] = req.max_tokens if max_tokens is None else max_tokens
+    requested = req.max_tokens if max_tokens is None else max_tokens
+    fields["max_tokens"] = _max_tokens(requested, defaults or {})
     if req.logprobs:
         fields["logprobs"] = req.top_logprobs or 0
     return _build(fields)

@@ -74,6 +74,9 @@ class ServerOptions:
         max_request_tokens: most tokens one request may ask for (n x max_tokens).
         header_timeout_s: seconds for a request's headers (and idle keep-alive).
         ssl_certfile, ssl_keyfile: HTTPS with these PEM files.
+        enable_prompt_tokens_details: usage gets `prompt_tokens_details.cached_tokens`
+            (prompt tokens served from the prefix cache), as vLLM's flag.
+        trust_request_chat_template: accept a chat request's own `chat_template`.
     """
 
     host: str = "127.0.0.1"
@@ -88,6 +91,8 @@ class ServerOptions:
     header_timeout_s: float = 5.0
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    enable_prompt_tokens_details: bool = False
+    trust_request_chat_template: bool = False
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -149,6 +154,18 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error", "critical"],
     )
     s.add_argument("--disable-log-requests", action="store_true", help="no INFO line per request")
+    s.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the "
+        "prefix cache",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat request's own chat_template (a Jinja template the server "
+        "renders, sandboxed); without it such a request gets 400",
+    )
     s.add_argument(
         "--max-queue-len",
         type=int,
@@ -262,6 +279,8 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         header_timeout_s=ns.header_timeout,
         ssl_certfile=ns.ssl_certfile,
         ssl_keyfile=ns.ssl_keyfile,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        trust_request_chat_template=ns.trust_request_chat_template,
     )
 
 
@@ -385,6 +404,8 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             header_timeout_s=options.header_timeout_s,
             ssl_certfile=options.ssl_certfile,
             ssl_keyfile=options.ssl_keyfile,
+            enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+            trust_request_chat_template=options.trust_request_chat_template,
         )
         try:
             if not engine_died:

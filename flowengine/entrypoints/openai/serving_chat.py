@@ -22,7 +22,8 @@ from flowengine.entrypoints.openai.asgi import (
     StreamingResponse,
     json_response,
 )
-from flowengine.entrypoints.openai.context import ServingContext, log_request
+from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
+from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import (
     ALL_LOGPROBS,
@@ -54,30 +55,43 @@ class _ChoiceState:
             self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
 
-def _usage(stream: EngineStream) -> dict[str, int]:
-    prompt, completion = stream.num_prompt_tokens, stream.num_generated_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def _usage(ctx: ServingContext, stream: EngineStream) -> dict[str, Any]:
+    return usage(
+        ctx, stream.num_prompt_tokens, stream.num_generated_tokens, stream.num_cached_tokens
+    )
 
 
 async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle one chat completion request. Raises APIError (400/404/429/503)."""
     req = ctx.decode(request.raw_body, ChatCompletionRequest)
     model = ctx.resolve_model(req.model)
-    params = chat_params(req)
+    params = chat_params(req, ctx.engine.default_sampling_params)
     check_limits(ctx.limits, params, 1, ctx.engine.max_model_len, "top_logprobs")
     messages = chat_messages(req)
+    # The plain conversation, or {"messages": ..., options} when an option is not the
+    # default (the engine's Tokenizer renders it: input_processor.CHAT_OPTIONS).
+    options: dict[str, Any] = {}
+    if req.cache_salt is not None:
+        options["cache_salt"] = req.cache_salt
+    if req.chat_template_kwargs:
+        options["chat_template_kwargs"] = req.chat_template_kwargs
+    if req.chat_template is not None:
+        if not ctx.trust_request_chat_template:
+            # vLLM's rule and message: a template is code the server would run.
+            raise bad_request(
+                "Chat template is passed with request, but --trust-request-chat-template "
+                "is not set. Refused request with untrusted chat template.",
+                "chat_template",
+            )
+        options["chat_template"] = req.chat_template
+    if not req.add_generation_prompt:
+        options["add_generation_prompt"] = False
+    if req.continue_final_message:
+        options["continue_final_message"] = True
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await open_streams(
         ctx.engine,
-        [
-            messages
-            if req.cache_salt is None
-            else {"messages": messages, "cache_salt": req.cache_salt}
-        ],
+        [{"messages": messages, **options} if options else messages],
         params,
         request_id,
         priority=req.priority,
@@ -120,7 +134,7 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         {
             **base,
             "choices": [_choice_body(ctx, i, ch, num_top) for i, ch in enumerate(choices)],
-            "usage": _usage(stream),
+            "usage": _usage(ctx, stream),
             # vLLM's field: the prompt's logprobs when prompt_logprobs was asked for.
             **({"prompt_logprobs": prompt_logprobs_json(prompt_logprobs)}
                if params.prompt_logprobs is not None else {}),
@@ -181,7 +195,7 @@ async def _chat_events(
                     finish_reasons[c.index] = c.finish_reason
                 yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
-            yield sse.event({**base, "choices": [], "usage": _usage(stream)})
+            yield sse.event({**base, "choices": [], "usage": _usage(ctx, stream)})
         outcome = "ok"
     except Exception as err:
         outcome = "error"

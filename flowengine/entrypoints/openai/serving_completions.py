@@ -21,7 +21,7 @@ from flowengine.entrypoints.openai.asgi import (
     StreamingResponse,
     json_response,
 )
-from flowengine.entrypoints.openai.context import ServingContext, log_request
+from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import (
@@ -55,14 +55,13 @@ def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[
     )
 
 
-def _usage(streams: Sequence[EngineStream]) -> dict[str, int]:
-    prompt = sum(s.num_prompt_tokens for s in streams)
-    completion = sum(s.num_generated_tokens for s in streams)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def _usage(ctx: ServingContext, streams: Sequence[EngineStream]) -> dict[str, Any]:
+    return usage(
+        ctx,
+        sum(s.num_prompt_tokens for s in streams),
+        sum(s.num_generated_tokens for s in streams),
+        sum(s.num_cached_tokens for s in streams),
+    )
 
 
 def _prompt_text(ctx: ServingContext, stream: EngineStream) -> str:
@@ -76,7 +75,7 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     """Handle one completions request. Raises APIError (400/404/429/503)."""
     req = ctx.decode(request.raw_body, CompletionRequest)
     model = ctx.resolve_model(req.model)
-    params = completion_params(req)
+    params = completion_params(req, ctx.engine.default_sampling_params)
     prompts = split_prompts(req.prompt)
     check_limits(ctx.limits, params, len(prompts), ctx.engine.max_model_len)
     if req.cache_salt is not None:
@@ -110,7 +109,7 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             response = StreamingResponse(
-                _completion_events(state, streams, base, include_usage),
+                _completion_events(ctx, state, streams, base, include_usage),
                 cleanup=functools.partial(close_streams, streams),
                 headers=sse.HEADERS,
                 error_event=sse.error_event,
@@ -118,13 +117,14 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
             )
             handed_off = True
             return response
-        return json_response(await _collect(state, streams, base))
+        return json_response(await _collect(ctx, state, streams, base))
     finally:
         if not handed_off:
             await close_streams(streams)
 
 
 async def _collect(
+    ctx: ServingContext,
     state: _Choices, streams: Sequence[EngineStream], base: dict[str, Any]
 ) -> dict[str, Any]:
     """The whole completion object, once every stream finished."""
@@ -155,7 +155,7 @@ async def _collect(
     if state.want_prompt_logprobs:
         for k, choice in enumerate(choices):
             choice["prompt_logprobs"] = prompt_logprobs_json(state.prompt_logprobs[k // n])
-    return {**base, "choices": choices, "usage": _usage(streams)}
+    return {**base, "choices": choices, "usage": _usage(ctx, streams)}
 
 
 class _Choices:
@@ -236,6 +236,7 @@ class _Choices:
 
 
 async def _completion_events(
+    ctx: ServingContext,
     state: _Choices,
     streams: Sequence[EngineStream],
     base: dict[str, Any],
@@ -264,7 +265,7 @@ async def _completion_events(
                         choice["stop_reason"] = c.stop_reason
                     yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
-            yield sse.event({**base, "choices": [], "usage": _usage(streams)})
+            yield sse.event({**base, "choices": [], "usage": _usage(ctx, streams)})
         outcome = "ok"
     except Exception as err:
         outcome = "error"

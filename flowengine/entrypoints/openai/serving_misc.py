@@ -75,7 +75,14 @@ async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
         from flowengine.tokenize.chat import apply_chat_template
 
         try:
-            ids = apply_chat_template(tokenizer, chat_messages(req), req.add_generation_prompt)
+            ids = apply_chat_template(
+                tokenizer,
+                chat_messages(req),
+                req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=getattr(ctx.engine, "chat_template", None),  # --chat-template
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
     else:
