@@ -27,7 +27,7 @@ from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.config import EngineArgs
-from flowengine.engine.gc_utils import freeze_startup_heap
+from flowengine.engine.gc_utils import freeze_startup_heap, thaw_heap
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
@@ -219,6 +219,7 @@ class AsyncEngine:
             await self.supervisor.stop()
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self.streamer.fail_all(self._dead)
+        thaw_heap()  # the stopped engine's cycles become collectable
 
     async def _wait_engine_stopped(self) -> None:
         if self.args.placement == "inproc":
