@@ -10,10 +10,10 @@ over by renaming. Two sources feed them:
   the server per request, which is where a client's latency is seen.
 
 Each `ServingMetrics` owns its own `CollectorRegistry` (several servers, e.g. in tests,
-can live in one process). All metrics carry the label `model_name`; the per-request
-histograms of vLLM v1 (`request_*`, `iteration_tokens_total`, from
-`flowengine/engine/request_stats.py`) and `cache_config_info` also carry `engine`
-(the engine index, "0": one engine per server).
+can live in one process). All metrics carry vLLM's labels `model_name` and `engine`
+(the engine index, "0": one engine per server; `cache_config_info` carries `engine` and
+its config keys); the per-request histograms of vLLM v1 (`request_*`,
+`iteration_tokens_total`) come from `flowengine/engine/request_stats.py`.
 
 `prompt_tokens_total` counts prefill tokens computed, as vLLM does: prefix-cache hits
 are not counted.
@@ -84,8 +84,8 @@ class EngineStatsCollector(Collector):
             # A dead engine must not break /metrics: the histograms are still served.
             logger.warning("engine stats unavailable: %s", err)
             return
-        labels = ["model_name"]
-        values = [self.model_name]
+        labels = ["model_name", "engine"]
+        values = [self.model_name, ENGINE_INDEX]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
@@ -120,10 +120,10 @@ class EngineStatsCollector(Collector):
         success = CounterMetricFamily(
             PREFIX + "request_success",
             "Successfully processed requests, by finish reason.",
-            labels=["model_name", "finished_reason"],
+            labels=["model_name", "engine", "finished_reason"],
         )
         for reason, count in sorted(stats.finished_by_reason.items()):
-            success.add_metric([self.model_name, reason], count)
+            success.add_metric([self.model_name, ENGINE_INDEX, reason], count)
         yield success
         engine_labels = ["model_name", "engine"]
         engine_values = [self.model_name, ENGINE_INDEX]
@@ -169,8 +169,9 @@ class ServingMetrics:
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(
-                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
-            ).labels(model_name)
+                PREFIX + name, doc, ["model_name", "engine"], buckets=buckets,
+                registry=self.registry,
+            ).labels(model_name, ENGINE_INDEX)
 
         self._ttft = histogram(
             "time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS_S

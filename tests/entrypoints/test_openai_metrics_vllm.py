@@ -62,7 +62,7 @@ def test_metrics_after_known_requests(live, tokenizer) -> None:
     s = _scrape(live)
 
     computed = num_prompt + 2 * (num_prompt - hit) + len(tokenizer.encode("Hi"))
-    assert s[("flowengine:prompt_tokens_total", (("model_name", name),))] == computed
+    assert s[("flowengine:prompt_tokens_total", labels)] == computed
     num_gen = 3 + 4 + 4 + 1
     assert s[("flowengine:request_prompt_tokens_count", labels)] == 4  # engine requests
     assert s[("flowengine:request_prompt_tokens_sum", labels)] == (

@@ -71,18 +71,21 @@ def test_metrics_after_requests(client, server, engine):
         for s in fam.samples
     }
     model = ("model_name", "fake-model")
+    # vLLM's labels: every metric names its model and its engine (sorted keys here).
+    labels = (("engine", "0"), model)
     stats = engine.get_stats()
     assert (
-        samples[("flowengine:generation_tokens_total", (model,))] == stats.generation_tokens_total
+        samples[("flowengine:generation_tokens_total", labels)] == stats.generation_tokens_total
     )
-    assert samples[("flowengine:prompt_tokens_total", (model,))] == stats.prompt_tokens_total
-    assert samples[("flowengine:num_requests_running", (model,))] == 0
-    key = ("flowengine:request_success_total", (("finished_reason", "length"), model))
+    assert samples[("flowengine:prompt_tokens_total", labels)] == stats.prompt_tokens_total
+    assert samples[("flowengine:num_requests_running", labels)] == 0
+    key = ("flowengine:request_success_total",
+           (("engine", "0"), ("finished_reason", "length"), model))
     assert samples[key] == stats.finished_by_reason["length"]
     for name in ("time_to_first_token", "e2e_request_latency"):
-        assert samples[(f"flowengine:{name}_seconds_count", (model,))] >= 2
+        assert samples[(f"flowengine:{name}_seconds_count", labels)] >= 2
     # 3 tokens, one per step: 2 inter-token gaps per request at least.
-    assert samples[("flowengine:inter_token_latency_seconds_count", (model,))] >= 4
+    assert samples[("flowengine:inter_token_latency_seconds_count", labels)] >= 4
     expected = {"num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                 "prefix_cache_queries_total", "prefix_cache_hits_total"}  # fmt: skip
     assert expected <= {name.removeprefix("flowengine:") for name, _ in samples}
