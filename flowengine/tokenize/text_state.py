@@ -39,6 +39,10 @@ class IncrementalTextState:
             StopStringChecker(stops, sampling_params.include_stop_str_in_output) if stops else None
         )
         self._parts: list[str] = []
+        # vLLM v1's rule: stop strings are checked only once the completion has more
+        # than min_tokens tokens; text of the first min_tokens tokens never matches.
+        self._min_tokens = sampling_params.min_tokens
+        self._num_tokens = 0
 
     @property
     def stop_reason(self) -> str | None:
@@ -73,10 +77,13 @@ class IncrementalTextState:
         ids = new_token_ids
         if stopped_by_token and ids and not self.sampling_params.include_stop_str_in_output:
             ids = ids[:-1]
+        self._num_tokens += len(new_token_ids)
         delta = self.detokenizer.update(ids)
         if finished:
             delta += self.detokenizer.flush()
         matched = None
+        if stop_checker is not None and self._num_tokens <= self._min_tokens:
+            stop_checker = None  # within min_tokens: the text passes unchecked
         if stop_checker is not None:  # no stop strings: no checker, nothing held back
             delta, matched = stop_checker.process(delta)
             if finished and matched is None:

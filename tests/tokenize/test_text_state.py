@@ -92,3 +92,21 @@ def test_no_stop_strings_streams_everything(byte_bpe_tokenizer) -> None:
     for chunk in (1, 3):
         deltas, matched = run(byte_bpe_tokenizer, text, SamplingParams(), chunk=chunk)
         assert ("".join(deltas), matched) == (text, None)
+
+
+def test_stop_strings_wait_for_min_tokens(byte_bpe_tokenizer) -> None:
+    """vLLM v1: stop strings are checked only after min_tokens tokens, so a stop string
+    in the text of the first min_tokens tokens does not end the completion."""
+    tok = byte_bpe_tokenizer
+    text = "Hello world! Hello there"
+    ids = tok.encode(text)
+    first = tok.encode("Hello")
+    assert ids[: len(first)] == first  # "Hello" is the completion's first token(s)
+    deltas, matched = run(tok, text, SamplingParams(stop=["Hello"]))
+    assert ("".join(deltas), matched) == ("", "Hello")
+    params = SamplingParams(stop=["Hello"], min_tokens=len(first))
+    deltas, matched = run(tok, text, params)
+    assert ("".join(deltas), matched) == ("Hello world! ", "Hello")
+    params = SamplingParams(stop=["Hello"], min_tokens=len(ids))
+    deltas, matched = run(tok, text, params)
+    assert ("".join(deltas), matched) == (text, None)
