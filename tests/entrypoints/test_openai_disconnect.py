@@ -63,8 +63,12 @@ def test_200_streams_get_their_solo_text_and_50_disconnects_abort():
     async def run(base_url: str) -> list[tuple[str, str]]:
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+            # The leavers ask for 400 tokens (4 s of steps), so none can finish on its
+            # own before the server sees it leave (with 30, all 50 sometimes finished
+            # before their disconnects were read, and nothing was left to abort).
             jobs = [
-                stream_text(client, f"p{i:03d}:", max_tokens, 3 if i % 4 == 0 else None)
+                stream_text(client, f"p{i:03d}:", 400, 3) if i % 4 == 0
+                else stream_text(client, f"p{i:03d}:", max_tokens, None)
                 for i in range(200)
             ]
             return await asyncio.gather(*jobs)

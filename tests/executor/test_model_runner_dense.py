@@ -153,14 +153,13 @@ def test_gemma2_window_changes_long_prompts_only(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_dense_prefix_caching_and_chunked_prefill_equal_transformers(
-        family: str, tmp_path, default_model_path: str) -> None:
+        family: str, tmp_path, default_model_path: str, hf_greedy) -> None:
     # Through the engine: the default model's tokenizer beside random weights; a
     # 40-token shared prefix (past Gemma's 8-token window) served from the prefix
     # cache, prefills in 16-token chunks.
     import os
     import shutil
 
-    from conftest import _hf_greedy as hf_greedy
     from test_model_runner_moe import _llm_greedy
 
     from flowengine import LLM

@@ -202,9 +202,8 @@ _ENGINE_PROMPTS = [[(i * 131 + 7 * j) % _VOCAB for i in range(n)]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_moe_prefix_caching_and_chunked_prefill_equal_transformers(engine_models, family):
-    from conftest import _hf_greedy as hf_greedy
-
+def test_moe_prefix_caching_and_chunked_prefill_equal_transformers(engine_models, family,
+                                                                   hf_greedy):
     from flowengine import LLM
 
     path, hf_model = engine_models[family]
