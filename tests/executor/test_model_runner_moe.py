@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from runner_driver import GreedyDriver
+from test_model_runner_families import _save_random_model
 from transformers import (
-    AutoModelForCausalLM,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
@@ -77,18 +77,9 @@ PROMPTS = {
 NUM_NEW = 10
 
 
-def save_random_moe(hf_config: object, path: str) -> torch.nn.Module:
-    """A random float32 transformers model saved to `path` (safetensors); returns it."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    # Weights larger than the default init spread the logits and the router's
-    # probabilities apart (no near-ties for argmax or top-k).
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param) * 0.1
-            param.copy_(1.0 + noise if "norm" in name else noise * 2)
-    model.save_pretrained(path, safe_serialization=True)
-    return model.eval()
+# A random float32 transformers model saved to a folder (safetensors), weights spread
+# so that neither argmax nor the router's top-k sees near-ties: the families' helper.
+save_random_moe = _save_random_model
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
