@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flowengine.config import EngineArgs
-from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
-from flowengine.sampling_params import SamplingParams
-from flowengine.version import __version__
+# Before anything imports torch: CPU executor threads wait passively (see there).
+from flowengine.executor.cpu_threads import configure_wait_policy
+
+configure_wait_policy()
+
+from flowengine.config import EngineArgs  # noqa: E402
+from flowengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from flowengine.sampling_params import SamplingParams  # noqa: E402
+from flowengine.version import __version__  # noqa: E402
 
 if TYPE_CHECKING:
     from flowengine.entrypoints.async_engine import AsyncEngine

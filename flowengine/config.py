@@ -19,6 +19,9 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# Weight quantization (CPU): "gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks, "int8"
+# quantizes a float checkpoint's linear layers at load (weight-only).
+Quantization = Literal["gguf", "int8"]
 
 # KV-cache budget on the CPU when the user gives none: enough for a few thousand
 # tokens of a small model, small enough for a 24 GiB CI machine.
@@ -77,6 +80,12 @@ class EngineArgs:
     # Jinja chat template (a file path or the template text) instead of the tokenizer's
     # (vLLM's --chat-template; flowengine/tokenize/chat.py load_chat_template).
     chat_template: str | None = None
+    # None: float weights, except GGUF weights on the CPU, which stay quantized ("gguf",
+    # as vLLM does for a GGUF file). See Quantization.
+    quantization: Quantization | None = None
+    # Intra-op threads of a CPU executor; None: the cores this process may use
+    # (affinity, cgroup CPU quota), shared among the tensor-parallel ranks.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +147,11 @@ class EngineArgs:
                 "override_generation_config must be a dict (JSON object), got "
                 f"{type(self.override_generation_config).__name__}"
             )
+        if self.quantization is not None and self.quantization not in Quantization.__args__:
+            raise ValueError(f"quantization must be one of {Quantization.__args__} or None, "
+                             f"got {self.quantization!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
                              f"got {self.max_logprobs}")

@@ -143,11 +143,7 @@ async def executor_main(cfg: ProcConfig) -> None:
 
     resolved = resolve(cfg.engine_args)
     world_size = cfg.engine_args.tensor_parallel_size
-    if resolved.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Leave a core to the engine and frontend processes, and share the rest among
-        # the ranks: OpenMP threads that wait for a descheduled sibling make small
-        # matmuls many times slower.
-        torch.set_num_threads(max(1, ((os.cpu_count() or 2) - 1) // world_size))
+    # CPU threads: build_executor sets them (flowengine/executor/cpu_threads.py).
     device = torch.device(resolved.device)
     if device.type == "cuda":
         torch.cuda.set_device(cfg.rank)  # rank r drives GPU r; "cuda" means it below

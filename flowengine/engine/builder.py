@@ -60,6 +60,7 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
+    args = _resolve_quantization(args, device, resolved.gguf_file)
     budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 0)
     if not args.enable_chunked_prefill:
         budget = max(budget, max_model_len)
@@ -80,6 +81,32 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
         dtype=dtype,
         served_model_names=args.served_model_name or (name,),
     )
+
+
+def _resolve_quantization(args: EngineArgs, device: str, gguf_file: str | None) -> EngineArgs:
+    """GGUF weights on the CPU stay quantized unless the user chose otherwise (vLLM
+    loads a GGUF file with quantization "gguf"); "gguf" reads the GGUF file itself.
+    Raises ValueError for a quantization the device or the weights cannot take."""
+    from flowengine.model.layers.quant_linear import kernels_available
+
+    quantization = args.quantization
+    if (quantization is None and device == "cpu" and gguf_file is not None
+            and args.load_format in ("auto", "gguf") and kernels_available()):
+        quantization = "gguf"
+    if quantization is not None and device != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only; on {device} "
+                         "leave --quantization unset")
+    if quantization is not None and not kernels_available():
+        raise ValueError(f"quantization {quantization!r} needs FlowEngine's C extension "
+                         "flowengine._cpu_ops, which is not built; reinstall with a C compiler "
+                         "(pip install -e .)")
+    if quantization == "gguf" and args.load_format not in ("auto", "gguf"):
+        raise ValueError(f"quantization 'gguf' reads a GGUF file; --load-format "
+                         f"{args.load_format} cannot go with it")
+    load_format = "gguf" if quantization == "gguf" else args.load_format
+    if (quantization, load_format) == (args.quantization, args.load_format):
+        return args
+    return dataclasses.replace(args, quantization=quantization, load_format=load_format)
 
 
 def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> None:
@@ -235,6 +262,13 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         seed=args.seed,
         tp=tp,
     )
+    if resolved.device == "cpu":
+        from flowengine.executor.cpu_threads import setup_cpu_threads
+
+        runner_kwargs["quantization"] = args.quantization
+        # A multiproc placement leaves a core to the engine and frontend processes.
+        setup_cpu_threads(args.cpu_threads, tp.world_size,
+                          reserved_cpus=1 if args.placement == "multiproc" else 0)
     if resolved.device == "cuda":
         runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)
     else:
@@ -245,10 +279,11 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     # the user set that the cache cannot hold stops start-up here with what to change.
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     logger.info(
-        "executor ready: %s on %s (%s), %d KV blocks of %d tokens",
+        "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens",
         resolved.served_model_names[0],
         resolved.device,
         resolved.dtype,
+        f", {args.quantization} weights" if args.quantization else "",
         cache_config.num_blocks,
         args.block_size,
     )

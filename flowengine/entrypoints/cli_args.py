@@ -27,6 +27,22 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--download-dir", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["gguf", "int8"],
+        help="CPU weight quantization: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (the "
+        "default for GGUF weights on the CPU), int8 quantizes a float checkpoint's linear "
+        "layers at load (weight-only, per 32 weights)",
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="intra-op threads of a CPU executor (default: the cores this process may use, "
+        "from its CPU affinity and cgroup quota)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)

@@ -51,6 +51,7 @@ class ModelRunner:
         max_num_batched_tokens, max_num_seqs: initial input-buffer capacity.
         tp: the tensor-parallel group; the runner holds this rank's shard of the
             weights and its num_kv_heads / N heads of the KV cache.
+        quantization: as `load_model` (None, "gguf", "int8"; CPU only).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         seed: int = 0,
         tp: TensorParallelGroup = SINGLE_RANK,
+        quantization: str | None = None,
     ) -> None:
         self.model_config = model_config
         self.tp = tp
@@ -81,7 +83,7 @@ class ModelRunner:
             )
         self.model = load_model(model_config, load_format, dtype, self.device,
                                 gguf_file=gguf_file, attn_backend=attn_backend, seed=seed,
-                                tp=tp)
+                                tp=tp, quantization=quantization)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}

@@ -6,6 +6,10 @@ to Hugging Face names. llama.cpp's converter (`convert_hf_to_gguf.py`,
 `LlamaModel.permute`) reorders the rows of Llama q/k projections from the rotate-half
 layout to llama.cpp's interleaved-pair layout; `unpermute_qk` undoes that. Qwen2/Qwen3
 are stored unpermuted. The config comes from the `{arch}.*` metadata keys.
+
+For weights kept quantized (`--quantization gguf`), `iter_gguf_tensors` yields the
+tensors it is asked to keep as `PackedTensor`s (flowengine/model/layers/quant_linear.py)
+in their own block format (Q4_0, Q4_1, Q8_0), rows unpermuted like the float ones.
 """
 
 from __future__ import annotations
@@ -138,13 +142,36 @@ def gguf_hf_config(reader: Any) -> Any:
     return config
 
 
-def iter_gguf_tensors(path_or_reader: str | Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor in HF shape) for every weight of a GGUF file.
+# GGUF tensor types FlowEngine's CPU kernels run without dequantizing.
+PACKED_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 
-    One tensor is dequantized at a time. Raises ValueError for a tensor with no
-    Hugging Face counterpart (the file is not a plain Llama/Qwen checkpoint).
+
+def gguf_packed_formats(path_or_reader: str | Any) -> dict[str, str | None]:
+    """Hugging Face tensor name -> the quant_linear format it can stay in ("q4_0",
+    "q4_1", "q8_0"), or None for a tensor that must be dequantized (F32, F16, K-quants
+    and the other types)."""
+    reader = open_gguf(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
+    formats: dict[str, str | None] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is not None:
+            formats[name] = PACKED_TYPES.get(tensor.tensor_type.name)
+    return formats
+
+
+def iter_gguf_tensors(path_or_reader: str | Any, keep_packed: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, tensor in HF shape) for every weight of a GGUF file: float32
+    tensors, or for the names in `keep_packed` (of a type in PACKED_TYPES) a
+    `PackedTensor` in the file's own format.
+
+    One tensor is converted at a time. Raises ValueError for a tensor with no
+    Hugging Face counterpart (the file is not a plain Llama/Qwen checkpoint), or a
+    `keep_packed` tensor whose type cannot stay packed.
     """
     from gguf.quants import dequantize
+
+    from flowengine.model.layers.quant_linear import pack_gguf_blocks
 
     reader = open_gguf(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
     arch, _, permuted = gguf_architecture(reader)
@@ -156,6 +183,18 @@ def iter_gguf_tensors(path_or_reader: str | Any) -> Iterator[tuple[str, torch.Te
         name = hf_tensor_name(tensor.name)
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no Hugging Face counterpart")
+        if name in keep_packed:
+            fmt = PACKED_TYPES.get(tensor.tensor_type.name)
+            if fmt is None:
+                raise ValueError(f"GGUF tensor {tensor.name!r} of type "
+                                 f"{tensor.tensor_type.name} cannot stay quantized")
+            raw = np.asarray(tensor.data)
+            if permuted and ".self_attn.q_proj." in name:
+                raw = unpermute_qk(raw, num_heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                raw = unpermute_qk(raw, num_kv_heads)
+            yield name, pack_gguf_blocks(raw, fmt, int(tensor.shape[0]))
+            continue
         values = dequantize(tensor.data, tensor.tensor_type)
         values = np.asarray(values, dtype=np.float32).reshape(
             tuple(int(d) for d in reversed(tensor.shape))

@@ -4,12 +4,20 @@ The model is built on the meta device (no memory, no random init), materialized
 uninitialized on the target device in the target dtype, then every parameter is
 written exactly once from the checkpoint (gpt-fast's recipe). Safetensors files are
 read tensor by tensor through memory maps, so a checkpoint is never held twice.
+
+Quantization (CPU): "gguf" keeps every linear layer whose GGUF tensors share one
+block format the CPU kernels run (Q4_0, Q4_1, Q8_0) in that format: the layer's float
+weight is swapped for empty packed planes before materialization and filled from the
+file's blocks; the other tensors are dequantized as before. "int8" quantizes the
+linear layers of a float checkpoint after loading (the q8_0 layout, per 32 weights).
+See flowengine/model/layers/quant_linear.py.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import zlib
 from collections.abc import Iterator
@@ -19,9 +27,14 @@ import torch
 
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
+from flowengine.model.layers.linear import QuantizableWeight
+from flowengine.model.layers.quant_linear import PackedTensor
 from flowengine.model.model_config import ModelConfig
 from flowengine.model.models import model_class
 from flowengine.model.models.llama import LlamaForCausalLM
+from flowengine.model.weight_shards import WeightShard
+
+logger = logging.getLogger(__name__)
 
 # Dummy weights: small enough that 30+ layers keep activations finite in bf16.
 _DUMMY_RANGE = 1e-3
@@ -37,6 +50,7 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     seed: int = 0,
     tp: TensorParallelGroup = SINGLE_RANK,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for `model_config` and load its weights, in eval mode, no grads.
 
@@ -52,22 +66,41 @@ def load_model(
             name, then sliced, so every tensor-parallel size gets the same model).
         dtype: parameter dtype. device: where parameters live.
         attn_backend: defaults to get_attn_backend(device).
+        quantization: None (float weights), "gguf" (keep the GGUF file's Q4_0 / Q4_1 /
+            Q8_0 blocks; load_format must resolve to "gguf") or "int8" (weight-only,
+            quantized after loading). Both need device "cpu".
 
     Raises:
-        ValueError: unknown load_format, no weight files, or checkpoint tensors that
-            are missing / unexpected / of the wrong shape (listed in the message).
+        ValueError: unknown load_format or quantization, no weight files, or checkpoint
+            tensors that are missing / unexpected / of the wrong shape (listed in the
+            message).
     """
     device = torch.device(device)
+    if quantization not in (None, "gguf", "int8"):
+        raise ValueError(f"quantization must be None, 'gguf' or 'int8', got {quantization!r}")
+    if quantization is not None and device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only; on "
+                         f"{device.type} leave it unset (the weights are dequantized)")
     if attn_backend is None:
         attn_backend = get_attn_backend(device)
     with torch.device("meta"):
         model = model_class(model_config.architecture)(model_config, attn_backend, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    fmt = _resolve_format(model_config.model_path, load_format, gguf_file)
+    if quantization == "gguf" and fmt != "gguf":
+        raise ValueError(
+            f"quantization 'gguf' needs GGUF weights, but {model_config.model_path} loads "
+            f"as {fmt!r}; pass the .gguf file (or use quantization 'int8')")
+    expected = model.expected_weight_names()
+    packed: dict[str, list[tuple[QuantizableWeight, WeightShard]]] = {}
+    if quantization == "gguf":
+        gguf_file = gguf_file or _single_gguf(model_config.model_path)
+        packed = _swap_packed_layers(model, gguf_file, dtype)
+    model = model.to_empty(device=device)
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if init_buffers is not None:
             init_buffers()
-    fmt = _resolve_format(model_config.model_path, load_format, gguf_file)
     if fmt == "dummy":
         model.load_weights(dummy_weights(model, seed, device))
     else:
@@ -77,17 +110,105 @@ def load_model(
         else:
             from flowengine.model.gguf_loader import iter_gguf_tensors
 
-            weights = iter_gguf_tensors(gguf_file or _single_gguf(model_config.model_path))
-        loaded = model.load_weights(weights)
-        missing = model.expected_weight_names() - loaded
+            weights = iter_gguf_tensors(gguf_file or _single_gguf(model_config.model_path),
+                                        frozenset(packed))
+        placed: set[str] = set()
+        loaded = model.load_weights(_place_packed(weights, packed, placed)) | placed
+        missing = expected - loaded
         if missing:
             raise ValueError(
                 f"checkpoint {model_config.model_path} lacks {len(missing)} tensor(s) the "
                 f"{model_config.architecture} config needs: {sorted(missing)[:20]}; the "
                 "download may be incomplete or config.json may not match the weights"
             )
+    if quantization == "int8":
+        _quantize_int8(model)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _quantizable(model: torch.nn.Module) -> dict[str, QuantizableWeight]:
+    """Parameter name ("...qkv_proj.weight") -> its layer, for every layer whose weight
+    can stay quantized."""
+    return {f"{name}.weight" if name else "weight": module
+            for name, module in model.named_modules()
+            if isinstance(module, QuantizableWeight) and module.quant_format is None}
+
+
+def _swap_packed_layers(model: LlamaForCausalLM, gguf_file: str, dtype: torch.dtype
+                        ) -> dict[str, list[tuple[QuantizableWeight, WeightShard]]]:
+    """Give packed planes to every layer whose checkpoint tensors all share one packed
+    GGUF format (a fused qkv of Q4_1 q/k and a Q8_0 v stays float); return
+    checkpoint name -> the (layer, shard) pairs its packed blocks fill."""
+    from flowengine.model.gguf_loader import gguf_packed_formats
+
+    formats = gguf_packed_formats(gguf_file)
+    layers = _quantizable(model)
+    by_param: dict[str, list[WeightShard]] = {}
+    for shard in model.weight_shards():
+        if shard.param in layers:
+            by_param.setdefault(shard.param, []).append(shard)
+    targets: dict[str, list[tuple[QuantizableWeight, WeightShard]]] = {}
+    kept: dict[str, int] = {}
+    for param, shards in by_param.items():
+        fmts = {formats.get(s.hf_name) for s in shards}
+        if len(fmts) != 1 or None in fmts:
+            continue
+        (fmt,) = fmts
+        if layers[param].weight.shape[1] % 32:
+            continue
+        layers[param].quantize_as(fmt, dtype)
+        kept[fmt] = kept.get(fmt, 0) + 1
+        for s in shards:
+            targets.setdefault(s.hf_name, []).append((layers[param], s))
+    logger.info("GGUF weights kept quantized: %s; %d layer(s) dequantized to %s",
+                ", ".join(f"{n} {f}" for f, n in sorted(kept.items())) or "none",
+                len(layers) - sum(kept.values()), str(dtype).removeprefix("torch."))
+    return targets
+
+
+def _place_packed(weights: Iterator[tuple[str, Any]],
+                  targets: dict[str, list[tuple[QuantizableWeight, WeightShard]]],
+                  placed: set[str]) -> Iterator[tuple[str, Any]]:
+    """Copy the packed tensors into their layers' planes (recording their names in
+    `placed`); pass every other tensor on to load_weights."""
+    for name, tensor in weights:
+        if not isinstance(tensor, PackedTensor):
+            yield name, tensor
+            continue
+        for layer, shard in targets[name]:
+            if tensor.shape != shard.full_shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tensor.shape} but the model built "
+                    f"from config.json expects {shard.full_shape}")
+            src = tensor if shard.length < 0 else tensor.narrow(shard.dim, shard.start,
+                                                                 shard.length)
+            qs, scales = layer.weight_qs, layer.weight_scales
+            if shard.dim == 0 and shard.length >= 0:
+                qs = qs.narrow(0, shard.dest_start, shard.length)
+                scales = scales.narrow(0, shard.dest_start, shard.length)
+            qs.copy_(src.qs)
+            scales.copy_(src.scales)
+            if shard.param.endswith(("embed_tokens.weight", "lm_head.weight")):
+                # vocabulary padding rows of the last rank: weights 0
+                layer.weight_scales[shard.length:].zero_()
+                layer.weight_qs[shard.length:].zero_()
+        placed.add(name)
+
+
+def _quantize_int8(model: torch.nn.Module) -> None:
+    """Online weight-only int8 of every linear layer (and of a tied embedding, which is
+    also the LM head); an untied embedding stays float (it is only looked up)."""
+    tied = getattr(model, "lm_head", "absent") is None
+    count = 0
+    for param, layer in _quantizable(model).items():
+        if param.endswith("embed_tokens.weight") and not tied:
+            continue
+        if layer.weight.shape[1] % 32:
+            continue
+        layer.quantize_from_float("q8_0")
+        count += 1
+    logger.info("int8 weight-only quantization: %d layer(s) in the q8_0 layout", count)
 
 
 def safetensors_files(model_dir: str) -> list[str]:

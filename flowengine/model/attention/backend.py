@@ -61,8 +61,9 @@ def _triton_backend() -> AttentionBackend:
 
 
 _REGISTRY: dict[str, BackendFactory] = {"triton": _triton_backend}
-# The backend each device type gets when the caller names none: the torch reference on
-# the CPU, the Triton kernels (flowengine.kernels) on CUDA.
+# The backend each device type gets when the caller names none: the CPU backend
+# (cpu_backend.py registers itself as the CPU's default when imported; until then the
+# torch reference), the Triton kernels (flowengine.kernels) on CUDA.
 _DEFAULT_FOR_DEVICE: dict[str, str] = {"cpu": "torch", "cuda": "triton"}
 
 
@@ -79,8 +80,9 @@ def get_attn_backend(device: torch.device, name: str | None = None) -> Attention
 
     Raises ValueError naming the registered backends when none fits.
     """
-    # Importing the module registers the torch reference backend.
-    from flowengine.model.attention import torch_backend  # noqa: F401
+    # Importing the modules registers the torch reference backend and the CPU backend
+    # (the reference with decode over the paged cache in C), the CPU's default.
+    from flowengine.model.attention import cpu_backend, torch_backend  # noqa: F401
 
     if name is None:
         name = _DEFAULT_FOR_DEVICE.get(device.type)

@@ -1,0 +1,609 @@
+/* CPU kernels of the quantized linear layers and of decode attention (issue #20).
+ *
+ * Python side: flowengine/model/layers/quant_linear.py (weights) and
+ * flowengine/model/attention/cpu_backend.py (attention). Every function takes raw
+ * pointers the Python wrapper has checked (dtype, contiguity, shapes) and releases the
+ * GIL while it runs. Threads come from OpenMP; built with -fopenmp the module links
+ * libgomp.so.1, which is the very runtime torch loaded (same soname), so torch's
+ * operators and these kernels share one thread pool and one wait policy
+ * (OMP_WAIT_POLICY, set by the executor before the pool starts).
+ *
+ * Weight layouts (planar; one weight row n of K inputs, K a multiple of 32; GGUF's
+ * blocks of 32 weights, ggml-common.h):
+ *   Q4_0  qs uint8 [N, K/2]: block b's 16 bytes at qs[n, 16b..]; byte j holds weight j
+ *         in its low nibble and weight j+16 in its high one; d fp16 [N, K/32];
+ *         w = d * (q - 8).
+ *   Q4_1  qs as Q4_0; (d, m) fp16 [N, K/32, 2]; w = d * q + m.
+ *   Q8_0  qs int8 [N, K]; d fp16 [N, K/32]; w = d * q.
+ * The dequantized weights are exactly the float32 values gguf.quants.dequantize
+ * gives (d * q is exact in float32, and d * q + m is one rounding, done here by one
+ * fused multiply-add), so a matmul differs from float32 over the dequantized matrix
+ * only by the order of the sums. Activations and outputs are float32.
+ *
+ * Each function has an AVX-512 body (selected at run time with
+ * __builtin_cpu_supports) and a portable C body, so the module builds with gcc on any
+ * machine; only x86-64 gets the intrinsics.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+enum { FMT_Q4_0 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
+#define QK 32 /* weights per block */
+#define MR 8  /* activation rows per pass over a weight row */
+
+static inline float fp16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Bytes of one weight row's quants, and halves of one row's scales. */
+static inline int64_t qs_row_bytes(int fmt, int64_t K) { return fmt == FMT_Q8_0 ? K : K / 2; }
+static inline int64_t sc_row_halves(int fmt, int64_t K) { return fmt == FMT_Q4_1 ? K / 16 : K / 32; }
+
+/* ------------------------------------------------------------------ portable bodies */
+
+/* Dequantize block b of one row into w[32]. */
+static inline void dequant_block_c(int fmt, const uint8_t *qs, const uint16_t *sc, int64_t b,
+                                   float *w)
+{
+    if (fmt == FMT_Q8_0) {
+        const int8_t *q = (const int8_t *)qs + b * QK;
+        float d = fp16_to_f32(sc[b]);
+        for (int j = 0; j < QK; j++)
+            w[j] = d * (float)q[j];
+        return;
+    }
+    const uint8_t *q = qs + b * (QK / 2);
+    float d, m;
+    if (fmt == FMT_Q4_1) {
+        d = fp16_to_f32(sc[2 * b]);
+        m = fp16_to_f32(sc[2 * b + 1]);
+        for (int j = 0; j < QK / 2; j++) {
+            w[j] = fmaf(d, (float)(q[j] & 0x0f), m);
+            w[j + QK / 2] = fmaf(d, (float)(q[j] >> 4), m);
+        }
+    } else {
+        d = fp16_to_f32(sc[b]);
+        for (int j = 0; j < QK / 2; j++) {
+            w[j] = d * (float)((int)(q[j] & 0x0f) - 8);
+            w[j + QK / 2] = d * (float)((int)(q[j] >> 4) - 8);
+        }
+    }
+}
+
+static void linear_rows_c(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                          const uint16_t *sc, int64_t n0, int64_t n1, float *out, int64_t N)
+{
+    float w[QK];
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *rq = qs + n * qrow;
+        const uint16_t *rs = sc + n * srow;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t mr = M - m0 < MR ? M - m0 : MR;
+            float acc[MR] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                dequant_block_c(fmt, rq, rs, b, w);
+                for (int64_t r = 0; r < mr; r++) {
+                    const float *xr = x + (m0 + r) * K + b * QK;
+                    float s = 0.f;
+                    for (int j = 0; j < QK; j++)
+                        s += w[j] * xr[j];
+                    acc[r] += s;
+                }
+            }
+            for (int64_t r = 0; r < mr; r++)
+                out[(m0 + r) * N + n] = acc[r];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ AVX-512 bodies */
+#if HAVE_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+/* Row n's scales as float32 into scf (16 at a time with vcvtph2ps): a block's
+ * scale is then one broadcast load. */
+AVX512 static inline void row_scales_avx512(const uint16_t *rs, int64_t count, float *scf)
+{
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16)
+        _mm512_storeu_ps(scf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rs + i))));
+    for (; i < count; i++)
+        scf[i] = _cvtsh_ss(rs[i]);
+}
+
+/* Block b of a row: weights 0..15 into *lo, 16..31 into *hi (scf: the row's float
+ * scales). */
+AVX512 static inline void dequant_block_avx512(int fmt, const uint8_t *qs, const float *scf,
+                                               int64_t b, __m512 *lo, __m512 *hi)
+{
+    if (fmt == FMT_Q8_0) {
+        const int8_t *q = (const int8_t *)qs + b * QK;
+        __m512 d = _mm512_set1_ps(scf[b]);
+        __m128i a = _mm_loadu_si128((const __m128i *)q);
+        __m128i c = _mm_loadu_si128((const __m128i *)(q + 16));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+        return;
+    }
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * (QK / 2)));
+    __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    if (fmt == FMT_Q4_1) {
+        __m512 d = _mm512_set1_ps(scf[2 * b]);
+        __m512 m = _mm512_set1_ps(scf[2 * b + 1]);
+        *lo = _mm512_fmadd_ps(d, ql, m);
+        *hi = _mm512_fmadd_ps(d, qh, m);
+    } else {
+        __m512 d = _mm512_set1_ps(scf[b]);
+        __m512 eight = _mm512_set1_ps(8.f);
+        *lo = _mm512_mul_ps(d, _mm512_sub_ps(ql, eight));
+        *hi = _mm512_mul_ps(d, _mm512_sub_ps(qh, eight));
+    }
+}
+
+/* One activation row: four independent accumulators (two blocks per iteration), so
+ * the loop is not bound by the latency of one chain of FMAs. */
+AVX512 static inline float dot_row1_avx512(int fmt, const uint8_t *rq, const float *scf,
+                                           const float *x, int64_t nb)
+{
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512 lo0, hi0, lo1, hi1;
+        dequant_block_avx512(fmt, rq, scf, b, &lo0, &hi0);
+        dequant_block_avx512(fmt, rq, scf, b + 1, &lo1, &hi1);
+        const float *xb = x + b * QK;
+        a0 = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(xb), a0);
+        a1 = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(xb + 16), a1);
+        a2 = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(xb + 32), a2);
+        a3 = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(xb + 48), a3);
+    }
+    if (b < nb) {
+        __m512 lo0, hi0;
+        dequant_block_avx512(fmt, rq, scf, b, &lo0, &hi0);
+        a0 = _mm512_fmadd_ps(lo0, _mm512_loadu_ps(x + b * QK), a0);
+        a1 = _mm512_fmadd_ps(hi0, _mm512_loadu_ps(x + b * QK + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+AVX512 static void linear_rows_avx512(int fmt, const float *x, int64_t M, int64_t K,
+                                      const uint8_t *qs, const uint16_t *sc, int64_t n0,
+                                      int64_t n1, float *out, int64_t N)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[srow];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *rq = qs + n * qrow;
+        row_scales_avx512(sc + n * srow, srow, scf);
+        if (M == 1) {
+            out[n] = dot_row1_avx512(fmt, rq, scf, x, nb);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            int64_t mr = M - m0 < MR ? M - m0 : MR;
+            /* lo and hi halves in separate accumulators: 2 * mr independent chains */
+            __m512 al[MR], ah[MR];
+            for (int r = 0; r < MR; r++)
+                al[r] = ah[r] = _mm512_setzero_ps();
+            const float *xb = x + m0 * K;
+            for (int64_t b = 0; b < nb; b++, xb += QK) {
+                __m512 lo, hi;
+                dequant_block_avx512(fmt, rq, scf, b, &lo, &hi);
+                switch (mr) { /* unrolled so that the accumulators stay in registers */
+#define ROW(r)                                                                          \
+    al[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + (r) * K), al[r]);                   \
+    ah[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + (r) * K + 16), ah[r]);
+                case 8: ROW(7) /* fallthrough */
+                case 7: ROW(6) /* fallthrough */
+                case 6: ROW(5) /* fallthrough */
+                case 5: ROW(4) /* fallthrough */
+                case 4: ROW(3) /* fallthrough */
+                case 3: ROW(2) /* fallthrough */
+                case 2: ROW(1) /* fallthrough */
+                default: ROW(0)
+#undef ROW
+                }
+            }
+            for (int64_t r = 0; r < mr; r++)
+                out[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(al[r], ah[r]));
+        }
+    }
+}
+
+AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_t *sc,
+                                       int64_t K, int64_t n0, int64_t n1, float *out)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[srow];
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 lo, hi;
+            if (b == 0)
+                row_scales_avx512(sc + n * srow, srow, scf);
+            dequant_block_avx512(fmt, qs + n * qrow, scf, b, &lo, &hi);
+            _mm512_storeu_ps(out + n * K + b * QK, lo);
+            _mm512_storeu_ps(out + n * K + b * QK + 16, hi);
+        }
+}
+#endif
+
+static int use_avx512(void)
+{
+#if HAVE_X86
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c") && !getenv("FLOWENGINE_CPU_NO_AVX512");
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* Split [0, N) into one contiguous range per thread, in multiples of 16 rows so
+ * that no two threads write the same cache line of a one-row output. */
+static inline void thread_range(int64_t N, int tid, int nth, int64_t *n0, int64_t *n1)
+{
+    int64_t units = (N + 15) / 16, per = units / nth, extra = units % nth;
+    int64_t u0 = tid * per + (tid < extra ? tid : extra);
+    int64_t u1 = u0 + per + (tid < extra ? 1 : 0);
+    *n0 = u0 * 16 < N ? u0 * 16 : N;
+    *n1 = u1 * 16 < N ? u1 * 16 : N;
+}
+
+static int check_fmt(int fmt)
+{
+    if (fmt != FMT_Q4_0 && fmt != FMT_Q4_1 && fmt != FMT_Q8_0) {
+        PyErr_Format(PyExc_ValueError, "unknown quantized format %d", fmt);
+        return -1;
+    }
+    return 0;
+}
+
+/* linear(fmt, x, M, K, qs, sc, N, out, num_threads): out[M, N] = x[M, K] W^T. */
+static PyObject *py_linear(PyObject *self, PyObject *args)
+{
+    int fmt, nth;
+    unsigned long long xp, qp, sp, op;
+    long long M, K, N;
+    if (!PyArg_ParseTuple(args, "iKLLKKLKi", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth))
+        return NULL;
+    if (check_fmt(fmt) < 0)
+        return NULL;
+    if (K % QK != 0 || M < 0 || N < 0 || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shapes M=%lld K=%lld N=%lld threads=%d", M, K, N, nth);
+        return NULL;
+    }
+    const float *x = (const float *)(uintptr_t)xp;
+    const uint8_t *qs = (const uint8_t *)(uintptr_t)qp;
+    const uint16_t *sc = (const uint16_t *)(uintptr_t)sp;
+    float *out = (float *)(uintptr_t)op;
+    int avx = use_avx512();
+    int64_t units = (N + 15) / 16;
+    if (nth > units)
+        nth = (int)(units > 0 ? units : 1);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(nth)
+    {
+        int tid = 0, t = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        t = omp_get_num_threads();
+#endif
+        int64_t n0, n1;
+        thread_range(N, tid, t, &n0, &n1);
+#if HAVE_X86
+        if (avx)
+            linear_rows_avx512(fmt, x, M, K, qs, sc, n0, n1, out, N);
+        else
+#endif
+            linear_rows_c(fmt, x, M, K, qs, sc, n0, n1, out, N);
+    }
+    Py_END_ALLOW_THREADS
+    (void)avx;
+    Py_RETURN_NONE;
+}
+
+/* dequantize(fmt, qs, sc, N, K, out, num_threads): out[N, K] float32. */
+static PyObject *py_dequantize(PyObject *self, PyObject *args)
+{
+    int fmt, nth;
+    unsigned long long qp, sp, op;
+    long long N, K;
+    if (!PyArg_ParseTuple(args, "iKKLLKi", &fmt, &qp, &sp, &N, &K, &op, &nth))
+        return NULL;
+    if (check_fmt(fmt) < 0)
+        return NULL;
+    if (K % QK != 0 || N < 0 || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shapes N=%lld K=%lld", N, K);
+        return NULL;
+    }
+    const uint8_t *qs = (const uint8_t *)(uintptr_t)qp;
+    const uint16_t *sc = (const uint16_t *)(uintptr_t)sp;
+    float *out = (float *)(uintptr_t)op;
+    int avx = use_avx512();
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(nth)
+    {
+        int tid = 0, t = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        t = omp_get_num_threads();
+#endif
+        int64_t n0, n1;
+        thread_range(N, tid, t, &n0, &n1);
+#if HAVE_X86
+        if (avx)
+            dequant_rows_avx512(fmt, qs, sc, K, n0, n1, out);
+        else
+#endif
+        {
+            const int64_t qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+            for (int64_t n = n0; n < n1; n++)
+                for (int64_t b = 0; b < K / QK; b++)
+                    dequant_block_c(fmt, qs + n * qrow, sc + n * srow, b, out + n * K + b * QK);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    (void)avx;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ decode attention
+ *
+ * One new token per request over its paged context, straight from the cache: for
+ * each (request, KV head) one pass over the context's blocks, the G = Hq / Hkv query
+ * heads of that KV head together (each K/V row is read once for the group), with an
+ * online softmax (Milakov & Gimelshein 2018) in float32.
+ *
+ * q     [T, Hq, D] (f32 or bf16), rows tok_idx[i] are request i's decode token
+ * cache [2, num_blocks, block_size, Hkv, D] (f32 or bf16; 0 = K, 1 = V)
+ * block_tables [*, bt_stride] int32, row req_idx[i]; seq_lens int32 per request row
+ * out   [T, Hq, D] (q's dtype), rows tok_idx[i] written
+ * soft_cap > 0: scores become cap * tanh(s / cap); window > 0: only the last `window`
+ * positions are attended.
+ */
+#define MAX_D 256
+#define MAX_G 32
+
+typedef struct {
+    const void *q, *cache;
+    void *out;
+    const int64_t *tok_idx, *req_idx;
+    const int32_t *block_tables, *seq_lens;
+    int64_t num_reqs, hq, hkv, d, block_size, num_blocks, bt_stride;
+    int q_bf16, kv_bf16;
+    float scale, soft_cap;
+    int64_t window;
+} attn_args;
+
+static inline float load_elem(const void *p, int64_t i, int bf16)
+{
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Row of D values as float32 into dst (a no-copy pointer for float32 rows). */
+static inline const float *row_f32(const void *base, int64_t off, int64_t d, int bf16, float *dst)
+{
+    if (!bf16)
+        return (const float *)base + off;
+    const uint16_t *s = (const uint16_t *)base + off;
+    for (int64_t i = 0; i < d; i++)
+        dst[i] = bf16_to_f32(s[i]);
+    return dst;
+}
+
+static inline __attribute__((always_inline)) void attend_one(const attn_args *a, int64_t i,
+                                                             int64_t h)
+{
+    const int64_t g_count = a->hq / a->hkv, d = a->d, bs = a->block_size;
+    const int64_t len = a->seq_lens[i];
+    const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
+    const int64_t tok = a->tok_idx[i];
+    float q[MAX_G][MAX_D], acc[MAX_G][MAX_D], mx[MAX_G], den[MAX_G], kbuf[MAX_D], vbuf[MAX_D];
+    for (int64_t g = 0; g < g_count; g++) {
+        int64_t base = (tok * a->hq + h * g_count + g) * d;
+        for (int64_t e = 0; e < d; e++) {
+            q[g][e] = load_elem(a->q, base + e, a->q_bf16);
+            acc[g][e] = 0.f;
+        }
+        mx[g] = -INFINITY;
+        den[g] = 0.f;
+    }
+    const int64_t plane = a->num_blocks * bs * a->hkv * d; /* elements of K (or V) */
+    int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    for (int64_t j = start; j < len; j++) {
+        int64_t off = (((int64_t)bt[j / bs] * bs + j % bs) * a->hkv + h) * d;
+        const float *k = row_f32(a->cache, off, d, a->kv_bf16, kbuf);
+        const float *v = row_f32(a->cache, plane + off, d, a->kv_bf16, vbuf);
+        for (int64_t g = 0; g < g_count; g++) {
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t e = 0; e < d; e++)
+                s += q[g][e] * k[e];
+            s *= a->scale;
+            if (a->soft_cap > 0.f)
+                s = a->soft_cap * tanhf(s / a->soft_cap);
+            float p;
+            if (s > mx[g]) { /* rescale what was summed under the old maximum */
+                float c = expf(mx[g] - s);
+                den[g] *= c;
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++)
+                    acc[g][e] *= c;
+                mx[g] = s;
+                p = 1.f;
+            } else {
+                p = expf(s - mx[g]);
+            }
+            den[g] += p;
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++)
+                acc[g][e] += p * v[e];
+        }
+    }
+    for (int64_t g = 0; g < g_count; g++) {
+        int64_t base = (tok * a->hq + h * g_count + g) * d;
+        float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
+        for (int64_t e = 0; e < d; e++) {
+            float o = acc[g][e] * inv;
+            if (a->q_bf16)
+                ((uint16_t *)a->out)[base + e] = f32_to_bf16(o);
+            else
+                ((float *)a->out)[base + e] = o;
+        }
+    }
+}
+
+static void attend_range_c(const attn_args *a, int64_t w0, int64_t w1)
+{
+    for (int64_t w = w0; w < w1; w++)
+        attend_one(a, w / a->hkv, w % a->hkv);
+}
+
+#if HAVE_X86
+/* The same code, vectorised by the compiler for AVX-512. */
+AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w1)
+{
+    for (int64_t w = w0; w < w1; w++)
+        attend_one(a, w / a->hkv, w % a->hkv);
+}
+#endif
+
+/* paged_decode_attention(q, q_bf16, tok_idx, req_idx, num_reqs, hq, hkv, d, cache,
+ *     kv_bf16, num_blocks, block_size, block_tables, bt_stride, seq_lens, scale,
+ *     soft_cap, window, out, num_threads) */
+static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
+{
+    attn_args a;
+    unsigned long long qp, tp, rp, cp, bp, sp, op;
+    long long nr, hq, hkv, d, nblocks, bs, bts, window;
+    int qbf, kvbf, nth;
+    double scale, cap;
+    if (!PyArg_ParseTuple(args, "KiKKLLLLKiLLKLKddLKi", &qp, &qbf, &tp, &rp, &nr, &hq, &hkv, &d,
+                          &cp, &kvbf, &nblocks, &bs, &bp, &bts, &sp, &scale, &cap, &window,
+                          &op, &nth))
+        return NULL;
+    if (d > MAX_D || hkv < 1 || hq % hkv != 0 || hq / hkv > MAX_G || nth < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "paged_decode_attention: head_dim %lld (max %d), heads %lld/%lld (group "
+                     "max %d) not supported", d, MAX_D, hq, hkv, MAX_G);
+        return NULL;
+    }
+    a.q = (const void *)(uintptr_t)qp;
+    a.cache = (const void *)(uintptr_t)cp;
+    a.out = (void *)(uintptr_t)op;
+    a.tok_idx = (const int64_t *)(uintptr_t)tp;
+    a.req_idx = (const int64_t *)(uintptr_t)rp;
+    a.block_tables = (const int32_t *)(uintptr_t)bp;
+    a.seq_lens = (const int32_t *)(uintptr_t)sp;
+    a.num_reqs = nr;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.block_size = bs;
+    a.num_blocks = nblocks;
+    a.bt_stride = bts;
+    a.q_bf16 = qbf;
+    a.kv_bf16 = kvbf;
+    a.scale = (float)scale;
+    a.soft_cap = (float)cap;
+    a.window = window;
+    int64_t work = nr * hkv;
+    if (nth > work)
+        nth = (int)(work > 0 ? work : 1);
+    int avx = use_avx512();
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+    for (int64_t w = 0; w < work; w++) {
+#if HAVE_X86
+        if (avx)
+            attend_range_avx512(&a, w, w + 1);
+        else
+#endif
+            attend_range_c(&a, w, w + 1);
+    }
+    Py_END_ALLOW_THREADS
+    (void)avx;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_has_avx512(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(use_avx512());
+}
+
+static PyMethodDef methods[] = {
+    {"linear", py_linear, METH_VARARGS,
+     "linear(fmt, x_ptr, M, K, qs_ptr, scales_ptr, N, out_ptr, num_threads): out[M, N] "
+     "float32 = x[M, K] float32 @ dequant(W[N, K])^T."},
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads): out[N, K] float32."},
+    {"paged_decode_attention", py_paged_decode_attention, METH_VARARGS,
+     "Decode attention over the paged KV cache (see cpu_ops.c)."},
+    {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "flowengine._cpu_ops",
+                                    "CPU kernels: quantized linear, paged decode attention.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_ops(void) { return PyModule_Create(&module); }

@@ -1,0 +1,103 @@
+"""Intra-op threads of a CPU executor: how many, and how they wait (issue #20).
+
+OpenMP threads that spin while they wait for work take whole cores from anything else
+that runs there, and a spinning pool whose sibling was descheduled makes every small
+matmul wait a scheduler tick: on a shared 2-core machine one decode step of the default
+model took 6x longer with torch's default (active) wait than with passive waiting.
+So FlowEngine sets OMP_WAIT_POLICY=PASSIVE unless the user set a policy. libgomp reads
+it once, when the library loads (with `import torch`), which is why `flowengine`'s
+package import calls `configure_wait_policy` before anything imports torch; a process
+that imported torch first keeps the policy it started with (a log line says so).
+
+The thread count comes from the cores the process may use (its CPU affinity, bounded by
+a cgroup CPU quota, as in a container), shared among tensor-parallel ranks;
+`--cpu-threads` (EngineArgs.cpu_threads) overrides it, and so does OMP_NUM_THREADS.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+_WAIT_POLICY_SET_BY_US = False
+
+
+def configure_wait_policy() -> None:
+    """Default OMP_WAIT_POLICY to PASSIVE (a no-op when the user chose a policy). Call
+    before torch is imported."""
+    global _WAIT_POLICY_SET_BY_US
+    if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        _WAIT_POLICY_SET_BY_US = True
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs the cgroup quota allows (quota / period; cgroup v2 `cpu.max`, else v1
+    `cpu.cfs_quota_us`), or None when unlimited or unknown."""
+    try:
+        with open(os.path.join(root, "cpu.max"), encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max" and int(period) > 0:
+            return int(quota) / int(period)
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us"), encoding="ascii") as f:
+            quota_us = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us"), encoding="ascii") as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def available_cpus() -> int:
+    """Cores this process may run on: its affinity mask, capped by the cgroup quota
+    (rounded up: a 1.5-CPU quota still runs two threads part of the time)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, max(1, math.ceil(limit)))
+    return max(1, cpus)
+
+
+def cpu_thread_count(cpu_threads: int | None, world_size: int = 1,
+                     reserved_cpus: int = 0) -> tuple[int, str]:
+    """(threads, where the number came from) for one CPU executor rank.
+
+    cpu_threads: the user's --cpu-threads (wins). Else OMP_NUM_THREADS. Else the
+    available cores less `reserved_cpus` (for the engine and frontend processes of a
+    multiproc placement), divided among `world_size` ranks, at least 1.
+    """
+    if cpu_threads is not None:
+        return cpu_threads, "--cpu-threads"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    cpus = available_cpus()
+    return max(1, (cpus - reserved_cpus) // world_size), f"{cpus} available core(s)"
+
+
+def setup_cpu_threads(cpu_threads: int | None, world_size: int = 1,
+                      reserved_cpus: int = 0) -> int:
+    """Set torch's intra-op threads for this executor and log the choice and the wait
+    policy. Returns the thread count."""
+    import torch
+
+    threads, source = cpu_thread_count(cpu_threads, world_size, reserved_cpus)
+    torch.set_num_threads(threads)
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins before sleeping)")
+    logger.info("CPU executor: %d intra-op thread(s) (from %s), OMP_WAIT_POLICY %s%s",
+                threads, source, policy,
+                "" if _WAIT_POLICY_SET_BY_US or "OMP_WAIT_POLICY" in os.environ
+                else "; torch was imported before flowengine, so its threads spin "
+                     "while they wait (set OMP_WAIT_POLICY=PASSIVE to avoid it)")
+    return threads

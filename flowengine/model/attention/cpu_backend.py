@@ -1,0 +1,115 @@
+"""The CPU attention backend: decode straight over the paged KV cache (issue #20).
+
+Decode tokens (one new token per request) are attended by the C kernel
+`paged_decode_attention` (flowengine/csrc/cpu_ops.c): for each (request, KV head) one
+pass over the request's blocks as the block table lists them, the query heads of that
+KV head together, with an online softmax in float32; no copy of the context is
+gathered first, which the torch reference does every step. Float32 and bfloat16
+caches. Prefill chunks keep the reference's SDPA path (PyTorch's fused CPU
+flash-attention kernel). Without the C extension, or for a head_dim / group size the
+kernel does not take, decode falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowengine.model.attention.backend import register_attn_backend
+from flowengine.model.attention.metadata import AttentionMetadata
+from flowengine.model.attention.torch_backend import TorchAttentionBackend
+
+# The kernel's limits (MAX_D, MAX_G in cpu_ops.c).
+_MAX_HEAD_DIM = 256
+_MAX_GROUP = 32
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _kernel():
+    try:
+        from flowengine import _cpu_ops
+    except ImportError:
+        return None
+    return _cpu_ops
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, tok_idx: torch.Tensor, req_idx: torch.Tensor,
+                           scale: float, out: torch.Tensor, *, soft_cap: float | None = None,
+                           sliding_window: int | None = None) -> None:
+    """Attention of one new token per request over its paged context, into `out`.
+
+    Args:
+        q: [T, Hq, D] float32 or bfloat16, contiguous; row tok_idx[i] is request i's token.
+        kv_cache: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, contiguous.
+        block_tables: [R_all, max_blocks] int32, contiguous; request i's row req_idx[i].
+        seq_lens: [R] int32, request i's context length (its new token included).
+        tok_idx, req_idx: [R] int64.
+        out: like q; rows tok_idx[i] are written ([Hq, D] each), the others untouched.
+        soft_cap: scores -> cap * tanh(scores / cap) (Gemma 2). sliding_window: only
+            the last `sliding_window` positions are attended.
+
+    Raises:
+        ValueError: a dtype, layout or size the kernel does not take (the caller falls
+            back to the torch reference).
+    """
+    ops = _kernel()
+    if ops is None:
+        raise ValueError("the C extension flowengine._cpu_ops is not built")
+    t, hq, d = q.shape
+    _, num_blocks, block_size, hkv, d_kv = kv_cache.shape
+    if (q.dtype not in _DTYPES or kv_cache.dtype not in _DTYPES or out.dtype != q.dtype
+            or d != d_kv or d > _MAX_HEAD_DIM or hq % hkv or hq // hkv > _MAX_GROUP):
+        raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} {q.dtype}, "
+                         f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    for name, tensor, dtype in (("block_tables", block_tables, torch.int32),
+                                ("seq_lens", seq_lens, torch.int32),
+                                ("tok_idx", tok_idx, torch.int64),
+                                ("req_idx", req_idx, torch.int64)):
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor")
+    if not (q.is_contiguous() and kv_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("q, kv_cache and out must be contiguous")
+    ops.paged_decode_attention(
+        q.data_ptr(), _DTYPES[q.dtype], tok_idx.data_ptr(), req_idx.data_ptr(),
+        tok_idx.shape[0], hq, hkv, d, kv_cache.data_ptr(), _DTYPES[kv_cache.dtype],
+        num_blocks, block_size, block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        out.data_ptr(), torch.get_num_threads())
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch reference, with decode over the paged cache in C (module docstring)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                reqs: list[int], query_start: list[int], seq_lens: list[int],
+                scale: float, out: torch.Tensor, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> None:
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = kv_cache.shape[3]
+        if (_kernel() is None or q.device.type != "cpu" or q.dtype not in _DTYPES
+                or kv_cache.dtype not in _DTYPES or head_dim > _MAX_HEAD_DIM
+                or num_heads // num_kv_heads > _MAX_GROUP):
+            TorchAttentionBackend._decode(q, kv_cache, meta, reqs, query_start, seq_lens,
+                                          scale, out, sliding_window, soft_cap)
+            return
+        tok_idx = torch.tensor([query_start[i] for i in reqs], dtype=torch.int64)
+        req_idx = torch.tensor(reqs, dtype=torch.int64)
+        lens = torch.tensor([seq_lens[i] for i in reqs], dtype=torch.int32)
+        block_tables = meta.block_tables
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            block_tables = block_tables.to(torch.int32).contiguous()
+        q_in = q if q.is_contiguous() else q.contiguous()
+        if out.is_contiguous() and out.dtype == q_in.dtype:
+            paged_decode_attention(q_in, kv_cache, block_tables, lens, tok_idx, req_idx,
+                                   scale, out, soft_cap=soft_cap, sliding_window=sliding_window)
+            return
+        tmp = torch.empty_like(q_in)
+        paged_decode_attention(q_in, kv_cache, block_tables, lens, tok_idx, req_idx, scale,
+                               tmp, soft_cap=soft_cap, sliding_window=sliding_window)
+        out.index_copy_(0, tok_idx, tmp.index_select(0, tok_idx).to(out.dtype))
+
+
+register_attn_backend("cpu", CpuAttentionBackend, default_for_device="cpu")

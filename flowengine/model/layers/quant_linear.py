@@ -1,0 +1,223 @@
+"""Weights kept quantized on the CPU: GGUF's Q4_0, Q4_1 and Q8_0 blocks (issue #20).
+
+A `QuantizedWeight` stands where a layer's float `weight` [N, K] would be. It holds the
+weights in one of GGUF's 32-weight block formats (ggml-common.h), split into planes:
+
+    format  qs                      scales                  weight
+    q4_0    uint8 [N, K / 2]        float16 [N, K / 32]     d * (q - 8)
+    q4_1    uint8 [N, K / 2]        float16 [N, K / 16]     d * q + m   (d, m pairs)
+    q8_0    int8  [N, K]            float16 [N, K / 32]     d * q
+
+(a Q4 block's byte j holds weight j in its low nibble and weight j + 16 in its high one,
+as in the file). `matmul` multiplies float32 activations by the weights without
+materialising them: the C kernels of flowengine/csrc/cpu_ops.c dequantize one block at
+a time into registers, for up to 8 activation rows at once. Larger batches (prefill)
+dequantize the matrix into a float32 scratch and use torch's GEMM, whose register
+tiling beats a dot-product kernel there. The dequantized values are exactly
+gguf.quants.dequantize's, so results differ from float32 over the dequantized
+matrix only by the order of the sums.
+
+`int8` (online, from a float checkpoint) quantizes to the q8_0 layout: symmetric, one
+float16 scale per 32 weights of a row (llama.cpp's quantize_row_q8_0 rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# format -> (C kernel id, bytes of one block in a GGUF file, scale halves per block)
+FORMATS: dict[str, tuple[int, int, int]] = {
+    "q4_0": (0, 18, 1),
+    "q4_1": (1, 20, 2),
+    "q8_0": (2, 34, 1),
+}
+BLOCK = 32
+# Above this many activation rows a matmul dequantizes the matrix and runs torch's
+# GEMM; at or below it the fused kernel reads the packed weights (decode batches).
+DEQUANT_MIN_ROWS = 16
+
+
+def _ops():
+    from flowengine import _cpu_ops
+
+    return _cpu_ops
+
+
+def kernels_available() -> bool:
+    """True when the C extension flowengine._cpu_ops is built (pip install builds it)."""
+    try:
+        _ops()
+    except ImportError:
+        return False
+    return True
+
+
+def qs_shape(fmt: str, n: int, k: int) -> tuple[int, int]:
+    return (n, k) if fmt == "q8_0" else (n, k // 2)
+
+
+def scales_shape(fmt: str, n: int, k: int) -> tuple[int, int]:
+    return (n, k // BLOCK * FORMATS[fmt][2])
+
+
+def empty_planes(fmt: str, n: int, k: int, device: torch.device | str = "meta"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (qs, scales) planes for an [n, k] weight in `fmt`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(FORMATS)}")
+    if k % BLOCK:
+        raise ValueError(f"a {fmt} weight needs in_features divisible by {BLOCK}, got {k}")
+    qdtype = torch.int8 if fmt == "q8_0" else torch.uint8
+    return (torch.empty(qs_shape(fmt, n, k), dtype=qdtype, device=device),
+            torch.empty(scales_shape(fmt, n, k), dtype=torch.float16, device=device))
+
+
+@dataclass
+class PackedTensor:
+    """A checkpoint tensor [rows, cols] still in its GGUF block format (planes as in
+    the module docstring), as the GGUF reader yields it for a layer kept quantized."""
+
+    fmt: str
+    qs: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        cols = self.scales.shape[1] // FORMATS[self.fmt][2] * BLOCK
+        return (self.qs.shape[0], cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedTensor:
+        """Rows (dim 0), or columns (dim 1, at block boundaries) start..start+length.
+        Raises ValueError for a column slice that splits a block."""
+        if dim == 0:
+            return PackedTensor(self.fmt, self.qs.narrow(0, start, length),
+                                self.scales.narrow(0, start, length))
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(
+                f"a {self.fmt} tensor can be split by columns only at multiples of {BLOCK}, "
+                f"got columns {start}..{start + length}; use tensor_parallel_size 1")
+        per_col = 1 if self.fmt == "q8_0" else 2  # columns per qs byte
+        halves = FORMATS[self.fmt][2]
+        return PackedTensor(
+            self.fmt, self.qs.narrow(1, start // per_col, length // per_col),
+            self.scales.narrow(1, start // BLOCK * halves, length // BLOCK * halves))
+
+
+def pack_gguf_blocks(raw: np.ndarray, fmt: str, cols: int) -> PackedTensor:
+    """Split a GGUF tensor's raw blocks ([rows, cols / 32 * block_bytes] uint8, the
+    reader's layout) into the planes. Copies (the reader's arrays are read-only views
+    of the file's memory map)."""
+    _, block_bytes, halves = FORMATS[fmt]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, block_bytes)
+    scale_bytes = 2 * halves
+    scales = blocks[..., :scale_bytes].copy().view(np.float16).reshape(rows, -1)
+    qs = blocks[..., scale_bytes:].copy().reshape(rows, -1)
+    if fmt == "q8_0":
+        qs = qs.view(np.int8)
+    return PackedTensor(fmt, torch.from_numpy(qs), torch.from_numpy(scales))
+
+
+def quantize_q8_0(weight: torch.Tensor) -> PackedTensor:
+    """Symmetric int8 per 32 weights of a row: d = amax / 127 (stored float16),
+    q = round(w / d) (llama.cpp's quantize_row_q8_0). weight [N, K] float, K % 32 == 0."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"int8 quantization needs in_features divisible by {BLOCK}, got {k}")
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = w.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return PackedTensor("q8_0", q.reshape(n, k).contiguous(), d.to(torch.float16).contiguous())
+
+
+class QuantizedWeight:
+    """An [N, K] weight matrix in a block format, with float32 activations.
+
+    Args:
+        fmt: "q4_0", "q4_1" or "q8_0". qs, scales: contiguous CPU planes (module
+            docstring), filled in place by the loader. dtype: the model's dtype, which
+            `embedding` returns and `dtype` reports (outputs of `matmul` take x's).
+    """
+
+    def __init__(self, fmt: str, qs: torch.Tensor, scales: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if qs.device.type != "cpu":
+            raise ValueError(f"quantized {fmt} weights run on the CPU only, not {qs.device}")
+        self.fmt = fmt
+        self.qs, self.scales = qs, scales
+        self.dtype = dtype
+        self.device = qs.device
+        n, k = qs.shape[0], scales.shape[1] // FORMATS[fmt][2] * BLOCK
+        self.shape = torch.Size((n, k))
+        self._kernel = FORMATS[fmt][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in x's dtype."""
+        n, k = self.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        m = x2.shape[0]
+        if m > DEQUANT_MIN_ROWS:
+            out = F.linear(x2, self.dequantize())
+        else:
+            out = torch.empty(m, n, dtype=torch.float32)
+            if m:
+                _ops().linear(self._kernel, x2.data_ptr(), m, k, self.qs.data_ptr(),
+                              self.scales.data_ptr(), n, out.data_ptr(),
+                              torch.get_num_threads())
+        if bias is not None:
+            out += bias
+        return out.to(x.dtype).view(*lead, n)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix [N, K] float32 (exactly gguf.quants.dequantize's values)."""
+        n, k = self.shape
+        out = torch.empty(n, k, dtype=torch.float32)
+        _ops().dequantize(self._kernel, self.qs.data_ptr(), self.scales.data_ptr(), n, k,
+                          out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] int64 dequantized -> [T, K] in the model dtype."""
+        n, k = self.shape
+        qs, d = self.qs.index_select(0, ids), self.scales.index_select(0, ids).float()
+        nb = k // BLOCK
+        if self.fmt == "q8_0":
+            w = qs.float().view(-1, nb, BLOCK) * d[..., None]
+        else:
+            q = qs.view(-1, nb, BLOCK // 2)
+            q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # weights j, then j + 16
+            if self.fmt == "q4_1":
+                d = d.view(-1, nb, 2)
+                w = torch.addcmul(d[..., 1:], q, d[..., :1])
+            else:
+                w = (q - 8.0) * d[..., None]
+        return w.reshape(-1, k).to(self.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a float or a quantized weight."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.matmul(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """F.embedding for a float or a quantized weight."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.embedding(ids)
+    return F.embedding(ids, weight)
