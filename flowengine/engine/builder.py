@@ -263,12 +263,14 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         tp=tp,
     )
     if resolved.device == "cpu":
-        from flowengine.executor.cpu_threads import setup_cpu_threads
+        from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
 
         runner_kwargs["quantization"] = args.quantization
         # A multiproc placement leaves a core to the engine and frontend processes.
         setup_cpu_threads(args.cpu_threads, tp.world_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
+        if dtype == torch.bfloat16:
+            log_bf16_path()
     if resolved.device == "cuda":
         runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)
     else:

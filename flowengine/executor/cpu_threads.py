@@ -101,3 +101,40 @@ def setup_cpu_threads(cpu_threads: int | None, world_size: int = 1,
                 else "; torch was imported before flowengine, so its threads spin "
                      "while they wait (set OMP_WAIT_POLICY=PASSIVE to avoid it)")
     return threads
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_matmul_path(flags: set[str] | None = None) -> tuple[bool, str]:
+    """(native, description) of how bfloat16 matmuls run on this CPU: oneDNN's AMX or
+    AVX512-BF16 kernels where the CPU has them, else emulated (converted to float32
+    inside oneDNN/ATen, several times slower than float32 itself)."""
+    import torch
+
+    flags = cpu_flags() if flags is None else flags
+    onednn = torch.backends.mkldnn.is_available()
+    if onednn and "amx_bf16" in flags:
+        return True, "oneDNN with AMX-BF16"
+    if onednn and "avx512_bf16" in flags:
+        return True, "oneDNN with AVX512-BF16"
+    return False, "emulated (this CPU has neither AMX-BF16 nor AVX512-BF16)"
+
+
+def log_bf16_path() -> None:
+    """Say which bfloat16 matmul path the executor takes; warn when it is emulated."""
+    native, path = bf16_matmul_path()
+    if native:
+        logger.info("bfloat16 on the CPU: matmuls by %s", path)
+    else:
+        logger.warning("bfloat16 on the CPU: matmuls %s; float32 (--dtype float32) is "
+                       "faster here", path)

@@ -1,0 +1,145 @@
+"""The quantized-weight kernels (flowengine/csrc/cpu_ops.c) against torch references.
+
+Per format (Q4_0, Q4_1, Q8_0): blocks made by gguf's own quantizer from fresh random
+weights; dequantization must equal gguf.quants.dequantize bit for bit, matmuls must
+match float64 over the dequantized matrix within float32 rounding (stated below), for
+one row (decode), 2..8 rows (the register-blocked kernel), 9..16 rows (two passes) and
+more (dequantize + GEMM), with float32 and bfloat16 inputs; embedding rows exactly.
+The portable C body (no AVX-512) is checked the same way in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flowengine.model.layers.quant_linear import (
+    DEQUANT_MIN_ROWS,
+    QuantizedWeight,
+    kernels_available,
+    pack_gguf_blocks,
+    quantize_q8_0,
+)
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="flowengine._cpu_ops not built")
+
+FORMATS = ["q4_0", "q4_1", "q8_0"]
+# |ours - float64| <= REL_TOL * sqrt(K) * max|x| * max|w|: float32 sums of K products in
+# another order than the reference's (errors measured about 10x below this bound).
+REL_TOL = 2e-5
+
+
+def _gguf_weight(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random [n, k] weight through gguf's quantizer: (ours, gguf's dequantized values)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 1.0, (n, 1)).astype(
+        np.float32)
+    qtype = getattr(GGMLQuantizationType, fmt.upper())
+    raw = quantize(w, qtype)
+    ref = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
+    packed = pack_gguf_blocks(raw, fmt, k)
+    return QuantizedWeight(fmt, packed.qs, packed.scales), ref
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_equals_gguf(fmt):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    weight, ref = _gguf_weight(fmt, 77, 320, seed)
+    out = weight.dequantize()
+    assert out.dtype == torch.float32 and out.shape == (77, 320)
+    assert torch.equal(out, ref), f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, DEQUANT_MIN_ROWS + 1, 70])
+def test_matmul_matches_float64(fmt, rows):
+    seed = int(torch.randint(0, 2**31, ()).item())
+    n, k = 83, 576  # n not a multiple of 16: a thread's last rows are partial
+    weight, ref = _gguf_weight(fmt, n, k, seed)
+    x = torch.randn(rows, k)
+    bias = torch.randn(n)
+    out = weight.matmul(x, bias)
+    expected = x.double() @ ref.double().t() + bias.double()
+    bound = REL_TOL * k ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    err = (out.double() - expected).abs().max().item()
+    assert err <= bound, f"seed {seed}: error {err} > {bound}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_bf16_input_and_leading_dims(fmt):
+    weight, ref = _gguf_weight(fmt, 40, 64, int(torch.randint(0, 2**31, ()).item()))
+    x = torch.randn(3, 2, 64).to(torch.bfloat16)
+    out = weight.matmul(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 2, 40)
+    expected = (x.float().reshape(6, 64).double() @ ref.double().t()).reshape(3, 2, 40)
+    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_rows_exact(fmt):
+    weight, ref = _gguf_weight(fmt, 50, 96, int(torch.randint(0, 2**31, ()).item()))
+    ids = torch.tensor([0, 49, 7, 7, 23])
+    assert torch.equal(weight.embedding(ids), ref[ids])
+
+
+def test_matmul_rejects_wrong_width():
+    weight, _ = _gguf_weight("q4_1", 8, 64, 0)
+    with pytest.raises(ValueError, match="64"):
+        weight.matmul(torch.randn(1, 32))
+
+
+def test_empty_batch():
+    weight, _ = _gguf_weight("q8_0", 8, 64, 0)
+    assert weight.matmul(torch.randn(0, 64)).shape == (0, 8)
+
+
+def test_online_int8_round_trip():
+    w = torch.randn(33, 128) * torch.rand(33, 1)
+    w[3, :32] = 0  # an all-zero block: scale 0, weights 0
+    packed = quantize_q8_0(w)
+    weight = QuantizedWeight("q8_0", packed.qs, packed.scales)
+    deq = weight.dequantize()
+    blocks = w.view(33, 4, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127  # one quantization step per block
+    err = (deq.view(33, 4, 32) - blocks).abs()
+    # Half a step of rounding, plus the float16 rounding of the scale (<= 127 * 2^-11 d).
+    assert bool((err <= step * (0.5 + 127 * 2.0 ** -11) + 1e-7).all())
+    assert torch.equal(deq[3, :32], torch.zeros(32))
+    x = torch.randn(4, 128)
+    torch.testing.assert_close(weight.matmul(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
+
+
+_PORTABLE = """
+import numpy as np, torch, sys
+sys.path.insert(0, {here!r})
+from test_quant_kernels import _gguf_weight
+from flowengine import _cpu_ops
+assert not _cpu_ops.has_avx512()
+for fmt in ("q4_0", "q4_1", "q8_0"):
+    w, ref = _gguf_weight(fmt, 19, 96, 5)
+    assert torch.equal(w.dequantize(), ref), fmt
+    for rows in (1, 3, 11):
+        x = torch.randn(rows, 96)
+        err = (w.matmul(x).double() - x.double() @ ref.double().t()).abs().max().item()
+        assert err < 1e-4, (fmt, rows, err)
+print("ok")
+"""
+
+
+def test_portable_body_without_avx512():
+    env = dict(os.environ, FLOWENGINE_CPU_NO_AVX512="1")
+    code = _PORTABLE.format(here=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"

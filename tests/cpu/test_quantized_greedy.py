@@ -1,0 +1,107 @@
+"""Greedy decoding of the quantized CPU paths against Hugging Face transformers.
+
+The 16 engine-core prompts (tests/engine/engine_prompts.py), 24 greedy tokens each:
+- `quantization="gguf"` on the default model's Q4_1 GGUF file against transformers in
+  float32 on the same weights dequantized (the converted default model directory);
+- `quantization="int8"` against transformers with every linear weight replaced by its
+  int8 round trip (quantize_q8_0, then dequantized);
+- `dtype="bfloat16"` (float checkpoint) against transformers in float32.
+transformers runs teacher-forced on the engine's own continuation, so every step is
+compared on the same prefix: the engine's token must be transformers' argmax, except at
+a near-tie (top-two logit gap below NEAR_TIE, recorded and counted), and the engine's
+logprob of its token must be within LOGPROB_TOL of transformers'.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowengine import LLM, SamplingParams
+from flowengine.model.gguf_convert import conversion_source
+from flowengine.model.layers.quant_linear import QuantizedWeight, kernels_available, quantize_q8_0
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not kernels_available(), reason="flowengine._cpu_ops not built")]
+
+_spec = importlib.util.spec_from_file_location(
+    "engine_prompts", Path(__file__).parents[1] / "engine" / "engine_prompts.py")
+_prompts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_prompts)
+PROMPTS = _prompts.PROMPTS
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def _compare(llm: LLM, hf, prompt_ids, near_tie: float, logprob_tol: float) -> dict:
+    """Run the engine; check every step against teacher-forced transformers. Returns
+    counts (steps, near_ties) and the largest logprob difference."""
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY,
+                        use_tqdm=False)
+    steps = ties = 0
+    worst = 0.0
+    for ids, out in zip(prompt_ids, outs, strict=True):
+        gen = out.outputs[0].token_ids
+        assert len(gen) == MAX_TOKENS
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for step, token in enumerate(gen):
+            steps += 1
+            top = logits[step].topk(2)
+            if token != int(top.indices[0]):
+                gap = float(top.values[0] - logits[step, token])
+                assert gap < near_tie, (
+                    f"prompt {PROMPTS[prompt_ids.index(ids)][:30]!r} step {step}: engine chose "
+                    f"{token}, transformers {int(top.indices[0])} (logit gap {gap:.2e})")
+                ties += 1
+            mine = out.outputs[0].logprobs[step][token].logprob
+            worst = max(worst, abs(mine - float(logprobs[step, token])))
+    assert worst <= logprob_tol, f"logprob differs by {worst:.2e} > {logprob_tol}"
+    return {"steps": steps, "near_ties": ties, "worst_logprob_diff": worst}
+
+
+def test_gguf_q4_1_equals_transformers_on_dequantized_weights(default_model_path, hf_model,
+                                                               prompt_ids):
+    gguf = conversion_source(default_model_path)
+    assert gguf is not None and gguf.endswith(".gguf")
+    llm = LLM(gguf, quantization="gguf", enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    heads = [m.weight for m in runner.model.modules() if hasattr(m, "weight_qs")]
+    assert len(heads) == 30 * 4 + 1  # qkv, o, gate_up, down per layer; tied embedding
+    assert all(isinstance(w, QuantizedWeight) for w in heads)
+    # Float32 dot products in another order: logprobs agree to ~1e-5 (measured 1.3e-5).
+    stats = _compare(llm, hf_model, prompt_ids, near_tie=1e-3, logprob_tol=1e-4)
+    assert stats["steps"] == 16 * MAX_TOKENS
+
+
+def test_int8_equals_transformers_on_round_tripped_weights(default_model_path, hf_model,
+                                                           prompt_ids):
+    llm = LLM(default_model_path, quantization="int8", enable_prefix_caching=False)
+    hf = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) or name.endswith("embed_tokens"):
+                packed = quantize_q8_0(module.weight)
+                module.weight.copy_(QuantizedWeight("q8_0", packed.qs, packed.scales).dequantize())
+    stats = _compare(llm, hf, prompt_ids[:8], near_tie=1e-3, logprob_tol=1e-4)
+    assert stats["steps"] == 8 * MAX_TOKENS
+
+
+def test_bfloat16_tracks_float32_transformers(default_model_path, hf_model, prompt_ids):
+    # bfloat16 rounds every activation to 8 bits of mantissa: greedy ids follow
+    # float32 transformers except where its top two logits are within 0.25, and
+    # logprobs within 0.25 (measured: see docs/benchmarks.md, CPU section).
+    llm = LLM(default_model_path, dtype="bfloat16", enable_prefix_caching=False)
+    stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=0.25, logprob_tol=0.25)
+    assert stats["steps"] == 8 * MAX_TOKENS
