@@ -7,8 +7,9 @@
 #
 # Needs pip (for `pip download` of the sdist), cmake, make and a C/C++ compiler; no
 # other downloads (the sdist carries vendor/llama.cpp). The build runs under
-# `nice -n 15 make -j2` so that it does not crowd a shared machine. A second run finds
-# the cached binary and only prints its path.
+# `nice -n 15 make -j2` so that it does not crowd a shared machine; an interrupted
+# build resumes where it stopped. A later run finds the cached binary and only prints
+# its path.
 set -euo pipefail
 
 CACHE="${LLAMACPP_CACHE:-${HOME}/.cache/flowengine/llamacpp}"
@@ -23,19 +24,23 @@ if ! ls "${CACHE}"/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
 fi
 SDIST="$(ls -t "${CACHE}"/sdist/llama_cpp_python-*.tar.gz | head -n 1)"
 SRC="${CACHE}/src"
-rm -rf "${SRC}"
-mkdir -p "${SRC}"
-tar -xzf "${SDIST}" -C "${SRC}" --strip-components=1
+if [[ ! -f "${SRC}/.extracted" ]]; then
+    rm -rf "${SRC}"
+    mkdir -p "${SRC}"
+    tar -xzf "${SDIST}" -C "${SRC}" --strip-components=1
+    touch "${SRC}/.extracted"
+fi
 LLAMA="${SRC}/vendor/llama.cpp"
 [[ -f "${LLAMA}/CMakeLists.txt" ]] || { echo "no vendor/llama.cpp in ${SDIST}" >&2; exit 1; }
 
 BUILD="${CACHE}/build"
-rm -rf "${BUILD}"
-# GGML_NATIVE: the instructions of this CPU (AVX512, VNNI, BF16 where present), as a
-# user building llama.cpp here would get. No CURL (no downloads at run time), no tests.
-cmake -S "${LLAMA}" -B "${BUILD}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >&2
+if [[ ! -f "${BUILD}/CMakeCache.txt" ]]; then
+    # GGML_NATIVE: the instructions of this CPU (AVX512, VNNI, BF16 where present), as a
+    # user building llama.cpp here would get. No CURL (no downloads at run time), no tests.
+    cmake -S "${LLAMA}" -B "${BUILD}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >&2
+fi
 nice -n 15 make -C "${BUILD}" -j2 llama-server >&2
 cp "$(find "${BUILD}" -name llama-server -type f -perm -u+x | head -n 1)" "${BIN}"
 echo "${BIN}"

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# FlowEngine against llama.cpp's llama-server on the CPU, same GGUF file, engines run
+# alternately back to back (issue #20; results in docs/benchmarks.md, CPU section).
+#
+#   benchmarks/cpu_serve.sh                  # 3 rounds, the default model's Q4_1 file
+#   RUNS=5 GGUF=/path/model.gguf benchmarks/cpu_serve.sh
+#   NEIGHBOUR=1 benchmarks/cpu_serve.sh      # only the single stream, without and with a
+#                                            # CPU-bound process on core 0
+#   ENGINES=flowengine benchmarks/cpu_serve.sh   # one engine only
+#
+# Per round and engine: single stream 128 in / 128 out (4 requests, TTFT and TPOT), then
+# `flowengine bench serve` at concurrency 4 (16 requests) and 16 (64 requests); after
+# the rounds, offline `flowengine bench throughput` 64 x 128/128 per round (FlowEngine
+# only: llama.cpp has no offline batch mode of its own). Every line of results carries
+# the 1-minute load average at its start. llama-server comes from
+# benchmarks/llamacpp_build.sh (built once, cached); it runs with --parallel 16 and
+# a context of 16 x 512 tokens, -t as FlowEngine's thread count.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS="${RUNS:-3}"
+GGUF="${GGUF:-${HOME}/.cache/flowengine/gguf/SmolLM2-135M-Instruct.Q4_1.gguf}"
+OUT="${OUT:-/tmp/flowengine-cpu-bench}"
+THREADS="${THREADS:-$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')}"
+NEIGHBOUR="${NEIGHBOUR:-0}"
+ENGINES="${ENGINES:-flowengine llamacpp}"
+mkdir -p "${OUT}"
+if [[ " ${ENGINES} " == *" llamacpp "* ]]; then
+    LLAMA_SERVER="$(benchmarks/llamacpp_build.sh)"
+fi
+# The tokenizer FlowEngine made from the GGUF file (for the prompts' token lengths).
+TOKENIZER="$(python3 -c "
+from flowengine.model.resolve import resolve_model
+print(resolve_model('${GGUF}').path)")"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+load() { cut -d' ' -f1 /proc/loadavg; }
+
+wait_ready() {  # url pid
+    for _ in $(seq 1 600); do
+        if curl -sf "$1/v1/models" >/dev/null 2>&1; then return 0; fi
+        kill -0 "$2" 2>/dev/null || { echo "server exited" >&2; return 1; }
+        sleep 0.5
+    done
+    echo "server not ready" >&2; return 1
+}
+
+start_server() {  # engine port -> pid in SERVER_PID
+    if [[ "$1" == flowengine ]]; then
+        python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
+            --cpu-threads "${THREADS}" --max-model-len 512 --disable-log-stats \
+            --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
+    else
+        "${LLAMA_SERVER}" -m "${GGUF}" --host 127.0.0.1 --port "$2" -t "${THREADS}" \
+            --parallel 16 -c 8192 --alias bench >"${OUT}/server-$1.log" 2>&1 &
+    fi
+    SERVER_PID=$!
+}
+
+bench() {  # engine port concurrency num_prompts tag
+    local l; l="$(load)"
+    python3 -m flowengine.entrypoints.cli bench serve --port "$2" --model bench \
+        --tokenizer "${TOKENIZER}" --dataset-name random --random-input-len 128 \
+        --random-output-len 128 --num-prompts "$4" --max-concurrency "$3" --ignore-eos \
+        --seed 0 --disable-tqdm --result-file "${OUT}/$5.json" >"${OUT}/$5.txt" 2>&1
+    python3 - "$1" "$3" "${l}" "${OUT}/$5.json" <<'EOF'
+import json, sys
+engine, conc, load, path = sys.argv[1:]
+r = json.load(open(path))
+def g(*names):
+    for n in names:
+        if n in r:
+            return r[n]
+    return float("nan")
+print(f"{engine:10s} c={conc:>2s} load={load:>5s} out_tok/s={g('output_throughput'):8.1f} "
+      f"TTFT_med_ms={g('median_ttft_ms'):8.1f} TPOT_med_ms={g('median_tpot_ms'):7.2f} "
+      f"failed={g('failed', 'num_failed')}")
+EOF
+}
+
+run_engine() {  # engine round
+    local port; port="$(free_port)"
+    start_server "$1" "${port}"
+    wait_ready "http://127.0.0.1:${port}" "${SERVER_PID}"
+    # warm-up (first-call costs are not part of any figure)
+    bench "$1" "${port}" 1 2 "warm-$1-$2" >/dev/null
+    if [[ "${NEIGHBOUR}" == 1 ]]; then
+        bench "$1" "${port}" 1 4 "c1-$1-$2"
+        taskset -c 0 python3 -c 'while True: pass' & local spin=$!
+        sleep 1
+        echo -n "[neighbour on core 0] "; bench "$1" "${port}" 1 4 "c1n-$1-$2"
+        kill "${spin}"; wait "${spin}" 2>/dev/null || true
+    else
+        bench "$1" "${port}" 1 4 "c1-$1-$2"
+        bench "$1" "${port}" 4 16 "c4-$1-$2"
+        bench "$1" "${port}" 16 64 "c16-$1-$2"
+    fi
+    kill "${SERVER_PID}"; wait "${SERVER_PID}" 2>/dev/null || true
+}
+
+echo "# benchmarks/cpu_serve.sh RUNS=${RUNS} THREADS=${THREADS} NEIGHBOUR=${NEIGHBOUR} GGUF=${GGUF}"
+echo "# $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores"
+for round in $(seq 1 "${RUNS}"); do
+    echo "## round ${round}"
+    # Alternate which engine goes first, so that neither always meets the same load.
+    order="${ENGINES}"
+    if (( round % 2 == 0 )); then order="$(echo "${ENGINES}" | tr ' ' '\n' | tac | xargs)"; fi
+    for engine in ${order}; do run_engine "${engine}" "${round}"; done
+done
+if [[ "${NEIGHBOUR}" != 1 ]]; then
+    echo "## offline: flowengine bench throughput, 64 x 128/128"
+    for round in $(seq 1 "${RUNS}"); do
+        l="$(load)"
+        echo -n "flowengine offline load=${l} "
+        python3 -m flowengine.entrypoints.cli bench throughput --model "${GGUF}" \
+            --cpu-threads "${THREADS}" --num-prompts 64 --input-len 128 --output-len 128 \
+            2>/dev/null | grep -i "tok/s\|tokens/s\|throughput" | tr '\n' ' '
+        echo
+    done
+fi
