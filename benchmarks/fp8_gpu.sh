@@ -13,7 +13,8 @@ mkdir -p "$out"
 say() { echo "$*" | tee -a "$out/summary.md"; }
 say "## FP8 tests ($(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader))"
 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/quantization \
-  tests/kernels/test_kernel_fp8_kv_cache.py tests/kernels/test_kernel_reshape_and_cache.py \
+  tests/kernels/test_kernel_fp8_kv_cache.py tests/kernels/test_kernel_fp8_linear.py \
+  tests/kernels/test_kernel_compile_sm90.py tests/kernels/test_kernel_reshape_and_cache.py \
   tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_decode_attention.py \
   >"$out/tests.log" 2>&1
 grep -E "greedy tokens equal|passed|failed|Error" "$out/tests.log" | tail -12 | tee -a "$out/summary.md"

@@ -42,7 +42,8 @@ MAX_TOKENS = 16
 MIN_IDENTICAL = 0.97
 FP8_L2_TOL = 0.15
 ENGINE_ARGS = dict(dtype="bfloat16", device="cuda", max_model_len=1024,
-                   max_num_batched_tokens=256, max_num_seqs=64, num_kv_blocks=4096, seed=0)
+                   max_num_batched_tokens=256, max_num_seqs=64, num_kv_blocks=4096, seed=0,
+                   max_logprobs=-1)
 MODES = {"fp8 weights": dict(quantization="fp8"), "fp8 kv cache": dict(kv_cache_dtype="fp8"),
          "fp8 weights + kv": dict(quantization="fp8", kv_cache_dtype="fp8")}
 

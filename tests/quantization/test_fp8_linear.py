@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from flowengine.model.layers.fp8 import (
     FP8_DTYPE,
+    W8A16_MAX_M,
     Fp8Linear,
     fp8_linear,
     quantize_model_fp8_,
@@ -41,19 +42,24 @@ def test_quantize_rowwise_scale_and_error() -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp8_linear_matches_float32_reference(bias: bool) -> None:
-    torch.manual_seed(0)
+@pytest.mark.parametrize("rows", [7, 100])  # weight-only (<= 64 rows) and W8A8
+def test_fp8_linear_matches_float32_reference(bias: bool, rows: int) -> None:
     w = torch.randn(96, 256) * 0.05
     b = torch.randn(96) if bias else None
     layer = Fp8Linear(w, b, row_parallel=False)
-    x = torch.randn(7, 256)
+    x = torch.randn(rows, 256)
     got = layer(x)
-    want = reference_fp8_linear(x, layer)
-    # Same quantized operands; only the GEMM's summation order differs.
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # Against the unquantized layer: each operand carries E4M3's rounding (<= 2**-4
-    # relative, ~2**-4 / sqrt(3) RMS), so the output's relative RMS error stays well
-    # under 2**-4.
+    w_deq = layer.weight.float() * layer.weight_scale[:, None]
+    if rows <= W8A16_MAX_M:
+        x_used = x  # activations as they are
+    else:
+        xq, x_scale = quantize_rowwise(x)
+        x_used = xq.float() * x_scale
+        assert not torch.equal(x_used, x)
+    torch.testing.assert_close(got, F.linear(x_used, w_deq, b), rtol=1e-5, atol=1e-5)
+    # Against the unquantized layer: each quantized operand carries E4M3's rounding
+    # (<= 2**-4 relative, ~2**-4 / sqrt(3) RMS), so the output's relative RMS error
+    # stays under 2**-4.
     exact = F.linear(x, w, b)
     rel = (got - exact).norm() / exact.norm()
     assert rel < E4M3_UNIT_ROUNDOFF, rel
@@ -62,9 +68,9 @@ def test_fp8_linear_matches_float32_reference(bias: bool) -> None:
 def test_fp8_linear_bf16_keeps_dtype_and_leading_dims() -> None:
     w = torch.randn(32, 64)
     layer = Fp8Linear(w.bfloat16(), None, row_parallel=True)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 40, 64, dtype=torch.bfloat16)  # 80 rows: the W8A8 path
     out = layer(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 32)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 40, 32)
     want = reference_fp8_linear(x.float(), layer)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)  # one bf16 rounding
 

@@ -2,16 +2,18 @@
 
 `--quantization fp8` quantizes a bf16/fp16/fp32 checkpoint at load time, as vLLM's
 online `fp8` method does: each linear layer's weight becomes float8_e4m3fn with one
-float32 scale per output channel (row), and each GEMM input is quantized per token
-(row) just before the GEMM, so both operands use Hopper's FP8 tensor cores through
-`torch._scaled_mm` with row-wise scales:
+float32 scale per output channel (row). A GEMM of many rows quantizes its input per
+token (row) just before the GEMM, so both operands use Hopper's FP8 tensor cores
+through `torch._scaled_mm` with row-wise scales (W8A8):
 
     y[t, o] = (sum_i xq[t, i] * wq[o, i]) * x_scale[t] * w_scale[o] (+ bias[o])
 
 where xq = round_e4m3(x / x_scale), x_scale[t] = max_i |x[t, i]| / 448 (448 is the
 largest finite E4M3 value), and likewise for each weight row. Per-channel weight and
 per-token activation scaling is the "FP8 dynamic" recipe of vLLM / llm-compressor
-(Micikevicius et al. 2022, "FP8 Formats for Deep Learning", for the format).
+(Micikevicius et al. 2022, "FP8 Formats for Deep Learning", for the format). A GEMM of
+few rows (decode at small batch, memory-bound on the weights) keeps its input as it is
+and widens the E4M3 weights in registers instead (W8A16; see `fp8_linear`).
 
 Embeddings, the LM head and norms stay in the model dtype (vLLM leaves `lm_head`
 unquantized too). MoE experts are not quantized here (they keep their dtype).
@@ -62,31 +64,71 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scale
 
 
+# Up to this many rows (tokens) a GEMM is memory-bound on the weights: the weight-only
+# kernel (E4M3 weights widened in registers, activations as they are) reads half of
+# bf16's bytes and skips the activation quantization; more rows go to the W8A8 GEMM on
+# the FP8 tensor cores. Same value as flowengine.kernels.fp8_linear.W8A16_MAX_M.
+W8A16_MAX_M = 64
+
+
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) with x quantized per token to E4M3 on the fly.
+    """y = x W^T (+ b) with an E4M3 weight.
+
+    T = the number of rows of x (its leading dimensions flattened):
+    - T <= W8A16_MAX_M: weight-only (W8A16): y = x (W_e4m3 * w_scale)^T;
+    - T > W8A16_MAX_M: W8A8: x quantized per token to E4M3, then the FP8 GEMM with
+      row-wise scales (module docstring).
+    On CUDA these are the Triton kernels of flowengine.kernels.fp8_linear and
+    `torch._scaled_mm`; on the CPU (no FP8 hardware) the same arithmetic in float32
+    (`fp8_linear_reference`).
 
     Args:
-        x: [T, in] float32/float16/bfloat16 (any leading shape is flattened to T).
-        weight_fp8: [out, in] float8_e4m3fn, row-major.
-        weight_scale: [out] float32 (or [out, 1]), one scale per output channel.
+        x: [..., in] float32/float16/bfloat16.
+        weight_fp8: [out, in] float8_e4m3fn, contiguous.
+        weight_scale: [out] float32, one scale per output channel.
         bias: [out] in x's dtype, or None.
 
     Returns:
-        [..., out] in x's dtype. Padding rows are computed like any other.
+        [..., out] in x's dtype.
 
     Raises:
-        RuntimeError: from `torch._scaled_mm` on a device without FP8 GEMMs (check
-            `fp8_supported` first), or when `in`/`out` are not multiples of 16 on CUDA.
+        RuntimeError: from `torch._scaled_mm` on a CUDA device without FP8 GEMMs (check
+            `fp8_supported` first).
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, x_scale = quantize_rowwise(x2)
-    out = torch._scaled_mm(
-        xq, weight_fp8.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
-        bias=bias, out_dtype=x.dtype,
-    )
+    if not x.is_cuda:
+        out = fp8_linear_reference(x2, weight_fp8, weight_scale, bias).to(x.dtype)
+    elif x2.shape[0] <= W8A16_MAX_M:
+        from flowengine.kernels.fp8_linear import fp8_w8a16_gemm
+
+        out = fp8_w8a16_gemm(x2, weight_fp8, weight_scale, bias)
+    else:
+        from flowengine.kernels.fp8_linear import per_token_quant_fp8
+
+        xq, x_scale = per_token_quant_fp8(x2)
+        out = torch._scaled_mm(xq, weight_fp8.t(), scale_a=x_scale,
+                               scale_b=weight_scale.reshape(1, -1), bias=bias,
+                               out_dtype=x.dtype)
     return out.reshape(*shape[:-1], weight_fp8.shape[0])
+
+
+def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor,
+                         weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """`fp8_linear`'s arithmetic in float32: x [T, in] -> [T, out] float32.
+
+    The weight is dequantized (E4M3 value x its row's scale, exact in float32); for
+    T > W8A16_MAX_M x is first quantized per token (`quantize_rowwise`) and dequantized.
+    """
+    w = weight_fp8.float() * weight_scale.reshape(-1, 1)
+    xf = x.float()
+    if xf.shape[0] > W8A16_MAX_M:
+        xq, x_scale = quantize_rowwise(xf)
+        xf = xq.float() * x_scale
+    out = F.linear(xf, w)
+    return out if bias is None else out + bias.float()
 
 
 class Fp8Linear(nn.Module):
@@ -165,11 +207,7 @@ def quantize_model_fp8_(model: nn.Module, device: torch.device) -> int:
 
 
 def reference_fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
-    """Float32 reference of `Fp8Linear` for tests: the same per-token quantization of x,
-    then a float32 GEMM on the dequantized operands. [T, in] -> [T, out] float32."""
-    xq, x_scale = quantize_rowwise(x.reshape(-1, x.shape[-1]))
-    xd = xq.float() * x_scale
-    out = F.linear(xd, layer.dequantized_weight(torch.float32))
-    if layer.bias is not None:
-        out = out + layer.bias.float()
+    """Float32 reference of an `Fp8Linear` for tests: [..., in] -> [..., out] float32."""
+    out = fp8_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale,
+                               layer.bias)
     return out.reshape(*x.shape[:-1], layer.out_features)
