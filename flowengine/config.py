@@ -19,9 +19,13 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-# Weight quantization (CPU): "gguf" keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks, "int8"
-# quantizes a float checkpoint's linear layers at load (weight-only).
-Quantization = Literal["gguf", "int8"]
+# Weight quantization applied at load (vLLM's --quantization); None: weights as loaded
+# (except GGUF weights on the CPU, which stay "gguf"). fp8: E4M3 W8A8 (CUDA); gguf:
+# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU).
+Quantization = Literal["fp8", "gguf", "int8"]
+# KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" and
+# "fp8_e4m3" (the same on CUDA and CPU here) = float8_e4m3fn with scale 1.0.
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 # KV-cache budget on the CPU when the user gives none: enough for a few thousand
 # tokens of a small model, small enough for a 24 GiB CI machine.
@@ -46,6 +50,8 @@ class EngineArgs:
     download_dir: str | None = None
     dtype: Dtype = "auto"
     load_format: LoadFormat = "auto"
+    quantization: Quantization | None = None
+    kv_cache_dtype: KVCacheDtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -80,9 +86,6 @@ class EngineArgs:
     # Jinja chat template (a file path or the template text) instead of the tokenizer's
     # (vLLM's --chat-template; flowengine/tokenize/chat.py load_chat_template).
     chat_template: str | None = None
-    # None: float weights, except GGUF weights on the CPU, which stay quantized ("gguf",
-    # as vLLM does for a GGUF file). See Quantization.
-    quantization: Quantization | None = None
     # Intra-op threads of a CPU executor; None: the cores this process may use
     # (affinity, cgroup CPU quota), shared among the tensor-parallel ranks.
     cpu_threads: int | None = None
@@ -161,6 +164,7 @@ class EngineArgs:
             ("device", Device),
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
+            ("kv_cache_dtype", KVCacheDtype),
         ):
             value = getattr(self, name)
             if value not in allowed.__args__:

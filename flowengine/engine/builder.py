@@ -93,10 +93,10 @@ def _resolve_quantization(args: EngineArgs, device: str, gguf_file: str | None) 
     if (quantization is None and device == "cpu" and gguf_file is not None
             and args.load_format in ("auto", "gguf") and kernels_available()):
         quantization = "gguf"
-    if quantization is not None and device != "cpu":
+    if quantization in ("gguf", "int8") and device != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only; on {device} "
-                         "leave --quantization unset")
-    if quantization is not None and not kernels_available():
+                         "leave --quantization unset (GGUF weights are dequantized there)")
+    if quantization in ("gguf", "int8") and not kernels_available():
         raise ValueError(f"quantization {quantization!r} needs FlowEngine's C extension "
                          "flowengine._cpu_ops, which is not built; reinstall with a C compiler "
                          "(pip install -e .)")
@@ -250,8 +250,9 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     torch.manual_seed(args.seed)
     dtype = getattr(torch, resolved.dtype)
     tp = SINGLE_RANK if tp is None else tp
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
-                                                     dtype, tp.world_size)
+                                                     kv_dtype, tp.world_size)
     runner_kwargs: dict[str, Any] = dict(
         device=torch.device(resolved.device),
         dtype=dtype,
@@ -261,11 +262,12 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         tp=tp,
+        quantization=args.quantization,
+        kv_cache_dtype=kv_dtype,
     )
     if resolved.device == "cpu":
         from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
 
-        runner_kwargs["quantization"] = args.quantization
         # A multiproc placement leaves a core to the engine and frontend processes.
         setup_cpu_threads(args.cpu_threads, tp.world_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
@@ -281,13 +283,14 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     # the user set that the cache cannot hold stops start-up here with what to change.
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     logger.info(
-        "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens",
+        "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens (KV cache %s)",
         resolved.served_model_names[0],
         resolved.device,
         resolved.dtype,
         f", {args.quantization} weights" if args.quantization else "",
         cache_config.num_blocks,
         args.block_size,
+        str(kv_dtype).removeprefix("torch."),
     )
     return Executor(runner), cache_config.num_blocks
 

@@ -31,10 +31,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "--quantization",
         "-q",
         default=None,
-        choices=["gguf", "int8"],
-        help="CPU weight quantization: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (the "
-        "default for GGUF weights on the CPU), int8 quantizes a float checkpoint's linear "
-        "layers at load (weight-only, per 32 weights)",
+        choices=["fp8", "gguf", "int8"],
+        help="quantize weights at load: fp8 = E4M3 weights with per-channel scales and "
+        "per-token dynamic activation scales (FP8 GEMMs; CUDA compute capability >= 8.9); "
+        "gguf (CPU) = keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (the default for GGUF "
+        "weights on the CPU); int8 (CPU) = weight-only int8 per 32 weights of a float "
+        "checkpoint",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache element type: auto = the model dtype; fp8/fp8_e4m3 = float8_e4m3fn "
+        "(scale 1.0), half the bytes of bf16, so twice the KV blocks",
     )
     g.add_argument(
         "--cpu-threads",

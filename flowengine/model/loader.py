@@ -66,19 +66,22 @@ def load_model(
             name, then sliced, so every tensor-parallel size gets the same model).
         dtype: parameter dtype. device: where parameters live.
         attn_backend: defaults to get_attn_backend(device).
-        quantization: None (float weights), "gguf" (keep the GGUF file's Q4_0 / Q4_1 /
-            Q8_0 blocks; load_format must resolve to "gguf") or "int8" (weight-only,
-            quantized after loading). Both need device "cpu".
+        quantization: None (float weights); "fp8": after loading, every linear layer
+            except the LM head becomes an E4M3 `Fp8Linear` (flowengine/model/layers/fp8.py);
+            "gguf" (CPU): keep the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (load_format
+            must resolve to "gguf"); "int8" (CPU): weight-only, quantized after loading.
 
     Raises:
-        ValueError: unknown load_format or quantization, no weight files, or checkpoint
+        ValueError: unknown load_format or quantization, no weight files, checkpoint
             tensors that are missing / unexpected / of the wrong shape (listed in the
-            message).
+            message), quantization="fp8" on a device without FP8 GEMMs, or "gguf" /
+            "int8" off the CPU.
     """
     device = torch.device(device)
-    if quantization not in (None, "gguf", "int8"):
-        raise ValueError(f"quantization must be None, 'gguf' or 'int8', got {quantization!r}")
-    if quantization is not None and device.type != "cpu":
+    if quantization not in (None, "fp8", "gguf", "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}; supported: 'fp8', 'gguf', "
+                         "'int8'")
+    if quantization in ("gguf", "int8") and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only; on "
                          f"{device.type} leave it unset (the weights are dequantized)")
     if attn_backend is None:
@@ -124,6 +127,10 @@ def load_model(
     if quantization == "int8":
         _quantize_int8(model)
     model.requires_grad_(False)
+    if quantization == "fp8":
+        from flowengine.model.layers.fp8 import quantize_model_fp8_
+
+        quantize_model_fp8_(model, device)
     return model.eval()
 
 
