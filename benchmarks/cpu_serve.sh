@@ -9,12 +9,14 @@
 #   ENGINES=flowengine benchmarks/cpu_serve.sh   # one engine only
 #
 # Per round and engine: single stream 128 in / 128 out (4 requests, TTFT and TPOT), then
-# `flowengine bench serve` at concurrency 4 (16 requests) and 16 (64 requests); after
+# `flowengine bench serve` at concurrency 4 (C4_PROMPTS requests, default 16) and 16
+# (C16_PROMPTS, default 64); after
 # the rounds, offline `flowengine bench throughput` 64 x 128/128 per round (FlowEngine
 # only: llama.cpp has no offline batch mode of its own). Every line of results carries
 # the 1-minute load average at its start. llama-server comes from
 # benchmarks/llamacpp_build.sh (built once, cached); it runs with --parallel 16 and
-# a context of 16 x 512 tokens, -t as FlowEngine's thread count.
+# a context of 16 x 512 tokens, -t as FlowEngine's thread count, plus $LLAMA_ARGS (e.g.
+# "--poll 0": its threads sleep instead of polling while they wait).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +26,9 @@ OUT="${OUT:-/tmp/flowengine-cpu-bench}"
 THREADS="${THREADS:-$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')}"
 NEIGHBOUR="${NEIGHBOUR:-0}"
 ENGINES="${ENGINES:-flowengine llamacpp}"
+C1_PROMPTS="${C1_PROMPTS:-4}"
+C4_PROMPTS="${C4_PROMPTS:-16}"
+C16_PROMPTS="${C16_PROMPTS:-64}"
 mkdir -p "${OUT}"
 if [[ " ${ENGINES} " == *" llamacpp "* ]]; then
     LLAMA_SERVER="$(benchmarks/llamacpp_build.sh)"
@@ -52,7 +57,7 @@ start_server() {  # engine port -> pid in SERVER_PID
             --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     else
         "${LLAMA_SERVER}" -m "${GGUF}" --host 127.0.0.1 --port "$2" -t "${THREADS}" \
-            --parallel 16 -c 8192 --alias bench >"${OUT}/server-$1.log" 2>&1 &
+            --parallel 16 -c 8192 --alias bench ${LLAMA_ARGS:-} >"${OUT}/server-$1.log" 2>&1 &
     fi
     SERVER_PID=$!
 }
@@ -72,9 +77,10 @@ def g(*names):
         if n in r:
             return r[n]
     return float("nan")
-print(f"{engine:10s} c={conc:>2s} load={load:>5s} out_tok/s={g('output_throughput'):8.1f} "
-      f"TTFT_med_ms={g('median_ttft_ms'):8.1f} TPOT_med_ms={g('median_tpot_ms'):7.2f} "
-      f"failed={g('failed', 'num_failed')}")
+lat = r["latency"]
+print(f"{engine:10s} c={conc:>2s} load={load:>5s} out_tok/s={r['output_throughput']:8.1f} "
+      f"TTFT_med_ms={lat['ttft']['median_ms']:8.1f} TPOT_med_ms={lat['tpot']['median_ms']:7.2f} "
+      f"failed={r['failed']}")
 EOF
 }
 
@@ -85,15 +91,15 @@ run_engine() {  # engine round
     # warm-up (first-call costs are not part of any figure)
     bench "$1" "${port}" 1 2 "warm-$1-$2" >/dev/null
     if [[ "${NEIGHBOUR}" == 1 ]]; then
-        bench "$1" "${port}" 1 4 "c1-$1-$2"
+        bench "$1" "${port}" 1 "${C1_PROMPTS}" "c1-$1-$2"
         taskset -c 0 python3 -c 'while True: pass' & local spin=$!
         sleep 1
-        echo -n "[neighbour on core 0] "; bench "$1" "${port}" 1 4 "c1n-$1-$2"
+        echo -n "[neighbour on core 0] "; bench "$1" "${port}" 1 "${C1_PROMPTS}" "c1n-$1-$2"
         kill "${spin}"; wait "${spin}" 2>/dev/null || true
     else
-        bench "$1" "${port}" 1 4 "c1-$1-$2"
-        bench "$1" "${port}" 4 16 "c4-$1-$2"
-        bench "$1" "${port}" 16 64 "c16-$1-$2"
+        bench "$1" "${port}" 1 "${C1_PROMPTS}" "c1-$1-$2"
+        bench "$1" "${port}" 4 "${C4_PROMPTS}" "c4-$1-$2"
+        bench "$1" "${port}" 16 "${C16_PROMPTS}" "c16-$1-$2"
     fi
     kill "${SERVER_PID}"; wait "${SERVER_PID}" 2>/dev/null || true
 }
@@ -107,7 +113,7 @@ for round in $(seq 1 "${RUNS}"); do
     if (( round % 2 == 0 )); then order="$(echo "${ENGINES}" | tr ' ' '\n' | tac | xargs)"; fi
     for engine in ${order}; do run_engine "${engine}" "${round}"; done
 done
-if [[ "${NEIGHBOUR}" != 1 ]]; then
+if [[ "${NEIGHBOUR}" != 1 && "${OFFLINE:-1}" == 1 ]]; then
     echo "## offline: flowengine bench throughput, 64 x 128/128"
     for round in $(seq 1 "${RUNS}"); do
         l="$(load)"
