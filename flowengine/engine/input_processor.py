@@ -24,6 +24,7 @@ Conversation = list[dict[str, Any]]
 # travel with the messages as {"messages": [...], "chat_template_kwargs": {...}, ...}.
 CHAT_OPTIONS = (
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+    "tools",
 )  # fmt: skip
 
 
@@ -123,6 +124,7 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """Apply the chat template to one conversation: (text, token ids).
 
@@ -146,6 +148,7 @@ class InputProcessor:
             continue_final_message=continue_final_message,
             chat_template=chat_template or self.chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self.tokenizer.decode(ids), ids
 
