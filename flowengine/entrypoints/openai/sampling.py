@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -256,6 +258,15 @@ def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, Any]]:
                 raise bad_request(
                     "only assistant messages carry tool_calls", f"messages[{i}].tool_calls"
                 )
+            for j, c in enumerate(m.tool_calls):
+                try:  # templates get the arguments as an object (tokenize/chat.py)
+                    if c.function.arguments.strip():
+                        orjson.loads(c.function.arguments)
+                except orjson.JSONDecodeError as err:
+                    raise bad_request(
+                        f"the arguments of a tool call must be JSON text of an object: {err}",
+                        f"messages[{i}].tool_calls[{j}].function.arguments",
+                    ) from None
             message["tool_calls"] = [
                 {"id": c.id, "type": c.type,
                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
