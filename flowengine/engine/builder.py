@@ -213,6 +213,8 @@ def make_structured_output_manager(resolved: ResolvedEngine):
     (in a compile thread), so an engine that never sees one never loads it."""
     from flowengine.structured_outputs.manager import StructuredOutputManager
 
+    if resolved.model_config is None:
+        return None  # a scheduler built without a model (tests): no vocabulary to mask
     return StructuredOutputManager(
         resolved.args.structured_outputs_backend,
         vocab_size=resolved.model_config.vocab_size,
