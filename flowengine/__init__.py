@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowengine.config import EngineArgs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 from flowengine.version import __version__
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

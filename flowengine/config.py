@@ -19,6 +19,7 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 
 # KV-cache budget on the CPU when the user gives none: enough for a few thousand
 # tokens of a small model, small enough for a 24 GiB CI machine.
@@ -60,6 +61,8 @@ class EngineArgs:
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
+    # Grammar library for structured outputs (vLLM's --structured-outputs-backend).
+    structured_outputs_backend: StructuredOutputsBackend = "auto"
     served_model_name: tuple[str, ...] = field(default_factory=tuple)
     # No periodic stats line (engine/stat_logger.py); LLM() turns it off by default.
     disable_log_stats: bool = False
@@ -147,6 +150,7 @@ class EngineArgs:
             ("device", Device),
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
+            ("structured_outputs_backend", StructuredOutputsBackend),
         ):
             value = getattr(self, name)
             if value not in allowed.__args__:

@@ -66,6 +66,9 @@ class InputProcessor:
         chat_template: template text used instead of the tokenizer's (`--chat-template`).
         default_sampling_params: the model's sampling defaults (generation_config.json,
             flowengine/model/generation_config.py), as SamplingParams keyword arguments.
+        structured_outputs_backend: the engine's --structured-outputs-backend; a
+            request's structured_outputs is checked against it here (ValueError naming
+            the field, before the request enters the engine).
     """
 
     def __init__(
@@ -79,8 +82,10 @@ class InputProcessor:
         max_logprobs: int = 20,
         chat_template: str | None = None,
         default_sampling_params: dict[str, Any] | None = None,
+        structured_outputs_backend: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.chat_template = chat_template
         self.default_sampling_params = dict(default_sampling_params or {})
         self.extra_eos_token_ids = extra_eos_token_ids
@@ -273,6 +278,11 @@ class InputProcessor:
                     f"{what} exceeds max_logprobs={self.max_logprobs}; ask for fewer or "
                     "raise max_logprobs (-1: no limit)"
                 )
+        if params.structured_outputs is not None:
+            from flowengine.structured_outputs.validate import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs,
+                                        self.structured_outputs_backend)
         for name in ("allowed_token_ids", "logit_bias"):
             value = getattr(params, name)
             bad = [t for t in (value or ()) if not 0 <= t < self.vocab_size]

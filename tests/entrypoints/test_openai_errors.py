@@ -49,7 +49,8 @@ def test_invalid_json(http):
         ({"messages": HELLO, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
         ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools[0]",
          "missing required field `function`"),
-        ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", ""),
+        ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format.type", "xml"),
+        ({"messages": HELLO, "guided_regex": "a("}, "guided_regex", "parenthesis is not closed"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",

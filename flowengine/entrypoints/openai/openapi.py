@@ -89,8 +89,6 @@ def build_openapi(
     if "TextPart" in components:
         components["TextPart"] = {**TEXT_PART, "description": components["TextPart"].get(
             "description", "")}  # fmt: skip
-    if "ResponseFormat" in components:
-        components["ResponseFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

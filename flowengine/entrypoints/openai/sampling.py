@@ -20,7 +20,7 @@ from flowengine.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
 DEFAULT_MAX_LOGPROBS = 20
@@ -163,6 +163,78 @@ def _common(req: SamplingFields, defaults: dict[str, Any] | None = None) -> dict
     return fields
 
 
+# vLLM's backend names (guided_decoding_backend is checked against them, then ignored).
+VLLM_BACKEND_NAMES = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+
+def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from `response_format`, `structured_outputs` or the
+    `guided_*` fields (at most one of them), checked before anything is generated.
+
+    Raises APIError(400) naming the field: two constraints at once, an invalid schema,
+    regex or grammar, or a schema keyword no backend supports (validate.py).
+    """
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in VLLM_BACKEND_NAMES:
+        raise bad_request(f"guided_decoding_backend must be one of {list(VLLM_BACKEND_NAMES)}, "
+                          f"got {backend!r}", "guided_decoding_backend")
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise bad_request("response_format of type json_schema needs "
+                                  "json_schema.schema (a JSON schema object)",
+                                  "response_format.json_schema.schema")
+            found.append(("response_format.json_schema.schema",
+                          {"json": fmt.json_schema.schema}))
+        else:  # structural_tag: vLLM's `format`, or the older structures + triggers
+            if fmt.format is not None:
+                tag: dict[str, Any] = {"type": "structural_tag", "format": fmt.format}
+            elif fmt.structures is not None and fmt.triggers is not None:
+                tag = {"type": "structural_tag", "structures": fmt.structures,
+                       "triggers": fmt.triggers}
+            else:
+                raise bad_request("response_format of type structural_tag needs format, or "
+                                  "structures and triggers", "response_format")
+            found.append(("response_format", {"structural_tag": tag}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        fields = {f: getattr(so, f) for f in so.__struct_fields__}
+        found.append(("structured_outputs", fields))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"give one structured-output constraint, not several ({names})",
+                          found[1][0])
+    field, fields = found[0]
+    try:
+        params = StructuredOutputsParams(**fields)
+    except ValueError as err:
+        message = str(err)
+        if field != "structured_outputs":
+            message = message.replace("structured_outputs must set", f"{field} must set")
+            for kind in fields:
+                message = message.replace(f"structured_outputs.{kind}", field)
+        raise bad_request(message, field) from None
+    from flowengine.structured_outputs.validate import validate_structured_outputs
+
+    try:
+        validate_structured_outputs(
+            params, field=None if field == "structured_outputs" else field)
+    except ValueError as err:
+        raise bad_request(str(err), field) from None
+    return params
+
+
 def _build(fields: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**fields)
@@ -186,6 +258,7 @@ def completion_params(
     fields = _common(req, defaults)
     fields["max_tokens"] = _max_tokens(req.max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
+    fields["structured_outputs"] = structured_outputs_params(req)
     if req.echo and req.logprobs is not None:
         # The echoed prompt tokens come with their logprobs (vLLM: prompt_logprobs =
         # logprobs unless prompt_logprobs asks for more).
@@ -211,11 +284,6 @@ def chat_params(
             "functions (OpenAI's deprecated form) is not supported; send them as tools",
             "functions",
         )
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {req.response_format.type!r} is not supported; use 'text'",
-            "response_format",
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     fields = _common(req, defaults)
@@ -224,6 +292,7 @@ def chat_params(
     fields["max_tokens"] = _max_tokens(requested, defaults or {})
     if req.logprobs:
         fields["logprobs"] = req.top_logprobs or 0
+    fields["structured_outputs"] = structured_outputs_params(req)
     return _build(fields)
 
 

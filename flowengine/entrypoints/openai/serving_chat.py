@@ -48,7 +48,7 @@ from flowengine.entrypoints.openai.tool_parsers.request import (
     tool_choice_schema,
 )
 from flowengine.outputs import CompletionOutput
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Makes a choice's parser from the prompt text; None: plain content.
 ParserFactory = Callable[[str | None], ChoiceParser] | None
@@ -193,9 +193,24 @@ def _tool_params(
 
 
 def _schema_constraint(params: SamplingParams, schema: dict[str, Any]) -> dict[str, Any]:
-    """SamplingParams changes that constrain the output to `schema` (none until the
-    engine has structured outputs)."""
-    return {}
+    """SamplingParams changes that constrain the output to the tool choice's `schema`.
+    Raises APIError(400): another constraint is set too, or a tool's parameters use a
+    schema feature the grammar backends cannot compile (named in the message)."""
+    if params.structured_outputs is not None:
+        raise bad_request(
+            "tool_choice 'required' or a named function constrains the output to the "
+            "tools' schemas; it cannot be combined with response_format or another "
+            "structured-output constraint",
+            "tool_choice",
+        )
+    from flowengine.structured_outputs.validate import validate_structured_outputs
+
+    constraint = StructuredOutputsParams(json=schema)
+    try:
+        validate_structured_outputs(constraint, field="tools")
+    except ValueError as err:
+        raise bad_request(str(err), "tools") from None
+    return {"structured_outputs": constraint}
 
 
 def _choice_body(
