@@ -17,7 +17,7 @@ splits are equal. Pure logic.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 START, END = "<think>", "</think>"
 
@@ -81,6 +81,26 @@ class ThinkReasoningParser:
         if self._mode == "reasoning":
             return rest, ""
         return "", rest
+
+    @classmethod
+    def gated_structural_tag(cls, json_schema: dict[str, Any]) -> dict[str, Any]:
+        """xgrammar's structural tag that lets the model reason before a JSON
+        constraint applies: an optional `<think>...</think>` block (the whole text up to
+        `</think>` for `always_reasoning`), whitespace, then JSON valid against
+        `json_schema`. A structured output thus constrains only the content.
+
+        NOTE: a qwen3 prompt that opens `<think>` itself is not seen here (the template
+        is rendered later): the output must then open its own block or start the JSON.
+        """
+        value = {"type": "json_schema", "json_schema": json_schema}
+        space = {"type": "regex", "pattern": "[ \\t\\r\\n]*"}
+        think = {"type": "tag", "begin": "" if cls.always_reasoning else START,
+                 "content": {"type": "any_text"}, "end": END}
+        after_thinking = {"type": "sequence", "elements": [think, space, value]}
+        if cls.always_reasoning:
+            return {"type": "structural_tag", "format": after_thinking}
+        return {"type": "structural_tag", "format": {"type": "or",
+                                                      "elements": [after_thinking, value]}}
 
     @classmethod
     def extract(cls, text: str, prompt: str | None = None) -> tuple[str | None, str | None]:

@@ -3,6 +3,7 @@ outputs, and streamed splits equal to the non-streamed one however the text is c
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -66,3 +67,24 @@ def test_registry():
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'.*deepseek_r1, qwen3"):
         get_reasoning_parser("o1")
+
+
+@pytest.mark.parametrize(
+    ("cls", "accepted", "refused"),
+    [
+        (QWEN3, ['{"a": 1}', '<think>hmm, {x}</think>\n\n{"a": 1}'],
+         ['hmm</think>{"a": 1}', "no json", '{"a": "x"}']),
+        (R1, ['hmm</think>{"a": 1}', '<think>hmm</think>\n{"a": 1}'],
+         ['{"a": 1}', 'hmm</think>no json']),
+    ],
+)
+def test_json_constraint_applies_after_the_think_block(cls, accepted, refused):
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(cls.gated_structural_tag(schema)))
+    for text in accepted:
+        assert _is_grammar_accept_string(grammar, text), text
+    for text in refused:
+        assert not _is_grammar_accept_string(grammar, text), text

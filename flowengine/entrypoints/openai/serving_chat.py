@@ -23,6 +23,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
+
 from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, join_choice
 from flowengine.entrypoints.openai.asgi import (
@@ -48,6 +50,7 @@ from flowengine.entrypoints.openai.tool_parsers.request import (
     tool_choice_schema,
 )
 from flowengine.outputs import CompletionOutput
+from flowengine.reasoning import ThinkReasoningParser, get_reasoning_parser
 from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Makes a choice's parser from the prompt text; None: plain content.
@@ -90,6 +93,8 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         req.tools, req.tool_choice, req.parallel_tool_calls, auto_enabled=parsing.auto_enabled
     )
     params = _tool_params(params, choice, parsing.tool_parser_class(choice))
+    if parsing.reasoning_parser is not None:
+        params = _after_reasoning(params, get_reasoning_parser(parsing.reasoning_parser))
     make_parser = parsing.parser_factory(choice)
     messages = chat_messages(req)
     # The plain conversation, or {"messages": ..., options} when an option is not the
@@ -211,6 +216,21 @@ def _schema_constraint(params: SamplingParams, schema: dict[str, Any]) -> dict[s
     except ValueError as err:
         raise bad_request(str(err), "tools") from None
     return {"structured_outputs": constraint}
+
+
+def _after_reasoning(
+    params: SamplingParams, parser_cls: type[ThinkReasoningParser]
+) -> SamplingParams:
+    """With a reasoning parser, a JSON constraint (response_format json_schema or
+    json_object, a tool choice's schema) applies only after the think block: it becomes
+    the structural tag of `ThinkReasoningParser.gated_structural_tag`. Other kinds
+    (regex, choice, grammar, structural_tag) apply from the first token."""
+    constraint = params.structured_outputs
+    if constraint is None or constraint.kind not in ("json", "json_object"):
+        return params
+    schema = orjson.loads(constraint.spec) if constraint.kind == "json" else {"type": "object"}
+    tag = parser_cls.gated_structural_tag(schema)
+    return params.clone(structured_outputs=StructuredOutputsParams(structural_tag=tag))
 
 
 def _choice_body(
