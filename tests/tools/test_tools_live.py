@@ -2,8 +2,9 @@
 model (SmolLM2-135M) with the hermes tool template: `required`, named and `auto`
 tool choice, parallel calls, a multi-turn exchange with tool results, streamed
 `tool_calls` deltas that join to the non-streamed message, the `openai` SDK's
-`parse()`, LangChain's `with_structured_output` and `bind_tools`, and a live
-reasoning split. One server for the module, greedy decoding, small max_tokens."""
+`parse()`, LangChain's `with_structured_output` and `bind_tools`, and `LLM.chat(tools=)`.
+One server for the module, greedy decoding, small max_tokens (the reasoning parser's
+live checks are in test_reasoning_live.py: it changes how constraints apply)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,7 @@ def live(default_model_path):
 
     engine = AsyncEngine(default_model_path, max_model_len=2048, num_kv_blocks=256,
                          chat_template=str(TEMPLATE))  # fmt: skip
-    parsing = ChatParsingOptions(tool_call_parser="hermes", enable_auto_tool_choice=True,
-                                 reasoning_parser="qwen3")  # fmt: skip
+    parsing = ChatParsingOptions(tool_call_parser="hermes", enable_auto_tool_choice=True)
     server = LiveServer(engine, manage_engine=True, chat_parsing=parsing).start(timeout_s=600)
     try:
         yield server
@@ -178,26 +178,6 @@ def test_langchain_structured_output_and_bind_tools(live):
     for chunk in bound.stream("What is the weather in Paris?"):
         total = chunk if total is None else total + chunk
     assert [(c["name"], c["args"]) for c in total.tool_calls] == [(call["name"], call["args"])]
-
-
-def test_reasoning_split_live(live):
-    # The prompt opens the think block (an assistant turn continued from "<think>\n"),
-    # so the qwen3 parser reads the output as reasoning until </think>.
-    body = {"messages": [{"role": "user", "content": "What is the capital of France?"},
-                         {"role": "assistant", "content": "<think>\n"}],
-            "add_generation_prompt": False, "continue_final_message": True,
-            "temperature": 0, "max_tokens": 16}  # fmt: skip
-    with httpx.Client(base_url=live.base_url, timeout=600) as http:
-        whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        assert whole["reasoning_content"]
-        raw = http.post("/v1/chat/completions", json={**body, "stream": True}).text
-    reasoning = content = ""
-    for line in raw.split("\n\n"):
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                reasoning += choice["delta"].get("reasoning_content") or ""
-                content += choice["delta"].get("content") or ""
-    assert (reasoning, content or None) == (whole["reasoning_content"], whole["content"] or None)
 
 
 def test_llm_chat_renders_tools(default_model_path, tokenizer):

@@ -38,13 +38,13 @@ from flowengine.config import EngineArgs
 from flowengine.core.admission import default_max_queue_len
 from flowengine.engine.protocol import EngineClient, EngineDeadError
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
-from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.app import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     AppOptions,
     load_middleware,
 )
+from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits

@@ -26,13 +26,13 @@ from typing import Any
 import orjson
 
 from flowengine.entrypoints.openai import sse
-from flowengine.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, join_choice
 from flowengine.entrypoints.openai.asgi import (
     APIRequest,
     Response,
     StreamingResponse,
     json_response,
 )
+from flowengine.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, join_choice
 from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error

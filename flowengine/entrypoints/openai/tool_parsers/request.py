@@ -60,9 +60,18 @@ def _check_parameters(index: int, name: str, parameters: Any) -> None:
         )
     from jsonschema import exceptions, validators
 
+    dialect = parameters.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):
+        raise bad_request(
+            f"the parameters of function {name!r} are not a valid JSON Schema: $schema "
+            "must be a URI string",
+            field,
+        )
     cls = validators.validator_for(parameters, default=validators.Draft202012Validator)
     try:
         cls.check_schema(parameters)
+    except RecursionError:
+        raise bad_request(f"the parameters of function {name!r} nest too deeply", field) from None
     except exceptions.SchemaError as err:
         where = "/".join(str(p) for p in err.path)
         raise bad_request(
