@@ -181,6 +181,13 @@ def test_manager_compiles_once_per_spec_off_the_calling_thread(tokenizer, vocab_
     manager.wait_for_compiles(5.0)
     assert manager.poll(replay) is None
     assert allowed(manager._matchers["r3"], vocab_size) == {eos}
+    # Past the end (ignore_eos): the mask allows only the stop token, and only it is taken.
+    assert manager.accept_tokens("r3", [eos]) and manager._matchers["r3"].is_terminated()
+    row = torch.frombuffer(bytearray(manager.fill_bitmask(["r3"])), dtype=torch.int32)
+    assert torch.nonzero(((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1)
+                         .flatten()).flatten().tolist() == [eos]
+    assert manager.accept_tokens("r3", [eos, eos])
+    assert not manager.accept_tokens("r3", ab[:1])
     # ... and tokens that do not match fail the request with a message.
     wrong = _request("r4", so, eos, outputs=tokenizer.encode("zz", add_special_tokens=False))
     manager.add_request(wrong)
