@@ -26,7 +26,7 @@ from flowengine.structured_outputs import select_backend
 SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").read_text())[
     "schemas"]
 NUM_SAMPLES = 10
-MAX_TOKENS = 320
+MAX_TOKENS = 256
 
 PHONE_REGEX = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 CHOICES = ["positive", "negative", "neutral", "mixed"]
