@@ -86,6 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument(
         "--structured-outputs-backend",
+        "--guided-decoding-backend",
         default="auto",
         choices=["auto", "xgrammar", "guidance"],
         help="grammar library for structured outputs (vLLM's flag): auto takes xgrammar "

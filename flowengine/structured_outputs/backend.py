@@ -101,7 +101,9 @@ _NAMED_SUBSCHEMAS = frozenset({"properties", "$defs", "definitions", "patternPro
 
 def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMMAR_UNSUPPORTED,
                               ) -> list[str]:
-    """The keywords of `schema` (a parsed JSON schema) in `unsupported`, sorted."""
+    """The keywords of `schema` (a parsed JSON schema) in `unsupported`, sorted; also
+    "format with minLength/maxLength" (xgrammar drops the length bounds of a string
+    that has a format)."""
     found: set[str] = set()
 
     def walk(node: Any, named: bool = False) -> None:
@@ -120,6 +122,8 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
             if key in unsupported and not (key == "multipleOf"
                                            and node.get("type") == "integer"):
                 found.add(key)
+            if key == "format" and ("minLength" in node or "maxLength" in node):
+                found.add("format with minLength/maxLength")
             walk(value, named=key in _NAMED_SUBSCHEMAS)
 
     walk(schema)

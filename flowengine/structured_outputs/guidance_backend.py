@@ -18,12 +18,22 @@ from flowengine.structured_outputs.backend import GrammarOptions, choice_to_ebnf
 class GuidanceMatcher:
     """A `GrammarMatcher` over `llguidance.LLMatcher`."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "_eos_token_id")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, eos_token_id: int | None) -> None:
         self._m = matcher
+        self._eos_token_id = eos_token_id
 
     def accept_token(self, token_id: int) -> bool:
+        # NOTE: consuming a refused token puts an LLMatcher into an error state for
+        # good; check first, so a refusal leaves the state unchanged (the interface).
+        # validate_tokens does not count the tokenizer's EOS: it is valid where the
+        # grammar accepts.
+        if token_id == self._eos_token_id:
+            if not self._m.is_accepting():
+                return False
+        elif self._m.validate_tokens([token_id]) != 1:
+            return False
         return bool(self._m.consume_token(token_id)) and not self._m.is_error()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -42,15 +52,16 @@ class GuidanceMatcher:
 
 
 class GuidanceGrammar:
-    __slots__ = ("_prototype",)
+    __slots__ = ("_prototype", "_eos_token_id")
 
-    def __init__(self, prototype: Any) -> None:
+    def __init__(self, prototype: Any, eos_token_id: int | None) -> None:
         self._prototype = prototype  # a matcher at the start state, copied per request
+        self._eos_token_id = eos_token_id
 
     def new_matcher(self, stop_token_ids: list[int]) -> GuidanceMatcher:
-        # NOTE: llguidance's stop token is the tokenizer's EOS, fixed when the backend
-        # was built; stop_token_ids cannot change it per request.
-        return GuidanceMatcher(self._prototype.deep_copy())
+        # NOTE: llguidance's stop token is the EOS given when the backend was built;
+        # stop_token_ids cannot change it per request.
+        return GuidanceMatcher(self._prototype.deep_copy(), self._eos_token_id)
 
 
 def guidance_grammar(kind: str, spec: str, options: GrammarOptions) -> str:
@@ -101,7 +112,12 @@ def validate_guidance(kind: str, spec: str, options: GrammarOptions,
     and llguidance's reason (an unsupported keyword is named by it)."""
     import llguidance
 
-    grammar = guidance_grammar(kind, spec, options)
+    try:
+        grammar = guidance_grammar(kind, spec, options)
+    except ValueError as exc:  # llguidance's own parse errors (e.g. GBNF to Lark)
+        if str(exc).startswith("structured_outputs."):
+            raise
+        raise ValueError(f"structured_outputs.{kind} is invalid: {exc}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
         reason = messages[0].strip()
@@ -125,6 +141,7 @@ class GuidanceBackend:
         self.vocab_size = vocab_size
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                          eos_token=eos_token_id)
+        self.eos_token_id = self.ll_tokenizer.eos_token
 
     def compile(self, kind: str, spec: str, options: GrammarOptions) -> GuidanceGrammar:
         import llguidance
@@ -133,4 +150,4 @@ class GuidanceBackend:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind} is invalid: {matcher.get_error()}")
-        return GuidanceGrammar(matcher)
+        return GuidanceGrammar(matcher, self.eos_token_id)

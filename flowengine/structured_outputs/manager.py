@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 512
 
 
-class GrammarNotReady(Exception):
-    pass
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as a signed int32 value (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
 
 
 class StructuredOutputManager:
@@ -85,6 +86,7 @@ class StructuredOutputManager:
         self._grammars: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
         self._pending: dict[str, Future[CompiledGrammar]] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
+        self._stop_ids: dict[str, list[int]] = {}
         self.num_compiled = 0  # grammars compiled (cache misses) since start
 
     # ------------------------------------------------------------------ backends
@@ -174,6 +176,7 @@ class StructuredOutputManager:
                 return (f"structured outputs: the request's earlier token {token_id} does "
                         "not match its grammar")
         self._matchers[req_id] = matcher
+        self._stop_ids[req_id] = stop_ids
         return None
 
     @property
@@ -195,7 +198,11 @@ class StructuredOutputManager:
         if matcher is None:
             return True
         for token_id in token_ids:
-            if not matcher.accept_token(token_id):
+            if matcher.is_terminated():
+                # Past the end (ignore_eos keeps a finished output going): only stop tokens.
+                if token_id not in self._stop_ids[request_id]:
+                    return False
+            elif not matcher.accept_token(token_id):
                 return False
         return True
 
@@ -203,6 +210,7 @@ class StructuredOutputManager:
         """Forget a finished request (its compiled grammar stays cached)."""
         self._pending.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._stop_ids.pop(request_id, None)
 
     # ------------------------------------------------------------------ bitmask
     def fill_bitmask(self, request_ids: Sequence[str]) -> bytes:
@@ -211,7 +219,14 @@ class StructuredOutputManager:
         it travels in a StepPlan). A terminated matcher allows only its stop tokens."""
         bitmask = torch.full((len(request_ids), self.num_words), -1, dtype=torch.int32)
         for row, req_id in enumerate(request_ids):
-            self._matchers[req_id].fill_bitmask(bitmask, row)
+            matcher = self._matchers[req_id]
+            if matcher.is_terminated():
+                bitmask[row] = 0
+                for t in self._stop_ids[req_id]:
+                    if t < self.vocab_size:
+                        bitmask[row, t // 32] |= _bit(t % 32)
+            else:
+                matcher.fill_bitmask(bitmask, row)
         return bitmask.numpy().tobytes()
 
     def shutdown(self) -> None:
