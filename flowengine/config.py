@@ -18,6 +18,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
+Runner = Literal["auto", "generate", "pooling"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 # KV-cache budget on the CPU when the user gives none: enough for a few thousand
@@ -77,6 +78,13 @@ class EngineArgs:
     # Jinja chat template (a file path or the template text) instead of the tokenizer's
     # (vLLM's --chat-template; flowengine/tokenize/chat.py load_chat_template).
     chat_template: str | None = None
+    # vLLM's --runner: "generate" (sampling) or "pooling" (embeddings: prefill-only
+    # requests return pooled hidden states); "auto" picks "pooling" for encoder-only
+    # models. pooler_config: vLLM's --pooler-config fields pooling_type ("CLS", "MEAN",
+    # "LAST") and normalize, over the model's sentence-transformers config
+    # (flowengine/pooling/config.py).
+    runner: Runner = "auto"
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +146,9 @@ class EngineArgs:
                 "override_generation_config must be a dict (JSON object), got "
                 f"{type(self.override_generation_config).__name__}"
             )
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError("pooler_config must be a dict (JSON object), got "
+                             f"{type(self.pooler_config).__name__}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
                              f"got {self.max_logprobs}")
@@ -147,6 +158,7 @@ class EngineArgs:
             ("device", Device),
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
+            ("runner", Runner),
         ):
             value = getattr(self, name)
             if value not in allowed.__args__:
