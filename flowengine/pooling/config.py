@@ -87,16 +87,19 @@ def resolve_pooler_config(model_path: str, is_encoder_only: bool,
     normalize) over the sentence-transformers files over the defaults (module
     docstring). Raises ValueError for an unknown field or pooling type, or a
     sentence-transformers pooling mode FlowEngine does not implement."""
+    user = user or {}
+    unknown = sorted(set(user) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ValueError(f"unknown pooler_config field(s) {unknown}; known: "
+                         "pooling_type, normalize")
     pooling_type: str = "CLS" if is_encoder_only else "LAST"
     normalize = True
-    st = _sentence_transformers_pooling(model_path)
+    # A pooling type the user chose needs none of the model's (which may be one
+    # FlowEngine does not implement).
+    st = _sentence_transformers_pooling(model_path, check_mode="pooling_type" not in user)
     if st is not None:
         pooling_type, normalize = st
     if user:
-        unknown = sorted(set(user) - {"pooling_type", "normalize"})
-        if unknown:
-            raise ValueError(f"unknown pooler_config field(s) {unknown}; known: "
-                             "pooling_type, normalize")
         pooling_type = str(user.get("pooling_type", pooling_type)).upper()
         normalize = user.get("normalize", normalize)
         if not isinstance(normalize, bool):
@@ -118,9 +121,11 @@ def sentence_transformers_max_seq_length(model_path: str) -> int | None:
     return int(value) if value else None
 
 
-def _sentence_transformers_pooling(model_path: str) -> tuple[str, bool] | None:
+def _sentence_transformers_pooling(model_path: str, check_mode: bool = True
+                                   ) -> tuple[str, bool] | None:
     """(pooling type, normalize) from modules.json and the Pooling module's config, or
-    None when the model has no sentence-transformers modules."""
+    None when the model has no sentence-transformers modules. check_mode False: an
+    unsupported mode is not an error (the caller replaces it)."""
     modules = _read_json(os.path.join(model_path, "modules.json"))
     if not isinstance(modules, list):
         return None
@@ -131,7 +136,7 @@ def _sentence_transformers_pooling(model_path: str) -> tuple[str, bool] | None:
     cfg = _read_json(os.path.join(model_path, str(pooling.get("path", "")), "config.json")) or {}
     modes = [t for key, t in _ST_MODES.items() if cfg.get(key)]
     unsupported = [key for key in _ST_UNSUPPORTED if cfg.get(key)]
-    if unsupported or len(modes) > 1:
+    if (unsupported or len(modes) > 1) and check_mode:
         raise ValueError(f"sentence-transformers pooling {unsupported or modes} of {model_path} "
                          "is not supported (one of CLS, mean, last token); pass "
                          "--pooler-config '{\"pooling_type\": ...}' to choose one")
