@@ -120,7 +120,9 @@ class TokenizerActor:
         # No SamplingParams given: the model's defaults (generation_config.json).
         params = ip.default_params() if job.params is None else job.params
         if job.pooling_params is not None or ip.pooler_config is not None:
-            if is_conversation(prompt) or (isinstance(prompt, dict) and "messages" in prompt):
+            # An embedding request, or a generation request the pooling model refuses.
+            if job.pooling_params is not None and (
+                    is_conversation(prompt) or (isinstance(prompt, dict) and "messages" in prompt)):
                 raise ValueError("embedding inputs are texts or token ids, not messages")
             return ip.process(job.request_id, prompt, params, priority=job.priority,
                               pooling_params=job.pooling_params)
