@@ -84,6 +84,8 @@ def _check_bad_input(base_url: str, model: str) -> None:
         client.embeddings.create(model=model, input=[])
     with pytest.raises(openai.BadRequestError, match="encoding_format"):
         client.embeddings.create(model=model, input="hi", encoding_format="int8")  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="at most 2048"):
+        client.embeddings.create(model=model, input=["a"] * 2049)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="hi")
     # Generation routes on an embedding model: 400 in OpenAI's error shape.

@@ -28,6 +28,10 @@ from flowengine.entrypoints.openai.protocol import INT64_MAX, Int64, NonNegInt, 
 from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
 
 
+# Most inputs in one request (OpenAI's limit for /v1/embeddings).
+MAX_INPUTS = 2048
+
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     """POST /v1/embeddings (OpenAI's fields, then vLLM's extras)."""
 
@@ -85,8 +89,7 @@ def split_inputs(inp: str | list[Any]) -> list[str | list[int]]:
 
 async def _embed_one(ctx: ServingContext, prompt: str | list[int], params: PoolingParams,
                      request_id: str, priority: int) -> EmbeddingRequestOutput:
-    """One input through the engine (admission counted while it waits). Raises APIError."""
-    ctx.admission.enter()
+    """One input through the engine. Raises APIError."""
     try:
         out = None
         async for out in ctx.engine.encode(prompt, params, request_id,  # type: ignore[attr-defined]
@@ -94,8 +97,6 @@ async def _embed_one(ctx: ServingContext, prompt: str | list[int], params: Pooli
             pass
     except Exception as err:  # noqa: BLE001 - mapped to the client's status code
         raise engine_error(err) from err
-    finally:
-        ctx.admission.leave()
     if out is None or out.outputs is None:
         raise APIError(500, f"embedding request {request_id} failed: "
                        f"{'no output' if out is None else out.error}",
@@ -118,6 +119,9 @@ async def create_embedding(ctx: ServingContext, request: APIRequest) -> Response
                        "serves generation; start an embedding model, or this one with "
                        "--runner pooling", code="model_not_supported")
     inputs = split_inputs(req.input)
+    if len(inputs) > MAX_INPUTS:
+        raise bad_request(f"input has {len(inputs)} items; send at most {MAX_INPUTS} per "
+                          "request (OpenAI's limit)", "input")
     try:
         params = PoolingParams(req.dimensions, req.normalize, req.truncate_prompt_tokens)
     except ValueError as err:
@@ -125,6 +129,9 @@ async def create_embedding(ctx: ServingContext, request: APIRequest) -> Response
     start = time.monotonic()
     base_id = f"embd-{uuid.uuid4().hex}"
     ids = [base_id if len(inputs) == 1 else f"{base_id}-{i}" for i in range(len(inputs))]
+    # One request in the server's queue limit however many inputs it has (they run as
+    # one batch of prefill-only engine requests and finish together).
+    ctx.admission.enter()
     tasks = [asyncio.ensure_future(_embed_one(ctx, p, params, rid, req.priority))
              for p, rid in zip(inputs, ids, strict=True)]
     try:
@@ -136,6 +143,8 @@ async def create_embedding(ctx: ServingContext, request: APIRequest) -> Response
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        ctx.admission.leave()
     num_prompt = sum(len(o.prompt_token_ids) for o in outs)
     log_request("embedding", base_id, num_prompt, 0, ["stop"] * len(outs), None,
                 time.monotonic() - start)
