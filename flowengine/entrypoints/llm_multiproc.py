@@ -71,8 +71,8 @@ class BackgroundEngine:
 
         async def one(prompt: Any, params: Any, request_id: str) -> Any:
             out = None
-            async for out in self.engine.encode(prompt, params, request_id):
-                pass
+            async for delta in self.engine.encode(prompt, params, request_id):
+                out = delta
             on_done()
             return out
 

@@ -105,7 +105,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         token_ids: list[int] = []
         last = None
         try:
-            async for rid, out in self._outputs(request):
+            async for req_id, out in self._outputs(request):
+                rid = req_id
                 completion = out.outputs[0]
                 text.append(completion.text)
                 token_ids += completion.token_ids

@@ -27,7 +27,6 @@ from flowengine.entrypoints.openai.generation import engine_error
 from flowengine.entrypoints.openai.protocol import INT64_MAX, Int64, NonNegInt, PosInt
 from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
 
-
 # Most inputs in one request (OpenAI's limit for /v1/embeddings).
 MAX_INPUTS = 2048
 
@@ -92,9 +91,9 @@ async def _embed_one(ctx: ServingContext, prompt: str | list[int], params: Pooli
     """One input through the engine. Raises APIError."""
     try:
         out = None
-        async for out in ctx.engine.encode(prompt, params, request_id,  # type: ignore[attr-defined]
-                                           priority=priority):
-            pass
+        async for delta in ctx.engine.encode(prompt, params, request_id,  # type: ignore[attr-defined]
+                                             priority=priority):
+            out = delta
     except Exception as err:  # noqa: BLE001 - mapped to the client's status code
         raise engine_error(err) from err
     if out is None or out.outputs is None:
