@@ -96,3 +96,25 @@ def test_bad_inputs_raise_and_the_engine_keeps_serving(llm, sentences):
     # No block is kept after a request (prefill-only: blocks freed when it finishes).
     scheduler = llm.engine.scheduler
     assert scheduler.num_free_blocks == scheduler.num_total_blocks
+
+
+def test_dimensions_on_a_matryoshka_model(minilm_path, tmp_path, sentences):
+    # The same weights, declared Matryoshka in config.json (as such models' configs do).
+    import json
+    import os
+
+    for name in os.listdir(minilm_path):
+        if name != "config.json":
+            os.symlink(os.path.join(minilm_path, name), tmp_path / name)
+    config = json.loads(open(os.path.join(minilm_path, "config.json")).read())
+    config["matryoshka_dimensions"] = [64, 128, 384]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path))
+    full = llm.embed(sentences[:3], PoolingParams(normalize=False), use_tqdm=False)
+    short = llm.embed(sentences[:3], PoolingParams(dimensions=128), use_tqdm=False)
+    for f, s in zip(full, short, strict=True):
+        raw = np.array(f.outputs.embedding)[:128]
+        assert s.outputs.hidden_size == 128
+        np.testing.assert_allclose(s.outputs.embedding, raw / np.linalg.norm(raw), atol=1e-6)
+    with pytest.raises(ValueError, match=r"supports dimensions \[64, 128, 384\] only"):
+        llm.embed("hi", PoolingParams(dimensions=100), use_tqdm=False)
