@@ -29,7 +29,7 @@ SCHEMA = {"type": "object", "properties": {
 CASES = [
     ("When is the meeting?", StructuredOutputsParams(regex=REGEX)),
     ("What colour is the sky?", StructuredOutputsParams(choice=CHOICES)),
-    ("Describe Paris as JSON.", StructuredOutputsParams(json=SCHEMA)),
+    ("Describe Paris as JSON.", StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
 ]
 
 
@@ -92,10 +92,16 @@ def test_llm_constrained_n_and_logprobs(llm, reference):
         for sample in out.outputs:
             assert sample.finish_reason == "stop"
             _check(sample.text, so)
-            # logprobs come from the masked logits (vLLM): every sampled token is finite
-            # and the top-2 alternatives are tokens the grammar allowed.
-            for lp in sample.logprobs:
-                assert all(v.logprob > float("-inf") for v in lp.values())
+            # logprobs come from the masked logits (vLLM): the sampled token's is finite,
+            # and for the choice an alternative is finite only if the grammar allowed it.
+            for token_id, lp in zip(sample.token_ids, sample.logprobs, strict=True):
+                assert lp[token_id].logprob > float("-inf")
+            if so.choice is not None:
+                tok = llm.input_processor.tokenizer
+                for token_id, value in sample.logprobs[0].items():
+                    piece = tok.decode([token_id])
+                    allowed = any(c.startswith(piece) for c in CHOICES)
+                    assert (value.logprob > float("-inf")) == allowed, (piece, value)
     greedy = llm.generate([p for p, _ in CASES], [_greedy(so, n=2) for _, so in CASES],
                           use_tqdm=False)
     assert [[s.token_ids for s in o.outputs] for o in greedy] == [[r, r] for r in reference]
