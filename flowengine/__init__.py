@@ -1,7 +1,8 @@
 """FlowEngine: high-throughput LLM inference and serving.
 
 Public API: `LLM` (offline batches), `AsyncEngine` (async `submit()`),
-`SamplingParams`, `RequestOutput`, `CompletionOutput`, `EngineArgs`.
+`SamplingParams`, `RequestOutput`, `CompletionOutput`, `EngineArgs`; for embeddings
+`PoolingParams` and `EmbeddingRequestOutput` (`LLM.embed`, `AsyncEngine.encode`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ configure_wait_policy()
 
 from flowengine.config import EngineArgs  # noqa: E402
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from flowengine.sampling_params import SamplingParams  # noqa: E402
+from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams  # noqa: E402
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from flowengine.version import __version__  # noqa: E402
 
 if TYPE_CHECKING:
@@ -26,10 +28,13 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

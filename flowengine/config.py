@@ -18,7 +18,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
+Runner = Literal["auto", "generate", "pooling"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # Weight quantization applied at load (vLLM's --quantization); None: weights as loaded
 # (except GGUF weights on the CPU, which stay "gguf"). fp8: E4M3 W8A8 (CUDA); gguf:
 # keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU).
@@ -69,6 +71,8 @@ class EngineArgs:
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
+    # Grammar library for structured outputs (vLLM's --structured-outputs-backend).
+    structured_outputs_backend: StructuredOutputsBackend = "auto"
     served_model_name: tuple[str, ...] = field(default_factory=tuple)
     # No periodic stats line (engine/stat_logger.py); LLM() turns it off by default.
     disable_log_stats: bool = False
@@ -86,6 +90,13 @@ class EngineArgs:
     # Jinja chat template (a file path or the template text) instead of the tokenizer's
     # (vLLM's --chat-template; flowengine/tokenize/chat.py load_chat_template).
     chat_template: str | None = None
+    # vLLM's --runner: "generate" (sampling) or "pooling" (embeddings: prefill-only
+    # requests return pooled hidden states); "auto" picks "pooling" for encoder-only
+    # models. pooler_config: vLLM's --pooler-config fields pooling_type ("CLS", "MEAN",
+    # "LAST") and normalize, over the model's sentence-transformers config
+    # (flowengine/pooling/config.py).
+    runner: Runner = "auto"
+    pooler_config: dict[str, Any] | None = None
     # Intra-op threads of a CPU executor; None: the cores this process may use
     # (affinity, cgroup CPU quota), shared among the tensor-parallel ranks.
     cpu_threads: int | None = None
@@ -150,6 +161,9 @@ class EngineArgs:
                 "override_generation_config must be a dict (JSON object), got "
                 f"{type(self.override_generation_config).__name__}"
             )
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError("pooler_config must be a dict (JSON object), got "
+                             f"{type(self.pooler_config).__name__}")
         if self.quantization is not None and self.quantization not in Quantization.__args__:
             raise ValueError(f"quantization must be one of {Quantization.__args__} or None, "
                              f"got {self.quantization!r}")
@@ -164,6 +178,8 @@ class EngineArgs:
             ("device", Device),
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
+            ("structured_outputs_backend", StructuredOutputsBackend),
+            ("runner", Runner),
             ("kv_cache_dtype", KVCacheDtype),
         ):
             value = getattr(self, name)

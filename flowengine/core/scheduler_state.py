@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.admission import check_request_fits, check_scheduler_config
@@ -69,6 +70,8 @@ class SchedulerState:
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.in_flight = InFlightSteps()
+        # The StructuredOutputManager (set by the Scheduler), told of finished requests.
+        self.structured_outputs: Any = None
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (status WAITING).
@@ -186,7 +189,10 @@ class SchedulerState:
     def append_sampled(self, request: Request, sampled: SampledTokens | None) -> RequestDelta:
         """Append a step's tokens with stop checks (also to a request preempted since
         that step: its token was sampled from the right history); finish on a stop.
-        No token at all fails the request. Returns the request's delta."""
+        No token at all fails the request; a pooled vector (pooling runner) finishes
+        it instead of a token. Returns the request's delta."""
+        if sampled is not None and sampled.pooled is not None:
+            return self.finish_pooled(request, sampled.pooled)
         if sampled is None or not sampled.token_ids:
             error = f"the executor returned no token for request {request.request_id}"
             return self.fail_request(request, error)
@@ -217,6 +223,14 @@ class SchedulerState:
                           if len(request.output_token_ids) == num_accepted else 0.0),
         )
 
+    def finish_pooled(self, request: Request, pooled: bytes) -> RequestDelta:
+        """Finish a prefill-only request of the pooling runner with its pooled vector
+        (finish_reason "stop"); its blocks are freed at once (none is kept after the
+        request). Returns its delta."""
+        self.finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestDelta(request.request_id, [], finish_reason="stop",
+                            scheduled_ts=request.scheduled_time, pooled=pooled)
+
     def fail_request(self, request: Request, error: str) -> RequestDelta:
         """Finish an unfinished request with `error`; returns its "error" delta."""
         request.error = error
@@ -240,6 +254,8 @@ class SchedulerState:
         request.status = status
         self._free_blocks(request)
         del self.requests[request.request_id]
+        if self.structured_outputs is not None:
+            self.structured_outputs.remove(request.request_id)
 
     def _free_blocks(self, request: Request) -> None:
         """Free the request's blocks now, or once the last in-flight step that writes

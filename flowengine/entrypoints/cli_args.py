@@ -94,6 +94,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--async-scheduling", action="store_true", help="plan step N+1 during step N")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument(
+        "--structured-outputs-backend",
+        "--guided-decoding-backend",
+        default="auto",
+        choices=["auto", "xgrammar", "guidance"],
+        help="grammar library for structured outputs (vLLM's flag): auto takes xgrammar "
+        "and llguidance for JSON schemas with keywords xgrammar does not support",
+    )
     g.add_argument("--served-model-name", nargs="+", default=None)
     g.add_argument(
         "--disable-log-stats",
@@ -134,6 +142,22 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         type=_json_object,
         default=None,
         help='JSON object applied over the generation config, e.g. \'{"temperature": 0.5}\'',
+    )
+    g.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="'generate' samples tokens; 'pooling' serves embeddings (/v1/embeddings): "
+        "prefill-only requests return pooled hidden states; 'auto' picks 'pooling' for "
+        "encoder-only models (BERT) and 'generate' for the rest (vLLM's --runner)",
+    )
+    g.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        default=None,
+        help='pooling runner: JSON object with pooling_type ("CLS", "MEAN", "LAST") and '
+        "normalize, over the model's sentence-transformers config, e.g. "
+        "'{\"pooling_type\": \"MEAN\", \"normalize\": true}'",
     )
     g.add_argument(
         "--chat-template",

@@ -59,6 +59,11 @@ from flowengine.entrypoints.openai.protocol import (
 from flowengine.entrypoints.openai.router import Route, Router
 from flowengine.entrypoints.openai.serving_chat import create_chat_completion
 from flowengine.entrypoints.openai.serving_completions import create_completion
+from flowengine.entrypoints.openai.serving_embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    create_embedding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +133,8 @@ def build_routes(ctx: ServingContext, openapi: Callable[[], Response]) -> list[R
         Route("POST", "/v1/chat/completions", h(create_chat_completion),
               "Create a chat completion", request_types=(ChatCompletionRequest,),
               response_type=rs.ChatCompletionResponse, streams=True),
+        Route("POST", "/v1/embeddings", h(create_embedding), "Create embeddings (pooling models)",
+              request_types=(EmbeddingRequest,), response_type=EmbeddingResponse),
         Route("POST", "/tokenize", h(misc.tokenize), "Token ids of a prompt or of messages",
               request_types=(TokenizeCompletionRequest, TokenizeChatRequest),
               response_type=rs.TokenizeResponse),

@@ -34,7 +34,6 @@ _NULL = {"type": "null"}
 # accept their "off" value: the document says so.
 REFUSED_VALUES: dict[str, dict[str, Any]] = {
     "suffix": {"anyOf": [_NULL, {"type": "string", "maxLength": 0}], "default": None},
-    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     # Not refused, but narrower than its type: token-id keys, biases in [-100, 100].
     "logit_bias": {"anyOf": [_NULL, {
@@ -42,7 +41,6 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
         "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     }], "default": None},
-    "tool_choice": {"anyOf": [_NULL, {"const": "none"}], "default": None},
 }
 # Message content parts: only text parts are served.
 TEXT_PART = {
@@ -91,8 +89,6 @@ def build_openapi(
     if "TextPart" in components:
         components["TextPart"] = {**TEXT_PART, "description": components["TextPart"].get(
             "description", "")}  # fmt: skip
-    if "ResponseFormat" in components:
-        components["ResponseFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
