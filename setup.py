@@ -4,7 +4,7 @@ pyproject.toml.
 
 setuptools builds the extensions on `pip install` (a C compiler and the Python headers
 are needed: gcc and python3-dev on Debian). See flowengine/shm/_ring.c and
-flowengine/csrc/cpu_ops.c.
+flowengine/_cpu_ops.c.
 """
 
 from setuptools import Extension, setup
@@ -38,12 +38,12 @@ setup(
                 "-Wno-missing-field-initializers",
             ],
         ),
-        # OpenMP: the kernels share torch's libgomp thread pool (see cpu_ops.c). The
+        # OpenMP: the kernels share torch's libgomp thread pool (see _cpu_ops.c). The
         # AVX-512 bodies are chosen at run time, so no -march flag: the build runs on
         # any x86-64 (or other) CPU.
         Extension(
             "flowengine._cpu_ops",
-            sources=["flowengine/csrc/cpu_ops.c"],
+            sources=["flowengine/_cpu_ops.c"],
             extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", "-Wall", "-Wextra",
                                 "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
             extra_link_args=["-fopenmp"],

@@ -1,4 +1,4 @@
-"""The quantized-weight kernels (flowengine/csrc/cpu_ops.c) against torch references.
+"""The quantized-weight kernels (flowengine/_cpu_ops.c) against torch references.
 
 Per format (Q4_0, Q4_1, Q8_0): blocks made by gguf's own quantizer from fresh random
 weights; dequantization must equal gguf.quants.dequantize bit for bit, matmuls must

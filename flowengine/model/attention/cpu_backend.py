@@ -1,7 +1,7 @@
 """The CPU attention backend: decode straight over the paged KV cache (issue #20).
 
 Decode tokens (one new token per request) are attended by the C kernel
-`paged_decode_attention` (flowengine/csrc/cpu_ops.c): for each (request, KV head) one
+`paged_decode_attention` (flowengine/_cpu_ops.c): for each (request, KV head) one
 pass over the request's blocks as the block table lists them, the query heads of that
 KV head together, with an online softmax in float32; no copy of the context is
 gathered first, which the torch reference does every step. Float32 and bfloat16
@@ -18,7 +18,7 @@ from flowengine.model.attention.backend import register_attn_backend
 from flowengine.model.attention.metadata import AttentionMetadata
 from flowengine.model.attention.torch_backend import TorchAttentionBackend
 
-# The kernel's limits (MAX_D, MAX_G in cpu_ops.c).
+# The kernel's limits (MAX_D, MAX_G in _cpu_ops.c).
 _MAX_HEAD_DIM = 256
 _MAX_GROUP = 32
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -10,7 +10,7 @@ weights in one of GGUF's 32-weight block formats (ggml-common.h), split into pla
 
 (a Q4 block's byte j holds weight j in its low nibble and weight j + 16 in its high one,
 as in the file). `matmul` multiplies float32 activations by the weights without
-materialising them: the C kernels of flowengine/csrc/cpu_ops.c dequantize one block at
+materialising them: the C kernels of flowengine/_cpu_ops.c dequantize one block at
 a time into registers, for up to 8 activation rows at once. Larger batches (prefill)
 dequantize the matrix into a float32 scratch and use torch's GEMM, whose register
 tiling beats a dot-product kernel there. The dequantized values are exactly

@@ -597,7 +597,7 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads): out[N, K] float32."},
     {"paged_decode_attention", py_paged_decode_attention, METH_VARARGS,
-     "Decode attention over the paged KV cache (see cpu_ops.c)."},
+     "Decode attention over the paged KV cache (see _cpu_ops.c)."},
     {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},
     {NULL, NULL, 0, NULL},
 };
