@@ -51,7 +51,9 @@ def assert_anthropic_error(resp: httpx.Response, status: int, error_type: str) -
 
 
 def test_create_equals_chat(claude, oai, http, engine):
-    m = claude.messages.create(model=MODEL, max_tokens=10, messages=USER, system="be kind", **GREEDY)
+    m = claude.messages.create(
+        model=MODEL, max_tokens=10, messages=USER, system="be kind", **GREEDY
+    )
     messages = [{"role": "system", "content": "be kind"}, *USER]
     text, finish, usage = chat(oai, messages, 10)
     assert finish == "length"
@@ -167,14 +169,16 @@ def test_stream_events(claude, http):
 
 
 def test_count_tokens_is_the_messages_input_tokens(claude, http):
-    for system, messages in [(None, USER), ("rules", [*USER, {"role": "assistant", "content": "x"},
-                                                      {"role": "user", "content": "y"}])]:
+    for system, messages in [
+        (None, USER),
+        ("rules", [*USER, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]),
+    ]:
         kwargs = {} if system is None else {"system": system}
         count = claude.messages.count_tokens(model=MODEL, messages=messages, **kwargs)
         m = claude.messages.create(model=MODEL, max_tokens=1, messages=messages, **kwargs, **GREEDY)
-        chat_messages = ([] if system is None else [{"role": "system", "content": system}])
-        assert count.input_tokens == m.usage.input_tokens == len(
-            rendered([*chat_messages, *messages])
+        chat_messages = [] if system is None else [{"role": "system", "content": system}]
+        assert (
+            count.input_tokens == m.usage.input_tokens == len(rendered([*chat_messages, *messages]))
         )
     raw = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": USER})
     assert strict(raw.content, TokenCount).input_tokens == len(rendered(USER))
@@ -203,9 +207,10 @@ def test_auth_x_api_key_and_bearer(server):
         wrong.messages.create(model=MODEL, max_tokens=2, messages=USER)
     assert err.value.type == "authentication_error"
     bearer = anthropic.Anthropic(base_url=server.base_url, auth_token=API_KEY, max_retries=0)
-    assert bearer.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[
-        0
-    ].text == "us"
+    assert (
+        bearer.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
+        == "us"
+    )
 
 
 @pytest.mark.parametrize(
@@ -282,9 +287,10 @@ def test_sdk_error_classes(claude):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": "1"}]}])  # fmt: skip
-    assert claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[
-        0
-    ].text == "us"
+    assert (
+        claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
+        == "us"
+    )
 
 
 def test_engine_failure_mid_stream_is_an_error_event(claude, engine, http):
@@ -306,9 +312,10 @@ def test_engine_failure_mid_stream_is_an_error_event(claude, engine, http):
         "error": {"type": "api_error", "message": "internal server error; see the server log"},
     }
     assert err.value.type == "api_error"
-    assert claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[
-        0
-    ].text == "us"
+    assert (
+        claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
+        == "us"
+    )
 
 
 def test_openapi_documents_anthropic_errors_and_auth(http):

@@ -70,7 +70,9 @@ def test_conversation_and_disabled_store():
 def test_flags():
     from flowengine.entrypoints.openai.server import make_parser, options_from
 
-    ns = make_parser().parse_args(["--responses-store-max", "7", "--responses-store-max-bytes", "9"])
+    ns = make_parser().parse_args(
+        ["--responses-store-max", "7", "--responses-store-max-bytes", "9"]
+    )
     app = options_from(ns).app
     assert (app.responses_store_max, app.responses_store_max_bytes) == (7, 9)
     defaults = options_from(make_parser().parse_args([])).app

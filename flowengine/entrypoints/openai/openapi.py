@@ -98,8 +98,7 @@ STREAM_EVENTS = {
     "/v1/responses": _sse_schema(
         "the JSON of a typed Responses event (its `type` also in `event`, with a "
         "`sequence_number`)",
-        "response.created ... response.completed (or response.incomplete, "
-        "response.failed)",
+        "response.created ... response.completed (or response.incomplete, response.failed)",
     ),
     "/v1/messages": _sse_schema(
         "the JSON of an Anthropic event (its `type` also in `event`), or Anthropic's "

@@ -73,9 +73,7 @@ class ResponseStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._entries
 
-    def put(
-        self, body: dict[str, Any], messages: list[dict[str, str]], output_text: str
-    ) -> bool:
+    def put(self, body: dict[str, Any], messages: list[dict[str, str]], output_text: str) -> bool:
         """Keep a finished response under `body["id"]` (replacing one with that id);
         evict LRU entries to stay within bounds. Returns False if it was not kept (the
         store keeps nothing, or this response alone is over `max_bytes`)."""

@@ -196,7 +196,10 @@ async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
             "content": [{"type": "text", "text": run.text}],
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": run.num_output_tokens},
+            "usage": {
+                "input_tokens": run.num_prompt_tokens,
+                "output_tokens": run.num_output_tokens,
+            },
         }
     )
 
@@ -216,7 +219,11 @@ async def _stream(run: ChatRun, model: str) -> AsyncIterator[bytes]:
         yield _event("message_start", {"type": "message_start", "message": message})
         yield _event(
             "content_block_start",
-            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
         )
         yield _event("ping", {"type": "ping"})
         async for delta in run.deltas():

@@ -198,7 +198,9 @@ class _Response:
             "max_output_tokens": req.max_output_tokens,
             "model": model,
             "output": [],
-            "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            "parallel_tool_calls": True
+            if req.parallel_tool_calls is None
+            else req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
             "store": req.store,
             "temperature": run.params.temperature,
