@@ -330,3 +330,31 @@ def test_openapi_documents_anthropic_errors_and_auth(http):
     required = doc["components"]["schemas"]["MessagesRequest"]["required"]
     assert sorted(required) == ["max_tokens", "messages", "model"]
     assert set(doc["paths"]["/v1/messages/count_tokens"]) == {"post"}
+
+
+def test_admission_and_metrics_are_the_chat_routes(claude, oai, engine, http):
+    def e2e_count() -> float:
+        for line in http.get("/metrics").text.splitlines():
+            if line.startswith("flowengine:e2e_request_latency_seconds_count"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no e2e histogram")
+
+    before = e2e_count()
+    claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY)
+    oai.responses.create(model=MODEL, input="x", max_output_tokens=2, temperature=0)
+    assert e2e_count() == before + 2
+    engine.max_running = 0  # the engine's queue is full
+    try:
+        with pytest.raises(anthropic.RateLimitError) as err:
+            claude.messages.create(model=MODEL, max_tokens=2, messages=USER)
+        assert err.value.type == "rate_limit_error"
+        assert err.value.response.headers["retry-after"] == "2"
+        with pytest.raises(openai.RateLimitError) as oerr:
+            oai.responses.create(model=MODEL, input="x")
+        assert oerr.value.body["code"] == "queue_full"
+    finally:
+        engine.max_running = None
+    assert (
+        claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
+        == "us"
+    )

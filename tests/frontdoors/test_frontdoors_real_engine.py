@@ -103,3 +103,28 @@ def test_anthropic_messages_equal_chat(clients, chats, case):
         model=name, messages=[{"role": "user", "content": user}], **kwargs
     )
     assert count.input_tokens == usage.prompt_tokens
+
+
+def test_anthropic_prefill_continues_the_assistant_message(clients):
+    """A conversation ending with an assistant message is continued (Anthropic's
+    prefill), as the chat route's continue_final_message does."""
+    oai, claude, name = clients
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    r = oai.chat.completions.create(
+        model=name, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    expected = r.choices[0].message.content
+    m = claude.messages.create(
+        model=name, max_tokens=8, messages=messages, extra_body={"temperature": 0}
+    )
+    assert m.content[0].text == expected
+    assert m.usage.input_tokens == r.usage.prompt_tokens
+    count = claude.messages.count_tokens(model=name, messages=messages)
+    assert count.input_tokens == r.usage.prompt_tokens
+    # Not the same as a new assistant turn after it.
+    fresh = oai.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
+    assert fresh.usage.prompt_tokens != r.usage.prompt_tokens

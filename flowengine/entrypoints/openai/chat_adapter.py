@@ -80,9 +80,16 @@ class ChatRun:
         route in the request log. Raises APIError (400/404/429/500/503)."""
         params = chat_request_params(ctx, req, param_names)
         messages = chat_messages(req)
-        prompt: Any = messages
+        # The chat route's options, sent only when not the default (the engine's
+        # Tokenizer renders {"messages": ..., options}: input_processor.CHAT_OPTIONS).
+        options: dict[str, Any] = {}
         if req.cache_salt is not None:
-            prompt = {"messages": messages, "cache_salt": req.cache_salt}
+            options["cache_salt"] = req.cache_salt
+        if not req.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if req.continue_final_message:
+            options["continue_final_message"] = True
+        prompt: Any = {"messages": messages, **options} if options else messages
         stream = await EngineStream.open(
             ctx.engine,
             prompt,

@@ -2,7 +2,9 @@
 
 A request becomes the chat route's request (chat_adapter.py): `system` a system
 message, `messages` the conversation, `max_tokens` the cap, `stop_sequences` stop
-strings. The answer is one text block; `stop_reason` is "end_turn" (EOS or a stop
+strings; a conversation ending with an assistant message has that message
+continued (Anthropic's prefill: the chat route's `continue_final_message`). The answer
+is one text block; `stop_reason` is "end_turn" (EOS or a stop
 token), "max_tokens" (the cap or the context limit) or "stop_sequence" (with
 `stop_sequence` the string that matched); null for a request the engine aborted.
 
@@ -146,6 +148,13 @@ def chat_messages_of(
     return out
 
 
+def is_prefill(messages: list[dict[str, str]]) -> bool:
+    """Anthropic's "prefill": a conversation ending with an assistant message has that
+    message continued (the text returned is only the continuation), which the chat
+    template gives with continue_final_message instead of a new assistant turn."""
+    return messages[-1]["role"] == "assistant"
+
+
 def stop_reason_of(run: ChatRun) -> tuple[str | None, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished run."""
     if run.finish_reason == "length":
@@ -163,9 +172,12 @@ async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
     check_supported(req)
     model = ctx.resolve_model(req.model)
     messages = chat_messages_of(req.system, req.messages)
+    prefill = is_prefill(messages)
     chat = ChatCompletionRequest(
         messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],  # type: ignore[arg-type]
         model=model,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
         max_tokens=req.max_tokens,
         stop=req.stop_sequences,
         temperature=req.temperature,
@@ -266,10 +278,12 @@ async def count_tokens(ctx: ServingContext, request: APIRequest) -> Response:
     from flowengine.tokenize.chat import apply_chat_template
 
     try:
+        prefill = is_prefill(messages)
         ids = apply_chat_template(
             ctx.tokenizer,
             messages,
-            True,
+            not prefill,
+            continue_final_message=prefill,
             chat_template=getattr(ctx.engine, "chat_template", None),  # --chat-template
         )
     except ValueError as err:
