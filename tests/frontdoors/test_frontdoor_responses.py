@@ -328,3 +328,14 @@ def test_openapi_documents_the_routes(http):
     assert request["required"] == ["input"]
     assert request["properties"]["tools"]["anyOf"][1] == {"type": "array", "maxItems": 0}
     assert msgspec.json.decode(orjson.dumps(doc))["openapi"] == "3.1.0"
+
+
+def test_sdk_stream_helper_accumulates_the_response(oai):
+    """`client.responses.stream` (the SDK's accumulating helper) on a completed response."""
+    with oai.responses.stream(
+        model=MODEL, input="hello", max_output_tokens=50, extra_body={"stop": ["ll"]}, **GREEDY
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    assert final.output_text == "".join(deltas) == "user: he"
