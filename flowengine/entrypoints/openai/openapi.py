@@ -49,14 +49,17 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
 }
 # Per request struct: fields that accept fewer values than their type (the handler
 # answers 400 to the others), stated exactly so the document describes what is served.
+_NO_TOOLS = {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None}
 REFUSED_BY_REQUEST: dict[str, dict[str, dict[str, Any]]] = {
     "ResponsesRequest": {
+        "tools": _NO_TOOLS,
         "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}], "default": None},
         "background": {"anyOf": [_NULL, {"const": False}], "default": None},
         "include": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
         "truncation": {"anyOf": [_NULL, {"const": "disabled"}], "default": None},
     },
     "MessagesRequest": {
+        "tools": _NO_TOOLS,
         "tool_choice": {"anyOf": [_NULL, {
             "type": "object", "properties": {"type": {"enum": ["auto", "none"]}},
             "required": ["type"],
