@@ -358,3 +358,17 @@ def test_admission_and_metrics_are_the_chat_routes(claude, oai, engine, http):
         claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
         == "us"
     )
+
+
+def test_behind_a_root_path_proxy():
+    from openai_fake_engine import FakeEngine
+    from openai_live_server import LiveServer
+
+    from flowengine.entrypoints.openai.app import AppOptions
+
+    with LiveServer(FakeEngine(), app_options=AppOptions(root_path="/llm")) as live:
+        c = anthropic.Anthropic(base_url=f"{live.base_url}/llm", api_key="x", max_retries=0)
+        m = c.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY)
+        assert m.content[0].text == "us"
+        resp = httpx.get(f"{live.base_url}/llm/v1/messages")
+        assert_anthropic_error(resp, 405, "invalid_request_error")

@@ -361,7 +361,10 @@ class OpenAIApp:
                 self.options.max_request_body_bytes, self.options.request_body_timeout_s
             )
         # A path of another API (Anthropic's) answers in that API's error shape.
-        at_path = self.router.routes_at(path)
+        root = self.options.root_path
+        at_path = self.router.routes_at(
+            path[len(root) :] if root and path.startswith(root + "/") else path
+        )
         return (at_path[0].render_error if at_path else error_response)(err)
 
     async def serve(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
