@@ -250,7 +250,8 @@ def test_store_size_comes_from_the_options(engine):
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format", "json_schema"),
         ({"input": "x", "background": True}, "background", "background"),
         ({"input": "x", "truncation": "auto"}, "truncation", "auto"),
-        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]", "include"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs", "<= 20"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"input": "x", "temperature": -1}, "temperature", ">= 0"),
         ({"input": []}, "input", "empty"),
@@ -339,3 +340,31 @@ def test_sdk_stream_helper_accumulates_the_response(oai):
         final = stream.get_final_response()
     assert final.status == "completed"
     assert final.output_text == "".join(deltas) == "user: he"
+
+
+def test_logprobs_equal_the_chat_routes(oai, http):
+    messages = [{"role": "user", "content": "abc"}]
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    expected = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    assert len(expected) == 5 and len(expected[0]["top_logprobs"]) == 2
+    body = {
+        "input": "abc", "max_output_tokens": 5, "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"], **GREEDY,
+    }  # fmt: skip
+    raw = http.post("/v1/responses", json=body)
+    part = strict(raw.content, ResponseObject).output[0].content[0]
+    assert [msgspec.to_builtins(lp) for lp in part.logprobs] == expected
+    # Streamed: each delta carries its tokens' log-probabilities; they join to the same.
+    events = _sse(http.post("/v1/responses", json={**body, "stream": True}).content)
+    deltas = [d for t, d in events if t == "response.output_text.delta"]
+    assert [lp for d in deltas for lp in d["logprobs"]] == expected
+    done = next(d for t, d in events if t == "response.output_text.done")
+    assert done["logprobs"] == expected
+    assert events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    # top_logprobs alone computes nothing (OpenAI's and vLLM's rule: include asks).
+    r = oai.responses.create(
+        model=MODEL, input="abc", max_output_tokens=5, top_logprobs=2, **GREEDY
+    )
+    assert r.output[0].content[0].logprobs == [] and r.top_logprobs == 2

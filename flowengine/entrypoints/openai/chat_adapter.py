@@ -6,13 +6,15 @@ generation_config included), validation, the server's per-request limits and the
 messages given to the chat template are the chat route's (`chat_params`,
 `check_limits`, `chat_messages`), and a greedy request gives the chat route's text.
 `ChatRun` then opens the same `EngineStream` (admission, metrics, abort when closed
-unfinished) and reads its outputs as text deltas: one completion (`n` = 1), no
-log-probabilities. Nothing here knows an API's wire format.
+unfinished) and reads its outputs as deltas of one completion (`n` = 1): text, with
+the token ids and log-probabilities when asked for. Nothing here knows an API's wire
+format.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from flowengine.entrypoints.openai.context import ServingContext, log_request
@@ -20,7 +22,19 @@ from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import EngineStream
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
+from flowengine.outputs import SampleLogprobs
 from flowengine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of a run: text (may be empty when only tokens with log-probabilities
+    arrived, the text held back for a stop string), the new token ids, and their
+    log-probabilities (one dict per token) if the run asked for them, else None."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None
 
 
 def chat_request_params(
@@ -49,6 +63,8 @@ class ChatRun:
         request_id: the engine request id (the API's own response id).
         params: the SamplingParams it runs with.
         text: the text generated so far (all deltas joined).
+        token_ids, logprobs: every generated token id and, if asked for, its
+            log-probabilities (one dict per token).
         finish_reason: "stop", "length" or "abort" once finished, else None.
         stop_reason: the stop string or stop token id that ended it (None for EOS or
             length), as `CompletionOutput.stop_reason`.
@@ -60,6 +76,8 @@ class ChatRun:
         self.params = params
         self.kind = kind
         self._parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: SampleLogprobs = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._outcome = "aborted"
@@ -117,15 +135,21 @@ class ChatRun:
     def num_cached_tokens(self) -> int:
         return self.stream.num_cached_tokens
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Yield each new piece of text (never empty) until the request finishes; then
-        `finish_reason` is set. Raises APIError for an engine failure mid-stream."""
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Yield each new output until the request finishes (then `finish_reason` is
+        set): a delta has text, or, when log-probabilities were asked for, new tokens.
+        Raises APIError for an engine failure mid-stream."""
+        with_logprobs = self.params.logprobs is not None
         try:
             async for out in self.stream:
                 for c in out.outputs:  # n = 1: only index 0
-                    if c.text:
+                    self.token_ids.extend(c.token_ids)
+                    if c.logprobs:
+                        self.logprobs.extend(c.logprobs)
+                    if c.text or (with_logprobs and c.token_ids):
                         self._parts.append(c.text)
-                        yield c.text
+                        logprobs = list(c.logprobs or []) if with_logprobs else None
+                        yield Delta(c.text, list(c.token_ids), logprobs)
                     if c.finish_reason is not None:
                         self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
         except Exception:

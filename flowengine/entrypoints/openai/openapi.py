@@ -55,7 +55,9 @@ REFUSED_BY_REQUEST: dict[str, dict[str, dict[str, Any]]] = {
         "tools": _NO_TOOLS,
         "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}], "default": None},
         "background": {"anyOf": [_NULL, {"const": False}], "default": None},
-        "include": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
+        "include": {"anyOf": [_NULL, {
+            "type": "array", "items": {"const": "message.output_text.logprobs"},
+        }], "default": None},
         "truncation": {"anyOf": [_NULL, {"const": "disabled"}], "default": None},
     },
     "MessagesRequest": {

@@ -6,10 +6,10 @@ response", the Response object, the streaming events) plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`, `ignore_eos`,
 `priority`, `cache_salt`), which the `openai` SDK sends through `extra_body`. Unknown
 fields are ignored, as OpenAI and vLLM do. Fields that would change the output and
-are not served yet (`reasoning`, `top_logprobs`, `conversation`, `prompt`) are typed
-`null`: any other value is a 400 naming the field; `tools`, `background`, `include`,
-`truncation: "auto"` and non-text `text.format` are refused by the handler, also
-with a 400 naming the field.
+are not served yet (`reasoning`, `conversation`, `prompt`) are typed `null`: any
+other value is a 400 naming the field; `tools`, `background`, `include` values other
+than "message.output_text.logprobs", `truncation: "auto"` and non-text `text.format`
+are refused by the handler, also with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import msgspec
 from flowengine.entrypoints.openai.protocol import Int64, NonNegInt, PosInt
 
 # Fields refused while null is the only value served (see the module docstring).
-RESPONSES_UNSUPPORTED_FIELDS = frozenset({"reasoning", "top_logprobs", "conversation", "prompt"})
+RESPONSES_UNSUPPORTED_FIELDS = frozenset({"reasoning", "conversation", "prompt"})
+# `include` values served: the output text's log-probabilities (OpenAI's name).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class InputContentPart(msgspec.Struct, kw_only=True):
@@ -62,7 +64,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     `previous_response_id`, as OpenAI documents). `max_output_tokens` caps the output
     (unset: to EOS or the context limit). `store` (default true) keeps the response
     in the server's bounded in-memory store for `GET /v1/responses/{id}` and
-    `previous_response_id`.
+    `previous_response_id`. `include: ["message.output_text.logprobs"]` returns each
+    output token's log-probability, with `top_logprobs` (0-20) alternatives each.
     """
 
     input: str | list[InputItem]
@@ -84,6 +87,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: Literal["disabled", "auto"] | None = None
     background: bool | None = None
     include: list[str] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -101,7 +105,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     # Not served yet (RESPONSES_UNSUPPORTED_FIELDS): only null is accepted.
     reasoning: None = None
-    top_logprobs: None = None
     conversation: None = None
     prompt: None = None
 
@@ -113,11 +116,24 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+class TopLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
 class OutputText(_Strict):
     type: str  # "output_text"
     text: str
     annotations: list[Any]
-    logprobs: list[Any]
+    logprobs: list[TokenLogprob]  # [] unless include asks for them
 
 
 class OutputMessage(_Strict):
@@ -179,6 +195,7 @@ class ResponseObject(_Strict):
     text: TextConfigOut
     tool_choice: str
     tools: list[Any]
+    top_logprobs: int | None
     truncation: str
     usage: ResponseUsage | None
     user: str | None

@@ -244,7 +244,7 @@ async def _stream(run: ChatRun, model: str) -> AsyncIterator[bytes]:
                 {
                     "type": "content_block_delta",
                     "index": 0,
-                    "delta": {"type": "text_delta", "text": delta},
+                    "delta": {"type": "text_delta", "text": delta.text},
                 },
             )
         yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})

@@ -36,8 +36,10 @@ from flowengine.entrypoints.openai.chat_adapter import ChatRun
 from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import engine_error
+from flowengine.entrypoints.openai.logprobs import chat_logprobs
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from flowengine.entrypoints.openai.protocol_responses import (
+    INCLUDE_LOGPROBS,
     RESPONSES_UNSUPPORTED_FIELDS,
     InputItem,
     ResponsesRequest,
@@ -82,12 +84,13 @@ def check_supported(req: ResponsesRequest) -> None:
             "background (stream it for long outputs)",
             "background",
         )
-    if req.include:
-        raise bad_request(
-            f"include {req.include!r} is not supported; this server returns none of the "
-            "optional output data, remove it",
-            "include",
-        )
+    for i, value in enumerate(req.include or ()):
+        if value != INCLUDE_LOGPROBS:
+            raise bad_request(
+                f"include {value!r} is not supported; this server can include only "
+                f"{INCLUDE_LOGPROBS!r}",
+                f"include[{i}]",
+            )
     if req.truncation == "auto":
         raise bad_request(
             "truncation 'auto' is not supported; use 'disabled' (an input over the "
@@ -146,11 +149,20 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, str]]:
     return messages
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Log-probabilities are computed only when `include` asks for them (OpenAI's and
+    vLLM's rule; `top_logprobs` alone changes nothing)."""
+    return INCLUDE_LOGPROBS in (req.include or ())
+
+
 def chat_request(
     req: ResponsesRequest, messages: list[dict[str, str]], model: str
 ) -> ChatCompletionRequest:
     """The chat route's request for this Responses request (same sampling fields)."""
+    logprobs = wants_logprobs(req)
     return ChatCompletionRequest(
+        logprobs=logprobs,
+        top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],  # type: ignore[arg-type]
         model=model,
         max_completion_tokens=req.max_output_tokens,
@@ -185,7 +197,10 @@ class _Response:
     ) -> None:
         self.ctx = ctx
         self.run = run
+        self.num_top = (req.top_logprobs or 0) if wants_logprobs(req) else None
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        # The output's log-probabilities once known (a stream joins its deltas').
+        self.logprobs: list[dict[str, Any]] | None = None
         self.body: dict[str, Any] = {
             "id": response_id,
             "object": "response",
@@ -208,6 +223,7 @@ class _Response:
             "text": {"format": {"type": "text"}},
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto",
             "tools": [],
+            "top_logprobs": req.top_logprobs,
             "truncation": "disabled",
             "usage": None,
             "user": req.user,
@@ -218,9 +234,18 @@ class _Response:
     def snapshot(self) -> dict[str, Any]:
         return dict(self.body)
 
+    def token_logprobs(self, token_ids: list[int], logprobs: Any) -> list[dict[str, Any]]:
+        """OpenAI's per-token log-probabilities for these tokens ([] if not asked)."""
+        if self.num_top is None or not token_ids:
+            return []
+        return chat_logprobs(token_ids, logprobs, self.num_top, self.ctx.tokenizer)
+
+    def all_logprobs(self) -> list[dict[str, Any]]:
+        return self.token_logprobs(self.run.token_ids, self.run.logprobs)
+
     def message(self, status: str) -> dict[str, Any]:
         """The output message item; with its text part once the text is final."""
-        content = [] if status == "in_progress" else [self.part(self.run.text)]
+        content = [] if status == "in_progress" else [self.part(self.run.text, self.logprobs)]
         return {
             "id": self.message_id,
             "type": "message",
@@ -230,8 +255,8 @@ class _Response:
         }
 
     @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     def finish(self) -> dict[str, Any]:
         """The final body once the run finished: status, output, usage."""
@@ -242,6 +267,8 @@ class _Response:
             status = "incomplete"
             if run.finish_reason == "length":
                 self.body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.logprobs is None:
+            self.logprobs = self.all_logprobs()
         self.body["status"] = status
         self.body["completed_at"] = int(time.time())
         self.body["output"] = [self.message(status)]
@@ -344,11 +371,15 @@ async def _stream(
         yield ev("response.in_progress", response=resp.snapshot())
         yield ev("response.output_item.added", output_index=0, item=resp.message("in_progress"))
         yield ev("response.content_part.added", **where, part=resp.part(""))
+        logprobs: list[dict[str, Any]] = []
         async for delta in run.deltas():
-            yield ev("response.output_text.delta", **where, delta=delta, logprobs=[])
+            lps = resp.token_logprobs(delta.token_ids, delta.logprobs)
+            logprobs.extend(lps)
+            yield ev("response.output_text.delta", **where, delta=delta.text, logprobs=lps)
         text = run.text
-        yield ev("response.output_text.done", **where, text=text, logprobs=[])
-        yield ev("response.content_part.done", **where, part=resp.part(text))
+        resp.logprobs = logprobs
+        yield ev("response.output_text.done", **where, text=text, logprobs=logprobs)
+        yield ev("response.content_part.done", **where, part=resp.part(text, logprobs))
         body = resp.finish()
         yield ev("response.output_item.done", output_index=0, item=body["output"][0])
         keep(body)
