@@ -236,7 +236,7 @@ class _Response:
 
     def token_logprobs(self, token_ids: list[int], logprobs: Any) -> list[dict[str, Any]]:
         """OpenAI's per-token log-probabilities for these tokens ([] if not asked)."""
-        if self.num_top is None or not token_ids:
+        if self.num_top is None or not token_ids or not logprobs:
             return []
         return chat_logprobs(token_ids, logprobs, self.num_top, self.ctx.tokenizer)
 
