@@ -46,6 +46,7 @@ from flowengine.engine.engine_core import EngineCore  # noqa: E402
 from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
 from flowengine.executor.input_batch import RequestState  # noqa: E402
 from flowengine.messages import NewRequest  # noqa: E402
+from flowengine.model.layers.fp8 import Fp8Linear  # noqa: E402
 from flowengine.sampling_params import SamplingParams  # noqa: E402
 
 # Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B), architecture fields only.
@@ -101,11 +102,15 @@ def bytes_per_step(runner: CudaModelRunner, batch: int, context: float) -> float
     `batch` rows of it), and the K/V of `context` tokens per request."""
     model = runner.model
     embed = model.model.embed_tokens.weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Parameters, plus the E4M3 weights and scales of --quantization fp8 (buffers).
+    tensors = [*model.parameters(),
+               *(b for m in model.modules() if isinstance(m, Fp8Linear)
+                 for b in (m.weight, m.weight_scale))]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
     if model.lm_head is not None:  # untied: the table is read only at the batch's ids
         weights += (batch - embed.shape[0]) * embed[0].numel() * embed.element_size()
     kv_per_token = runner.kv_cache_bytes_per_block(
-        runner.model_config, 1, runner.dtype)
+        runner.model_config, 1, runner.kv_cache_dtype)
     return weights + batch * context * kv_per_token
 
 
@@ -216,6 +221,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--no-profile", action="store_true", help="skip the torch.profiler pass")
     p.add_argument("--kernel-profile", action="store_true",
                    help="also print the top CUDA kernels of eager steps at batch 1 and --batch")
@@ -236,7 +243,8 @@ def main(argv: list[str]) -> int:
                       max_model_len=ns.max_model_len, max_num_seqs=max(ns.batch, 1),
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
-                      enforce_eager=ns.enforce_eager)
+                      enforce_eager=ns.enforce_eager, quantization=ns.quantization,
+                      kv_cache_dtype=ns.kv_cache_dtype)
     engine = build_engine_core(resolve(args))
     if not isinstance(engine.executor.runner, CudaModelRunner):
         raise RuntimeError("expected the CUDA runner; is the device CUDA?")

@@ -19,6 +19,11 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# Weight quantization applied at load (vLLM's --quantization); None: weights as loaded.
+Quantization = Literal["fp8"]
+# KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" and
+# "fp8_e4m3" (the same on CUDA and CPU here) = float8_e4m3fn with scale 1.0.
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 # KV-cache budget on the CPU when the user gives none: enough for a few thousand
 # tokens of a small model, small enough for a 24 GiB CI machine.
@@ -43,6 +48,8 @@ class EngineArgs:
     download_dir: str | None = None
     dtype: Dtype = "auto"
     load_format: LoadFormat = "auto"
+    quantization: Quantization | None = None
+    kv_cache_dtype: KVCacheDtype = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -138,6 +145,9 @@ class EngineArgs:
                 "override_generation_config must be a dict (JSON object), got "
                 f"{type(self.override_generation_config).__name__}"
             )
+        if self.quantization is not None and self.quantization not in Quantization.__args__:
+            raise ValueError(f"quantization must be one of {Quantization.__args__} or None, "
+                             f"got {self.quantization!r}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
                              f"got {self.max_logprobs}")
@@ -147,6 +157,7 @@ class EngineArgs:
             ("device", Device),
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
+            ("kv_cache_dtype", KVCacheDtype),
         ):
             value = getattr(self, name)
             if value not in allowed.__args__:

@@ -116,12 +116,12 @@ def _decode_attention_stage1_kernel(
             key_cache_ptr + kv_offs[None, :] + offs_d[:, None],
             mask=d_valid[:, None] & kv_valid[None, :],
             other=0.0,
-        )
+        ).to(query_ptr.dtype.element_ty)  # an fp8 cache is widened here
         v = tl.load(  # [TILE_N, HEAD_DIM_PADDED]
             value_cache_ptr + kv_offs[:, None] + offs_d[None, :],
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
-        )
+        ).to(query_ptr.dtype.element_ty)
         if SOFT_CAP:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
             # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
@@ -225,8 +225,8 @@ def decode_attention(
 
     Args:
         query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], holding the new
-            tokens' K/V already.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], `query`'s dtype
+            or float8_e4m3fn (widened as it is read), holding the new tokens' K/V already.
         query_start_loc: [num_reqs + 1] int32; every request has exactly one new token
             (or none: an empty padding request, skipped). Longer chunks are not checked
             on the device (that would sync); use paged_attention for them.

@@ -156,12 +156,12 @@ def _paged_attention_kernel(
             key_cache_ptr + kv_offs[None, :] + offs_d[:, None],
             mask=d_valid[:, None] & kv_valid[None, :],
             other=0.0,
-        )
+        ).to(query_ptr.dtype.element_ty)  # an fp8 cache is widened here
         v = tl.load(  # [TILE_N, HEAD_DIM_PADDED]
             value_cache_ptr + kv_offs[:, None] + offs_d[None, :],
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
-        )
+        ).to(query_ptr.dtype.element_ty)
         if SOFT_CAP:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
             # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
@@ -213,8 +213,9 @@ def paged_attention(
     Args:
         query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16, the new
             tokens of all requests, flattened in request order.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], same dtype as
-            `query`, already holding the new tokens' K/V (see reshape_and_cache).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], `query`'s dtype
+            or float8_e4m3fn (widened to `query`'s dtype as it is read), already
+            holding the new tokens' K/V (see reshape_and_cache).
         query_start_loc: [num_reqs + 1] int32, new-token offsets (starts at 0).
         seq_lens: [num_reqs] int32, context length including the new tokens; must be
             >= the request's new-token count.

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validation import FLOAT_DTYPES, check_tensor
+from .validation import FLOAT_DTYPES, FP8_E4M3_MAX, KV_CACHE_DTYPES, check_tensor
 
 
 @triton.jit
@@ -35,6 +35,7 @@ def _reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS_PADDED: tl.constexpr,  # power of 2
     HEAD_DIM_PADDED: tl.constexpr,  # power of 2
+    FP8_MAX: tl.constexpr,  # > 0: the cache is E4M3; clamp to +-FP8_MAX before the cast
 ):
     token_idx = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token_idx).to(tl.int64)
@@ -63,6 +64,11 @@ def _reshape_and_cache_kernel(
         + offs_d[None, :],
         mask=mask,
     )
+    if FP8_MAX > 0:
+        # E4M3 has no infinity: an out-of-range value would become NaN, and one NaN
+        # in a cache slot poisons every later attention over it.
+        key = tl.minimum(tl.maximum(key.to(tl.float32), -FP8_MAX), FP8_MAX)
+        value = tl.minimum(tl.maximum(value.to(tl.float32), -FP8_MAX), FP8_MAX)
     cache_offs = (
         block_idx * cache_stride_block
         + block_offset * cache_stride_offset
@@ -88,7 +94,8 @@ def reshape_and_cache(
             with a contiguous last dimension (a view of a fused QKV output works).
         value: same shape and dtype as `key`.
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], the layer's cache
-            (0 = K, 1 = V); values are cast to its dtype.
+            (0 = K, 1 = V); values are cast to its dtype (float32/float16/bfloat16, or
+            float8_e4m3fn: clamped to +-448 first, scale 1.0).
         slot_mapping: [num_tokens] int64 (int32 accepted), slot of each token; -1 skips
             the token. Slots must be < num_blocks * block_size (not checked: that would
             need a device sync).
@@ -98,7 +105,7 @@ def reshape_and_cache(
     """
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, device=key.device)
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=key.device)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=KV_CACHE_DTYPES, device=key.device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, device=key.device)
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -133,4 +140,5 @@ def reshape_and_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        FP8_MAX=FP8_E4M3_MAX if kv_cache.dtype == torch.float8_e4m3fn else 0.0,
     )

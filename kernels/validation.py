@@ -45,6 +45,11 @@ def check_tensor(
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# A KV cache may also be float8_e4m3fn (--kv-cache-dtype fp8): the kernels store K/V
+# clamped to +-448 and read them back into the query's dtype (scale 1.0, as vLLM's
+# default when a checkpoint carries no KV scales).
+KV_CACHE_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = 448.0
 
 
 def check_attention_inputs(
@@ -62,7 +67,7 @@ def check_attention_inputs(
     """
     dev = query.device
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=KV_CACHE_DTYPES, device=dev)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=dev)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=dev)

@@ -223,8 +223,9 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     torch.manual_seed(args.seed)
     dtype = getattr(torch, resolved.dtype)
     tp = SINGLE_RANK if tp is None else tp
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
-                                                     dtype, tp.world_size)
+                                                     kv_dtype, tp.world_size)
     runner_kwargs: dict[str, Any] = dict(
         device=torch.device(resolved.device),
         dtype=dtype,
@@ -234,6 +235,8 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         tp=tp,
+        quantization=args.quantization,
+        kv_cache_dtype=kv_dtype,
     )
     if resolved.device == "cuda":
         runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)
@@ -245,12 +248,14 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     # the user set that the cache cannot hold stops start-up here with what to change.
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     logger.info(
-        "executor ready: %s on %s (%s), %d KV blocks of %d tokens",
+        "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens (KV cache %s)",
         resolved.served_model_names[0],
         resolved.device,
         resolved.dtype,
+        f", {args.quantization} weights" if args.quantization else "",
         cache_config.num_blocks,
         args.block_size,
+        str(kv_dtype).removeprefix("torch."),
     )
     return Executor(runner), cache_config.num_blocks
 

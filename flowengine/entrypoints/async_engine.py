@@ -337,7 +337,7 @@ class AsyncEngine:
         args = self.args
         return {
             "block_size": str(args.block_size),
-            "cache_dtype": "auto",
+            "cache_dtype": args.kv_cache_dtype,
             "enable_prefix_caching": str(args.enable_prefix_caching),
             "gpu_memory_utilization": str(args.gpu_memory_utilization),
             "num_gpu_blocks": str(num_blocks),

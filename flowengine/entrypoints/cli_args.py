@@ -27,6 +27,21 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--download-dir", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8"],
+        help="quantize weights at load: fp8 = E4M3 weights with per-channel scales and "
+        "per-token dynamic activation scales (FP8 GEMMs; CUDA compute capability >= 8.9)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache element type: auto = the model dtype; fp8/fp8_e4m3 = float8_e4m3fn "
+        "(scale 1.0), half the bytes of bf16, so twice the KV blocks",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)

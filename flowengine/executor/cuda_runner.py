@@ -95,6 +95,8 @@ class CudaModelRunner(ModelRunner):
         enforce_eager: bool = False,
         capture_sizes: Sequence[int] = CAPTURE_SIZES,
         tp: TensorParallelGroup = SINGLE_RANK,
+        quantization: str | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.enforce_eager = enforce_eager
         self.capture_sizes = capture_sizes_for(max_num_seqs, max_num_batched_tokens,
@@ -110,7 +112,8 @@ class CudaModelRunner(ModelRunner):
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         super().__init__(model_config, cache_config, device, dtype, load_format, model_path,
                          attn_backend=attn_backend, max_num_batched_tokens=max_num_batched_tokens,
-                         max_num_seqs=max_num_seqs, seed=seed, tp=tp)
+                         max_num_seqs=max_num_seqs, seed=seed, tp=tp,
+                         quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self._grow_slots(2 * max_num_seqs)
 
     # ------------------------------------------------------------------ setup
@@ -132,7 +135,7 @@ class CudaModelRunner(ModelRunner):
         return profile_memory(
             self.model, num_layers=c.num_layers,
             kv_block_shape=(2, 1, block_size, c.num_kv_heads // self.tp.world_size,
-                            c.head_dim), dtype=self.dtype,
+                            c.head_dim), dtype=self.kv_cache_dtype,
             max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             max_model_len=c.max_model_len)
 

@@ -67,12 +67,15 @@ class ModelRunner:
         max_num_seqs: int = 256,
         seed: int = 0,
         tp: TensorParallelGroup = SINGLE_RANK,
+        quantization: str | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model_config = model_config
         self.tp = tp
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         gguf_file = model_path if model_path is not None and model_path.endswith(".gguf") else None
         if model_path is not None and gguf_file is None and model_path != model_config.model_path:
             raise ValueError(
@@ -81,7 +84,7 @@ class ModelRunner:
             )
         self.model = load_model(model_config, load_format, dtype, self.device,
                                 gguf_file=gguf_file, attn_backend=attn_backend, seed=seed,
-                                tp=tp)
+                                tp=tp, quantization=quantization)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
@@ -91,13 +94,14 @@ class ModelRunner:
 
     def initialize_kv_cache(self, cache_config: CacheConfig) -> None:
         """Allocate the KV cache (one zeroed [2, num_blocks, block_size, num_kv_heads / N,
-        head_dim] tensor per layer, model dtype) and the input buffers."""
+        head_dim] tensor per layer, in kv_cache_dtype: the model dtype, or float8_e4m3fn
+        for --kv-cache-dtype fp8) and the input buffers."""
         self.cache_config = cache_config
         model_config = self.model_config
         shape = (2, cache_config.num_blocks, cache_config.block_size,
                  model_config.num_kv_heads // self.tp.world_size, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(model_config.num_layers)]
         self.input_batch = self._make_input_batch(cache_config.block_size)
 

@@ -37,6 +37,7 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     seed: int = 0,
     tp: TensorParallelGroup = SINGLE_RANK,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model for `model_config` and load its weights, in eval mode, no grads.
 
@@ -52,10 +53,13 @@ def load_model(
             name, then sliced, so every tensor-parallel size gets the same model).
         dtype: parameter dtype. device: where parameters live.
         attn_backend: defaults to get_attn_backend(device).
+        quantization: None, or "fp8": after loading, every linear layer except the LM
+            head becomes an E4M3 `Fp8Linear` (flowengine/model/layers/fp8.py).
 
     Raises:
-        ValueError: unknown load_format, no weight files, or checkpoint tensors that
-            are missing / unexpected / of the wrong shape (listed in the message).
+        ValueError: unknown load_format or quantization, no weight files, checkpoint
+            tensors that are missing / unexpected / of the wrong shape (listed in the
+            message), or quantization="fp8" on a device without FP8 GEMMs.
     """
     device = torch.device(device)
     if attn_backend is None:
@@ -87,6 +91,12 @@ def load_model(
                 "download may be incomplete or config.json may not match the weights"
             )
     model.requires_grad_(False)
+    if quantization == "fp8":
+        from flowengine.model.layers.fp8 import quantize_model_fp8_
+
+        quantize_model_fp8_(model, device)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; supported: 'fp8'")
     return model.eval()
 
 

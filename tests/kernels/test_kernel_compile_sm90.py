@@ -46,12 +46,29 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "NUM_KV_SPLITS": 16}),
     ("reshape_and_cache", "_reshape_and_cache_kernel",
      {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_KV_HEADS_PADDED": 8,
-      "HEAD_DIM_PADDED": 128}),
+      "HEAD_DIM_PADDED": 128, "FP8_MAX": 0.0}),
     ("rms_norm", "_rms_norm_kernel", {"HIDDEN_SIZE": 4096, "BLOCK": 4096, "ADD_RESIDUAL": True}),
     ("rotary", "_rotary_kernel",
      {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "NUM_Q_HEADS_PADDED": 32,
       "NUM_KV_HEADS_PADDED": 8, "HALF": 64, "HALF_PADDED": 64}),
     ("activation", "_silu_and_mul_kernel", {"INTERMEDIATE_SIZE": 14336, "BLOCK": 1024}),
+    # --quantization fp8 at Llama-3-8B's down_proj shape (K 14336).
+    ("fp8_linear", "_per_token_quant_kernel",
+     {"K": 14336, "BLOCK": 1024, "FP8_MAX": 448.0, "EPS": 1e-12}),
+    ("fp8_linear", "_w8a16_gemm_kernel",
+     {"N": 4096, "K": 14336, "K_PER_SPLIT": 1792, "BLOCK_M": 16, "BLOCK_N": 64,
+      "BLOCK_K": 128, "HAS_BIAS": False, "DOT_PRECISION": "tf32"}),
+    ("fp8_linear", "_split_k_reduce_kernel",
+     {"N": 4096, "SPLIT_K": 8, "BLOCK": 1024, "HAS_BIAS": True}),
+]
+# --kv-cache-dtype fp8: the same kernels over an E4M3 cache (bf16 activations).
+FP8_CACHE = {"key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
+FP8_KERNELS: list[tuple[str, str, dict[str, object]]] = [
+    ("reshape_and_cache", "_reshape_and_cache_kernel",
+     {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_KV_HEADS_PADDED": 8,
+      "HEAD_DIM_PADDED": 128, "FP8_MAX": 448.0}),
+    KERNELS[0],
+    KERNELS[5],
 ]
 # Pointer arguments that are not activations/caches (those are bf16).
 POINTER_TYPES = {
@@ -59,9 +76,11 @@ POINTER_TYPES = {
     "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_ptr": "*fp32",
     "sin_ptr": "*fp32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
     "sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64", "topk_weights_ptr": "*fp32",
+    "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "weight_ptr": "*fp8e4nv", "weight_scale_ptr": "*fp32",
+    "partial_ptr": "*fp32",
 }
 SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32",
-                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32"}
+                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32"}
 
 
 def compile_all() -> None:
@@ -72,14 +91,16 @@ def compile_all() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    for module, name, constexprs in KERNELS:
+    cases = [(k, POINTER_TYPES) for k in KERNELS]
+    cases += [(k, {**POINTER_TYPES, **FP8_CACHE}) for k in FP8_KERNELS]
+    for (module, name, constexprs), pointer_types in cases:
         fn = getattr(importlib.import_module(f"flowengine.kernels.{module}"), name)
         signature: dict[str, str] = {}
         for arg in fn.arg_names:
             if arg in constexprs:
                 signature[arg] = "constexpr"
             elif arg.endswith("_ptr"):
-                signature[arg] = POINTER_TYPES.get(arg, "*bf16")
+                signature[arg] = pointer_types.get(arg, "*bf16")
             elif "stride" in arg:
                 signature[arg] = "i64"
             else:

@@ -20,7 +20,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """Store new keys/values at their slots.
 
     k, v: [T, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size,
-    num_kv_heads, head_dim]; slot_mapping: [T] int64, slot = block_id * block_size +
+    num_kv_heads, head_dim] (any float dtype, float8_e4m3fn included); slot_mapping: [T] int64, slot = block_id * block_size +
     offset, -1 = padding token (not written).
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -29,8 +29,19 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        # --kv-cache-dtype fp8: clamp to E4M3's range (it has no infinity; scale 1.0),
+        # and copy the bytes (index_copy_ has no float8 kernel on the CPU).
+        k_flat.view(torch.uint8).index_copy_(0, slot_mapping, _to_fp8(k).view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slot_mapping, _to_fp8(v).view(torch.uint8))
+        return
     k_flat.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     v_flat.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    return x.float().clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor
