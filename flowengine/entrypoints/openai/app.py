@@ -79,6 +79,11 @@ from flowengine.entrypoints.openai.responses_store import (
 from flowengine.entrypoints.openai.router import Route, Router
 from flowengine.entrypoints.openai.serving_chat import create_chat_completion
 from flowengine.entrypoints.openai.serving_completions import create_completion
+from flowengine.entrypoints.openai.serving_embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    create_embedding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +188,8 @@ def build_routes(
         Route("POST", "/v1/messages/count_tokens", h(anthropic.count_tokens),
               "Count the tokens of a message request (Anthropic)",
               request_types=(CountTokensRequest,), response_type=TokenCount, **claude),
+        Route("POST", "/v1/embeddings", h(create_embedding), "Create embeddings (pooling models)",
+              request_types=(EmbeddingRequest,), response_type=EmbeddingResponse),
         Route("POST", "/tokenize", h(misc.tokenize), "Token ids of a prompt or of messages",
               request_types=(TokenizeCompletionRequest, TokenizeChatRequest),
               response_type=rs.TokenizeResponse),

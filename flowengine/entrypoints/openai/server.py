@@ -94,6 +94,7 @@ class ServerOptions:
     ssl_keyfile: str | None = None
     enable_prompt_tokens_details: bool = False
     trust_request_chat_template: bool = False
+    grpc_port: int | None = None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -225,6 +226,14 @@ def make_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds in-flight requests may run after SIGTERM (long streams need minutes)",
     )
+    s.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve gRPC (service flowengine.v1.Generate, proto/flowengine/v1/"
+        "generate.proto, and grpc.health.v1) on this port of --host, on the same engine "
+        "and queue limit as HTTP (needs the 'grpc' extra: pip install flowengine[grpc])",
+    )
     return p
 
 
@@ -303,7 +312,22 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         ssl_keyfile=ns.ssl_keyfile,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         trust_request_chat_template=ns.trust_request_chat_template,
+        grpc_port=_grpc_port(ns.grpc_port),
     )
+
+
+def _grpc_port(port: int | None) -> int | None:
+    """--grpc-port, checked (ValueError) with grpcio importable (the 'grpc' extra)."""
+    if port is None:
+        return None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--grpc-port must be in [0, 65535], got {port}")
+    try:
+        import flowengine.entrypoints.grpc.server  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"--grpc-port needs grpcio ({err}); install the 'grpc' extra: "
+                         "pip install 'flowengine[grpc]'") from err
+    return port
 
 
 def create_engine(args: EngineArgs) -> EngineClient:
@@ -429,10 +453,24 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             enable_prompt_tokens_details=options.enable_prompt_tokens_details,
             trust_request_chat_template=options.trust_request_chat_template,
         )
+        grpc_server = None
         try:
+            if options.grpc_port is not None and not engine_died:
+                from flowengine.entrypoints.grpc.server import GrpcServer
+
+                # Same engine, same queue limit: one admission for both front doors.
+                grpc_server = GrpcServer(engine, names, server.context.admission,
+                                         host=options.host, port=options.grpc_port)
+                try:
+                    await grpc_server.start()
+                except OSError as err:
+                    logger.error("%s", err)
+                    return 1
             if not engine_died:
                 await server.serve(sock, install_signal_handlers=True)
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace_s=ENGINE_SHUTDOWN_TIMEOUT_S)
             if options.uds is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(options.uds)
