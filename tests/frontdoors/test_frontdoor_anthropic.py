@@ -4,7 +4,9 @@ route's, Anthropic's SSE events, stop reasons, `x-api-key`, errors in Anthropic'
 
 The fake engine echoes its rendered prompt ("role: content" lines, then "assistant:"),
 one byte per token, so every expected text is exact. Newer `anthropic` SDKs have no
-`temperature` argument; it travels in `extra_body`, as any field the SDK lacks.
+`temperature` argument; it travels in `extra_body`, as any field the SDK lacks. Error
+types are read from the parsed body (`err.body["error"]["type"]`), which every SDK
+version keeps, rather than from attributes only newer versions have.
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ def test_auth_x_api_key_and_bearer(server):
     wrong = anthropic.Anthropic(base_url=server.base_url, api_key="nope", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as err:
         wrong.messages.create(model=MODEL, max_tokens=2, messages=USER)
-    assert err.value.type == "authentication_error"
+    assert err.value.body["error"]["type"] == "authentication_error"
     bearer = anthropic.Anthropic(base_url=server.base_url, auth_token=API_KEY, max_retries=0)
     assert (
         bearer.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
@@ -279,11 +281,11 @@ def test_sdk_error_classes(claude):
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model=MODEL, max_tokens=5, messages=USER,
                                tools=[{"name": "f", "input_schema": {"type": "object"}}])  # fmt: skip
-    assert err.value.type == "invalid_request_error"
-    assert "tools are not supported" in err.value.api_message
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    assert "tools are not supported" in err.value.message
     with pytest.raises(anthropic.NotFoundError) as err:
         claude.messages.create(model="claude-none", max_tokens=5, messages=USER)
-    assert err.value.type == "not_found_error"
+    assert err.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": "1"}]}])  # fmt: skip
@@ -311,7 +313,7 @@ def test_engine_failure_mid_stream_is_an_error_event(claude, engine, http):
         "type": "error",
         "error": {"type": "api_error", "message": "internal server error; see the server log"},
     }
-    assert err.value.type == "api_error"
+    assert err.value.body["error"]["type"] == "api_error"
     assert (
         claude.messages.create(model=MODEL, max_tokens=2, messages=USER, **GREEDY).content[0].text
         == "us"
@@ -347,7 +349,7 @@ def test_admission_and_metrics_are_the_chat_routes(claude, oai, engine, http):
     try:
         with pytest.raises(anthropic.RateLimitError) as err:
             claude.messages.create(model=MODEL, max_tokens=2, messages=USER)
-        assert err.value.type == "rate_limit_error"
+        assert err.value.body["error"]["type"] == "rate_limit_error"
         assert err.value.response.headers["retry-after"] == "2"
         with pytest.raises(openai.RateLimitError) as oerr:
             oai.responses.create(model=MODEL, input="x")
