@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from flowengine.config import EngineArgs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 from flowengine.version import __version__
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

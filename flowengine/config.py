@@ -20,6 +20,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
 Runner = Literal["auto", "generate", "pooling"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # Weight quantization applied at load (vLLM's --quantization); None: weights as loaded.
 Quantization = Literal["fp8"]
 # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" and
@@ -68,6 +69,8 @@ class EngineArgs:
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
+    # Grammar library for structured outputs (vLLM's --structured-outputs-backend).
+    structured_outputs_backend: StructuredOutputsBackend = "auto"
     served_model_name: tuple[str, ...] = field(default_factory=tuple)
     # No periodic stats line (engine/stat_logger.py); LLM() turns it off by default.
     disable_log_stats: bool = False
@@ -168,6 +171,7 @@ class EngineArgs:
             ("device", Device),
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
+            ("structured_outputs_backend", StructuredOutputsBackend),
             ("runner", Runner),
             ("kv_cache_dtype", KVCacheDtype),
         ):

@@ -93,6 +93,13 @@ class StepPlan(_Msg, tag=True):
     sampled and appended in step N, which never travels back through the scheduler.
     A token sampled for a request that finished in the meantime is dropped by the
     scheduler, and the request comes in a later plan's finished_req_ids.
+
+    Structured outputs: structured_output_req_ids are the constrained requests that
+    sample in this step and grammar_bitmask their next-token masks, one row each in
+    that order: [len(structured_output_req_ids), ceil(vocab_size / 32)] int32
+    little-endian (flowengine/sample/grammar_bitmask.py), applied to their logits
+    before sampling. Each row was filled after the request's previous token was
+    accepted (a constrained request is never planned on a placeholder token).
     """
 
     step_id: int
@@ -100,6 +107,8 @@ class StepPlan(_Msg, tag=True):
     cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: list[int]
     finished_req_ids: list[str] = []
+    structured_output_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -12,6 +12,7 @@ be finite, and `bool` is not accepted where a number is meant.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from typing import Any
 
@@ -22,6 +23,108 @@ INT64_MAX = (1 << 63) - 1
 
 # Below this temperature sampling is treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5
+
+
+# The kinds of constraint, in vLLM's field order (StructuredOutputsParams).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the generated text (vLLM's `StructuredOutputsParams`).
+
+    Exactly one kind is set:
+
+    - json: a JSON schema (a dict, or its JSON text); the output is one JSON value
+      that validates against it.
+    - regex: a regular expression the whole output matches.
+    - choice: a non-empty list of strings; the output is exactly one of them.
+    - grammar: a context-free grammar, EBNF/GBNF (`root ::= ...`) or Lark.
+    - json_object: True: any JSON object (OpenAI's `response_format: json_object`).
+    - structural_tag: xgrammar's structural tag (a dict, or its JSON text), e.g.
+      free text with tool calls whose arguments follow a schema.
+
+    Options: disable_any_whitespace (JSON without whitespace between tokens),
+    disable_additional_properties (a schema's objects take no properties beyond the
+    listed ones unless the schema says so), as vLLM names them.
+
+    Construction checks only the shape of each field (ValueError naming the field);
+    the engine compiles the constraint before anything is generated and raises
+    ValueError naming the field for an invalid schema, regex or grammar
+    (flowengine/structured_outputs/).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS
+                     if getattr(self, k) is not None and getattr(self, k) is not False]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                f"{', '.join(set_kinds) if set_kinds else 'none'}"
+            )
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        if kind in ("json", "structural_tag"):
+            if isinstance(value, str):
+                try:
+                    parsed = _json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.{kind} is not valid JSON: {exc}") from None
+                if not isinstance(parsed, dict) and not (kind == "json" and isinstance(parsed, bool)):
+                    raise ValueError(f"structured_outputs.{kind} must be a JSON object")
+            elif not isinstance(value, dict):
+                raise ValueError(f"structured_outputs.{kind} must be a JSON object or its "
+                                 f"JSON text, got {type(value).__name__}")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        elif kind == "choice":
+            if (not isinstance(value, list) or not value
+                    or any(not isinstance(c, str) for c in value)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        elif value is not True:
+            raise ValueError("structured_outputs.json_object must be true")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false")
+
+    @property
+    def kind(self) -> str:
+        """The one kind that is set ("json", "regex", "choice", "grammar",
+        "json_object" or "structural_tag")."""
+        for k in STRUCTURED_OUTPUT_KINDS:
+            value = getattr(self, k)
+            if value is not None and value is not False:
+                return k
+        raise AssertionError("unreachable: __post_init__ checks one kind is set")
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one canonical string: the cache key of its compiled
+        grammar with `kind` (JSON kinds re-serialized with sorted keys, so the same
+        schema written two ways compiles once)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind in ("json", "structural_tag"):
+            if isinstance(value, str):
+                value = _json.loads(value)
+            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return _json.dumps(value, ensure_ascii=False)
+        if kind == "json_object":
+            return ""
+        return value
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -56,6 +159,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
       leading space; a one-token word is always banned, a longer one bans its last
       token when the generated tokens end with the rest (vLLM's rule).
     - extra_args: a dict passed through untouched, for custom code (vLLM's field).
+    - structured_outputs: a `StructuredOutputsParams` constraint (JSON schema, regex,
+      choice, grammar, any JSON object, structural tag), or None.
 
     `bad_words_token_ids` is filled in by the engine's input processor (the tokenized
     `bad_words`); callers leave it unset. Token ids in logit_bias, allowed_token_ids
@@ -87,6 +192,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
@@ -206,6 +312,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "true or false")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs,
+                      "a StructuredOutputsParams")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (they are matched on the "
                              "text); use stop_token_ids or drop detokenize=False")

@@ -108,7 +108,12 @@ class SchedulerActor:
                 await self.steps.send_async(plan)
                 self._in_flight.append(plan)
             if not self._in_flight:
-                # Unfinished requests but nothing schedulable: wait for news.
+                # Unfinished requests but nothing schedulable: wait for news, or, while
+                # grammars compile (in worker threads), look again soon.
+                if core.num_compiling_grammars:
+                    with anyio.move_on_after(0.005):
+                        self._handle(await self.requests.recv_async())
+                    continue
                 self._handle(await self.requests.recv_async())
                 continue
             await self._apply(await self.results.recv_async())

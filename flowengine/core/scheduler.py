@@ -33,6 +33,16 @@ must be applied once each, in plan order. Two modes:
   token in N+1, dropped when N+1's result arrives; a request that its in-flight tokens
   surely bring to max_tokens or max_len gets no speculative token at all.
 
+Structured outputs (`structured_output_manager`, flowengine/structured_outputs/): a
+constrained request waits in WAITING while its grammar compiles (vLLM's
+WAITING_FOR_FSM; others are admitted past it) and fails there if it does not compile.
+Each plan carries the next-token bitmask of its constrained sampling rows, filled from
+matchers that have accepted every earlier token: step N+1's mask *waits for* step N's
+token. So with async scheduling a constrained request is not planned on a placeholder
+token (it skips the plans made while its token is in flight, as in the default mode),
+while unconstrained requests keep overlapping. `update_from_output` advances each
+matcher by the accepted tokens; a token the grammar refuses fails the request.
+
 In both modes stop checks run on the tokens in order, so outputs equal the
 non-overlapped engine's and no token past a stop is ever delivered. Blocks of a
 request that finishes, is preempted or is aborted while an in-flight step writes them
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import chain
+from typing import Any
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.block_pool import KVCacheBlock
@@ -74,6 +85,9 @@ class Scheduler:
             steps already had their tokens (module docstring, DESIGN.md §5). Off: a
             request waits for its last step's result before it is scheduled again.
             May be changed between steps.
+        structured_output_manager: compiles grammars and keeps the matchers of
+            constrained requests (a `StructuredOutputManager`); None refuses requests
+            with structured_outputs.
 
     Raises ValueError when chunked prefill is off and max_num_batched_tokens is below
     max_model_len (such prompts could never be scheduled).
@@ -94,9 +108,14 @@ class Scheduler:
         *,
         hash_seed: str = "",
         async_scheduling: bool = False,
+        structured_output_manager: Any = None,
     ) -> None:
         self.state = state = SchedulerState(scheduler_config, cache_config, hash_seed=hash_seed)
         self.async_scheduling = async_scheduling
+        self.structured_outputs = state.structured_outputs = structured_output_manager
+        # Deltas made while planning (a request whose grammar failed to compile); the
+        # engine core takes them after each schedule().
+        self.pending_deltas: list[RequestDelta] = []
         # The state's long-lived parts, bound once: the planning loops read them on
         # every step.
         self.config = state.config
@@ -111,8 +130,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ life cycle
     def add_request(self, request: Request) -> None:
-        """Queue a new request (WAITING); raises ValueError as SchedulerState.add_request."""
+        """Queue a new request (WAITING); raises ValueError as SchedulerState.add_request,
+        or for structured_outputs without a structured output manager. A constrained
+        request's grammar starts compiling here."""
+        if (request.sampling_params.structured_outputs is not None
+                and self.structured_outputs is None):
+            raise ValueError("this engine has no structured output support (its scheduler "
+                             "was built without a StructuredOutputManager)")
         self.state.add_request(request)
+        if self.structured_outputs is not None:
+            self.structured_outputs.add_request(request)
+
+    @property
+    def num_compiling_grammars(self) -> int:
+        """Constrained requests that wait for their grammar to compile."""
+        return 0 if self.structured_outputs is None else self.structured_outputs.num_compiling
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests with a finished status (SchedulerState.finish_requests)."""
@@ -195,7 +227,9 @@ class Scheduler:
         `num_computed_tokens` (nothing to compute) when those surely end it by length."""
         num_placeholders = self.in_flight.num_placeholders(request)
         if num_placeholders and (
-            request.num_output_tokens + num_placeholders >= request.max_tokens
+            # A constrained request's next mask needs its in-flight token (docstring).
+            request.sampling_params.structured_outputs is not None
+            or request.num_output_tokens + num_placeholders >= request.max_tokens
             or num_tokens + num_placeholders >= self.max_len
         ):
             return request.num_computed_tokens  # a speculative token could never be delivered
@@ -267,6 +301,7 @@ class Scheduler:
         manager = self.kv_cache_manager
         waiting = self.waiting.requests  # admitting removes the request at `index`
         pending: set[int] | None = None  # hashes being computed, gathered when first needed
+        grammars = self.structured_outputs
         index = 0
         while index < len(waiting):
             if len(self.running) >= self.config.max_num_seqs or draft.token_budget == 0:
@@ -274,6 +309,14 @@ class Scheduler:
             request = waiting[index]
             if self.in_flight.num_placeholders(request):
                 return  # preempted with tokens in flight: resume it with them (docstring)
+            if grammars is not None and request.sampling_params.structured_outputs is not None:
+                status = grammars.poll(request)
+                if status == "compiling":
+                    index += 1  # WAITING_FOR_FSM: the requests behind it go first
+                    continue
+                if status is not None:  # it leaves `waiting`: the next one is at `index`
+                    self.pending_deltas.append(self.state.fail_request(request, status))
+                    continue
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
             if (manager.enable_caching and request.sampling_params.prompt_logprobs is None
                     and len(hit_blocks) < self._num_cacheable_blocks(request)):
@@ -315,7 +358,22 @@ class Scheduler:
         )
         if scheduled:
             self.in_flight.add(step_id, scheduled)
+            grammars = self.structured_outputs
+            if grammars is not None and grammars.num_matchers:
+                self._add_bitmask(plan, scheduled, grammars)
         return plan
+
+    @staticmethod
+    def _add_bitmask(plan: StepPlan, scheduled: dict[str, ScheduledRequest],
+                     grammars: Any) -> None:
+        """Fill the next-token bitmask of the plan's constrained sampling rows (their
+        matchers have accepted every earlier token, see the module docstring)."""
+        is_constrained = grammars.has_matcher
+        req_ids = [rid for rid, record in scheduled.items()
+                   if record.samples and is_constrained(rid)]
+        if req_ids:
+            plan.structured_output_req_ids = req_ids
+            plan.grammar_bitmask = grammars.fill_bitmask(req_ids)
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
@@ -353,6 +411,9 @@ class Scheduler:
         num_cached_blocks = self.kv_cache_manager.num_cached_blocks
         block_size = self.block_size
         append_sampled = self.state.append_sampled
+        grammars = self.structured_outputs
+        if grammars is not None and not grammars.num_matchers:
+            grammars = None
         deltas = []
         entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
@@ -369,8 +430,22 @@ class Scheduler:
                 if num_computed // block_size > num_cached_blocks.get(req_id, 0):
                     cache_blocks(request, num_computed)
             if record.samples:
-                deltas.append(append_sampled(request, sampled.get(req_id)))
+                delta = append_sampled(request, sampled.get(req_id))
+                deltas.append(delta)
+                if grammars is not None and delta.finish_reason is None and delta.new_token_ids:
+                    self._advance_matcher(request, delta, grammars)
         return deltas
+
+    def _advance_matcher(self, request: Request, delta: RequestDelta, grammars: Any) -> None:
+        """Feed the accepted tokens to the request's matcher; a refused token (the output
+        left its grammar, which the mask should make impossible) fails the request, in
+        the same delta."""
+        if grammars.accept_tokens(request.request_id, delta.new_token_ids):
+            return
+        error = (f"structured outputs: token {delta.new_token_ids[-1]} does not match the "
+                 f"grammar of request {request.request_id}")
+        failed = self.state.fail_request(request, error)
+        delta.finish_reason, delta.error = failed.finish_reason, failed.error
 
     def _fail_plan(
         self, plan: StepPlan, scheduled: dict[str, ScheduledRequest], error: str

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.admission import check_request_fits, check_scheduler_config
@@ -69,6 +70,8 @@ class SchedulerState:
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.in_flight = InFlightSteps()
+        # The StructuredOutputManager (set by the Scheduler), told of finished requests.
+        self.structured_outputs: Any = None
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (status WAITING).
@@ -251,6 +254,8 @@ class SchedulerState:
         request.status = status
         self._free_blocks(request)
         del self.requests[request.request_id]
+        if self.structured_outputs is not None:
+            self.structured_outputs.remove(request.request_id)
 
     def _free_blocks(self, request: Request) -> None:
         """Free the request's blocks now, or once the last in-flight step that writes

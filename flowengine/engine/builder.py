@@ -254,6 +254,22 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
         ),
         CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
         hash_seed=new_hash_seed(),
+        structured_output_manager=make_structured_output_manager(resolved),
+    )
+
+
+def make_structured_output_manager(resolved: ResolvedEngine):
+    """The scheduler's `StructuredOutputManager`: --structured-outputs-backend, the
+    model's vocabulary size, and the tokenizer loaded on the first constrained request
+    (in a compile thread), so an engine that never sees one never loads it."""
+    from flowengine.structured_outputs.manager import StructuredOutputManager
+
+    if resolved.model_config is None:
+        return None  # a scheduler built without a model (tests): no vocabulary to mask
+    return StructuredOutputManager(
+        resolved.args.structured_outputs_backend,
+        vocab_size=resolved.model_config.vocab_size,
+        tokenizer_loader=lambda: load_engine_tokenizer(resolved),
     )
 
 
@@ -366,6 +382,7 @@ def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
         eos_token_id=info.eos_token_id,
         extra_eos_token_ids=info.extra_eos_token_ids,
         max_logprobs=resolved.args.max_logprobs,
+        structured_outputs_backend=resolved.args.structured_outputs_backend,
         pooler_config=resolved.pooler_config,
         hidden_size=resolved.model_config.hidden_size,
     )

@@ -100,7 +100,21 @@ class EngineCore:
         """Plan the next step; None when it schedules no token (its finished ids are
         repeated in the next plan, so it need not be sent)."""
         plan = self.scheduler.schedule()
+        if self.scheduler.pending_deltas:  # requests failed while planning
+            self._pending.extend(self.scheduler.pending_deltas)
+            self.scheduler.pending_deltas.clear()
         return plan if plan.num_scheduled_tokens else None
+
+    @property
+    def num_compiling_grammars(self) -> int:
+        """Requests waiting for their grammar to compile (a driver with nothing
+        scheduled waits for news briefly instead of for the next request)."""
+        return self.scheduler.num_compiling_grammars
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until a grammar compile finishes, at most `timeout_s` seconds."""
+        if self.scheduler.structured_outputs is not None:
+            self.scheduler.structured_outputs.wait_for_compiles(timeout_s)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan` on the executor. An executor exception becomes a `StepResult`
@@ -137,5 +151,7 @@ class EngineCore:
             return self.take_outputs()
         plan = self.schedule()
         if plan is None:
+            if self.num_compiling_grammars:
+                self.wait_for_grammars(0.05)  # no busy loop while grammars compile
             return self.take_outputs()
         return self.update(plan, self.execute(plan))

@@ -26,6 +26,7 @@ Conversation = list[dict[str, Any]]
 # travel with the messages as {"messages": [...], "chat_template_kwargs": {...}, ...}.
 CHAT_OPTIONS = (
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+    "tools",
 )  # fmt: skip
 
 
@@ -69,6 +70,9 @@ class InputProcessor:
         chat_template: template text used instead of the tokenizer's (`--chat-template`).
         default_sampling_params: the model's sampling defaults (generation_config.json,
             flowengine/model/generation_config.py), as SamplingParams keyword arguments.
+        structured_outputs_backend: the engine's --structured-outputs-backend; a
+            request's structured_outputs is checked against it here (ValueError naming
+            the field, before the request enters the engine).
         pooler_config: the pooling runner's PoolerConfig (the model serves embeddings
             only: `process` then needs PoolingParams), or None (generation only).
         hidden_size: the model's hidden size (the longest embedding).
@@ -85,10 +89,12 @@ class InputProcessor:
         max_logprobs: int = 20,
         chat_template: str | None = None,
         default_sampling_params: dict[str, Any] | None = None,
+        structured_outputs_backend: str = "auto",
         pooler_config: PoolerConfig | None = None,
         hidden_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.pooler_config = pooler_config
         self.hidden_size = hidden_size
         self.chat_template = chat_template
@@ -134,6 +140,7 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """Apply the chat template to one conversation: (text, token ids).
 
@@ -157,6 +164,7 @@ class InputProcessor:
             continue_final_message=continue_final_message,
             chat_template=chat_template or self.chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self.tokenizer.decode(ids), ids
 
@@ -334,6 +342,11 @@ class InputProcessor:
                     f"{what} exceeds max_logprobs={self.max_logprobs}; ask for fewer or "
                     "raise max_logprobs (-1: no limit)"
                 )
+        if params.structured_outputs is not None:
+            from flowengine.structured_outputs.validate import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs,
+                                        self.structured_outputs_backend)
         for name in ("allowed_token_ids", "logit_bias"):
             value = getattr(params, name)
             bad = [t for t in (value or ()) if not 0 <= t < self.vocab_size]

@@ -84,6 +84,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--async-scheduling", action="store_true", help="plan step N+1 during step N")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument(
+        "--structured-outputs-backend",
+        "--guided-decoding-backend",
+        default="auto",
+        choices=["auto", "xgrammar", "guidance"],
+        help="grammar library for structured outputs (vLLM's flag): auto takes xgrammar "
+        "and llguidance for JSON schemas with keywords xgrammar does not support",
+    )
     g.add_argument("--served-model-name", nargs="+", default=None)
     g.add_argument(
         "--disable-log-stats",

@@ -124,13 +124,20 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} dicts) or a list of them.
 
         chat_template: template text (or a file, as `--chat-template`) instead of the
         engine's. add_generation_prompt / continue_final_message: vLLM's options (both
         true is a ValueError). chat_template_kwargs: extra template variables, e.g.
-        {"enable_thinking": False}. Every conversation is rendered before any runs.
+        {"enable_thinking": False}. tools: OpenAI function tools ({"type": "function",
+        "function": {"name", "description", "parameters"}}) for the chat template's
+        `tools` variable (vLLM's `LLM.chat(tools=)`: rendered only, not parsed; messages
+        may carry `tool_calls` and `tool` results for multi-turn use). A template that
+        ignores tools, like SmolLM2's own, needs `chat_template=` a tool-capable one
+        (examples/templates/tool_chat_template_hermes.jinja). Every conversation is
+        rendered before any runs; bad input raises ValueError.
         """
         from flowengine.tokenize.chat import load_chat_template
 
@@ -147,6 +154,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template=template,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             processed.append(
                 self.input_processor.process(

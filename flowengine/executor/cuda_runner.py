@@ -46,6 +46,7 @@ from flowengine.executor.pending_step import PendingStep, copy_to_host
 from flowengine.messages import StepPlan
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.model_config import ModelConfig
+from flowengine.sample.grammar_bitmask import apply_plan_bitmask
 from flowengine.sample.sampler import Sampler
 from flowengine.sampling_params import SamplingParams
 
@@ -263,6 +264,10 @@ class CudaModelRunner(ModelRunner):
         if any(s.placeholder_indices for s in sampled_states) and any(
                 reads_token_values(s.sampling_params) for s in sampled_states):
             self.flush()
+        # Structured outputs: the plan's bitmask (filled from accepted tokens only, so
+        # no placeholder is involved), applied before sampling and logprobs.
+        apply_plan_bitmask(logits, inputs.sample_req_ids, plan.structured_output_req_ids,
+                           plan.grammar_bitmask)
         output = sampler(logits, [s.sampling_state() for s in sampled_states])
         self.last_sampled.index_copy_(0, inputs.sample_slots, output.sampled_token_ids)
         host_output, event = copy_to_host(output)

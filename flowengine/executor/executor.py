@@ -24,6 +24,7 @@ import torch
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 from flowengine.pooling.config import PoolerConfig
+from flowengine.sample.grammar_bitmask import apply_plan_bitmask
 from flowengine.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class Executor:
         try:
             if output.logits is None:
                 raise RuntimeError(f"step {plan.step_id}: no logits on rank {tp.rank}")
+            # Structured outputs: disallowed tokens to -inf before sampling and logprobs.
+            apply_plan_bitmask(output.logits, output.req_ids, plan.structured_output_req_ids,
+                               plan.grammar_bitmask)
             sampled = self.sampler(output.logits, states)
         except Exception:
             # The other ranks wait in the broadcast: release them with a failure mark.

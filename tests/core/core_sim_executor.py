@@ -125,6 +125,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     policy: str = "fcfs",
     async_scheduling: bool = False,
+    structured_output_manager: object = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -136,6 +137,7 @@ def make_scheduler(
         ),
         CacheConfig(block_size, num_blocks, enable_prefix_caching),
         async_scheduling=async_scheduling,
+        structured_output_manager=structured_output_manager,
     )
 
 

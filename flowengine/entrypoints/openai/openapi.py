@@ -37,7 +37,6 @@ _NULL = {"type": "null"}
 # accept their "off" value: the document says so.
 REFUSED_VALUES: dict[str, dict[str, Any]] = {
     "suffix": {"anyOf": [_NULL, {"type": "string", "maxLength": 0}], "default": None},
-    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     # Not refused, but narrower than its type: token-id keys, biases in [-100, 100].
     "logit_bias": {"anyOf": [_NULL, {
@@ -45,7 +44,6 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
         "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     }], "default": None},
-    "tool_choice": {"anyOf": [_NULL, {"const": "none"}], "default": None},
 }
 # Per request struct: fields that accept fewer values than their type (the handler
 # answers 400 to the others), stated exactly so the document describes what is served.
@@ -166,9 +164,8 @@ def build_openapi(
                 "properties": {**TEXT_PART["properties"], "type": kind},
                 "description": components[name].get("description", ""),
             }
-    for name in ("ResponseFormat", "TextFormat"):
-        if name in components:
-            components[name]["properties"]["type"] = {"const": "text", "default": "text"}
+    if "TextFormat" in components:  # the Responses route's text.format: text only
+        components["TextFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     if "InputItem" in components:
         components["InputItem"]["properties"]["type"] = {"const": "message", "default": "message"}
     paths: dict[str, dict[str, Any]] = {}

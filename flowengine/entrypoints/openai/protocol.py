@@ -3,10 +3,10 @@
 Field names, types and defaults follow the OpenAI API reference (Completions, Chat
 Completions) plus vLLM's extra sampling fields (`top_k`, `min_p`, ...), which the
 `openai` SDK sends through `extra_body`. Unknown fields are ignored, as OpenAI and
-vLLM do; fields we know but cannot honour (`suffix`, `tools`, `logit_bias`, ...) are
+vLLM do; fields we know but cannot honour (`suffix`, `functions`, ...) are
 declared here so the handlers can answer 400 when they are set, and vLLM's extra
 fields that change the output but are not implemented yet (`UNSUPPORTED_FIELDS`:
-`guided_json`, `structured_outputs`, `documents`, ...) are typed `null`:
+`guided_whitespace_pattern`, `documents`, ...) are typed `null`:
 any other value is a 400 naming the field, so no client believes its output was
 constrained when it was not.
 
@@ -35,13 +35,12 @@ NumLogprobs = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 # implement yet. Declared with type `null` below; a value is refused with this message.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "guided_whitespace_pattern",
         "logits_processors", "kv_transfer_params",
         "documents", "mm_processor_kwargs",
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
         "length_penalty", "add_special_tokens",
-        "reasoning_effort", "parallel_tool_calls", "logprobs_mode", "thinking_token_budget",
+        "reasoning_effort", "logprobs_mode", "thinking_token_budget",
     }
 )  # fmt: skip
 
@@ -50,6 +49,41 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     """`include_usage`: one extra chunk before `[DONE]` with `usage` and no choices."""
 
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` extra field (the fields of StructuredOutputsParams);
+    exactly one of json, regex, choice, grammar, json_object, structural_tag."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`: the output is JSON valid against `schema`
+    (constrained whatever `strict` says, as vLLM does)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and vLLM's
+    `structural_tag` (its `format`, or the older `structures` + `triggers`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -88,14 +122,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: NumLogprobs | None = None
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)] | None = None
     vllm_xargs: dict[str, str | int | float] | None = None
+    # Structured outputs (OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* names); at most one of them per request (sampling.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Checked to be a backend name, then ignored: the server's
+    # --structured-outputs-backend compiles every request (vLLM v1's rule).
+    guided_decoding_backend: str | None = None
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
-    guided_json: None = None
-    guided_regex: None = None
-    guided_choice: None = None
-    guided_grammar: None = None
-    guided_decoding_backend: None = None
     guided_whitespace_pattern: None = None
-    structured_outputs: None = None
     logits_processors: None = None
     kv_transfer_params: None = None
     return_tokens_as_token_ids: None = None
@@ -130,16 +169,58 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
-    """One message; `content` is a string or a list of text parts."""
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A call an assistant message made: the function's name, its arguments as JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """One of an assistant message's `tool_calls` (sent back for multi-turn use)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message; `content` is a string or a list of text parts. An assistant message
+    may carry `tool_calls` (content then may be null); a `tool` message answers the
+    call `tool_call_id` with its result in `content`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A tool's function: `parameters` is a JSON Schema of an object (checked as one)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(msgspec.Struct, kw_only=True):
+    """One entry of `tools` (OpenAI's function tool)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice` that forces one function: {"type": "function", "function": {"name"}}."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -155,9 +236,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=-1, le=20)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Tool calling (OpenAI's fields): tools reach the chat template; tool_choice none,
+    # auto (parsed by --tool-call-parser), required or a named function (both enforced
+    # by a JSON schema); parallel_tool_calls false allows one call.
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     # vLLM's chat-template options: extra template variables (e.g. enable_thinking),
     # the assistant header, or continuing the last message (not with the header).
@@ -171,7 +255,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     mm_processor_kwargs: None = None
     add_special_tokens: None = None
     reasoning_effort: None = None
-    parallel_tool_calls: None = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

@@ -12,13 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
 )
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
 DEFAULT_MAX_LOGPROBS = 20
@@ -161,6 +163,78 @@ def _common(req: SamplingFields, defaults: dict[str, Any] | None = None) -> dict
     return fields
 
 
+# vLLM's backend names (guided_decoding_backend is checked against them, then ignored).
+VLLM_BACKEND_NAMES = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+
+def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from `response_format`, `structured_outputs` or the
+    `guided_*` fields (at most one of them), checked before anything is generated.
+
+    Raises APIError(400) naming the field: two constraints at once, an invalid schema,
+    regex or grammar, or a schema keyword no backend supports (validate.py).
+    """
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in VLLM_BACKEND_NAMES:
+        raise bad_request(f"guided_decoding_backend must be one of {list(VLLM_BACKEND_NAMES)}, "
+                          f"got {backend!r}", "guided_decoding_backend")
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise bad_request("response_format of type json_schema needs "
+                                  "json_schema.schema (a JSON schema object)",
+                                  "response_format.json_schema.schema")
+            found.append(("response_format.json_schema.schema",
+                          {"json": fmt.json_schema.schema}))
+        else:  # structural_tag: vLLM's `format`, or the older structures + triggers
+            if fmt.format is not None:
+                tag: dict[str, Any] = {"type": "structural_tag", "format": fmt.format}
+            elif fmt.structures is not None and fmt.triggers is not None:
+                tag = {"type": "structural_tag", "structures": fmt.structures,
+                       "triggers": fmt.triggers}
+            else:
+                raise bad_request("response_format of type structural_tag needs format, or "
+                                  "structures and triggers", "response_format")
+            found.append(("response_format", {"structural_tag": tag}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        fields = {f: getattr(so, f) for f in so.__struct_fields__}
+        found.append(("structured_outputs", fields))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"give one structured-output constraint, not several ({names})",
+                          found[1][0])
+    field, fields = found[0]
+    try:
+        params = StructuredOutputsParams(**fields)
+    except ValueError as err:
+        message = str(err)
+        if field != "structured_outputs":
+            message = message.replace("structured_outputs must set", f"{field} must set")
+            for kind in fields:
+                message = message.replace(f"structured_outputs.{kind}", field)
+        raise bad_request(message, field) from None
+    from flowengine.structured_outputs.validate import validate_structured_outputs
+
+    try:
+        validate_structured_outputs(
+            params, field=None if field == "structured_outputs" else field)
+    except ValueError as err:
+        raise bad_request(str(err), field) from None
+    return params
+
+
 def _build(fields: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**fields)
@@ -184,6 +258,7 @@ def completion_params(
     fields = _common(req, defaults)
     fields["max_tokens"] = _max_tokens(req.max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
+    fields["structured_outputs"] = structured_outputs_params(req)
     if req.echo and req.logprobs is not None:
         # The echoed prompt tokens come with their logprobs (vLLM: prompt_logprobs =
         # logprobs unless prompt_logprobs asks for more).
@@ -203,14 +278,11 @@ def chat_params(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message",
         )
-    if req.tools or req.functions:
-        raise bad_request("tools and functions are not supported; remove them", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported; remove it or use 'none'", "tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
+    if req.functions:
+        # tools/tool_choice are resolved by the chat route (tool_parsers/request.py).
         raise bad_request(
-            f"response_format type {req.response_format.type!r} is not supported; use 'text'",
-            "response_format",
+            "functions (OpenAI's deprecated form) is not supported; send them as tools",
+            "functions",
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
@@ -220,15 +292,19 @@ def chat_params(
     fields["max_tokens"] = _max_tokens(requested, defaults or {})
     if req.logprobs:
         fields["logprobs"] = req.top_logprobs or 0
+    fields["structured_outputs"] = structured_outputs_params(req)
     return _build(fields)
 
 
-def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, str]]:
-    """Messages as the engine takes them: {"role", "content"} with text content.
+def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, Any]]:
+    """Messages as the engine takes them: {"role", "content"} with text content, plus
+    `name`, `tool_calls` (OpenAI's list of {"id", "type", "function": {"name",
+    "arguments"}}) and `tool_call_id` where the message has them.
 
     Text parts are joined with newlines (vLLM's "string" content format). Roles pass
     through unchanged; the engine's chat template step maps `developer` to `system`
-    for templates that do not know it (flowengine/tokenize/chat.py).
+    for templates that do not know it, and gives templates each call's arguments as a
+    dict (flowengine/tokenize/chat.py).
     """
     messages = []
     for i, m in enumerate(req.messages):
@@ -245,5 +321,29 @@ def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             text = "\n".join(texts)
-        messages.append({"role": m.role, "content": text})
+        message: dict[str, Any] = {"role": m.role, "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(
+                    "only assistant messages carry tool_calls", f"messages[{i}].tool_calls"
+                )
+            for j, c in enumerate(m.tool_calls):
+                try:  # templates get the arguments as an object (tokenize/chat.py)
+                    if c.function.arguments.strip():
+                        orjson.loads(c.function.arguments)
+                except orjson.JSONDecodeError as err:
+                    raise bad_request(
+                        f"the arguments of a tool call must be JSON text of an object: {err}",
+                        f"messages[{i}].tool_calls[{j}].function.arguments",
+                    ) from None
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls
+            ]  # fmt: skip
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     return messages

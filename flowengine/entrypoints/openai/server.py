@@ -44,6 +44,7 @@ from flowengine.entrypoints.openai.app import (
     AppOptions,
     load_middleware,
 )
+from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
 from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
@@ -78,6 +79,8 @@ class ServerOptions:
         enable_prompt_tokens_details: usage gets `prompt_tokens_details.cached_tokens`
             (prompt tokens served from the prefix cache), as vLLM's flag.
         trust_request_chat_template: accept a chat request's own `chat_template`.
+        chat_parsing: tool-call and reasoning parsing of chat outputs (the
+            --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser flags).
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +97,7 @@ class ServerOptions:
     ssl_keyfile: str | None = None
     enable_prompt_tokens_details: bool = False
     trust_request_chat_template: bool = False
+    chat_parsing: ChatParsingOptions = ChatParsingOptions()
     grpc_port: int | None = None
 
 
@@ -168,6 +172,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="accept a chat request's own chat_template (a Jinja template the server "
         "renders, sandboxed); without it such a request gets 400",
     )
+    add_chat_parsing_args(p)
     s.add_argument(
         "--max-queue-len",
         type=int,
@@ -237,6 +242,38 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling and reasoning flags (flowengine/entrypoints/openai/chat_parsing.py)."""
+    from flowengine.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from flowengine.reasoning import REASONING_PARSERS
+
+    g = parser.add_argument_group("tool calling and reasoning")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse tool calls out of the model's text for tool_choice 'auto' (the default "
+        "when a request has tools); needs --tool-call-parser. Without it such requests get 400",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format: hermes (<tool_call> JSON, Qwen2.5/Qwen3, "
+        "examples/templates/tool_chat_template_hermes.jinja), llama3_json, mistral, pythonic",
+    )
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="with tool_choice 'none', render the chat template without the tools",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> reasoning into reasoning_content: qwen3, deepseek_r1",
+    )
+
+
 def _origins(values: list[str]) -> tuple[str, ...]:
     import orjson
 
@@ -282,6 +319,12 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         raise ValueError(f"--root-path must start with '/', got {ns.root_path!r}")
     for path in ns.middleware:
         load_middleware(path)  # raises ValueError naming a path that does not import
+    chat_parsing = ChatParsingOptions(  # raises ValueError: auto tool choice, no parser
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        reasoning_parser=ns.reasoning_parser,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+    )
     api_key = ns.api_key
     for env in API_KEY_ENVS:
         api_key = api_key or os.environ.get(env) or None
@@ -312,6 +355,7 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         ssl_keyfile=ns.ssl_keyfile,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         trust_request_chat_template=ns.trust_request_chat_template,
+        chat_parsing=chat_parsing,
         grpc_port=_grpc_port(ns.grpc_port),
     )
 
@@ -452,6 +496,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             ssl_keyfile=options.ssl_keyfile,
             enable_prompt_tokens_details=options.enable_prompt_tokens_details,
             trust_request_chat_template=options.trust_request_chat_template,
+            chat_parsing=options.chat_parsing,
         )
         grpc_server = None
         try:

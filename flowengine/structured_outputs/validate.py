@@ -1,0 +1,46 @@
+"""The frontend's check of a constraint, before a request enters the engine.
+
+Tokenizer-free and fast (the grammar is parsed, not compiled against the vocabulary),
+so an invalid schema, regex or grammar is a ValueError (HTTP 400) before anything is
+generated. The engine compiles the same (kind, spec) with the same backend choice
+(`select_backend`), so a constraint that passes here compiles there.
+"""
+
+from __future__ import annotations
+
+from flowengine.sampling_params import StructuredOutputsParams
+from flowengine.structured_outputs.backend import BACKEND_NAMES, GrammarOptions, select_backend
+
+
+def grammar_options(params: StructuredOutputsParams) -> GrammarOptions:
+    return GrammarOptions(params.disable_any_whitespace, params.disable_additional_properties)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, backend: str = "auto",
+                                *, field: str | None = None) -> str:
+    """Check that `params` compiles with `backend` ("auto", "xgrammar", "guidance").
+
+    Returns the backend that will compile it. Raises ValueError naming the field
+    (`field` replaces "structured_outputs.<kind>" in the message, e.g. with an HTTP
+    request's "response_format.json_schema.schema") and the reason: a syntax error, or
+    the unsupported schema keyword by name.
+    """
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"structured outputs backend must be one of {BACKEND_NAMES}, "
+                         f"got {backend!r}")
+    kind, spec = params.kind, params.spec
+    chosen = select_backend(backend, kind, spec)
+    try:
+        if chosen == "xgrammar":
+            from flowengine.structured_outputs.xgrammar_backend import validate_xgrammar
+
+            validate_xgrammar(kind, spec, grammar_options(params))
+        else:
+            from flowengine.structured_outputs.guidance_backend import validate_guidance
+
+            validate_guidance(kind, spec, grammar_options(params))
+    except ValueError as exc:
+        if field is None:
+            raise
+        raise ValueError(str(exc).replace(f"structured_outputs.{kind}", field, 1)) from None
+    return chosen

@@ -1,0 +1,108 @@
+"""Structured outputs over HTTP: OpenAI's response_format, vLLM's structured_outputs and
+guided_* fields become the engine's StructuredOutputsParams; a bad constraint is a 400
+naming the field, and nothing reaches the engine.
+
+(The fake engine records what it was given; generation under a constraint is
+tests/structured_outputs.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from openai_helpers import assert_error
+
+from flowengine.sampling_params import StructuredOutputsParams
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _submitted(http, engine, path: str, body: dict) -> StructuredOutputsParams | None:
+    base = {"messages": HELLO} if path == CHAT else {"prompt": "abc"}
+    before = len(engine.submitted)
+    resp = http.post(path, json={**base, "max_tokens": 2, **body})
+    assert resp.status_code == 200, resp.text
+    assert len(engine.submitted) == before + 1
+    return engine.submitted[-1][2].structured_outputs
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "thing", "schema": SCHEMA, "strict": True}}},
+         StructuredOutputsParams(json=SCHEMA)),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
+         StructuredOutputsParams(regex="[a-z]+", disable_any_whitespace=True)),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredOutputsParams(choice=["x", "y"])),
+        ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
+        ({"guided_json": '{"type": "array"}'}, StructuredOutputsParams(json='{"type": "array"}')),
+        ({"guided_regex": "[0-9]{3}"}, StructuredOutputsParams(regex="[0-9]{3}")),
+        ({"guided_choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+        ({"guided_grammar": 'root ::= "a" | "b"'},
+         StructuredOutputsParams(grammar='root ::= "a" | "b"')),
+        # Checked to be a backend name, then the server's backend compiles it (vLLM v1).
+        ({"guided_regex": "a+", "guided_decoding_backend": "outlines"},
+         StructuredOutputsParams(regex="a+")),
+    ],
+)
+def test_constraint_fields_reach_the_engine(http, engine, path, body, expected):
+    assert _submitted(http, engine, path, body) == expected
+
+
+def test_structural_tag_response_format(http, engine):
+    tag = {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+        {"begin": "<f>", "content": {"type": "json_schema", "json_schema": SCHEMA},
+         "end": "</f>"}]}
+    so = _submitted(http, engine, CHAT, {"response_format": {"type": "structural_tag",
+                                                             "format": tag}})
+    assert so == StructuredOutputsParams(structural_tag={"type": "structural_tag",
+                                                         "format": tag})
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    ("body", "param", "text"),
+    [
+        ({"guided_regex": "a("}, "guided_regex", "guided_regex is invalid: Regex parsing error"),
+        ({"guided_json": {"type": "objectx"}}, "guided_json", 'Unsupported type "objectx"'),
+        ({"guided_json": "{not json"}, "guided_json", "guided_json is not valid JSON"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar", "guided_grammar is invalid"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema", "needs json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}},
+         "response_format.json_schema.schema", 'not supported (Unimplemented keys: ["not"])'),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+         "exactly one of json, regex, choice"),
+        ({"structured_outputs": {}}, "structured_outputs", "got none"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+         "give one structured-output constraint, not several (guided_regex, guided_choice)"),
+        ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json",
+         "not several (response_format, guided_json)"),
+        ({"guided_regex": "a", "guided_decoding_backend": "magic"}, "guided_decoding_backend",
+         "guided_decoding_backend must be one of"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(http, engine, path, body, param, text):
+    base = {"messages": HELLO} if path == CHAT else {"prompt": "abc"}
+    before = len(engine.submitted)
+    err = assert_error(http.post(path, json={**base, **body}), 400, param=param)
+    assert text in err["message"], err["message"]
+    assert len(engine.submitted) == before  # nothing was generated
+    # The server keeps serving.
+    assert http.post(path, json={**base, "max_tokens": 1}).status_code == 200
+
+
+def test_openai_sdk_response_format_json_schema(client, engine):
+    client.chat.completions.create(
+        model="fake-model", messages=HELLO, max_tokens=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA,
+                                                               "strict": True}})
+    assert engine.submitted[-1][2].structured_outputs == StructuredOutputsParams(json=SCHEMA)

@@ -1,0 +1,202 @@
+"""The backend interface on the default model's tokenizer: both backends, every kind.
+
+Masks are checked token by token against the tokenizer (exact sets where the grammar
+fixes them), matchers by accepting the tokens of a valid text, refusing an invalid
+token, terminating only where the grammar ends, rollback and reset.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from flowengine.request import Request
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
+from flowengine.structured_outputs.backend import (
+    GrammarOptions,
+    bitmask_words,
+    choice_to_ebnf,
+    select_backend,
+    unsupported_json_features,
+)
+from flowengine.structured_outputs.guidance_backend import GuidanceBackend
+from flowengine.structured_outputs.manager import StructuredOutputManager
+from flowengine.structured_outputs.validate import validate_structured_outputs
+from flowengine.structured_outputs.xgrammar_backend import XgrammarBackend
+
+OPTS = GrammarOptions()
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def backend(request, tokenizer, vocab_size):
+    if request.param == "xgrammar":
+        return XgrammarBackend(tokenizer, vocab_size)
+    return GuidanceBackend(tokenizer, vocab_size, eos_token_id=tokenizer.eos_token_id)
+
+
+def allowed(matcher, vocab_size: int) -> set[int]:
+    bitmask = torch.zeros(2, bitmask_words(vocab_size), dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 1)
+    bits = (bitmask[1].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist())
+
+
+def test_choice_mask_is_exactly_the_prefix_tokens(backend, tokenizer, vocab_size):
+    eos = tokenizer.eos_token_id
+    matcher = backend.compile("choice", json.dumps(["yes", "no"]), OPTS).new_matcher([eos])
+    first = allowed(matcher, vocab_size)
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    texts = {i: tokenizer.convert_tokens_to_string([t]) for i, t in enumerate(vocab)
+             if i not in tokenizer.all_special_ids}
+    expected = {i for i, s in texts.items() if s and ("yes".startswith(s) or "no".startswith(s))}
+    assert first == expected
+    assert eos not in first and not matcher.is_terminated()
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    for t in yes:
+        assert matcher.accept_token(t)
+    assert allowed(matcher, vocab_size) == {eos}  # the choice is complete: only EOS
+    assert not matcher.accept_token(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert matcher.accept_token(eos)
+    assert matcher.is_terminated()
+
+
+def test_regex_and_rollback_and_reset(backend, tokenizer, vocab_size):
+    eos = tokenizer.eos_token_id
+    matcher = backend.compile("regex", r"[0-9]{3}-[0-9]{2}", OPTS).new_matcher([eos])
+    start = allowed(matcher, vocab_size)
+    ids = tokenizer.encode("123-45", add_special_tokens=False)
+    for t in ids[:-1]:
+        assert matcher.accept_token(t)
+    middle = allowed(matcher, vocab_size)
+    assert eos not in middle
+    assert matcher.accept_token(ids[-1])
+    assert eos in allowed(matcher, vocab_size)
+    matcher.rollback(1)
+    assert allowed(matcher, vocab_size) == middle
+    matcher.reset()
+    assert allowed(matcher, vocab_size) == start
+    assert not matcher.accept_token(tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+def test_json_schema_and_grammar(backend, tokenizer, vocab_size):
+    eos = tokenizer.eos_token_id
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    # Without "any whitespace", xgrammar writes JSON with its default separators
+    # (", " and ": "), llguidance compactly.
+    compact = '{"n": 7}' if backend.name == "xgrammar" else '{"n":7}'
+    grammars = [
+        (backend.compile("json", json.dumps(schema, sort_keys=True),
+                         GrammarOptions(disable_any_whitespace=True)), compact),
+        (backend.compile("grammar", 'root ::= "{\\"n\\":" [0-9] "}"', OPTS), '{"n":7}'),
+    ]
+    for grammar, text in grammars:
+        matcher = grammar.new_matcher([eos])
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.accept_token(t)
+        assert allowed(matcher, vocab_size) == {eos}
+        bad = grammar.new_matcher([eos])
+        for t in tokenizer.encode(text[:text.index(":") + 1], add_special_tokens=False):
+            assert bad.accept_token(t)
+        assert not bad.accept_token(tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+def test_invalid_constraints_raise_naming_the_field(backend):
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex is invalid"):
+        backend.compile("regex", "a(", OPTS)
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar is invalid"):
+        backend.compile("grammar", "root ::= (\"a\" | ", OPTS)
+    with pytest.raises(ValueError, match=r"structured_outputs\.json"):
+        backend.compile("json", '{"type": "objectx"}', OPTS)
+
+
+def test_unsupported_schema_features_are_named():
+    schema = {"type": "object", "properties": {
+        "a": {"not": {"type": "string"}},
+        "b": {"type": "string", "format": "email", "maxLength": 9},
+        "c": {"type": "integer", "multipleOf": 3},  # honoured for integers
+        "d": {"type": "number", "multipleOf": 0.5},
+        "enum_data": {"enum": [{"not": 1}]}}}  # data, not a keyword
+    assert unsupported_json_features(schema) == [
+        "format with minLength/maxLength", "multipleOf", "not"]
+    spec = json.dumps(schema)
+    assert select_backend("auto", "json", spec) == "guidance"
+    assert select_backend("auto", "json", '{"type": "object"}') == "xgrammar"
+    assert select_backend("xgrammar", "json", spec) == "xgrammar"
+    with pytest.raises(ValueError, match=r"response_format\.json_schema\.schema uses "
+                                         r"format with minLength/maxLength, multipleOf, not, "
+                                         r"which the xgrammar backend does not support"):
+        validate_structured_outputs(StructuredOutputsParams(json=schema), "xgrammar",
+                                    field="response_format.json_schema.schema")
+    with pytest.raises(ValueError, match=r'structured_outputs\.json uses a JSON-schema feature '
+                                         r'that is not supported \(Unimplemented keys: \["not"\]'):
+        validate_structured_outputs(StructuredOutputsParams(json=schema), "auto")
+
+
+def test_choice_ebnf_escapes():
+    assert choice_to_ebnf(['a"b', "c\\d", "é"]) == 'root ::= "a\\"b" | "c\\\\d" | "\\u00e9"'
+
+
+def _request(req_id: str, so: StructuredOutputsParams, eos: int, outputs=()) -> Request:
+    r = Request(req_id, [1, 2, 3], SamplingParams(structured_outputs=so), eos_token_id=eos,
+                max_tokens=64)
+    r.output_token_ids = list(outputs)
+    return r
+
+
+def test_manager_compiles_once_per_spec_off_the_calling_thread(tokenizer, vocab_size):
+    threads = []
+
+    def loader():
+        threads.append(threading.current_thread().name)
+        return tokenizer
+
+    manager = StructuredOutputManager("auto", vocab_size=vocab_size, tokenizer_loader=loader)
+    eos = tokenizer.eos_token_id
+    so = StructuredOutputsParams(regex="[a-c]{2}")
+    reqs = [_request(f"r{i}", so, eos) for i in range(3)]
+    for r in reqs:
+        manager.add_request(r)
+    assert manager.num_compiling == 3
+    while manager.num_compiling:
+        manager.wait_for_compiles(5.0)
+        for r in reqs:
+            assert manager.poll(r) in (None, "compiling")
+    assert manager.num_compiled == 1 and manager.num_matchers == 3
+    assert threads and threads[0].startswith("fe-grammar")  # not the scheduler's thread
+    mask = torch.frombuffer(bytearray(manager.fill_bitmask(["r0", "r2"])), dtype=torch.int32)
+    assert mask.shape == (2 * bitmask_words(vocab_size),)
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    assert manager.accept_tokens("r0", ab)
+    assert not manager.accept_tokens("r1", tokenizer.encode("zz", add_special_tokens=False))
+    manager.remove("r0")
+    assert not manager.has_matcher("r0") and manager.has_matcher("r2")
+    # Replay after a restart: delivered tokens are accepted before the first mask...
+    replay = _request("r3", so, eos, outputs=ab)
+    manager.add_request(replay)
+    manager.wait_for_compiles(5.0)
+    assert manager.poll(replay) is None
+    assert allowed(manager._matchers["r3"], vocab_size) == {eos}
+    # Past the end (ignore_eos): the mask allows only the stop token, and only it is taken.
+    assert manager.accept_tokens("r3", [eos]) and manager._matchers["r3"].is_terminated()
+    row = torch.frombuffer(bytearray(manager.fill_bitmask(["r3"])), dtype=torch.int32)
+    assert torch.nonzero(((row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1)
+                         .flatten()).flatten().tolist() == [eos]
+    assert manager.accept_tokens("r3", [eos, eos])
+    assert not manager.accept_tokens("r3", ab[:1])
+    # ... and tokens that do not match fail the request with a message.
+    wrong = _request("r4", so, eos, outputs=tokenizer.encode("zz", add_special_tokens=False))
+    manager.add_request(wrong)
+    manager.wait_for_compiles(5.0)
+    assert "does not match its grammar" in manager.poll(wrong)
+    # An invalid grammar fails only its own request.
+    broken = _request("r5", StructuredOutputsParams(regex="a("), eos)
+    manager.add_request(broken)
+    manager.wait_for_compiles(5.0)
+    assert "structured_outputs.regex is invalid" in manager.poll(broken)
+    assert not manager.has_matcher("r5") and manager.num_compiling == 0
+    manager.shutdown()

@@ -1,0 +1,163 @@
+"""Structured outputs through the engines: LLM (in-process), AsyncEngine in-process
+and the multiproc actor pipeline of `flowengine serve`, with async scheduling and an
+engine-process kill (the restarted engine replays the delivered tokens into fresh
+matchers). Greedy, so every placement must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from flowengine import LLM, SamplingParams, StructuredOutputsParams
+from flowengine.entrypoints.async_engine import AsyncEngine
+
+pytestmark = pytest.mark.slow
+
+REGEX = r"(Mon|Tues|Wednes|Thurs|Fri)day at [1-9]:[0-5][0-9] (am|pm)"
+CHOICES = ["red", "green", "blue", "yellow"]
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+    "capital": {"type": "boolean"}},
+    "required": ["city", "population", "capital"], "additionalProperties": False}
+CASES = [
+    ("When is the meeting?", StructuredOutputsParams(regex=REGEX)),
+    ("What colour is the sky?", StructuredOutputsParams(choice=CHOICES)),
+    ("Describe Paris as JSON.", StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+]
+
+
+def _greedy(so: StructuredOutputsParams, n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=48, n=n, structured_outputs=so)
+
+
+def _check(text: str, so: StructuredOutputsParams) -> None:
+    if so.regex is not None:
+        assert re.fullmatch(REGEX, text), text
+    elif so.choice is not None:
+        assert text in CHOICES, text
+    else:
+        instance = json.loads(text)
+        assert set(instance) == {"city", "population", "capital"}, text
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path):
+    engine = LLM(default_model_path, max_model_len=512, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> list[list[int]]:
+    outs = llm.generate([p for p, _ in CASES], [_greedy(so) for _, so in CASES],
+                        use_tqdm=False)
+    for out, (_, so) in zip(outs, CASES, strict=True):
+        assert out.outputs[0].finish_reason == "stop"
+        _check(out.outputs[0].text, so)
+    return [out.outputs[0].token_ids for out in outs]
+
+
+def test_a_constraint_greedy_already_satisfies_leaves_greedy_ids_unchanged(llm):
+    prompts = ["The capital of France is", "List three fruits:", "def fibonacci(n):"]
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    params = []
+    for out in free:
+        text = out.outputs[0].text
+        # Only the characters greedy used, in any order and number: a mask that removes
+        # most of the vocabulary, yet keeps every greedy token (and EOS anywhere).
+        chars = "".join(sorted(set(text)))
+        regex = "[" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]*"
+        params.append(SamplingParams(temperature=0, max_tokens=24,
+                                     structured_outputs=StructuredOutputsParams(regex=regex)))
+    constrained = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(free, constrained, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+
+
+def test_llm_constrained_n_and_logprobs(llm, reference):
+    outs = llm.generate([p for p, _ in CASES],
+                        [SamplingParams(temperature=1.0, n=3, max_tokens=48, seed=7, logprobs=2,
+                                        structured_outputs=so) for _, so in CASES],
+                        use_tqdm=False)
+    for out, (_, so) in zip(outs, CASES, strict=True):
+        assert len(out.outputs) == 3
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop"
+            _check(sample.text, so)
+            # logprobs come from the masked logits (vLLM): the sampled token's is finite,
+            # and for the choice an alternative is finite only if the grammar allowed it.
+            for token_id, lp in zip(sample.token_ids, sample.logprobs, strict=True):
+                assert lp[token_id].logprob > float("-inf")
+            if so.choice is not None:
+                tok = llm.input_processor.tokenizer
+                for token_id, value in sample.logprobs[0].items():
+                    piece = tok.decode([token_id])
+                    allowed = any(c.startswith(piece) for c in CHOICES)
+                    assert (value.logprob > float("-inf")) == allowed, (piece, value)
+    greedy = llm.generate([p for p, _ in CASES], [_greedy(so, n=2) for _, so in CASES],
+                          use_tqdm=False)
+    assert [[s.token_ids for s in o.outputs] for o in greedy] == [[r, r] for r in reference]
+
+
+def test_invalid_constraint_is_refused_and_the_engine_keeps_serving(llm, reference):
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex is invalid"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(
+            regex="a(")), use_tqdm=False)
+    with pytest.raises(ValueError, match="uses a JSON-schema feature that is not supported"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(
+            json={"type": "object", "properties": {"a": {"not": {}}}})), use_tqdm=False)
+    outs = llm.generate([CASES[0][0]], _greedy(CASES[0][1]), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == reference[0]
+
+
+def test_max_tokens_cut_is_length(llm):
+    out = llm.generate([CASES[2][0]], SamplingParams(temperature=0, max_tokens=4,
+                                                     structured_outputs=CASES[2][1]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+async def _stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> list[int]:
+    ids: list[int] = []
+    async for out in engine.submit(prompt, params):
+        ids += out.outputs[0].token_ids
+    return ids
+
+
+@pytest.mark.parametrize(("placement", "async_scheduling"),
+                         [("inproc", False), ("multiproc", True)])
+def test_async_engine_placements_and_restart(default_model_path, reference, placement,
+                                             async_scheduling):
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=512, placement=placement,
+                             async_scheduling=async_scheduling)
+        await engine.start()
+        try:
+            unconstrained = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+            tasks = [asyncio.create_task(_stream(engine, p, _greedy(so))) for p, so in CASES]
+            tasks.append(asyncio.create_task(_stream(engine, "Once upon a time", unconstrained)))
+            assert (await asyncio.gather(*tasks))[:3] == reference
+            if placement != "multiproc":
+                return
+            # Kill the engine process mid-generation: the new one replays each request's
+            # delivered tokens into a fresh matcher and carries on.
+            start = engine.get_stats().generation_tokens_total
+            tasks = [asyncio.create_task(_stream(engine, p, _greedy(so))) for p, so in CASES]
+            while engine.get_stats().generation_tokens_total < start + 4:
+                await asyncio.sleep(0.01)
+            before = engine.supervisor.num_restarts
+            os.kill(engine.supervisor.pids["engine"][0], signal.SIGKILL)
+            assert await asyncio.gather(*tasks) == reference
+            assert engine.supervisor.num_restarts == before + 1
+        finally:
+            await engine.shutdown(drain_timeout_s=10)
+
+    asyncio.run(main())
