@@ -47,6 +47,7 @@ from flowengine.entrypoints.openai.app import (
 from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
+from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
@@ -212,6 +213,19 @@ def make_parser() -> argparse.ArgumentParser:
         help="larger request bodies get 413",
     )
     s.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="responses the Responses API keeps in memory for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used dropped first (0: store none)",
+    )
+    s.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="bytes of text those stored responses may hold in all",
+    )
+    s.add_argument(
         "--graceful-timeout",
         type=float,
         default=120.0,
@@ -279,6 +293,12 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
     for flag, value in (("--max-n", ns.max_n), ("--max-request-tokens", ns.max_request_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (
+        ("--responses-store-max", ns.responses_store_max),
+        ("--responses-store-max-bytes", ns.responses_store_max_bytes),
+    ):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if ns.request_body_timeout < 0:
         raise ValueError(f"--request-body-timeout must be >= 0, got {ns.request_body_timeout}")
     if ns.header_timeout <= 0:
@@ -322,6 +342,8 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
             request_body_timeout_s=ns.request_body_timeout or None,
             middleware=tuple(ns.middleware),
             root_path=ns.root_path.rstrip("/"),
+            responses_store_max=ns.responses_store_max,
+            responses_store_max_bytes=ns.responses_store_max_bytes,
         ),
         max_queue_len=ns.max_queue_len,
         graceful_timeout_s=ns.graceful_timeout,
