@@ -1,7 +1,8 @@
 """FlowEngine: high-throughput LLM inference and serving.
 
 Public API: `LLM` (offline batches), `AsyncEngine` (async `submit()`),
-`SamplingParams`, `RequestOutput`, `CompletionOutput`, `EngineArgs`.
+`SamplingParams`, `RequestOutput`, `CompletionOutput`, `EngineArgs`; for embeddings
+`PoolingParams` and `EmbeddingRequestOutput` (`LLM.embed`, `AsyncEngine.encode`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowengine.config import EngineArgs
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
+from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
 from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 from flowengine.version import __version__
 
@@ -21,8 +23,10 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

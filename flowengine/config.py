@@ -18,6 +18,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["inproc", "multiproc"]
+Runner = Literal["auto", "generate", "pooling"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # Weight quantization applied at load (vLLM's --quantization); None: weights as loaded.
@@ -87,6 +88,13 @@ class EngineArgs:
     # Jinja chat template (a file path or the template text) instead of the tokenizer's
     # (vLLM's --chat-template; flowengine/tokenize/chat.py load_chat_template).
     chat_template: str | None = None
+    # vLLM's --runner: "generate" (sampling) or "pooling" (embeddings: prefill-only
+    # requests return pooled hidden states); "auto" picks "pooling" for encoder-only
+    # models. pooler_config: vLLM's --pooler-config fields pooling_type ("CLS", "MEAN",
+    # "LAST") and normalize, over the model's sentence-transformers config
+    # (flowengine/pooling/config.py).
+    runner: Runner = "auto"
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -148,6 +156,9 @@ class EngineArgs:
                 "override_generation_config must be a dict (JSON object), got "
                 f"{type(self.override_generation_config).__name__}"
             )
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError("pooler_config must be a dict (JSON object), got "
+                             f"{type(self.pooler_config).__name__}")
         if self.quantization is not None and self.quantization not in Quantization.__args__:
             raise ValueError(f"quantization must be one of {Quantization.__args__} or None, "
                              f"got {self.quantization!r}")
@@ -161,6 +172,7 @@ class EngineArgs:
             ("placement", Placement),
             ("scheduling_policy", SchedulingPolicy),
             ("structured_outputs_backend", StructuredOutputsBackend),
+            ("runner", Runner),
             ("kv_cache_dtype", KVCacheDtype),
         ):
             value = getattr(self, name)

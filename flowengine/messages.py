@@ -140,6 +140,9 @@ class SampledTokens(_Msg):
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Pooling runner: the request's pooled vector instead of a token (token_ids empty),
+    # float32 little-endian bytes [hidden_size], before normalisation.
+    pooled: bytes | None = None
 
 
 class StepResult(_Msg, tag=True):
@@ -165,6 +168,8 @@ class RequestDelta(_Msg):
     prompt_logprobs: list[TokenLogprobs] | None = None
     # time.monotonic() when first scheduled; on the first delta with tokens only.
     scheduled_ts: float = 0.0
+    # Pooling runner: the pooled vector (SampledTokens.pooled), with finish_reason "stop".
+    pooled: bytes | None = None
 
 
 class SchedulerStats(_Msg):

@@ -32,9 +32,11 @@ class IngressActor:
         self.accepting = True
 
     async def admit(
-        self, prompt: Any, params: SamplingParams, request_id: str | None, priority: int
+        self, prompt: Any, params: SamplingParams | None, request_id: str | None, priority: int,
+        pooling_params: Any = None,
     ) -> tuple[str, RequestStream, list[str]]:
         """Validate and enqueue; returns (request id, stream, engine-side child ids).
+        pooling_params: an embedding request (flowengine.pooling.PoolingParams).
 
         Raises ValueError/TypeError for bad input, EngineOverloadedError when full or
         draining."""
@@ -51,7 +53,8 @@ class IngressActor:
         rid = request_id or uuid.uuid4().hex
         stream = self.streamer.open(rid)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self.tokenizer.inbox.send_async(TokenizeJob(rid, prompt, params, priority, future))
+        await self.tokenizer.inbox.send_async(TokenizeJob(rid, prompt, params, priority, future,
+                                                           pooling_params))
         try:
             processed = await future
         except BaseException:

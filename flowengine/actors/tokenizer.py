@@ -40,6 +40,7 @@ class TokenizeJob:
     params: SamplingParams | None  # None: the model's defaults
     priority: int
     future: asyncio.Future
+    pooling_params: Any = None  # an embedding request (PoolingParams)
 
 
 def is_conversation(prompt: Any) -> bool:
@@ -118,6 +119,13 @@ class TokenizerActor:
         prompt = job.prompt
         # No SamplingParams given: the model's defaults (generation_config.json).
         params = ip.default_params() if job.params is None else job.params
+        if job.pooling_params is not None or ip.pooler_config is not None:
+            # An embedding request, or a generation request the pooling model refuses.
+            if job.pooling_params is not None and (
+                    is_conversation(prompt) or (isinstance(prompt, dict) and "messages" in prompt)):
+                raise ValueError("embedding inputs are texts or token ids, not messages")
+            return ip.process(job.request_id, prompt, params, priority=job.priority,
+                              pooling_params=job.pooling_params)
         if is_conversation(prompt):
             prompt = {"messages": prompt}
         if isinstance(prompt, dict) and "messages" in prompt:

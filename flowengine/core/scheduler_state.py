@@ -189,7 +189,10 @@ class SchedulerState:
     def append_sampled(self, request: Request, sampled: SampledTokens | None) -> RequestDelta:
         """Append a step's tokens with stop checks (also to a request preempted since
         that step: its token was sampled from the right history); finish on a stop.
-        No token at all fails the request. Returns the request's delta."""
+        No token at all fails the request; a pooled vector (pooling runner) finishes
+        it instead of a token. Returns the request's delta."""
+        if sampled is not None and sampled.pooled is not None:
+            return self.finish_pooled(request, sampled.pooled)
         if sampled is None or not sampled.token_ids:
             error = f"the executor returned no token for request {request.request_id}"
             return self.fail_request(request, error)
@@ -219,6 +222,14 @@ class SchedulerState:
             scheduled_ts=(request.scheduled_time
                           if len(request.output_token_ids) == num_accepted else 0.0),
         )
+
+    def finish_pooled(self, request: Request, pooled: bytes) -> RequestDelta:
+        """Finish a prefill-only request of the pooling runner with its pooled vector
+        (finish_reason "stop"); its blocks are freed at once (none is kept after the
+        request). Returns its delta."""
+        self.finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestDelta(request.request_id, [], finish_reason="stop",
+                            scheduled_ts=request.scheduled_time, pooled=pooled)
 
     def fail_request(self, request: Request, error: str) -> RequestDelta:
         """Finish an unfinished request with `error`; returns its "error" delta."""

@@ -37,6 +37,10 @@ class ResolvedEngine:
     device: str
     dtype: str
     served_model_names: tuple[str, ...]
+    # "generate" or "pooling" (flowengine/pooling/config.py); the pooling runner's
+    # PoolerConfig, else None.
+    runner: str = "generate"
+    pooler_config: Any = None
 
 
 def resolve(args: EngineArgs) -> ResolvedEngine:
@@ -50,6 +54,14 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     model_config = ModelConfig.from_pretrained(
         resolved.path, args.max_model_len, trust_remote_code=args.trust_remote_code
     )
+    runner, pooler_config = _resolve_runner(args, model_config, resolved.path)
+    if runner == "pooling":
+        # Prefill-only requests computed whole in one step (the pooler reads all of a
+        # prompt's states at once; an encoder attends bidirectionally) and never shared
+        # through the prefix cache (mean pooling needs every token's state).
+        args = dataclasses.replace(args, runner="pooling", enable_chunked_prefill=False,
+                                   enable_prefix_caching=False)
+        model_config = _cap_at_sentence_transformers_len(args, model_config, resolved.path)
     max_model_len = model_config.max_model_len
     device = args.device
     if device == "auto":
@@ -79,7 +91,46 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
         device=device,
         dtype=dtype,
         served_model_names=args.served_model_name or (name,),
+        runner=runner,
+        pooler_config=pooler_config,
     )
+
+
+def _resolve_runner(args: EngineArgs, model_config: Any, model_path: str) -> tuple[str, Any]:
+    """("generate", None) or ("pooling", PoolerConfig). Raises ValueError as
+    flowengine.pooling.config's resolve_runner / resolve_pooler_config."""
+    from flowengine.pooling.config import resolve_pooler_config, resolve_runner
+
+    runner = resolve_runner(args.runner, model_config.is_encoder_only, model_config.architecture)
+    if runner != "pooling":
+        if args.pooler_config:
+            raise ValueError("pooler_config applies to the pooling runner; add runner "
+                             "'pooling' (--runner pooling)")
+        return runner, None
+    return runner, resolve_pooler_config(str(model_path), model_config.is_encoder_only,
+                                         args.pooler_config)
+
+
+def _cap_at_sentence_transformers_len(args: EngineArgs, model_config: Any,
+                                      model_path: str) -> Any:
+    """max_model_len capped at sentence_bert_config.json's max_seq_length when the user
+    gave none (sentence-transformers truncates there; vLLM caps there too)."""
+    from flowengine.pooling.config import sentence_transformers_max_seq_length
+
+    limit = sentence_transformers_max_seq_length(str(model_path))
+    if args.max_model_len is not None or limit is None or limit >= model_config.max_model_len:
+        return model_config
+    return dataclasses.replace(model_config, max_model_len=limit)
+
+
+def encoder_num_blocks(resolved: ResolvedEngine) -> int:
+    """Blocks of an encoder's trivial KV cache (no tensors, accounting only): room for
+    two steps' worth of prompts (the step in flight and the next one, whose blocks are
+    freed only after it), each step up to max_num_batched_tokens tokens in at most
+    max_num_seqs requests, every request rounding up to whole blocks."""
+    args = resolved.args
+    per_step = -(-resolved.max_num_batched_tokens // args.block_size) + args.max_num_seqs
+    return 2 * per_step
 
 
 def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> None:
@@ -254,7 +305,11 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         quantization=args.quantization,
         kv_cache_dtype=kv_dtype,
     )
-    if resolved.device == "cuda":
+    if resolved.model_config.is_encoder_only:
+        # No KV tensors (ModelRunner.initialize_kv_cache); eager on every device.
+        cache_config = CacheConfig(args.block_size, encoder_num_blocks(resolved), False)
+        runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
+    elif resolved.device == "cuda":
         runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)
     else:
         num_blocks = num_kv_blocks_for(resolved, per_block)
@@ -273,7 +328,7 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         args.block_size,
         str(kv_dtype).removeprefix("torch."),
     )
-    return Executor(runner), cache_config.num_blocks
+    return Executor(runner, pooler_config=resolved.pooler_config), cache_config.num_blocks
 
 
 def build_engine_core(resolved: ResolvedEngine):
@@ -328,4 +383,6 @@ def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
         extra_eos_token_ids=info.extra_eos_token_ids,
         max_logprobs=resolved.args.max_logprobs,
         structured_outputs_backend=resolved.args.structured_outputs_backend,
+        pooler_config=resolved.pooler_config,
+        hidden_size=resolved.model_config.hidden_size,
     )

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowengine.messages import NewRequest
+from flowengine.pooling.config import PoolerConfig
+from flowengine.pooling.params import PoolingParams
 from flowengine.sampling_params import SamplingParams
 from flowengine.tokenize.chat import apply_chat_template
 
@@ -24,6 +26,7 @@ Conversation = list[dict[str, Any]]
 # travel with the messages as {"messages": [...], "chat_template_kwargs": {...}, ...}.
 CHAT_OPTIONS = (
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+    "tools",
 )  # fmt: skip
 
 
@@ -37,6 +40,8 @@ class ProcessedPrompt:
     sampling_params: SamplingParams
     children: list[NewRequest]
     cache_salt: str | None = None
+    # Embedding requests (pooling runner): their options, `normalize` resolved.
+    pooling_params: PoolingParams | None = None
 
 
 def validate_cache_salt(cache_salt: object) -> None:
@@ -68,6 +73,9 @@ class InputProcessor:
         structured_outputs_backend: the engine's --structured-outputs-backend; a
             request's structured_outputs is checked against it here (ValueError naming
             the field, before the request enters the engine).
+        pooler_config: the pooling runner's PoolerConfig (the model serves embeddings
+            only: `process` then needs PoolingParams), or None (generation only).
+        hidden_size: the model's hidden size (the longest embedding).
     """
 
     def __init__(
@@ -82,9 +90,13 @@ class InputProcessor:
         chat_template: str | None = None,
         default_sampling_params: dict[str, Any] | None = None,
         structured_outputs_backend: str = "auto",
+        pooler_config: PoolerConfig | None = None,
+        hidden_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
+        self.pooler_config = pooler_config
+        self.hidden_size = hidden_size
         self.chat_template = chat_template
         self.default_sampling_params = dict(default_sampling_params or {})
         self.extra_eos_token_ids = extra_eos_token_ids
@@ -128,6 +140,7 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """Apply the chat template to one conversation: (text, token ids).
 
@@ -151,6 +164,7 @@ class InputProcessor:
             continue_final_message=continue_final_message,
             chat_template=chat_template or self.chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         return self.tokenizer.decode(ids), ids
 
@@ -173,8 +187,15 @@ class InputProcessor:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> ProcessedPrompt:
         """Validate one request and fan it out into `params.n` `NewRequest`s.
+
+        pooling_params: an embedding request (the pooling runner's only kind; then
+        `params` is ignored): one prefill-only NewRequest whose result is the pooled
+        vector. Raises ValueError for an embedding request to a generate model or a
+        generation request to a pooling model (vLLM's errors), and for `dimensions`
+        the model does not support.
 
         cache_salt: isolates the request's prefix-cache blocks: only requests with the
         same salt share them (vLLM's `cache_salt`; a dict prompt's "cache_salt" key is
@@ -185,6 +206,9 @@ class InputProcessor:
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         validate_cache_salt(cache_salt)
+        if pooling_params is not None or self.pooler_config is not None:
+            return self._process_pooling(request_id, prompt, pooling_params, priority,
+                                         arrival_time, prompt_token_ids, cache_salt)
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -208,12 +232,55 @@ class InputProcessor:
         ]
         return ProcessedPrompt(request_id, text, ids, params, children, cache_salt)
 
+    def _process_pooling(self, request_id: str, prompt: PromptType,
+                         params: PoolingParams | None, priority: int,
+                         arrival_time: float | None, prompt_token_ids: list[int] | None,
+                         cache_salt: str | None) -> ProcessedPrompt:
+        """`process` for an embedding request: one NewRequest that computes the whole
+        prompt (up to max_model_len tokens: nothing is generated) and finishes with its
+        pooled vector (max_tokens 1, so that async scheduling plans no token after it)."""
+        config = self.pooler_config
+        if config is None:
+            raise ValueError("this model serves generation, not embeddings; start it with "
+                             "runner 'pooling' (--runner pooling) to embed")
+        if params is None:
+            raise ValueError("this model serves embeddings only (runner 'pooling'): use "
+                             "LLM.embed, AsyncEngine.encode or /v1/embeddings, not generation")
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling params must be PoolingParams, not {type(params).__name__}")
+        config.check_dimensions(params.dimensions, self.hidden_size)
+        if params.normalize is None:
+            params = PoolingParams(params.dimensions, config.normalize,
+                                   params.truncate_prompt_tokens)
+        if prompt_token_ids is None:
+            text, ids = self.tokenize(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
+        ids = self._truncate_to(ids, params.truncate_prompt_tokens)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one character or token")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the input has {len(ids)} tokens, but max_model_len is {self.max_model_len}; "
+                "shorten it, or set truncate_prompt_tokens to keep its last tokens")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        sampling = SamplingParams(max_tokens=1, detokenize=False)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        child = NewRequest(request_id, ids, sampling, now, eos_token_id=None, priority=priority,
+                           cache_salt=cache_salt)
+        return ProcessedPrompt(request_id, text, ids, sampling, [child], cache_salt,
+                               pooling_params=params)
+
     def truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The last `truncate_prompt_tokens` ids (-1: max_model_len), or `ids` as given.
 
         Raises ValueError when truncate_prompt_tokens exceeds max_model_len (vLLM's rule).
         """
-        k = params.truncate_prompt_tokens
+        return self._truncate_to(ids, params.truncate_prompt_tokens)
+
+    def _truncate_to(self, ids: list[int], k: int | None) -> list[int]:
         if k is None:
             return ids
         if k == -1:

@@ -15,6 +15,7 @@ import msgspec
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
 from flowengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from flowengine.pooling.params import EmbeddingOutput, EmbeddingRequestOutput, finish_embedding
 from flowengine.tokenize.text_state import IncrementalTextState
 
 # Placeholder of a sample's new_token_ids between outputs; never mutated (see below).
@@ -55,6 +56,7 @@ class _RequestState:
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # streaming: they go out once
+    pooled: bytes | None = None  # embedding requests: the raw pooled vector
 
 
 class OutputProcessor:
@@ -131,6 +133,8 @@ class OutputProcessor:
                 state.num_cached_tokens = delta.num_cached_tokens
             if delta.error:
                 state.error = delta.error
+            if delta.pooled is not None:
+                state.pooled = delta.pooled
             if delta.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = self._prompt_logprobs(state, delta.prompt_logprobs)
             if self._apply(sample, delta):
@@ -204,6 +208,8 @@ class OutputProcessor:
         return out
 
     def _make_output(self, request_id: str, state: _RequestState) -> RequestOutput:
+        if state.prompt.pooling_params is not None:
+            return self._make_embedding_output(request_id, state)  # type: ignore[return-value]
         completions = []
         if self.stream:
             for s in state.samples:
@@ -256,6 +262,22 @@ class OutputProcessor:
             state.error,
             prompt_logprobs,
         )
+
+    def _make_embedding_output(self, request_id: str, state: _RequestState
+                               ) -> EmbeddingRequestOutput:
+        """An embedding request's one output (it finishes in its only step): the vector
+        with the request's dimensions and normalisation, or the error."""
+        params = state.prompt.pooling_params
+        assert params is not None
+        outputs = None
+        error = state.error
+        if state.pooled is not None:
+            outputs = EmbeddingOutput(finish_embedding(state.pooled, params, True))
+        elif error is None:
+            # Aborted (the caller went away) or ended without a vector.
+            error = f"the request ended ({state.samples[0].finish_reason}) without an embedding"
+        return EmbeddingRequestOutput(request_id, outputs, state.prompt.prompt_token_ids,
+                                      state.num_unfinished == 0, state.prompt.prompt, error)
 
     def resubmit_requests(self) -> list[NewRequest]:
         """`NewRequest`s that recompute every unfinished sample after an engine restart.

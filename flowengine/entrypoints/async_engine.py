@@ -32,6 +32,7 @@ from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
 from flowengine.outputs import RequestOutput
+from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
 from flowengine.sampling_params import SamplingParams
 from flowengine.shm.inproc import InprocChannel
 
@@ -229,7 +230,7 @@ class AsyncEngine:
             await self.supervisor.wait_engine_stopped()
 
     # ------------------------------------------------------------------ requests
-    async def submit(
+    def submit(
         self,
         prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
         sampling_params: SamplingParams | None = None,
@@ -249,11 +250,42 @@ class AsyncEngine:
         EngineOverloadedError when the queue is full, EngineDeadError if the engine is
         gone. Breaking out of the loop or cancelling aborts the request.
         """
+        # A plain function returning the stream itself (no generator around it): closing
+        # the caller's loop closes the stream at once, which aborts the request.
+        return self._stream(prompt, sampling_params, request_id, priority, None)
+
+    def encode(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Embed one prompt (text, token ids, {"prompt"|"prompt_token_ids": ...}) on a
+        pooling-runner model; yields one `EmbeddingRequestOutput` (finished=True), as
+        vLLM's `encode`. pooling_params None: the model's defaults.
+
+        Raises ValueError/TypeError for bad input (a generate model, a too long input,
+        dimensions the model does not support), EngineOverloadedError and
+        EngineDeadError as `submit`. Cancelling aborts the request.
+        """
+        params = PoolingParams() if pooling_params is None else pooling_params
+        return self._stream(prompt, None, request_id, priority, params)  # type: ignore[return-value]
+
+    @property
+    def is_pooling(self) -> bool:
+        """True when the model serves embeddings (runner "pooling"), not generation."""
+        return getattr(self, "resolved", None) is not None and self.resolved.runner == "pooling"
+
+    async def _stream(self, prompt: Any, sampling_params: SamplingParams | None,
+                      request_id: str | None, priority: int,
+                      pooling_params: PoolingParams | None) -> AsyncIterator[RequestOutput]:
         await self.start()
         if self._dead is not None:
             raise self._dead
         rid, stream, children = await self.ingress.admit(
-            prompt, sampling_params, request_id, priority
+            prompt, sampling_params, request_id, priority, pooling_params
         )
         self._children[rid] = children
         try:

@@ -134,6 +134,22 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help='JSON object applied over the generation config, e.g. \'{"temperature": 0.5}\'',
     )
     g.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="'generate' samples tokens; 'pooling' serves embeddings (/v1/embeddings): "
+        "prefill-only requests return pooled hidden states; 'auto' picks 'pooling' for "
+        "encoder-only models (BERT) and 'generate' for the rest (vLLM's --runner)",
+    )
+    g.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        default=None,
+        help='pooling runner: JSON object with pooling_type ("CLS", "MEAN", "LAST") and '
+        "normalize, over the model's sentence-transformers config, e.g. "
+        "'{\"pooling_type\": \"MEAN\", \"normalize\": true}'",
+    )
+    g.add_argument(
         "--chat-template",
         default=None,
         help="Jinja chat template for chat requests instead of the tokenizer's: a file "

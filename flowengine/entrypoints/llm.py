@@ -13,6 +13,7 @@ from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.outputs import RequestOutput
+from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
 from flowengine.sampling_params import SamplingParams
 
 
@@ -123,13 +124,20 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} dicts) or a list of them.
 
         chat_template: template text (or a file, as `--chat-template`) instead of the
         engine's. add_generation_prompt / continue_final_message: vLLM's options (both
         true is a ValueError). chat_template_kwargs: extra template variables, e.g.
-        {"enable_thinking": False}. Every conversation is rendered before any runs.
+        {"enable_thinking": False}. tools: OpenAI function tools ({"type": "function",
+        "function": {"name", "description", "parameters"}}) for the chat template's
+        `tools` variable (vLLM's `LLM.chat(tools=)`: rendered only, not parsed; messages
+        may carry `tool_calls` and `tool` results for multi-turn use). A template that
+        ignores tools, like SmolLM2's own, needs `chat_template=` a tool-capable one
+        (examples/templates/tool_chat_template_hermes.jinja). Every conversation is
+        rendered before any runs; bad input raises ValueError.
         """
         from flowengine.tokenize.chat import load_chat_template
 
@@ -146,6 +154,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template=template,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             processed.append(
                 self.input_processor.process(
@@ -153,6 +162,55 @@ class LLM:
                 )
             )
         return self._run(processed, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (text, token ids, or {"prompt_token_ids": [...]}) with a
+        pooling-runner model; `out.outputs.embedding` is the vector (vLLM's shapes).
+
+        pooling_params: one PoolingParams for all prompts or one per prompt (None: the
+        model's defaults; truncate_prompt_tokens applies to those). Every prompt is
+        validated before any runs: bad input (or a generate model) raises
+        ValueError/TypeError and nothing is embedded.
+        """
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            one = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+            params_list = [one] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")
+        processed = [
+            self.input_processor.process(str(next(self._ids)), prompt, SamplingParams(),
+                                         pooling_params=params)
+            for prompt, params in zip(prompts, params_list, strict=True)
+        ]
+        if self._background is not None:
+            with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
+                jobs = [({"prompt_token_ids": p.prompt_token_ids}, p.pooling_params, p.request_id)
+                        for p in processed]
+                outs = self._background.embed(jobs, lambda: bar.update(1))
+            for p, out in zip(processed, outs, strict=True):
+                out.prompt = p.prompt
+            return outs
+        return self._run(processed, use_tqdm)  # type: ignore[return-value]
+
+    @staticmethod
+    def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, Sequence) and not isinstance(prompts, str) and not prompts:
+            raise ValueError("the prompt is empty: give a prompt, token ids or a list of them")
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]  # one prompt
+        return list(prompts)
 
     def _stat_logger(self) -> Any:
         """The periodic stats line of the in-process engine (disable_log_stats=False)."""

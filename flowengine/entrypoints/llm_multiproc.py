@@ -65,6 +65,22 @@ class BackgroundEngine:
 
         return self.call(run_all())
 
+    def embed(self, jobs: list[tuple[Any, Any, str]], on_done) -> list[Any]:
+        """Run (prompt, PoolingParams, request_id) embedding jobs concurrently; the
+        EmbeddingRequestOutputs in job order."""
+
+        async def one(prompt: Any, params: Any, request_id: str) -> Any:
+            out = None
+            async for delta in self.engine.encode(prompt, params, request_id):
+                out = delta
+            on_done()
+            return out
+
+        async def run_all():
+            return await asyncio.gather(*(one(p, pp, rid) for p, pp, rid in jobs))
+
+        return self.call(run_all())
+
     def close(self) -> None:
         if self.loop.is_running():
             self.call(self.engine.shutdown(drain_timeout_s=5.0))

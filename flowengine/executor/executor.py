@@ -23,6 +23,7 @@ import torch
 
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.messages import SampledTokens, StepPlan, StepResult
+from flowengine.pooling.config import PoolerConfig
 from flowengine.sample.grammar_bitmask import apply_plan_bitmask
 from flowengine.sample.sampler import Sampler
 
@@ -64,11 +65,16 @@ class Executor:
     Args:
         runner: holds the weights, the KV cache and per-request token state.
         sampler: turns logits into token ids (and logprobs) on the same device.
+        pooler_config: the pooling runner's `PoolerConfig` (flowengine/pooling): every
+            step pools its requests' prompts instead of sampling (`pool`); None: the
+            generate runner.
     """
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None,
+                 pooler_config: PoolerConfig | None = None) -> None:
         self.runner = runner
         self.sampler = sampler if sampler is not None else Sampler()
+        self.pooler_config = pooler_config
 
     @property
     def launches_on_device(self) -> bool:
@@ -76,7 +82,7 @@ class Executor:
         it (a CudaModelRunner at TP = 1 on a CUDA device), so a caller may launch from
         its event loop instead of a worker thread; False when a launch computes the
         step on the host (CPU runners, tensor-parallel rank 0)."""
-        return (getattr(self.runner, "launch", None) is not None
+        return (getattr(self.runner, "launch", None) is not None and self.pooler_config is None
                 and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda")
 
     def execute_model(self, plan: StepPlan) -> StepResult:
@@ -91,6 +97,8 @@ class Executor:
         a completed handle whose result has `error` set (under tensor parallelism the
         other ranks are released with a failure mark, see `sample`).
         """
+        if self.pooler_config is not None:
+            return CompletedStep(self.pool(plan))
         launch = getattr(self.runner, "launch", None)
         if launch is not None and self.runner.tp.world_size == 1:
             # A runner that samples on the device (CudaModelRunner); tensor-parallel
@@ -108,7 +116,21 @@ class Executor:
         """The step of a tensor-parallel rank other than 0: the same forward as rank 0,
         then the ids rank 0 sampled (`receive_sampled`). Returns False when rank 0
         failed to sample the step. Raises as execute_model."""
+        if self.pooler_config is not None:  # rank 0 pools and reports; nothing to share
+            self.runner.execute_pooling(plan, self.pooler_config.pooling_type)
+            return True
         return self.receive_sampled(plan, self.runner.execute_model(plan))
+
+    def pool(self, plan: StepPlan) -> StepResult:
+        """The pooling runner's step: each scheduled request's whole prompt is computed
+        and pooled; its result carries the raw float32 vector (`SampledTokens.pooled`,
+        no token), which finishes the request in the scheduler. Raises as
+        `ModelRunner.execute_pooling`."""
+        assert self.pooler_config is not None
+        req_ids, pooled = self.runner.execute_pooling(plan, self.pooler_config.pooling_type)
+        rows = pooled.cpu().numpy().astype("<f4", copy=False)  # the step's one host copy
+        return StepResult(plan.step_id, [SampledTokens(rid, [], pooled=rows[i].tobytes())
+                                         for i, rid in enumerate(req_ids)])
 
     def sample(self, plan: StepPlan, output: ModelOutput) -> StepResult:
         """Sample the step's logits and append the tokens to the runner's requests.

@@ -98,6 +98,12 @@ class ModelRunner:
         for --kv-cache-dtype fp8) and the input buffers."""
         self.cache_config = cache_config
         model_config = self.model_config
+        if model_config.is_encoder_only:
+            # An encoder attends within the step (whole prompts, bidirectional): no KV
+            # cache tensors; the scheduler's blocks only account the step's tokens.
+            self.kv_caches = []
+            self.input_batch = self._make_input_batch(cache_config.block_size)
+            return
         shape = (2, cache_config.num_blocks, cache_config.block_size,
                  model_config.num_kv_heads // self.tp.world_size, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
@@ -185,6 +191,42 @@ class ModelRunner:
         for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
             state.num_computed_tokens += num
         return ModelOutput(inputs.sample_req_ids, logits)
+
+    @torch.inference_mode()
+    def execute_pooling(self, plan: StepPlan, pooling_type: str) -> tuple[list[str], torch.Tensor]:
+        """The pooling runner's step: apply the plan, run one forward over whole prompts,
+        pool each request's token states (flowengine/pooling/pooler.py).
+
+        Returns (req_ids in batch order, [len(req_ids), hidden_size] float32). Raises
+        ValueError for an inconsistent plan, or a request scheduled for less than its
+        whole prompt (the pooling runner runs without chunked prefill and prefix
+        caching, so a prompt is always computed in one step).
+        """
+        from flowengine.pooling.pooler import pool
+
+        self.update_states(plan)
+        states = [self.requests[req_id] for req_id in plan.scheduled_req_ids]
+        if len(plan.num_scheduled_tokens) != len(states):
+            raise ValueError(
+                f"step {plan.step_id} has {len(plan.num_scheduled_tokens)} num_scheduled_tokens "
+                f"for {len(states)} scheduled requests")
+        for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
+            if state.num_computed_tokens != 0 or num != len(state.token_ids):
+                raise ValueError(
+                    f"step {plan.step_id} computes tokens {state.num_computed_tokens}.."
+                    f"{state.num_computed_tokens + num} of pooling request {state.req_id} "
+                    f"({len(state.token_ids)} tokens): a pooled prompt must be computed "
+                    "whole in one step (chunked prefill and prefix caching off)")
+        if not states:
+            return [], torch.empty(0, self.model_config.hidden_size)
+        inputs = self.input_batch.prepare(states, plan.num_scheduled_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                            inputs.attn_metadata)
+        qsl = inputs.attn_metadata.query_start_loc_cpu[:len(states) + 1]
+        pooled = pool(hidden, qsl, pooling_type)  # type: ignore[arg-type]
+        for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
+            state.num_computed_tokens += num
+        return [s.req_id for s in states], pooled
 
     def collect_prompt_logprobs(self, states: list[RequestState], num_scheduled: list[int],
                                 inputs: StepInputs, hidden: torch.Tensor) -> None:

@@ -31,7 +31,12 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "BertModel",
 )
+
+# Encoder-only architectures: served by the pooling runner only (embeddings), with
+# bidirectional attention and no KV cache (flowengine/model/models/bert.py).
+ENCODER_ARCHITECTURES = ("BertModel",)
 
 # Architectures whose sliding-window layers FlowEngine applies in attention (so the
 # served length is not capped at the window).
@@ -152,6 +157,13 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
+    # BERT (encoder-only): token type embeddings; `rms_norm_eps` holds its layer_norm_eps.
+    type_vocab_size: int = 0
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """An encoder (BERT): bidirectional attention, no KV cache, pooling runner only."""
+        return self.architecture in ENCODER_ARCHITECTURES
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` has a mixture-of-experts MLP."""
@@ -206,6 +218,8 @@ class ModelConfig:
                 f"model architecture {architectures or '(none given)'} of {model_path} is not "
                 f"supported; FlowEngine serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch in ENCODER_ARCHITECTURES:
+            return _bert_config(cls, hf_config, model_path, arch, max_model_len)
         is_gemma = arch in _WINDOWED_ARCHITECTURES
         act = (getattr(hf_config, "hidden_activation", None) if is_gemma else None) or getattr(
             hf_config, "hidden_act", "silu")
@@ -260,6 +274,32 @@ class ModelConfig:
             **rope_fields,
             **(_gemma_fields(hf_config, arch) if is_gemma else {}),
         )
+
+
+def _bert_config(cls: type[ModelConfig], hf_config: Any, model_path: str, arch: str,
+                 max_model_len: int | None) -> ModelConfig:
+    """ModelConfig of a BERT encoder (transformers' BertConfig). Raises ValueError for
+    relative position embeddings (only "absolute" is implemented)."""
+    position_type = getattr(hf_config, "position_embedding_type", "absolute") or "absolute"
+    if position_type != "absolute":
+        raise ValueError(f"position_embedding_type {position_type!r} is not supported for "
+                         f"{arch} (only 'absolute')")
+    num_heads = int(hf_config.num_attention_heads)
+    max_pos = int(hf_config.max_position_embeddings)
+    return cls(
+        model_path=str(model_path), architecture=arch, vocab_size=int(hf_config.vocab_size),
+        hidden_size=int(hf_config.hidden_size), num_layers=int(hf_config.num_hidden_layers),
+        num_heads=num_heads, num_kv_heads=num_heads,
+        head_dim=int(hf_config.hidden_size) // num_heads,
+        intermediate_size=int(hf_config.intermediate_size),
+        rms_norm_eps=float(getattr(hf_config, "layer_norm_eps", 1e-12)),
+        rope_theta=0.0, rope_scaling=None, max_position_embeddings=max_pos,
+        max_model_len=resolve_max_model_len(max_model_len, max_pos),
+        tie_word_embeddings=False, qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False,
+        eos_token_ids=(), bos_token_id=None, dtype=_checkpoint_dtype(hf_config),
+        hidden_act=str(getattr(hf_config, "hidden_act", "gelu")),
+        type_vocab_size=int(getattr(hf_config, "type_vocab_size", 2) or 0),
+    )
 
 
 def _gemma_fields(hf_config: Any, arch: str) -> dict[str, Any]:

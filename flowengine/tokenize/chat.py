@@ -7,6 +7,7 @@ Validation happens here, before Jinja, so that a caller learns what to change
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,8 +112,57 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         role = message["role"]
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {ROLES}, got {role!r}")
-        checked.append({**message, "content": _content_text(i, role, message["content"])})
+        message = {**message, "content": _content_text(i, role, message["content"])}
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(i, message)
+        checked.append(message)
     return checked
+
+
+def _tool_calls(index: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI `tool_calls` with each `arguments` as a dict: chat
+    templates render the arguments object themselves (Hugging Face's convention, and
+    what vLLM passes them). Raises ValueError naming the bad call."""
+    calls = message["tool_calls"]
+    where = f"messages[{index}].tool_calls"
+    if message["role"] != "assistant":
+        raise ValueError(f"{where}: only assistant messages carry tool_calls")
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise ValueError(f"{where} must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f'{where}[{j}] must have "function": {{"name": ..., "arguments": ...}}')
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{where}[{j}].function.arguments is not valid JSON ({err.msg}); send "
+                    "the arguments object as JSON text"
+                ) from None
+        out.append({**call, "function": {**fn, "arguments": arguments}})
+    return out
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]]:
+    """Check `tools` for the chat template: a list of OpenAI function tools
+    ({"type": "function", "function": {"name": ..., "parameters": {...}}}).
+    Raises ValueError naming the first bad tool."""
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+        raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                '"parameters": {...}}}}'
+            )
+        if not isinstance(fn.get("parameters", {}), Mapping):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+    return [dict(t) for t in tools]
 
 
 def apply_chat_template(
@@ -123,6 +173,7 @@ def apply_chat_template(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Render `messages` with the chat template and tokenize the result.
 
@@ -137,6 +188,10 @@ def apply_chat_template(
     text instead of the tokenizer's. chat_template_kwargs: extra variables for the
     template, e.g. {"enable_thinking": False} (Qwen3); a key naming one of
     apply_chat_template's own arguments (RESERVED_TEMPLATE_KWARGS) is an error.
+    tools: OpenAI function tools, given to the template as its `tools` variable (a
+    template that ignores them, such as SmolLM2's own, renders without them: pass a
+    tool-capable one, e.g. examples/templates/tool_chat_template_hermes.jinja).
+    Assistant messages' `tool_calls` reach the template with dict arguments.
 
     Returns the prompt token ids. Raises ValueError when there is no chat template,
     when `messages` is malformed (see `validate_messages`), for the option conflicts
@@ -171,6 +226,8 @@ def apply_chat_template(
             kwargs["chat_template"] = chat_template
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools is not None:
+            kwargs["tools"] = validate_tools(tools)
         text = tokenizer.apply_chat_template(
             checked, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )

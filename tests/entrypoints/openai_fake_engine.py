@@ -208,7 +208,7 @@ class FakeEngine:
             # Hold back what could start a stop string, and a partial UTF-8 character.
             hold = max((len(x) for x in params.stop_strings), default=1) - 1
             hold = max(hold, 1) if full.endswith("\ufffd") else hold
-            visible = full[: len(full) - hold]
+            visible = full[: max(0, len(full) - hold)]
         delta, s.emitted = visible[len(s.emitted) :], visible
         if s.finish_reason is not None:
             reasons = self.stats.finished_by_reason

@@ -47,7 +47,8 @@ def test_invalid_json(http):
         ({"messages": HELLO, "temperature": -1}, "temperature", ">= 0.0"),
         ({"messages": HELLO, "top_logprobs": 21, "logprobs": True}, "top_logprobs", "<= 20"),
         ({"messages": HELLO, "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
-        ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools[0]",
+         "missing required field `function`"),
         ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format.type", "xml"),
         ({"messages": HELLO, "guided_regex": "a("}, "guided_regex", "parenthesis is not closed"),
         (

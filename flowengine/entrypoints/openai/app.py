@@ -8,8 +8,9 @@ and OPTIONS outermost (cors.py), then the `--middleware` hooks. Each route's end
 draining (503) → checks the Content-Type of a JSON body (415) → reads the body (413
 past the size limit, 408 past the body timeout) → watches for the client going away
 (the handler task is cancelled, which aborts its engine request) → runs the handler
-and sends its response. Every error is OpenAI's error object; an unexpected exception
-is logged with its traceback and answered as a bare 500.
+and sends its response. Every error is OpenAI's error object (Anthropic's shape on
+the Anthropic routes: `Route.render_error`); an unexpected exception is logged with its
+traceback and answered as a bare 500.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from starlette.routing import Route as StarletteRoute
 from starlette.types import Receive, Scope, Send
 
 from flowengine.entrypoints.openai import responses as rs
+from flowengine.entrypoints.openai import serving_anthropic as anthropic
 from flowengine.entrypoints.openai import serving_misc as misc
+from flowengine.entrypoints.openai import serving_responses as responses
 from flowengine.entrypoints.openai.asgi import (
     APIRequest,
     ClientDisconnected,
@@ -56,9 +59,31 @@ from flowengine.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from flowengine.entrypoints.openai.protocol_anthropic import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
+from flowengine.entrypoints.openai.protocol_responses import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+)
+from flowengine.entrypoints.openai.responses_store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+    ResponseStore,
+)
 from flowengine.entrypoints.openai.router import Route, Router
 from flowengine.entrypoints.openai.serving_chat import create_chat_completion
 from flowengine.entrypoints.openai.serving_completions import create_completion
+from flowengine.entrypoints.openai.serving_embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    create_embedding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +117,11 @@ class AppOptions:
         root_path: the path prefix a proxy strips (`--root-path`); the OpenAPI
             document names it as the server URL.
         on_startup: called once the server listens (lifespan startup).
+        responses_store_max: most responses the Responses API keeps in memory for
+            `GET /v1/responses/{id}` and `previous_response_id` (LRU; 0 keeps none);
+            `--responses-store-max`.
+        responses_store_max_bytes: most bytes they may hold (LRU past it);
+            `--responses-store-max-bytes`.
     """
 
     api_key: str | None = None
@@ -105,13 +135,29 @@ class AppOptions:
     middleware: tuple[str, ...] = ()
     root_path: str = ""
     on_startup: Sequence[Callable[[], None]] = field(default_factory=tuple)
+    responses_store_max: int = DEFAULT_MAX_ENTRIES
+    responses_store_max_bytes: int = DEFAULT_MAX_BYTES
 
 
-def build_routes(ctx: ServingContext, openapi: Callable[[], Response]) -> list[Route]:
-    """The route table (method, path, handler, auth, drain behaviour, schemas)."""
+def build_routes(
+    ctx: ServingContext, openapi: Callable[[], Response], store: ResponseStore | None = None
+) -> list[Route]:
+    """The route table (method, path, handler, auth, drain behaviour, schemas).
+    `store`: the Responses API's store (a default-sized one if None)."""
+    store = ResponseStore() if store is None else store
 
     def h(fn):  # bind the context: handlers take (ctx, request)
         return partial(fn, ctx)
+
+    def hs(fn):  # the Responses handlers also take the store
+        return partial(fn, ctx, store)
+
+    # Anthropic's routes answer errors in Anthropic's shape and accept `x-api-key`.
+    claude = {
+        "render_error": anthropic.anthropic_error_response,
+        "error_type": AnthropicErrorResponse,
+        "accepts_x_api_key": True,
+    }
 
     async def openapi_handler(request: APIRequest) -> Response:
         return openapi()
@@ -128,6 +174,22 @@ def build_routes(ctx: ServingContext, openapi: Callable[[], Response]) -> list[R
         Route("POST", "/v1/chat/completions", h(create_chat_completion),
               "Create a chat completion", request_types=(ChatCompletionRequest,),
               response_type=rs.ChatCompletionResponse, streams=True),
+        Route("POST", "/v1/responses", hs(responses.create_response), "Create a model response "
+              "(OpenAI Responses API)", request_types=(ResponsesRequest,),
+              response_type=ResponseObject, streams=True),
+        Route("GET", "/v1/responses/{response_id}", hs(responses.retrieve_response),
+              "A stored response", response_type=ResponseObject, path_params=("response_id",)),
+        Route("DELETE", "/v1/responses/{response_id}", hs(responses.delete_response),
+              "Delete a stored response", response_type=ResponseDeleted,
+              path_params=("response_id",)),
+        Route("POST", "/v1/messages", h(anthropic.create_message), "Create a message "
+              "(Anthropic Messages API)", request_types=(MessagesRequest,),
+              response_type=MessageResponse, streams=True, **claude),
+        Route("POST", "/v1/messages/count_tokens", h(anthropic.count_tokens),
+              "Count the tokens of a message request (Anthropic)",
+              request_types=(CountTokensRequest,), response_type=TokenCount, **claude),
+        Route("POST", "/v1/embeddings", h(create_embedding), "Create embeddings (pooling models)",
+              request_types=(EmbeddingRequest,), response_type=EmbeddingResponse),
         Route("POST", "/tokenize", h(misc.tokenize), "Token ids of a prompt or of messages",
               request_types=(TokenizeCompletionRequest, TokenizeChatRequest),
               response_type=rs.TokenizeResponse),
@@ -184,7 +246,10 @@ class OpenAIApp:
     def __init__(self, ctx: ServingContext, options: AppOptions) -> None:
         self.ctx = ctx
         self.options = options
-        self.router = Router(build_routes(ctx, self._openapi))
+        self.responses_store = ResponseStore(
+            options.responses_store_max, options.responses_store_max_bytes
+        )
+        self.router = Router(build_routes(ctx, self._openapi, self.responses_store))
         self._openapi_body = orjson.dumps(
             build_openapi(
                 self.router.routes,
@@ -302,7 +367,12 @@ class OpenAIApp:
             await APIRequest(request.scope, request.receive).discard_body(
                 self.options.max_request_body_bytes, self.options.request_body_timeout_s
             )
-        return error_response(err)
+        # A path of another API (Anthropic's) answers in that API's error shape.
+        root = self.options.root_path
+        at_path = self.router.routes_at(
+            path[len(root) :] if root and path.startswith(root + "/") else path
+        )
+        return (at_path[0].render_error if at_path else error_response)(err)
 
     async def serve(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         """Run one request of `route` (see the module docstring for the steps)."""
@@ -328,12 +398,12 @@ class OpenAIApp:
                     await request.discard_body(
                         options.max_request_body_bytes, options.request_body_timeout_s
                     )
-                response = error_response(err)
+                response = route.render_error(err)
             except (ClientDisconnected, asyncio.CancelledError):
                 raise
             except Exception:
                 logger.exception("%s %s failed", request.method, request.url.path)
-                response = error_response(internal_error())
+                response = route.render_error(internal_error())
             if flight is not None:
                 flight.response = response
             await response(scope, receive, send)
@@ -346,7 +416,7 @@ class OpenAIApp:
             elif flight is not None and flight.cut_error is not None:
                 task.uncancel()  # cut at the graceful timeout: answer, then end
                 if flight.response is None:
-                    await error_response(flight.cut_error)(scope, receive, send)
+                    await route.render_error(flight.cut_error)(scope, receive, send)
             else:
                 raise  # cancelled by the server (shutdown), not by the client
         finally:
@@ -357,7 +427,7 @@ class OpenAIApp:
 
     def _admit(self, route: Route, request: APIRequest) -> None:
         if route.requires_auth and self.options.api_key is not None:
-            self._check_api_key(request)
+            self._check_api_key(request, route.accepts_x_api_key)
         if self.draining and not route.while_draining:
             raise APIError(
                 503,
@@ -367,18 +437,26 @@ class OpenAIApp:
                 retry_after_s=self.options.drain_retry_after_s,
             )
 
-    def _check_api_key(self, request: APIRequest) -> None:
+    def _check_api_key(self, request: APIRequest, accepts_x_api_key: bool = False) -> None:
+        """Raise APIError(401) unless the request carries the server's key, as
+        `Authorization: Bearer <key>` or, where `accepts_x_api_key`, `x-api-key: <key>`
+        (Anthropic's header). Keys are compared in constant time."""
+        expected = (self.options.api_key or "").encode()
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        expected = self.options.api_key or ""
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), expected.encode()
-        ):
-            raise APIError(
-                401,
-                "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"www-authenticate": "Bearer"},
-            )
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected):
+            return
+        x_api_key = request.headers.get("x-api-key") if accepts_x_api_key else None
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), expected):
+            return
+        how = "'Authorization: Bearer <key>'"
+        if accepts_x_api_key:
+            how = f"'x-api-key: <key>' or {how}"
+        raise APIError(
+            401,
+            f"invalid or missing API key; send the header {how}",
+            code="invalid_api_key",
+            headers={"www-authenticate": "Bearer"},
+        )
 
     def _enter(self, task: asyncio.Task[Any]) -> _Flight:
         flight = self._in_flight[task] = _Flight()

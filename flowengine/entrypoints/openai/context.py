@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from flowengine.engine.protocol import EngineClient
+from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.errors import APIError, from_decode_error, too_deep
 from flowengine.entrypoints.openai.generation import Admission
 from flowengine.entrypoints.openai.sampling import RequestLimits
@@ -34,6 +35,7 @@ class ServingContext:
         limits: per-request limits (n, log-probabilities, n x max_tokens).
         enable_prompt_tokens_details: usage carries prompt_tokens_details.cached_tokens.
         trust_request_chat_template: chat requests may bring their own `chat_template`.
+        chat_parsing: tool-call and reasoning parsers of chat outputs.
     """
 
     engine: EngineClient
@@ -43,6 +45,7 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     enable_prompt_tokens_details: bool = False
     trust_request_chat_template: bool = False
+    chat_parsing: ChatParsingOptions = field(default_factory=ChatParsingOptions)
     started_s: int = field(default_factory=lambda: int(time.time()))
 
     @cached_property

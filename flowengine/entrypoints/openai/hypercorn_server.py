@@ -22,6 +22,7 @@ from hypercorn.config import Config
 
 from flowengine.engine.protocol import EngineClient
 from flowengine.entrypoints.openai.app import AppOptions, OpenAIApp
+from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.generation import Admission
 from flowengine.entrypoints.openai.notify import sd_notify
@@ -72,6 +73,7 @@ class APIServer:
         ssl_keyfile: str | None = None,
         enable_prompt_tokens_details: bool = False,
         trust_request_chat_template: bool = False,
+        chat_parsing: ChatParsingOptions | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("model_names is empty; give at least one served model name")
@@ -89,6 +91,7 @@ class APIServer:
             limits=limits or RequestLimits(),
             enable_prompt_tokens_details=enable_prompt_tokens_details,
             trust_request_chat_template=trust_request_chat_template,
+            chat_parsing=chat_parsing or ChatParsingOptions(),
         )
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None

@@ -28,13 +28,15 @@ SAMPLING_RANGES: dict[str, dict[str, float]] = {
     "repetition_penalty": {"exclusiveMinimum": 0.0},
     "top_k": {"minimum": -1},
 }
-GENERATION_REQUESTS = ("CompletionRequest", "ChatCompletionRequest")
+GENERATION_REQUESTS = (
+    "CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest",
+    "CountTokensRequest",
+)  # fmt: skip
 _NULL = {"type": "null"}
 # Fields the structs declare (so the handlers can name them in a 400) but that only
 # accept their "off" value: the document says so.
 REFUSED_VALUES: dict[str, dict[str, Any]] = {
     "suffix": {"anyOf": [_NULL, {"type": "string", "maxLength": 0}], "default": None},
-    "tools": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     "functions": {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None},
     # Not refused, but narrower than its type: token-id keys, biases in [-100, 100].
     "logit_bias": {"anyOf": [_NULL, {
@@ -42,7 +44,70 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
         "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     }], "default": None},
-    "tool_choice": {"anyOf": [_NULL, {"const": "none"}], "default": None},
+}
+# Per request struct: fields that accept fewer values than their type (the handler
+# answers 400 to the others), stated exactly so the document describes what is served.
+_NO_TOOLS = {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None}
+REFUSED_BY_REQUEST: dict[str, dict[str, dict[str, Any]]] = {
+    "ResponsesRequest": {
+        "tools": _NO_TOOLS,
+        "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}], "default": None},
+        "background": {"anyOf": [_NULL, {"const": False}], "default": None},
+        "include": {"anyOf": [_NULL, {
+            "type": "array", "items": {"const": "message.output_text.logprobs"},
+        }], "default": None},
+        "truncation": {"anyOf": [_NULL, {"const": "disabled"}], "default": None},
+    },
+    "MessagesRequest": {
+        "tools": _NO_TOOLS,
+        "tool_choice": {"anyOf": [_NULL, {
+            "type": "object", "properties": {"type": {"enum": ["auto", "none"]}},
+            "required": ["type"],
+        }], "default": None},
+        "thinking": {"anyOf": [_NULL, {
+            "type": "object", "properties": {"type": {"const": "disabled"}}, "required": ["type"],
+        }], "default": None},
+    },
+}  # fmt: skip
+REFUSED_BY_REQUEST["CountTokensRequest"] = REFUSED_BY_REQUEST["MessagesRequest"]
+# Component schemas of text-only content, by struct name: the `type` values served.
+TEXT_ONLY_PARTS = {
+    "TextPart": ("text",),
+    "ContentBlock": ("text",),
+    "InputContentPart": ("input_text", "output_text"),
+}
+
+
+def _sse_schema(data: str, description: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "data": {"type": "string", "description": data},
+            "event": {"type": "string"},
+        },
+        "required": ["data"],
+        "description": description,
+    }
+
+
+# The events of each streaming route (one schema per event; see the handlers).
+STREAM_EVENTS = {
+    # The OpenAI chunk routes: a chunk's JSON, an error object's JSON, or "[DONE]" last.
+    "chunks": _sse_schema(
+        "a chunk's JSON, or OpenAI's error object's JSON if the stream failed; the last "
+        "event's data is [DONE]",
+        "`data: <chunk JSON>` events, then `data: [DONE]`",
+    ),
+    "/v1/responses": _sse_schema(
+        "the JSON of a typed Responses event (its `type` also in `event`, with a "
+        "`sequence_number`)",
+        "response.created ... response.completed (or response.incomplete, response.failed)",
+    ),
+    "/v1/messages": _sse_schema(
+        "the JSON of an Anthropic event (its `type` also in `event`), or Anthropic's "
+        "error object in an `error` event",
+        "message_start ... message_stop",
+    ),
 }
 # Message content parts: only text parts are served.
 TEXT_PART = {
@@ -73,6 +138,8 @@ def build_openapi(
     types: list[Any] = [ErrorResponse]
     for route in routes:
         types += [*route.request_types, *([route.response_type] if route.response_type else [])]
+        if route.error_type not in types:
+            types.append(route.error_type)
     schemas, components = msgspec.json.schema_components(types, ref_template=REF_TEMPLATE)
     schema_of = dict(zip([id(t) for t in types], schemas, strict=True))
     rules: dict[str, dict[str, float]] = dict(SAMPLING_RANGES)
@@ -85,20 +152,30 @@ def build_openapi(
         for field_name, field_rules in rules.items():
             if field_name in props:
                 _constrain(props[field_name], field_rules)
-        for field_name, schema in REFUSED_VALUES.items():
+        for field_name, schema in {**REFUSED_VALUES, **REFUSED_BY_REQUEST.get(name, {})}.items():
             if field_name in props:
                 props[field_name] = schema
-    if "TextPart" in components:
-        components["TextPart"] = {**TEXT_PART, "description": components["TextPart"].get(
-            "description", "")}  # fmt: skip
-    error = {"application/json": {"schema": schema_of[id(ErrorResponse)]}}
+    for name, part_types in TEXT_ONLY_PARTS.items():
+        if name in components:
+            kind = {"const": part_types[0]} if len(part_types) == 1 else {"enum": list(part_types)}
+            components[name] = {
+                **TEXT_PART,
+                "title": name,
+                "properties": {**TEXT_PART["properties"], "type": kind},
+                "description": components[name].get("description", ""),
+            }
+    if "TextFormat" in components:  # the Responses route's text.format: text only
+        components["TextFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
+    if "InputItem" in components:
+        components["InputItem"]["properties"]["type"] = {"const": "message", "default": "message"}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
+        error = {"application/json": {"schema": schema_of[id(route.error_type)]}}
         op: dict[str, Any] = {
             "summary": route.summary,
             "operationId": route.method.lower()
             + route.path.replace("/", "_").replace(".", "_").replace("{", "").replace("}", ""),
-            "responses": {"default": {"description": "OpenAI's error object", "content": error}},
+            "responses": {"default": {"description": "the error object", "content": error}},
         }
         ok: dict[str, Any] = {"description": "success"}
         if route.response_type is not None:
@@ -108,22 +185,9 @@ def build_openapi(
         elif route.response_content_type != "application/json":
             ok["content"] = {route.response_content_type: {"schema": {"type": "string"}}}
         if route.streams:
-            # One server-sent event (as OpenAPI 3.2's itemSchema describes a stream):
-            # its `data` is a chunk's JSON, an error object's JSON, or "[DONE]" last.
+            # One server-sent event (as OpenAPI 3.2's itemSchema describes a stream).
             ok.setdefault("content", {})["text/event-stream"] = {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "data": {
-                            "type": "string",
-                            "description": "a chunk's JSON, or OpenAI's error object's "
-                            "JSON if the stream failed; the last event's data is [DONE]",
-                        },
-                        "event": {"type": "string"},
-                    },
-                    "required": ["data"],
-                    "description": "`data: <chunk JSON>` events, then `data: [DONE]`",
-                }
+                "schema": STREAM_EVENTS.get(route.path, STREAM_EVENTS["chunks"])
             }
         op["responses"]["200"] = ok
         if route.request_types:
@@ -140,6 +204,8 @@ def build_openapi(
             ]
         if route.requires_auth and has_api_key:
             op["security"] = [{"bearer": []}]
+            if route.accepts_x_api_key:
+                op["security"].append({"x_api_key": []})
         paths.setdefault(route.path, {})[route.method.lower()] = op
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -150,5 +216,9 @@ def build_openapi(
     if root_path:
         doc["servers"] = [{"url": root_path}]
     if has_api_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            # Anthropic's header, accepted on its routes (Route.accepts_x_api_key).
+            "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
     return doc

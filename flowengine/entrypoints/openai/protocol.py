@@ -3,7 +3,7 @@
 Field names, types and defaults follow the OpenAI API reference (Completions, Chat
 Completions) plus vLLM's extra sampling fields (`top_k`, `min_p`, ...), which the
 `openai` SDK sends through `extra_body`. Unknown fields are ignored, as OpenAI and
-vLLM do; fields we know but cannot honour (`suffix`, `tools`, `logit_bias`, ...) are
+vLLM do; fields we know but cannot honour (`suffix`, `functions`, ...) are
 declared here so the handlers can answer 400 when they are set, and vLLM's extra
 fields that change the output but are not implemented yet (`UNSUPPORTED_FIELDS`:
 `guided_whitespace_pattern`, `documents`, ...) are typed `null`:
@@ -40,7 +40,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "documents", "mm_processor_kwargs",
         "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
         "length_penalty", "add_special_tokens",
-        "reasoning_effort", "parallel_tool_calls", "logprobs_mode", "thinking_token_budget",
+        "reasoning_effort", "logprobs_mode", "thinking_token_budget",
     }
 )  # fmt: skip
 
@@ -169,12 +169,58 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
-    """One message; `content` is a string or a list of text parts."""
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A call an assistant message made: the function's name, its arguments as JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """One of an assistant message's `tool_calls` (sent back for multi-turn use)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message; `content` is a string or a list of text parts. An assistant message
+    may carry `tool_calls` (content then may be null); a `tool` message answers the
+    call `tool_call_id` with its result in `content`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A tool's function: `parameters` is a JSON Schema of an object (checked as one)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(msgspec.Struct, kw_only=True):
+    """One entry of `tools` (OpenAI's function tool)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice` that forces one function: {"type": "function", "function": {"name"}}."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -190,8 +236,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=-1, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Tool calling (OpenAI's fields): tools reach the chat template; tool_choice none,
+    # auto (parsed by --tool-call-parser), required or a named function (both enforced
+    # by a JSON schema); parallel_tool_calls false allows one call.
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     # vLLM's chat-template options: extra template variables (e.g. enable_thinking),
     # the assistant header, or continuing the last message (not with the header).
@@ -205,7 +255,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     mm_processor_kwargs: None = None
     add_special_tokens: None = None
     reasoning_effort: None = None
-    parallel_tool_calls: None = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

@@ -42,9 +42,25 @@ class ChatLogprobs(_Strict):
     refusal: list[TokenLogprob] | None = None
 
 
+class ResponseFunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ResponseToolCall(_Strict):
+    id: str
+    type: str  # "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(_Strict):
+    """`content` is null when the model only called tools; `reasoning_content` (vLLM's
+    field, with --reasoning-parser) holds the text of its <think> block."""
+
     role: str
     content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class PromptLogprob(_Strict):
@@ -77,9 +93,25 @@ class ChatCompletionResponse(_Strict):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(_Strict):
+    name: str | None = None
+    arguments: str | None = None  # a fragment; a call's fragments join to its arguments
+
+
+class DeltaToolCall(_Strict):
+    """A piece of tool call `index`: the first has `id`, `type` and the name."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(_Strict):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_Strict):

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from flowengine.entrypoints.openai.asgi import APIRequest, Response
+from flowengine.entrypoints.openai.asgi import APIRequest, Response, error_response
 from flowengine.entrypoints.openai.errors import APIError
+from flowengine.entrypoints.openai.responses import ErrorResponse
 
 Handler = Callable[[APIRequest], Awaitable[Response]]
 
@@ -30,6 +31,12 @@ class Route:
         match_path: the Starlette path pattern when it differs from `path` (the
             OpenAPI form), e.g. "/v1/models/{model:path}" for "/v1/models/{model}".
         path_params: names of the path parameters (strings), for OpenAPI.
+        render_error: the error response of this route (OpenAI's error object unless
+            the route speaks another API, e.g. Anthropic's shape on /v1/messages);
+            every error of the request, the app's own included, goes through it.
+        error_type: msgspec struct of that error body, for the OpenAPI document.
+        accepts_x_api_key: the API key may also come as `x-api-key: <key>`
+            (Anthropic's header), besides `Authorization: Bearer <key>`.
     """
 
     method: str
@@ -44,6 +51,9 @@ class Route:
     streams: bool = False
     match_path: str | None = None
     path_params: tuple[str, ...] = ()
+    render_error: Callable[[APIError], Response] = error_response
+    error_type: type = ErrorResponse
+    accepts_x_api_key: bool = False
 
 
 class Router:
@@ -54,6 +64,10 @@ class Router:
         self._by_path: dict[str, dict[str, Route]] = {}
         for route in routes:
             self._by_path.setdefault(route.path, {})[route.method] = route
+
+    def routes_at(self, path: str) -> list[Route]:
+        """The routes of an exact path (any method); [] for an unknown path."""
+        return list(self._by_path.get(path, {}).values())
 
     def methods(self, path: str) -> list[str]:
         return sorted(self._by_path.get(path, {}))

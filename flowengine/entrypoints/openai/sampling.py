@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -276,10 +278,12 @@ def chat_params(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message",
         )
-    if req.tools or req.functions:
-        raise bad_request("tools and functions are not supported; remove them", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported; remove it or use 'none'", "tool_choice")
+    if req.functions:
+        # tools/tool_choice are resolved by the chat route (tool_parsers/request.py).
+        raise bad_request(
+            "functions (OpenAI's deprecated form) is not supported; send them as tools",
+            "functions",
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     fields = _common(req, defaults)
@@ -292,12 +296,15 @@ def chat_params(
     return _build(fields)
 
 
-def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, str]]:
-    """Messages as the engine takes them: {"role", "content"} with text content.
+def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, Any]]:
+    """Messages as the engine takes them: {"role", "content"} with text content, plus
+    `name`, `tool_calls` (OpenAI's list of {"id", "type", "function": {"name",
+    "arguments"}}) and `tool_call_id` where the message has them.
 
     Text parts are joined with newlines (vLLM's "string" content format). Roles pass
     through unchanged; the engine's chat template step maps `developer` to `system`
-    for templates that do not know it (flowengine/tokenize/chat.py).
+    for templates that do not know it, and gives templates each call's arguments as a
+    dict (flowengine/tokenize/chat.py).
     """
     messages = []
     for i, m in enumerate(req.messages):
@@ -314,5 +321,29 @@ def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             text = "\n".join(texts)
-        messages.append({"role": m.role, "content": text})
+        message: dict[str, Any] = {"role": m.role, "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(
+                    "only assistant messages carry tool_calls", f"messages[{i}].tool_calls"
+                )
+            for j, c in enumerate(m.tool_calls):
+                try:  # templates get the arguments as an object (tokenize/chat.py)
+                    if c.function.arguments.strip():
+                        orjson.loads(c.function.arguments)
+                except orjson.JSONDecodeError as err:
+                    raise bad_request(
+                        f"the arguments of a tool call must be JSON text of an object: {err}",
+                        f"messages[{i}].tool_calls[{j}].function.arguments",
+                    ) from None
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls
+            ]  # fmt: skip
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     return messages

@@ -44,8 +44,10 @@ from flowengine.entrypoints.openai.app import (
     AppOptions,
     load_middleware,
 )
+from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
+from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
@@ -77,6 +79,8 @@ class ServerOptions:
         enable_prompt_tokens_details: usage gets `prompt_tokens_details.cached_tokens`
             (prompt tokens served from the prefix cache), as vLLM's flag.
         trust_request_chat_template: accept a chat request's own `chat_template`.
+        chat_parsing: tool-call and reasoning parsing of chat outputs (the
+            --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser flags).
     """
 
     host: str = "127.0.0.1"
@@ -93,6 +97,8 @@ class ServerOptions:
     ssl_keyfile: str | None = None
     enable_prompt_tokens_details: bool = False
     trust_request_chat_template: bool = False
+    chat_parsing: ChatParsingOptions = ChatParsingOptions()
+    grpc_port: int | None = None
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -166,6 +172,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="accept a chat request's own chat_template (a Jinja template the server "
         "renders, sandboxed); without it such a request gets 400",
     )
+    add_chat_parsing_args(p)
     s.add_argument(
         "--max-queue-len",
         type=int,
@@ -206,12 +213,65 @@ def make_parser() -> argparse.ArgumentParser:
         help="larger request bodies get 413",
     )
     s.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="responses the Responses API keeps in memory for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used dropped first (0: store none)",
+    )
+    s.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="bytes of text those stored responses may hold in all",
+    )
+    s.add_argument(
         "--graceful-timeout",
         type=float,
         default=120.0,
         help="seconds in-flight requests may run after SIGTERM (long streams need minutes)",
     )
+    s.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve gRPC (service flowengine.v1.Generate, proto/flowengine/v1/"
+        "generate.proto, and grpc.health.v1) on this port of --host, on the same engine "
+        "and queue limit as HTTP (needs the 'grpc' extra: pip install flowengine[grpc])",
+    )
     return p
+
+
+def add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling and reasoning flags (flowengine/entrypoints/openai/chat_parsing.py)."""
+    from flowengine.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from flowengine.reasoning import REASONING_PARSERS
+
+    g = parser.add_argument_group("tool calling and reasoning")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse tool calls out of the model's text for tool_choice 'auto' (the default "
+        "when a request has tools); needs --tool-call-parser. Without it such requests get 400",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format: hermes (<tool_call> JSON, Qwen2.5/Qwen3, "
+        "examples/templates/tool_chat_template_hermes.jinja), llama3_json, mistral, pythonic",
+    )
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="with tool_choice 'none', render the chat template without the tools",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> reasoning into reasoning_content: qwen3, deepseek_r1",
+    )
 
 
 def _origins(values: list[str]) -> tuple[str, ...]:
@@ -233,6 +293,12 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
     for flag, value in (("--max-n", ns.max_n), ("--max-request-tokens", ns.max_request_tokens)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (
+        ("--responses-store-max", ns.responses_store_max),
+        ("--responses-store-max-bytes", ns.responses_store_max_bytes),
+    ):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if ns.request_body_timeout < 0:
         raise ValueError(f"--request-body-timeout must be >= 0, got {ns.request_body_timeout}")
     if ns.header_timeout <= 0:
@@ -253,6 +319,12 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         raise ValueError(f"--root-path must start with '/', got {ns.root_path!r}")
     for path in ns.middleware:
         load_middleware(path)  # raises ValueError naming a path that does not import
+    chat_parsing = ChatParsingOptions(  # raises ValueError: auto tool choice, no parser
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        reasoning_parser=ns.reasoning_parser,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+    )
     api_key = ns.api_key
     for env in API_KEY_ENVS:
         api_key = api_key or os.environ.get(env) or None
@@ -270,6 +342,8 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
             request_body_timeout_s=ns.request_body_timeout or None,
             middleware=tuple(ns.middleware),
             root_path=ns.root_path.rstrip("/"),
+            responses_store_max=ns.responses_store_max,
+            responses_store_max_bytes=ns.responses_store_max_bytes,
         ),
         max_queue_len=ns.max_queue_len,
         graceful_timeout_s=ns.graceful_timeout,
@@ -281,7 +355,23 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         ssl_keyfile=ns.ssl_keyfile,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         trust_request_chat_template=ns.trust_request_chat_template,
+        chat_parsing=chat_parsing,
+        grpc_port=_grpc_port(ns.grpc_port),
     )
+
+
+def _grpc_port(port: int | None) -> int | None:
+    """--grpc-port, checked (ValueError) with grpcio importable (the 'grpc' extra)."""
+    if port is None:
+        return None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--grpc-port must be in [0, 65535], got {port}")
+    try:
+        import flowengine.entrypoints.grpc.server  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"--grpc-port needs grpcio ({err}); install the 'grpc' extra: "
+                         "pip install 'flowengine[grpc]'") from err
+    return port
 
 
 def create_engine(args: EngineArgs) -> EngineClient:
@@ -406,11 +496,26 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             ssl_keyfile=options.ssl_keyfile,
             enable_prompt_tokens_details=options.enable_prompt_tokens_details,
             trust_request_chat_template=options.trust_request_chat_template,
+            chat_parsing=options.chat_parsing,
         )
+        grpc_server = None
         try:
+            if options.grpc_port is not None and not engine_died:
+                from flowengine.entrypoints.grpc.server import GrpcServer
+
+                # Same engine, same queue limit: one admission for both front doors.
+                grpc_server = GrpcServer(engine, names, server.context.admission,
+                                         host=options.host, port=options.grpc_port)
+                try:
+                    await grpc_server.start()
+                except OSError as err:
+                    logger.error("%s", err)
+                    return 1
             if not engine_died:
                 await server.serve(sock, install_signal_handlers=True)
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace_s=ENGINE_SHUTDOWN_TIMEOUT_S)
             if options.uds is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(options.uds)

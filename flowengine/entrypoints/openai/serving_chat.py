@@ -6,14 +6,24 @@ Streaming follows OpenAI's chunk sequence: one chunk per choice with
 chunk with `choices: []` and `usage` (and `usage: null` on every earlier chunk), then
 `data: [DONE]`. The response starts once the engine produced its first output, so
 input errors still get a 4xx status (see generation.py).
+
+Tool calling and reasoning (chat_parsing.py): `tools` reach the chat template;
+`tool_choice` required / a named function constrain the output with a JSON schema
+(tool_parsers/request.py), `auto` is parsed by the server's `--tool-call-parser`;
+with `--reasoning-parser` the text before `</think>` becomes `reasoning_content`.
+Streamed, each choice's text runs through its own `ChoiceParser`, so deltas carry
+`reasoning_content`, `content` and OpenAI's `tool_calls` pieces (index, id, type,
+name, argument fragments), and the last one finish_reason `tool_calls` after calls.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+import orjson
 
 from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import (
@@ -22,6 +32,7 @@ from flowengine.entrypoints.openai.asgi import (
     StreamingResponse,
     json_response,
 )
+from flowengine.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, join_choice
 from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
@@ -33,7 +44,17 @@ from flowengine.entrypoints.openai.logprobs import (
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
+from flowengine.entrypoints.openai.tool_parsers.request import (
+    ToolChoice,
+    resolve_tool_choice,
+    tool_choice_schema,
+)
 from flowengine.outputs import CompletionOutput
+from flowengine.reasoning import ThinkReasoningParser, get_reasoning_parser
+from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
+
+# Makes a choice's parser from the prompt text; None: plain content.
+ParserFactory = Callable[[str | None], ChoiceParser] | None
 
 
 class _ChoiceState:
@@ -67,10 +88,22 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     model = ctx.resolve_model(req.model)
     params = chat_params(req, ctx.engine.default_sampling_params)
     check_limits(ctx.limits, params, 1, ctx.engine.max_model_len, "top_logprobs")
+    parsing = ctx.chat_parsing
+    choice = resolve_tool_choice(
+        req.tools, req.tool_choice, req.parallel_tool_calls, auto_enabled=parsing.auto_enabled
+    )
+    params = _tool_params(params, choice, parsing.tool_parser_class(choice))
+    if parsing.reasoning_parser is not None:
+        params = _after_reasoning(params, get_reasoning_parser(parsing.reasoning_parser))
+    make_parser = parsing.parser_factory(choice)
     messages = chat_messages(req)
     # The plain conversation, or {"messages": ..., options} when an option is not the
     # default (the engine's Tokenizer renders it: input_processor.CHAT_OPTIONS).
     options: dict[str, Any] = {}
+    if choice.tools is not None and not (
+        choice.mode == "none" and parsing.exclude_tools_when_tool_choice_none
+    ):
+        options["tools"] = choice.tools
     if req.cache_salt is not None:
         options["cache_salt"] = req.cache_salt
     if req.chat_template_kwargs:
@@ -109,7 +142,7 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     }
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _chat_events(ctx, stream, base, params.n, num_top, include_usage)
+        events = _chat_events(ctx, stream, base, params.n, num_top, include_usage, make_parser)
         return StreamingResponse(
             events,
             cleanup=stream.aclose,
@@ -120,8 +153,10 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     choices = [_ChoiceState() for _ in range(params.n)]
     outcome = "aborted"
     prompt_logprobs = None
+    prompt: str | None = None
     try:
         async for out in stream:
+            prompt = out.prompt if prompt is None else prompt
             if out.prompt_logprobs is not None and prompt_logprobs is None:
                 prompt_logprobs = out.prompt_logprobs
             for c in out.outputs:
@@ -133,7 +168,10 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     return json_response(
         {
             **base,
-            "choices": [_choice_body(ctx, i, ch, num_top) for i, ch in enumerate(choices)],
+            "choices": [
+                _choice_body(ctx, i, ch, num_top, make_parser and make_parser(prompt))
+                for i, ch in enumerate(choices)
+            ],
             "usage": _usage(ctx, stream),
             # vLLM's field: the prompt's logprobs when prompt_logprobs was asked for.
             **({"prompt_logprobs": prompt_logprobs_json(prompt_logprobs)}
@@ -142,18 +180,81 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     )
 
 
+def _tool_params(
+    params: SamplingParams, choice: ToolChoice, parser_cls: type | None
+) -> SamplingParams:
+    """The request's SamplingParams with what its tool choice needs: the JSON schema of
+    `required` / a named function as a structured-output constraint (so arguments
+    always parse), and the detokenizer setting of a parser whose markers are special
+    tokens. Raises APIError(400)."""
+    changes: dict[str, Any] = {}
+    schema = tool_choice_schema(choice)
+    if schema is not None:
+        changes.update(_schema_constraint(params, schema))
+    wanted = getattr(parser_cls, "skip_special_tokens", None)
+    if wanted is not None and params.skip_special_tokens != wanted:
+        changes["skip_special_tokens"] = wanted
+    return params.clone(**changes) if changes else params
+
+
+def _schema_constraint(params: SamplingParams, schema: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams changes that constrain the output to the tool choice's `schema`.
+    Raises APIError(400): another constraint is set too, or a tool's parameters use a
+    schema feature the grammar backends cannot compile (named in the message)."""
+    if params.structured_outputs is not None:
+        raise bad_request(
+            "tool_choice 'required' or a named function constrains the output to the "
+            "tools' schemas; it cannot be combined with response_format or another "
+            "structured-output constraint",
+            "tool_choice",
+        )
+    from flowengine.structured_outputs.validate import validate_structured_outputs
+
+    constraint = StructuredOutputsParams(json=schema)
+    try:
+        validate_structured_outputs(constraint, field="tools")
+    except ValueError as err:
+        raise bad_request(str(err), "tools") from None
+    return {"structured_outputs": constraint}
+
+
+def _after_reasoning(
+    params: SamplingParams, parser_cls: type[ThinkReasoningParser]
+) -> SamplingParams:
+    """With a reasoning parser, a JSON constraint (response_format json_schema or
+    json_object, a tool choice's schema) applies only after the think block: it becomes
+    the structural tag of `ThinkReasoningParser.gated_structural_tag`. Other kinds
+    (regex, choice, grammar, structural_tag) apply from the first token."""
+    constraint = params.structured_outputs
+    if constraint is None or constraint.kind not in ("json", "json_object"):
+        return params
+    schema = orjson.loads(constraint.spec) if constraint.kind == "json" else {"type": "object"}
+    tag = parser_cls.gated_structural_tag(schema)
+    return params.clone(structured_outputs=StructuredOutputsParams(structural_tag=tag))
+
+
 def _choice_body(
-    ctx: ServingContext, index: int, ch: _ChoiceState, num_top: int | None
+    ctx: ServingContext,
+    index: int,
+    ch: _ChoiceState,
+    num_top: int | None,
+    parser: ChoiceParser | None,
 ) -> dict[str, Any]:
     logprobs = None
     if num_top is not None:
         content = chat_logprobs(ch.token_ids, ch.logprobs, num_top, ctx.tokenizer)
         logprobs = {"content": content, "refusal": None}
+    finish_reason = ch.finish_reason
+    if parser is None:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(ch.texts)}
+    else:
+        message = join_choice([parser.feed("".join(ch.texts)), parser.finish()])
+        finish_reason = parser.finish_reason(finish_reason)
     return {
         "index": index,
-        "message": {"role": "assistant", "content": "".join(ch.texts)},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": ch.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": ch.stop_reason,
     }
 
@@ -165,10 +266,12 @@ async def _chat_events(
     n: int,
     num_top: int | None,
     include_usage: bool,
+    make_parser: ParserFactory = None,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     choice: dict[str, Any]
     finish_reasons: list[str | None] = [None] * n
+    parsers: list[ChoiceParser] | None = None
     outcome = "aborted"
     try:
         for i in range(n):
@@ -176,23 +279,37 @@ async def _chat_events(
             choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
             yield sse.event({**base, "choices": [choice], **extra})
         async for out in stream:
+            if make_parser is not None and parsers is None:
+                parsers = [make_parser(out.prompt) for _ in range(n)]
             for c in out.outputs:
-                if not c.text and c.finish_reason is None and (num_top is None or not c.token_ids):
+                finish_reason = c.finish_reason
+                if parsers is None:
+                    delta: dict[str, Any] = {"content": c.text} if c.text else {}
+                else:
+                    parsed = parsers[c.index].feed(c.text) if c.text else ChoiceDelta()
+                    if finish_reason is not None:
+                        parsed.extend(parsers[c.index].finish())
+                        finish_reason = parsers[c.index].finish_reason(finish_reason)
+                    delta = parsed.delta_json()
+                has_logprobs = num_top is not None and bool(c.token_ids)
+                if not delta and finish_reason is None and not has_logprobs:
                     continue  # nothing to show yet (held back for a stop string, partial UTF-8)
+                if num_top is not None and not delta:
+                    delta = {"content": ""}
                 choice = {
                     "index": c.index,
-                    "delta": {"content": c.text} if c.text or num_top is not None else {},
+                    "delta": delta,
                     "logprobs": None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                 }
                 if num_top is not None and c.token_ids and c.logprobs:
                     choice["logprobs"] = {
                         "content": chat_logprobs(c.token_ids, c.logprobs, num_top, ctx.tokenizer),
                         "refusal": None,
                     }
-                if c.finish_reason is not None:
+                if finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
-                    finish_reasons[c.index] = c.finish_reason
+                    finish_reasons[c.index] = finish_reason
                 yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": _usage(ctx, stream)})

@@ -27,6 +27,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "BertModel": ("bert", "BertModel"),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

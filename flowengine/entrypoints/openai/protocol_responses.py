@@ -1,0 +1,209 @@
+"""POST /v1/responses (OpenAI's Responses API): request and response bodies as msgspec
+structs (validation, OpenAPI schema, and the tests' strict decoding).
+
+Field names, types and defaults follow OpenAI's API reference ("Create a model
+response", the Response object, the streaming events) plus vLLM's extra sampling
+fields (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`, `ignore_eos`,
+`priority`, `cache_salt`), which the `openai` SDK sends through `extra_body`. Unknown
+fields are ignored, as OpenAI and vLLM do. Fields that would change the output and
+are not served yet (`reasoning`, `conversation`, `prompt`) are typed `null`: any
+other value is a 400 naming the field; `tools`, `background`, `include` values other
+than "message.output_text.logprobs", `truncation: "auto"` and non-text `text.format`
+are refused by the handler, also with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from flowengine.entrypoints.openai.protocol import Int64, NonNegInt, PosInt
+
+# Fields refused while null is the only value served (see the module docstring).
+RESPONSES_UNSUPPORTED_FIELDS = frozenset({"reasoning", "conversation", "prompt"})
+# `include` values served: the output text's log-probabilities (OpenAI's name).
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+
+
+class InputContentPart(msgspec.Struct, kw_only=True):
+    """One content part of an input message: `input_text` (user, system, developer)
+    or `output_text` (an assistant message replayed from an earlier response)."""
+
+    type: str
+    text: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """One item of `input`: a message (`type` "message" or omitted, OpenAI's
+    EasyInputMessage) with string or part-list content. `function_call`,
+    `function_call_output` and other item types are refused until tool calling lands."""
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"
+
+
+class TextConfig(msgspec.Struct, kw_only=True):
+    """`text`: only `{"format": {"type": "text"}}` is served (no structured output)."""
+
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/responses.
+
+    `input` is a string (one user message) or a list of message items;
+    `instructions` becomes a system message before them (it is not carried over by
+    `previous_response_id`, as OpenAI documents). `max_output_tokens` caps the output
+    (unset: to EOS or the context limit). `store` (default true) keeps the response
+    in the server's bounded in-memory store for `GET /v1/responses/{id}` and
+    `previous_response_id`. `include: ["message.output_text.logprobs"]` returns each
+    output token's log-probability, with `top_logprobs` (0-20) alternatives each.
+    """
+
+    input: str | list[InputItem]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: PosInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: PosInt | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's extra sampling fields (same names and meanings as SamplingParams).
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    ignore_eos: bool = False
+    priority: Int64 = 0
+    cache_salt: str | None = None
+    # Not served yet (RESPONSES_UNSUPPORTED_FIELDS): only null is accepted.
+    reasoning: None = None
+    conversation: None = None
+    prompt: None = None
+
+
+# ---------------------------------------------------------------- response bodies
+
+
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class TopLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Strict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class OutputText(_Strict):
+    type: str  # "output_text"
+    text: str
+    annotations: list[Any]
+    logprobs: list[TokenLogprob]  # [] unless include asks for them
+
+
+class OutputMessage(_Strict):
+    id: str
+    type: str  # "message"
+    role: str  # "assistant"
+    status: str  # "in_progress" | "completed" | "incomplete"
+    content: list[OutputText]
+
+
+class InputTokensDetails(_Strict):
+    cached_tokens: int
+
+
+class OutputTokensDetails(_Strict):
+    reasoning_tokens: int
+
+
+class ResponseUsage(_Strict):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(_Strict):
+    reason: str  # "max_output_tokens"
+
+
+class ResponseErrorObject(_Strict):
+    code: str
+    message: str
+
+
+class TextConfigOut(_Strict):
+    format: dict[str, str]
+
+
+class ResponseObject(_Strict):
+    """OpenAI's Response object ("response")."""
+
+    id: str
+    object: str  # "response"
+    created_at: int  # Unix seconds
+    completed_at: int | None
+    status: str  # "in_progress" | "completed" | "incomplete" | "failed"
+    error: ResponseErrorObject | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    text: TextConfigOut
+    tool_choice: str
+    tools: list[Any]
+    top_logprobs: int | None
+    truncation: str
+    usage: ResponseUsage | None
+    user: str | None
+    metadata: dict[str, str]
+    background: bool
+
+
+class ResponseDeleted(_Strict):
+    id: str
+    object: str  # "response.deleted"
+    deleted: bool

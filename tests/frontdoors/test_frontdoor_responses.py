@@ -1,0 +1,370 @@
+"""POST /v1/responses (OpenAI Responses) through the official `openai` SDK against a live
+server on the fake engine: texts equal the chat route's, the typed event sequence,
+previous_response_id over the store, GET/DELETE, errors in OpenAI's shape.
+
+The fake engine echoes its rendered prompt ("role: content" lines, then "assistant:"),
+one byte per token, so every expected text is exact.
+"""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import openai
+import orjson
+import pytest
+from openai_helpers import API_KEY, assert_error, strict, wait_until
+
+from flowengine.entrypoints.openai.app import AppOptions, OpenAIApp
+from flowengine.entrypoints.openai.protocol_responses import ResponseDeleted, ResponseObject
+
+MODEL = "fake-model"  # the conftest's server serves it
+# The fake engine samples letters at random unless greedy: every request asks temperature 0.
+GREEDY = {"temperature": 0}
+STREAM_TYPES_HEAD = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+STREAM_TYPES_TAIL = [
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+def rendered(messages: list[dict[str, str]]) -> str:
+    """The fake engine's chat template: what its greedy output echoes."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def chat_text(oai: openai.OpenAI, messages, max_tokens: int, **extra) -> tuple[str, str]:
+    r = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=extra
+    )
+    return r.choices[0].message.content, r.choices[0].finish_reason
+
+
+def test_create_equals_chat_and_is_incomplete_at_max_output_tokens(oai, http, engine):
+    r = oai.responses.create(model=MODEL, input="hello there", max_output_tokens=9, **GREEDY)
+    expected, finish = chat_text(oai, [{"role": "user", "content": "hello there"}], 9)
+    assert expected == rendered([{"role": "user", "content": "hello there"}])[:9] == "user: hel"
+    assert finish == "length"
+    assert r.output_text == expected
+    assert r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
+    assert item.id.startswith("msg_")
+    assert [(p.type, p.text) for p in item.content] == [("output_text", expected)]
+    num_prompt = len(rendered([{"role": "user", "content": "hello there"}]))
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (num_prompt, 9)
+    assert r.usage.total_tokens == num_prompt + 9
+    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert r.max_output_tokens == 9 and r.temperature == 0.0 and r.store is True
+    # The wire body matches the documented schema exactly (unknown fields fail).
+    raw = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3, **GREEDY})
+    assert raw.status_code == 200, raw.text
+    body = strict(raw.content, ResponseObject)
+    assert body.output[0].content[0].text == "use"
+    # The engine got the chat route's request: same messages, same sampling.
+    _, prompt, params = engine.submitted[-1]
+    assert prompt == [{"role": "user", "content": "hi"}]
+    assert params.max_tokens == 3
+
+
+def test_completed_on_stop_string_equals_chat(oai):
+    messages = [{"role": "user", "content": "abc xyz"}]
+    r = oai.responses.create(
+        model=MODEL, input="abc xyz", max_output_tokens=50, temperature=0,
+        extra_body={"stop": ["xyz"]},
+    )  # fmt: skip
+    expected, finish = chat_text(oai, messages, 50, stop=["xyz"])
+    assert finish == "stop"
+    assert r.output_text == expected == "user: abc "
+    assert r.status == "completed" and r.incomplete_details is None
+    assert r.output[0].status == "completed"
+    assert r.completed_at is not None and r.completed_at >= r.created_at
+
+
+def test_instructions_and_message_items(oai, engine):
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "one"}, {"type": "input_text", "text": "two"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "ok", "annotations": []}]},
+        {"role": "user", "content": "three"},
+    ]  # fmt: skip
+    r = oai.responses.create(
+        model=MODEL, input=items, instructions="sys", max_output_tokens=40, temperature=0
+    )
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "one\ntwo"},  # parts joined as the chat route joins them
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "three"},
+    ]
+    assert engine.submitted[-1][1] == messages
+    expected, _ = chat_text(oai, messages, 40)
+    assert r.output_text == expected == rendered(messages)[:40]
+    assert r.instructions == "sys"
+
+
+def _sse(raw: bytes) -> list[tuple[str, dict]]:
+    """(event name, data) of each event; checks `event:` + `data:` framing, no [DONE]."""
+    assert raw.endswith(b"\n\n") and b"[DONE]" not in raw
+    events = []
+    for block in raw.split(b"\n\n")[:-1]:
+        head, data = block.split(b"\n")
+        assert head.startswith(b"event: ") and data.startswith(b"data: "), block
+        payload = orjson.loads(data[len(b"data: ") :])
+        assert payload["type"] == head[len(b"event: ") :].decode()
+        events.append((payload["type"], payload))
+    return events
+
+
+def test_stream_event_sequence(oai, http):
+    whole = oai.responses.create(model=MODEL, input="stream me", max_output_tokens=12, **GREEDY)
+    events = list(
+        oai.responses.create(
+            model=MODEL, input="stream me", max_output_tokens=12, stream=True, **GREEDY
+        )
+    )
+    types = [e.type for e in events]
+    num_deltas = types.count("response.output_text.delta")
+    assert types == [
+        *STREAM_TYPES_HEAD,
+        *["response.output_text.delta"] * num_deltas,
+        *STREAM_TYPES_TAIL,
+        "response.incomplete",  # stopped at max_output_tokens
+    ]
+    assert num_deltas >= 1
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    created, final = events[0].response, events[-1].response
+    assert created.status == "in_progress" and created.output == [] and created.usage is None
+    assert final.id == created.id and final.status == "incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    expected = rendered([{"role": "user", "content": "stream me"}])[:12]
+    assert text == whole.output_text == final.output_text == expected == "user: stream"
+    item_id = events[2].item.id
+    for e in events[3:-2]:
+        assert (e.item_id, e.output_index, e.content_index) == (item_id, 0, 0)
+    assert events[-2].item.id == item_id and events[-2].item.content[0].text == text
+    assert events[-4].text == text  # response.output_text.done
+    assert final.usage.output_tokens == 12
+    # The wire: `event: <type>` + `data: <json>`, and no `data: [DONE]`.
+    raw = http.post(
+        "/v1/responses",
+        json={"input": "abc", "stream": True, "max_output_tokens": 50, "stop": ["abc"], **GREEDY},
+    )
+    assert raw.headers["content-type"] == "text/event-stream"
+    wire = _sse(raw.content)
+    assert [t for t, _ in wire][-1] == "response.completed"
+    done = wire[-1][1]["response"]
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "user: "
+    strict(orjson.dumps(done), ResponseObject)
+
+
+def test_previous_response_id_store_get_delete(oai, engine):
+    first = oai.responses.create(
+        model=MODEL, input="alpha", instructions="first rules", max_output_tokens=4, **GREEDY
+    )
+    assert first.output_text == "syst"
+    second = oai.responses.create(
+        model=MODEL, input="beta", previous_response_id=first.id, max_output_tokens=6, **GREEDY
+    )
+    # The stored conversation then the new input; the first's instructions not carried.
+    history = [
+        {"role": "user", "content": "alpha"},
+        {"role": "assistant", "content": "syst"},
+        {"role": "user", "content": "beta"},
+    ]
+    assert engine.submitted[-1][1] == history
+    assert second.previous_response_id == first.id
+    assert second.output_text == rendered(history)[:6]
+    third = oai.responses.create(
+        model=MODEL, input="gamma", previous_response_id=second.id, instructions="new",
+        max_output_tokens=3, **GREEDY,
+    )  # fmt: skip
+    assert engine.submitted[-1][1] == [
+        {"role": "system", "content": "new"},
+        *history,
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "gamma"},
+    ]
+    assert third.output_text == "sys"
+    # GET returns the very body POST returned.
+    got = oai.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()
+    # store=false: not kept, so neither retrievable nor continuable.
+    unstored = oai.responses.create(
+        model=MODEL, input="x", store=False, max_output_tokens=2, **GREEDY
+    )
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.retrieve(unstored.id)
+    assert unstored.id in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.create(model=MODEL, input="y", previous_response_id=unstored.id)
+    assert err.value.body["param"] == "previous_response_id"
+    # DELETE: gone afterwards.
+    raw = oai.responses.with_raw_response.delete(first.id)
+    deleted = strict(raw.http_response.content, ResponseDeleted)
+    assert (deleted.id, deleted.object, deleted.deleted) == (first.id, "response.deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.delete(first.id)
+    # A streamed response is stored once it finished.
+    events = list(
+        oai.responses.create(model=MODEL, input="s", stream=True, max_output_tokens=2, **GREEDY)
+    )
+    assert oai.responses.retrieve(events[-1].response.id).output_text == "us"
+
+
+def test_store_size_comes_from_the_options(engine):
+    from flowengine.entrypoints.openai.context import ServingContext
+    from flowengine.entrypoints.openai.generation import Admission
+    from flowengine.metrics import ServingMetrics
+
+    ctx = ServingContext(engine, (MODEL,), Admission(None), ServingMetrics(engine.get_stats, MODEL))
+    app = OpenAIApp(ctx, AppOptions(responses_store_max=2, responses_store_max_bytes=1000))
+    assert (app.responses_store.max_entries, app.responses_store.max_bytes) == (2, 1000)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "tool"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+         "input[0]", "function_call"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+         "input[0]", "function_call_output"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input[0].content[0]", "input_image"),
+        ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "not supported"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format", "json_schema"),
+        ({"input": "x", "background": True}, "background", "background"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "auto"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]", "include"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs", "<= 20"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+        ({"input": "x", "temperature": -1}, "temperature", ">= 0"),
+        ({"input": []}, "input", "empty"),
+        ({"instructions": "x"}, "input", "input"),
+        ({"input": [{"content": "no role"}]}, "input[0].role", "role"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_400_naming_the_field(http, body, param, words):
+    err = assert_error(http.post("/v1/responses", json=body), 400, param=param)
+    assert words in err["message"]
+    # The engine keeps serving.
+    ok = http.post("/v1/responses", json={"input": "ok", "max_output_tokens": 2, **GREEDY})
+    assert ok.status_code == 200 and ok.json()["output"][0]["content"][0]["text"] == "us"
+
+
+def test_sdk_errors(oai, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="x", tools=[{"type": "function", "name": "f",
+                                                             "parameters": {}}])  # fmt: skip
+    assert err.value.body["param"] == "tools"
+    assert "tools are not supported" in err.value.message
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.create(model="no-such-model", input="x")
+    assert err.value.body["code"] == "model_not_found"
+    anonymous = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.responses.create(model=MODEL, input="x")
+    # The prompt over the context: a 400 before any event.
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="x" * 600, stream=True)
+    assert "max_model_len" in err.value.message
+    ok = oai.responses.create(model=MODEL, input="fine", max_output_tokens=2, **GREEDY)
+    assert ok.output_text == "us"
+
+
+def test_engine_failure_mid_stream_is_response_failed(oai, engine):
+    engine.fail_after_tokens = 3
+    try:
+        events = list(
+            oai.responses.create(model=MODEL, input="boom", stream=True, max_output_tokens=20)
+        )
+        with pytest.raises(openai.InternalServerError):
+            oai.responses.create(model=MODEL, input="boom", max_output_tokens=20)
+    finally:
+        engine.fail_after_tokens = None
+    assert events[-1].type == "response.failed"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with pytest.raises(openai.NotFoundError):  # a failed response is not stored
+        oai.responses.retrieve(failed.id)
+    ok = oai.responses.create(model=MODEL, input="after", max_output_tokens=2, **GREEDY)
+    assert ok.output_text == "us"
+
+
+def test_closing_a_stream_aborts_its_request(server, engine):
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        with c.stream(
+            "POST", "/v1/responses",
+            json={"input": "long", "stream": True, "max_output_tokens": 400},
+            headers={"authorization": f"Bearer {API_KEY}"},
+        ) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            created = next(line for line in lines if line.startswith("data: "))
+            response_id = orjson.loads(created[len("data: ") :])["response"]["id"]
+    wait_until(lambda: response_id in engine.aborted, timeout_s=10)
+
+
+def test_openapi_documents_the_routes(http):
+    doc = http.get("/openapi.json").json()
+    assert set(doc["paths"]["/v1/responses"]) == {"post"}
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    request = doc["components"]["schemas"]["ResponsesRequest"]
+    assert request["required"] == ["input"]
+    assert request["properties"]["tools"]["anyOf"][1] == {"type": "array", "maxItems": 0}
+    assert msgspec.json.decode(orjson.dumps(doc))["openapi"] == "3.1.0"
+
+
+def test_sdk_stream_helper_accumulates_the_response(oai):
+    """`client.responses.stream` (the SDK's accumulating helper) on a completed response."""
+    with oai.responses.stream(
+        model=MODEL, input="hello", max_output_tokens=50, extra_body={"stop": ["ll"]}, **GREEDY
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    assert final.output_text == "".join(deltas) == "user: he"
+
+
+def test_logprobs_equal_the_chat_routes(oai, http):
+    messages = [{"role": "user", "content": "abc"}]
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    expected = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    assert len(expected) == 5 and len(expected[0]["top_logprobs"]) == 2
+    body = {
+        "input": "abc", "max_output_tokens": 5, "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"], **GREEDY,
+    }  # fmt: skip
+    raw = http.post("/v1/responses", json=body)
+    part = strict(raw.content, ResponseObject).output[0].content[0]
+    assert [msgspec.to_builtins(lp) for lp in part.logprobs] == expected
+    # Streamed: each delta carries its tokens' log-probabilities; they join to the same.
+    events = _sse(http.post("/v1/responses", json={**body, "stream": True}).content)
+    deltas = [d for t, d in events if t == "response.output_text.delta"]
+    assert [lp for d in deltas for lp in d["logprobs"]] == expected
+    done = next(d for t, d in events if t == "response.output_text.done")
+    assert done["logprobs"] == expected
+    assert events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    # top_logprobs alone computes nothing (OpenAI's and vLLM's rule: include asks).
+    r = oai.responses.create(
+        model=MODEL, input="abc", max_output_tokens=5, top_logprobs=2, **GREEDY
+    )
+    assert r.output[0].content[0].logprobs == [] and r.top_logprobs == 2

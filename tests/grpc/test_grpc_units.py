@@ -1,0 +1,140 @@
+"""The gRPC servicer over the deterministic fake engine, in process: the shared
+admission limit, cancellation aborting the engine request, a dead engine and a
+draining server, health status, and the proto -> SamplingParams mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from flowengine.entrypoints.grpc import generate_pb2 as pb  # noqa: E402
+from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc  # noqa: E402
+from flowengine.entrypoints.grpc.server import GrpcServer, sampling_params_from  # noqa: E402
+from flowengine.entrypoints.openai.generation import Admission  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+from openai_fake_engine import FakeEngine  # noqa: E402
+
+
+def _run(scenario, **engine_kwargs):
+    async def main():
+        engine = FakeEngine(**engine_kwargs)
+        admission = Admission(max_queue_len=1)
+        server = GrpcServer(engine, ("fake-model",), admission, health_interval_s=0.05)
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await scenario(engine, admission, server, channel)
+        finally:
+            await server.stop(grace_s=1.0)
+
+    asyncio.run(main())
+
+
+def _request(text: str = "abc", **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, sampling_params=pb.SamplingParams(temperature=0.0, **params))
+
+
+def test_unary_and_stream_over_the_fake_engine():
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        out = await stub.Generate(_request("abc", max_tokens=5))
+        # The fake engine echoes the prompt cyclically: a b c a b.
+        assert out.text == "abcab" and list(out.token_ids) == [97, 98, 99, 97, 98]
+        assert out.finish_reason == "length"
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
+        chunks = [c async for c in stub.GenerateStream(_request("xy", max_tokens=3))]
+        assert [c.text for c in chunks] == ["x", "y", "x"]
+        assert [c.finish_reason for c in chunks] == ["", "", "length"]
+        assert not chunks[0].HasField("usage") and chunks[-1].usage.completion_tokens == 3
+        ids = await stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[65, 66]),
+                                                     sampling_params=pb.SamplingParams(
+                                                         temperature=0.0, max_tokens=2)))
+        assert ids.text == "AB"
+        assert admission.num_pending == 0
+
+    _run(scenario)
+
+
+def test_admission_is_shared_with_http():
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        admission.enter()  # an HTTP request waiting for its first token fills the queue
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(_request(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in err.value.details()
+        admission.leave()
+        assert (await stub.Generate(_request(max_tokens=2))).text == "ab"
+        assert admission.num_pending == 0
+
+    _run(scenario)
+
+
+def test_cancelling_a_call_aborts_its_engine_request():
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        call = stub.GenerateStream(pb.GenerateRequest(
+            text="abc", request_id="to-cancel",
+            sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=400)))
+        for _ in range(2):
+            await call.read()
+        assert "to-cancel" in engine.running
+        call.cancel()
+        for _ in range(200):
+            if "to-cancel" in engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.aborted == ["to-cancel"] and not engine.running
+        assert admission.num_pending == 0
+
+    _run(scenario, step_s=0.01)
+
+
+def test_dead_engine_and_draining_server():
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert (await health.Check(health_pb2.HealthCheckRequest(service=""))).status == serving
+        engine.dead = True
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(_request(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for _ in range(100):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service="flowengine.v1.Generate"))
+            if resp.status != serving:
+                break
+            await asyncio.sleep(0.02)
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        engine.dead = False
+        server.servicer.draining = True
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(_request(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in err.value.details()
+
+    _run(scenario)
+
+
+def test_sampling_params_mapping():
+    msg = pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=7, stop=["\n"],
+                            stop_token_ids=[2], seed=3, ignore_eos=True)
+    params = sampling_params_from(msg, {"temperature": 0.2, "repetition_penalty": 1.1})
+    # float32 on the wire, the client's decimal back (0.7, not 0.699999988).
+    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.9, 5)
+    assert params.max_tokens == 7 and params.stop == ["\n"] and params.stop_token_ids == [2]
+    assert params.seed == 3 and params.ignore_eos is True
+    assert params.repetition_penalty == 1.1  # the model's default fills an unset field
+    assert sampling_params_from(pb.SamplingParams(), {}).max_tokens == 16
+    # temperature 0 is set (greedy), not "unset".
+    assert sampling_params_from(pb.SamplingParams(temperature=0.0), {"temperature": 0.6}
+                                ).temperature == 0.0
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_params_from(pb.SamplingParams(top_p=1.5), {})

@@ -1,0 +1,51 @@
+"""A fake `EngineClient` whose model answers from a script: the reply to a chat is
+`scripts[last user message]`, sent a few characters per step (sizes cycling 1..5, so
+markers and JSON are cut at every kind of place), each piece one token. Ends with
+finish_reason "stop", or "length" once max_tokens pieces were sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from openai_fake_engine import FakeEngine
+
+from flowengine.outputs import CompletionOutput, RequestOutput
+from flowengine.sampling_params import SamplingParams
+
+
+def pieces(text: str) -> list[str]:
+    out, i, k = [], 0, 1
+    while i < len(text):
+        out.append(text[i : i + k])
+        i += k
+        k = k % 5 + 1
+    return out
+
+
+class ScriptedEngine(FakeEngine):
+    def __init__(self, scripts: dict[str, str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scripts = scripts
+
+    async def _generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, priority: int
+    ) -> AsyncIterator[RequestOutput]:
+        text, ids = self._prompt_ids(prompt)
+        messages = prompt["messages"] if isinstance(prompt, dict) else prompt
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        script = self.scripts.get(users[-1] if users else "", "no script for this prompt")
+        self.submitted.append((request_id, prompt, params))
+        parts = pieces(script)
+        limit = params.max_tokens or len(parts)
+        for step in range(min(len(parts), limit)):
+            await asyncio.sleep(self.step_s)
+            last = step == min(len(parts), limit) - 1
+            reason = None if not last else ("stop" if step == len(parts) - 1 else "length")
+            outs = [
+                CompletionOutput(index=i, text=parts[step], token_ids=[step],
+                                 finish_reason=reason)
+                for i in range(params.n)
+            ]  # fmt: skip
+            yield RequestOutput(request_id, text, ids, outs, finished=last)
