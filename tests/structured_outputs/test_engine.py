@@ -73,7 +73,9 @@ def test_a_constraint_greedy_already_satisfies_leaves_greedy_ids_unchanged(llm):
         # Only the characters greedy used, in any order and number: a mask that removes
         # most of the vocabulary, yet keeps every greedy token (and EOS anywhere).
         chars = "".join(sorted(set(text)))
-        regex = "[" + "".join("\\" + c if c in "\\]^-[" else c for c in chars) + "]*"
+        escapes = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+        regex = "[" + "".join(escapes.get(c, "\\" + c if c in "\\]^-[" else c)
+                              for c in chars) + "]*"
         params.append(SamplingParams(temperature=0, max_tokens=24,
                                      structured_outputs=StructuredOutputsParams(regex=regex)))
     constrained = llm.generate(prompts, params, use_tqdm=False)
