@@ -55,9 +55,9 @@ def test_write_rounds_like_torch_and_clamps(exact_inputs: bool, device: torch.de
         k = torch.randn(tokens, heads, dim, device=device) * 50
         v = torch.randn(tokens, heads, dim, device=device) * 50
     k[0, 0, :4] = torch.tensor([1e4, -1e4, 448.0, -500.0])  # out of E4M3's range
-    slots = torch.randperm(num_blocks * block_size)[:tokens]
-    slots[torch.randperm(tokens)[:5]] = -1
-    slots[0] = 3  # keep the out-of-range token
+    slots = torch.randperm(num_blocks * block_size)[:tokens]  # distinct slots
+    slots[1 + torch.randperm(tokens - 1)[:5]] = -1  # token 0 (out of range) is kept
+    target = int(slots[0])
     slots = slots.to(device)
     cache = torch.full((2, num_blocks, block_size, heads, dim), float("nan"), device=device)
     cache = cache.to(FP8)
@@ -70,7 +70,7 @@ def test_write_rounds_like_torch_and_clamps(exact_inputs: bool, device: torch.de
     want_v = v[written].clamp(-448, 448).to(FP8)
     assert torch.equal(flat[0, slots[written]].view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(flat[1, slots[written]].view(torch.uint8), want_v.view(torch.uint8))
-    assert flat[0, 3, 0, :4].float().tolist() == [448.0, -448.0, 448.0, -448.0]
+    assert flat[0, target, 0, :4].float().tolist() == [448.0, -448.0, 448.0, -448.0]
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
     untouched[slots[written]] = False
     assert flat[:, untouched].float().isnan().all()

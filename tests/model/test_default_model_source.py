@@ -144,6 +144,8 @@ def test_resolve_pins_the_default_model_for_other_processes(monkeypatch, tmp_pat
         max_model_len = 128
         num_heads = num_kv_heads = 1
         intermediate_size = 8
+        is_encoder_only = False
+        architecture = "LlamaForCausalLM"
 
         @classmethod
         def from_pretrained(cls, path, max_model_len, trust_remote_code=False):
