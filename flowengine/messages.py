@@ -98,8 +98,13 @@ class StepPlan(_Msg, tag=True):
     sample in this step and grammar_bitmask their next-token masks, one row each in
     that order: [len(structured_output_req_ids), ceil(vocab_size / 32)] int32
     little-endian (flowengine/sample/grammar_bitmask.py), applied to their logits
-    before sampling. Each row was filled after the request's previous token was
-    accepted (a constrained request is never planned on a placeholder token).
+    before sampling. Each row is filled from a matcher that has accepted every earlier
+    token of its request. With async scheduling a constrained request may sample on a
+    placeholder token (the one an earlier in-flight step samples), whose mask cannot
+    be known yet: the plan then has pending_structured_output_tokens set (vLLM's
+    name) and no bitmask, and its `GrammarOutput` follows on the same channel once
+    the earlier steps' results were applied, before any later plan. An executor
+    launches such a plan's forward at once and samples it only with its GrammarOutput.
     """
 
     step_id: int
@@ -109,6 +114,7 @@ class StepPlan(_Msg, tag=True):
     finished_req_ids: list[str] = []
     structured_output_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    pending_structured_output_tokens: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -119,7 +125,21 @@ class StepPlan(_Msg, tag=True):
         return [r.req_id for r in self.new_reqs] + [r.req_id for r in self.cached_reqs]
 
 
-StepsMsg = StepPlan | Shutdown
+class GrammarOutput(_Msg, tag=True):
+    """The grammar bitmask of a plan sent with pending_structured_output_tokens
+    (scheduler -> executors, broadcast; vLLM's GrammarOutput): the fields of
+    StepPlan's bitmask, filled once the tokens the plan's constrained requests sample
+    before it were accepted. Rows of requests that finished meanwhile are absent
+    (their token in that step is dropped by the scheduler). Sent exactly once per such
+    plan, right after it on the steps channel or after plans before it completed, and
+    always before any later plan."""
+
+    step_id: int
+    structured_output_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
+
+
+StepsMsg = StepPlan | GrammarOutput | Shutdown
 
 
 # ---------------------------------------------------------------- channel "results"

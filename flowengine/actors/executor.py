@@ -16,6 +16,11 @@ The sampler runs inside the launch, not as a second actor: there is no handshake
 step. On the CPU (and with any runner that computes a step before `launch` returns)
 the handle is complete at once and the resolver sends it without waiting: the same path.
 
+A plan with `pending_structured_output_tokens` is launched in two halves: its forward
+at once, its sampling when its `GrammarOutput` (the grammar bitmask, filled by the
+scheduler once the previous step's tokens arrived) comes next on the steps channel.
+The resolver sends the previous step's result meanwhile, so nothing waits in a cycle.
+
 Under tensor parallelism rank 0 forwards, samples and broadcasts the sampled ids; the
 other ranks (`results=None`) run the same forward (their collectives meet rank 0's)
 and receive the ids, so every rank's requests hold the same tokens for the next step.
@@ -34,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from flowengine.actors.base import Channel, run_blocking
 from flowengine.executor.executor import CompletedStep, Executor, StepHandle
-from flowengine.messages import Shutdown, StepPlan, StepResult
+from flowengine.messages import GrammarOutput, Shutdown, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +112,41 @@ class ExecutorActor:
                 msg = await self.steps.recv_async()
                 if isinstance(msg, Shutdown):
                     return
-                await handles.send(await self._launch(msg))
+                if isinstance(msg, GrammarOutput):
+                    raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived "
+                                       "without its plan")
+                if msg.pending_structured_output_tokens:
+                    handle = await self._launch_pending(msg)
+                    if handle is None:
+                        return  # Shutdown while the step waited for its bitmask
+                else:
+                    handle = await self._launch(msg, self.executor.launch, msg)
+                await handles.send(handle)
 
-    async def _launch(self, plan: StepPlan) -> StepHandle:
+    async def _launch_pending(self, plan: StepPlan) -> StepHandle | None:
+        """A plan whose grammar bitmask follows it: its forward is launched now, while
+        the step before it finishes and its tokens reach the scheduler, which then
+        fills and sends this step's `GrammarOutput`; sampling waits for that (the
+        resolver keeps sending results meanwhile). None on Shutdown."""
+        forward = await self._launch(plan, self.executor.launch_forward, plan)
+        grammar = await self.steps.recv_async()
+        if isinstance(grammar, Shutdown):
+            return None
+        if not isinstance(grammar, GrammarOutput) or grammar.step_id != plan.step_id:
+            raise RuntimeError(f"step {plan.step_id} waits for its grammar bitmask, got "
+                               f"{type(grammar).__name__} {getattr(grammar, 'step_id', '')}")
+        if isinstance(forward, CompletedStep):
+            return forward  # the forward failed: its error is the step's result
+        return await self._launch(plan, self.executor.launch_sampling, forward, grammar)
+
+    async def _launch(self, plan: StepPlan, launch: Callable[..., Any], *args: Any) -> Any:
+        """`launch(*args)` (a launch of `plan`, or one of its halves), inline or off the
+        loop (see `blocking`); a failure becomes a CompletedStep with the error."""
         start = time.perf_counter()
         try:
             if self._launch_inline:
-                return self.executor.launch(plan)
-            return await self._blocking(self.executor.launch, plan)
+                return launch(*args)
+            return await self._blocking(launch, *args)
         except Exception as exc:
             if self._tensor_parallel and not isinstance(exc, ValueError):
                 raise  # the group must restart (class docstring)
@@ -148,6 +180,8 @@ class ExecutorActor:
             msg = await self.steps.recv_async()
             if isinstance(msg, Shutdown):
                 return
+            if isinstance(msg, GrammarOutput):
+                continue  # rank 0 samples: the grammar bitmask is its business
             start = time.perf_counter()
             try:
                 if not await self._blocking(self.executor.follow, msg):

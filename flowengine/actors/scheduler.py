@@ -6,7 +6,9 @@ in-process `LLM` steps: requests-channel messages go to `core.handle`, plans com
 `max_steps_in_flight=2` it turns on the scheduler's async scheduling and plans step N+1
 while step N executes, decodes included: the executor keeps step N's sampled tokens on
 its side, so step N+1 needs no round trip through this actor (the executor contract is
-in `StepPlan`'s docstring).
+in `StepPlan`'s docstring). A plan whose constrained requests sample on placeholder
+tokens goes out without its grammar bitmask; the bitmask (`GrammarOutput`) follows on
+the steps channel as soon as the result before it was applied, ahead of the next plan.
 """
 
 from __future__ import annotations
@@ -125,7 +127,12 @@ class SchedulerActor:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {plan.step_id}")
         start = time.perf_counter()
         deltas = self.core.update(plan, result)
+        grammar_outputs = self.core.take_grammar_outputs()
         self.busy_s += time.perf_counter() - start
+        # First the bitmasks that the executor waits for to sample the next step (its
+        # forward already runs), then the outputs; both before the next plan.
+        for grammar_output in grammar_outputs:
+            await self.steps.send_async(grammar_output)
         await self._emit(deltas)
 
     async def _emit(self, deltas: list[RequestDelta]) -> None:

@@ -80,6 +80,11 @@ class InFlightSteps:
             )
         return self._steps.popleft()[1]
 
+    @property
+    def oldest_step_id(self) -> int | None:
+        """Id of the oldest plan in flight (the next result to apply), or None."""
+        return self._steps[0][0] if self._steps else None
+
     def num_placeholders(self, request: Request) -> int:
         """Tokens `request` samples in in-flight steps: known to the executors, not yet
         to the scheduler."""

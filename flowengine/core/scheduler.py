@@ -36,12 +36,17 @@ must be applied once each, in plan order. Two modes:
 Structured outputs (`structured_output_manager`, flowengine/structured_outputs/): a
 constrained request waits in WAITING while its grammar compiles (vLLM's
 WAITING_FOR_FSM; others are admitted past it) and fails there if it does not compile.
-Each plan carries the next-token bitmask of its constrained sampling rows, filled from
-matchers that have accepted every earlier token: step N+1's mask *waits for* step N's
-token. So with async scheduling a constrained request is not planned on a placeholder
-token (it skips the plans made while its token is in flight, as in the default mode),
-while unconstrained requests keep overlapping. `update_from_output` advances each
-matcher by the accepted tokens; a token the grammar refuses fails the request.
+The next-token bitmask of a plan's constrained sampling rows is filled from matchers
+that have accepted every earlier token, so step N+1's mask *waits for* step N's token
+and is *fixed after* it, never guessed: when a constrained row of N+1 samples on a
+placeholder (async scheduling), the plan goes out at once with
+`pending_structured_output_tokens` set and no bitmask, so the executor runs N+1's
+forward while N's token travels back; `update_from_output` of N advances the matchers
+and then fills N+1's bitmask, which the driver takes with `take_grammar_outputs()` and
+sends (a `GrammarOutput`) before the next plan, and the executor samples N+1 with it
+(vLLM's async scheduling with structured outputs). A constrained request thus decodes
+in every step in both modes. Otherwise the bitmask travels in the plan itself. A
+token the grammar refuses fails the request.
 
 In both modes stop checks run on the tokens in order, so outputs equal the
 non-overlapped engine's and no token past a stop is ever delivered. Blocks of a
@@ -57,6 +62,7 @@ Pure Python: this module must not import torch.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
@@ -67,7 +73,13 @@ from flowengine.core.in_flight import ScheduledRequest
 from flowengine.core.kv_cache_manager import PrefixCacheStats
 from flowengine.core.scheduler_state import SchedulerState
 from flowengine.core.step_draft import NO_NEW_BLOCKS, StepDraft
-from flowengine.messages import RequestDelta, SchedulerStats, StepPlan, StepResult
+from flowengine.messages import (
+    GrammarOutput,
+    RequestDelta,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+)
 from flowengine.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -116,6 +128,10 @@ class Scheduler:
         # Deltas made while planning (a request whose grammar failed to compile); the
         # engine core takes them after each schedule().
         self.pending_deltas: list[RequestDelta] = []
+        # Plans sent with pending_structured_output_tokens, oldest first: (step id, the
+        # constrained requests that sample in it); and their bitmasks once filled.
+        self._deferred_bitmasks: deque[tuple[int, list[Request]]] = deque()
+        self._grammar_outputs: list[GrammarOutput] = []
         # The state's long-lived parts, bound once: the planning loops read them on
         # every step.
         self.config = state.config
@@ -227,9 +243,7 @@ class Scheduler:
         `num_computed_tokens` (nothing to compute) when those surely end it by length."""
         num_placeholders = self.in_flight.num_placeholders(request)
         if num_placeholders and (
-            # A constrained request's next mask needs its in-flight token (docstring).
-            request.sampling_params.structured_outputs is not None
-            or request.num_output_tokens + num_placeholders >= request.max_tokens
+            request.num_output_tokens + num_placeholders >= request.max_tokens
             or num_tokens + num_placeholders >= self.max_len
         ):
             return request.num_computed_tokens  # a speculative token could never be delivered
@@ -363,17 +377,48 @@ class Scheduler:
                 self._add_bitmask(plan, scheduled, grammars)
         return plan
 
-    @staticmethod
-    def _add_bitmask(plan: StepPlan, scheduled: dict[str, ScheduledRequest],
+    def _add_bitmask(self, plan: StepPlan, scheduled: dict[str, ScheduledRequest],
                      grammars: Any) -> None:
-        """Fill the next-token bitmask of the plan's constrained sampling rows (their
-        matchers have accepted every earlier token, see the module docstring)."""
+        """Fill the next-token bitmask of the plan's constrained sampling rows, or, when
+        one of them samples on a placeholder (a token an earlier in-flight step
+        samples), mark the plan pending and fill it once that step's result is applied
+        (module docstring). Called after the plan joined `in_flight`."""
         is_constrained = grammars.has_matcher
-        req_ids = [rid for rid, record in scheduled.items()
+        records = [record for rid, record in scheduled.items()
                    if record.samples and is_constrained(rid)]
-        if req_ids:
-            plan.structured_output_req_ids = req_ids
-            plan.grammar_bitmask = grammars.fill_bitmask(req_ids)
+        if not records:
+            return
+        num_placeholders = self.in_flight.num_placeholders
+        # The plan's own token counts once: more means an earlier step's is pending.
+        if any(num_placeholders(record.request) > 1 for record in records):
+            plan.pending_structured_output_tokens = True
+            self._deferred_bitmasks.append((plan.step_id, [r.request for r in records]))
+            return
+        req_ids = [record.request.request_id for record in records]
+        plan.structured_output_req_ids = req_ids
+        plan.grammar_bitmask = grammars.fill_bitmask(req_ids)
+
+    def take_grammar_outputs(self) -> list[GrammarOutput]:
+        """The bitmasks of pending plans (`pending_structured_output_tokens`) that
+        `update_from_output` filled, oldest first; clears them. Send each to the
+        executors before the next plan."""
+        outputs, self._grammar_outputs = self._grammar_outputs, []
+        return outputs
+
+    def _fill_deferred_bitmasks(self) -> None:
+        """Fill the bitmask of each pending plan whose earlier steps are all applied:
+        its requests' matchers now hold every token before the one it samples."""
+        deferred = self._deferred_bitmasks
+        oldest = self.in_flight.oldest_step_id
+        while deferred and (oldest is None or deferred[0][0] <= oldest):
+            step_id, requests = deferred.popleft()
+            grammars = self.structured_outputs
+            live = self.requests
+            # Finished (or failed, aborted) since the plan: no row, its token is dropped.
+            req_ids = [r.request_id for r in requests
+                       if live.get(r.request_id) is r and grammars.has_matcher(r.request_id)]
+            bitmask = grammars.fill_bitmask(req_ids) if req_ids else b""
+            self._grammar_outputs.append(GrammarOutput(step_id, req_ids, bitmask))
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
@@ -392,6 +437,9 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         if not plan.num_scheduled_tokens:
             return []
+        if self._deferred_bitmasks and self._deferred_bitmasks[0][0] <= plan.step_id:
+            raise ValueError(f"result of step {plan.step_id} applied before the grammar "
+                             f"bitmask of step {self._deferred_bitmasks[0][0]} was filled")
         scheduled = self.in_flight.complete(plan.step_id)
         if result.error is not None:
             deltas = self._fail_plan(plan, scheduled, result.error)
@@ -399,6 +447,8 @@ class Scheduler:
             deltas = self._apply_sampled(plan, scheduled, result)
         # NOTE: only now has this step stopped writing the blocks deferred until it.
         self.kv_cache_manager.release_deferred(plan.step_id)
+        if self._deferred_bitmasks:
+            self._fill_deferred_bitmasks()
         return deltas
 
     def _apply_sampled(

@@ -24,7 +24,14 @@ import traceback
 from typing import Protocol
 
 from flowengine.core.scheduler import Scheduler
-from flowengine.messages import AbortRequest, NewRequest, RequestDelta, StepPlan, StepResult
+from flowengine.messages import (
+    AbortRequest,
+    GrammarOutput,
+    NewRequest,
+    RequestDelta,
+    StepPlan,
+    StepResult,
+)
 from flowengine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -144,6 +151,12 @@ class EngineCore:
         deltas = self.take_outputs()
         deltas.extend(self.scheduler.update_from_output(plan, result))
         return deltas
+
+    def take_grammar_outputs(self) -> list[GrammarOutput]:
+        """Bitmasks of plans sent with pending_structured_output_tokens that the last
+        update() filled (`Scheduler.take_grammar_outputs`): the driver sends them to
+        the executors before its next plan."""
+        return self.scheduler.take_grammar_outputs()
 
     def step(self) -> list[RequestDelta]:
         """Schedule one step, run it, and return per-request deltas (pending first)."""

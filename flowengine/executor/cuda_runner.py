@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +44,7 @@ from flowengine.executor.input_batch import (
 from flowengine.executor.memory_profile import MemoryProfile, profile_memory
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.executor.pending_step import PendingStep, copy_to_host
-from flowengine.messages import StepPlan
+from flowengine.messages import GrammarOutput, StepPlan
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.model_config import ModelConfig
 from flowengine.sample.grammar_bitmask import apply_plan_bitmask
@@ -51,6 +52,21 @@ from flowengine.sample.sampler import Sampler
 from flowengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedForward:
+    """A step whose forward is enqueued and whose sampling is not (launch_forward).
+
+    sample_req_ids: the requests that sample, in row order; sample_slots: their token
+    slots, [len(sample_req_ids)] int64 on the device; logits: [len(sample_req_ids),
+    vocab] float32 on the device, None when the step samples nothing.
+    """
+
+    step_id: int
+    sample_req_ids: list[str]
+    sample_slots: torch.Tensor | None
+    logits: torch.Tensor | None
 
 
 def reads_token_values(params: SamplingParams) -> bool:
@@ -250,26 +266,59 @@ class CudaModelRunner(ModelRunner):
         Returns at once (no host sync unless a sampled request uses penalties while an
         earlier step is unresolved: penalties read token values). Each sampled request
         gets a placeholder token until the returned PendingStep's result() is read.
-        Raises ValueError for an inconsistent plan, as execute_model.
+        Raises ValueError for an inconsistent plan, as execute_model, or for a plan
+        whose bitmask is pending (use launch_forward and launch_sampling).
         """
+        if plan.pending_structured_output_tokens:
+            raise ValueError(f"step {plan.step_id} waits for its GrammarOutput: launch it "
+                             "with launch_forward, then launch_sampling")
         with self._lock:
-            return self._launch(plan, sampler)
+            return self._launch_sampling(self._launch_forward(plan), sampler, plan)
 
-    def _launch(self, plan: StepPlan, sampler: Sampler) -> PendingStep:
+    @torch.inference_mode()
+    def launch_forward(self, plan: StepPlan) -> LaunchedForward:
+        """The first half of `launch`: enqueue the forward and the logits of the
+        sampling rows, and return them for `launch_sampling`, which must follow before
+        the next plan. For a plan with pending_structured_output_tokens, whose grammar
+        bitmask arrives after the forward was launched. Raises as launch."""
+        with self._lock:
+            return self._launch_forward(plan)
+
+    @torch.inference_mode()
+    def launch_sampling(self, forward: LaunchedForward, sampler: Sampler,
+                        grammar: StepPlan | GrammarOutput) -> PendingStep:
+        """The second half of `launch`: mask the launched forward's logits with
+        `grammar`'s bitmask (its structured_output_req_ids and grammar_bitmask: the
+        step's GrammarOutput, or the plan itself), then sample as `launch`.
+        Raises ValueError when `grammar` is of another step."""
+        if grammar.step_id != forward.step_id:
+            raise ValueError(f"the grammar bitmask of step {grammar.step_id} given to "
+                             f"step {forward.step_id}")
+        with self._lock:
+            return self._launch_sampling(forward, sampler, grammar)
+
+    def _launch_forward(self, plan: StepPlan) -> LaunchedForward:
         _, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None or not inputs.sample_req_ids:
-            return PendingStep.empty(plan.step_id)
+            return LaunchedForward(plan.step_id, [], None, None)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        sampled_states = [self.requests[rid] for rid in inputs.sample_req_ids]
+        return LaunchedForward(plan.step_id, inputs.sample_req_ids, inputs.sample_slots, logits)
+
+    def _launch_sampling(self, forward: LaunchedForward, sampler: Sampler,
+                         grammar: StepPlan | GrammarOutput) -> PendingStep:
+        logits = forward.logits
+        if logits is None:
+            return PendingStep.empty(forward.step_id)
+        sampled_states = [self.requests[rid] for rid in forward.sample_req_ids]
         if any(s.placeholder_indices for s in sampled_states) and any(
                 reads_token_values(s.sampling_params) for s in sampled_states):
             self.flush()
-        # Structured outputs: the plan's bitmask (filled from accepted tokens only, so
-        # no placeholder is involved), applied before sampling and logprobs.
-        apply_plan_bitmask(logits, inputs.sample_req_ids, plan.structured_output_req_ids,
-                           plan.grammar_bitmask)
+        # Structured outputs: the bitmask (filled from accepted tokens only, so no
+        # placeholder is involved), applied before sampling and logprobs.
+        apply_plan_bitmask(logits, forward.sample_req_ids, grammar.structured_output_req_ids,
+                           grammar.grammar_bitmask)
         output = sampler(logits, [s.sampling_state() for s in sampled_states])
-        self.last_sampled.index_copy_(0, inputs.sample_slots, output.sampled_token_ids)
+        self.last_sampled.index_copy_(0, forward.sample_slots, output.sampled_token_ids)
         host_output, event = copy_to_host(output)
         placeholders = []
         for state in sampled_states:
@@ -277,8 +326,8 @@ class CudaModelRunner(ModelRunner):
             state.token_ids.append(PLACEHOLDER_TOKEN_ID)
             state.placeholder_indices.append(index)
             placeholders.append((state, index))
-        pending = PendingStep(plan.step_id, inputs.sample_req_ids, placeholders, host_output,
-                              event, on_done=self._pending.remove, lock=self._lock)
+        pending = PendingStep(forward.step_id, forward.sample_req_ids, placeholders,
+                              host_output, event, on_done=self._pending.remove, lock=self._lock)
         self._pending.append(pending)
         return pending
 

@@ -11,18 +11,23 @@ launch step N+1 before reading step N's result (the scheduler plans N+1 with asy
 scheduling); other runners, and tensor-parallel rank 0, compute the step before
 returning a completed handle. `follow(plan)` is the step of the other
 tensor-parallel ranks.
+
+A plan with `pending_structured_output_tokens` (async scheduling with structured
+outputs) is launched in two halves: `launch_forward(plan)` runs (or, on the device,
+enqueues) the forward, and `launch_sampling(forward, grammar_output)` samples once the
+scheduler's `GrammarOutput` for it arrived (vLLM's execute_model / sample_tokens).
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
-from flowengine.messages import SampledTokens, StepPlan, StepResult
+from flowengine.messages import GrammarOutput, SampledTokens, StepPlan, StepResult
 from flowengine.pooling.config import PoolerConfig
 from flowengine.sample.grammar_bitmask import apply_plan_bitmask
 from flowengine.sample.sampler import Sampler
@@ -92,21 +97,58 @@ class Executor:
     def launch(self, plan: StepPlan) -> StepHandle:
         """Start one step; plans must be launched in step order.
 
-        Raises ValueError for an inconsistent plan (as execute_model) and whatever the
+        Raises ValueError for an inconsistent plan (as execute_model), or one with
+        pending_structured_output_tokens (see `launch_forward`), and whatever the
         forward raises. A sampling failure of an already computed step comes back as
         a completed handle whose result has `error` set (under tensor parallelism the
         other ranks are released with a failure mark, see `sample`).
         """
         if self.pooler_config is not None:
             return CompletedStep(self.pool(plan))
-        launch = getattr(self.runner, "launch", None)
-        if launch is not None and self.runner.tp.world_size == 1:
+        if plan.pending_structured_output_tokens:
+            raise ValueError(f"step {plan.step_id} waits for its GrammarOutput: launch it "
+                             "with launch_forward, then launch_sampling")
+        if self._samples_on_device:
             # A runner that samples on the device (CudaModelRunner); tensor-parallel
             # ranks take the path below, where rank 0 shares the sampled tokens.
-            return launch(plan, self.sampler)
-        output = self.runner.execute_model(plan)
+            return self.runner.launch(plan, self.sampler)
+        return self._sample_completed(plan, self.runner.execute_model(plan), plan)
+
+    @property
+    def _samples_on_device(self) -> bool:
+        return getattr(self.runner, "launch", None) is not None and self.runner.tp.world_size == 1
+
+    def launch_forward(self, plan: StepPlan) -> Any:
+        """The first half of a step: apply the plan and run the forward (on the device:
+        enqueue it), up to the logits of the sampling rows. `launch_sampling` must
+        follow before the next plan. For plans with pending_structured_output_tokens,
+        whose grammar bitmask comes after the forward started; any plan works.
+
+        Returns an opaque forward handle. Raises as `launch`, and ValueError for the
+        pooling runner (it never samples).
+        """
+        if self.pooler_config is not None:
+            raise ValueError("the pooling runner has no sampling to defer")
+        if self._samples_on_device:
+            return self.runner.launch_forward(plan)
+        return (plan, self.runner.execute_model(plan))
+
+    def launch_sampling(self, forward: Any, grammar: GrammarOutput | StepPlan) -> StepHandle:
+        """The second half of a step: mask the logits of `forward` (from launch_forward)
+        with `grammar`'s bitmask (the step's GrammarOutput, or the plan itself), then
+        sample as `launch` does. Raises ValueError when `grammar` is another step's."""
+        if self._samples_on_device:
+            return self.runner.launch_sampling(forward, self.sampler, grammar)
+        plan, output = forward
+        if grammar.step_id != plan.step_id:
+            raise ValueError(f"the grammar bitmask of step {grammar.step_id} given to "
+                             f"step {plan.step_id}")
+        return self._sample_completed(plan, output, grammar)
+
+    def _sample_completed(self, plan: StepPlan, output: ModelOutput,
+                          grammar: GrammarOutput | StepPlan) -> CompletedStep:
         try:
-            return CompletedStep(self.sample(plan, output))
+            return CompletedStep(self.sample(plan, output, grammar))
         except Exception as exc:
             logger.error("sampling step %d failed: %s", plan.step_id, traceback.format_exc())
             return CompletedStep(
@@ -132,12 +174,16 @@ class Executor:
         return StepResult(plan.step_id, [SampledTokens(rid, [], pooled=rows[i].tobytes())
                                          for i, rid in enumerate(req_ids)])
 
-    def sample(self, plan: StepPlan, output: ModelOutput) -> StepResult:
+    def sample(self, plan: StepPlan, output: ModelOutput,
+               grammar: GrammarOutput | StepPlan | None = None) -> StepResult:
         """Sample the step's logits and append the tokens to the runner's requests.
 
-        Under tensor parallelism this runs on rank 0 and broadcasts the sampled ids to
-        the other ranks (`receive_sampled`), so every rank feeds them to the next step.
+        grammar: where the step's grammar bitmask is (its GrammarOutput, or the plan,
+        the default). Under tensor parallelism this runs on rank 0 and broadcasts the
+        sampled ids to the other ranks (`receive_sampled`), so every rank feeds them to
+        the next step.
         """
+        grammar = plan if grammar is None else grammar
         if not output.req_ids:
             return StepResult(plan.step_id, [])
         states = [self.runner.get_request_state(rid).sampling_state() for rid in output.req_ids]
@@ -146,8 +192,8 @@ class Executor:
             if output.logits is None:
                 raise RuntimeError(f"step {plan.step_id}: no logits on rank {tp.rank}")
             # Structured outputs: disallowed tokens to -inf before sampling and logprobs.
-            apply_plan_bitmask(output.logits, output.req_ids, plan.structured_output_req_ids,
-                               plan.grammar_bitmask)
+            apply_plan_bitmask(output.logits, output.req_ids,
+                               grammar.structured_output_req_ids, grammar.grammar_bitmask)
             sampled = self.sampler(output.logits, states)
         except Exception:
             # The other ranks wait in the broadcast: release them with a failure mark.

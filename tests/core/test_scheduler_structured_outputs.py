@@ -2,9 +2,11 @@
 
 Driven with a stand-in executor that follows the StepPlan contract (its own copy of
 each request's tokens, appended as it samples, so with async scheduling step N+1 runs
-on the token of step N) and samples a constrained request only from its plan's
-bitmask row: a deterministic pick among the allowed tokens, from a hash of the token
-history, so the same history gives the same token in every mode.
+on the token of step N) and samples a constrained request only from its bitmask row
+(the plan's, or, for a plan with pending_structured_output_tokens, its GrammarOutput's,
+which the scheduler fills after the result before it): a deterministic pick among the
+allowed tokens, from a hash of the token history, so the same history gives the same
+token in every mode.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 from core_sim_executor import Finished, collect, make_scheduler
 
-from flowengine.messages import SampledTokens, StepPlan, StepResult
+from flowengine.messages import GrammarOutput, SampledTokens, StepPlan, StepResult
 from flowengine.request import Request, RequestStatus
 from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 from flowengine.structured_outputs.manager import StructuredOutputManager
@@ -51,20 +53,24 @@ class GrammarSimExecutor:
         self.force: dict[str, int] = {}
         self.num_masked_rows = 0
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, grammar: GrammarOutput | None = None) -> StepResult:
+        assert plan.pending_structured_output_tokens == (grammar is not None)
+        source = plan if grammar is None else grammar
+        assert source.step_id == plan.step_id
         for rid in plan.finished_req_ids:
             self.tokens.pop(rid, None)
         for new in plan.new_reqs:
             self.tokens[new.req_id] = list(new.token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
         masks = {}
-        if plan.structured_output_req_ids:
-            words = torch.frombuffer(bytearray(plan.grammar_bitmask), dtype=torch.int32).view(
-                len(plan.structured_output_req_ids), -1)
+        if source.structured_output_req_ids:
+            words = torch.frombuffer(bytearray(source.grammar_bitmask),
+                                     dtype=torch.int32).view(
+                len(source.structured_output_req_ids), -1)
             bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(
-                len(plan.structured_output_req_ids), -1)[:, :self.vocab_size]
+                len(source.structured_output_req_ids), -1)[:, :self.vocab_size]
             masks = {rid: torch.nonzero(bits[k]).flatten().tolist()
-                     for k, rid in enumerate(plan.structured_output_req_ids)}
+                     for k, rid in enumerate(source.structured_output_req_ids)}
         sampled = []
         for rid, n in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens, strict=True):
             tokens = self.tokens[rid]
@@ -85,9 +91,13 @@ class GrammarSimExecutor:
         return StepResult(plan.step_id, sampled)
 
 
-def run(scheduler, executor, max_in_flight: int = 1, on_plan=None) -> dict[str, Finished]:
+def run(scheduler, executor, max_in_flight: int = 1, on_plan=None,
+        on_grammar=None) -> dict[str, Finished]:
+    """Drive the scheduler as the actors do: up to `max_in_flight` plans in flight; a
+    pending plan (pending_structured_output_tokens) is executed only with its
+    GrammarOutput, which the scheduler hands out after the result before it."""
     outputs: dict[str, Finished] = {}
-    in_flight: deque = deque()
+    in_flight: deque = deque()  # [plan, result or None while its bitmask is pending]
     manager = scheduler.structured_outputs
     for _ in range(10_000):
         if not scheduler.has_unfinished_requests() and not in_flight:
@@ -100,12 +110,21 @@ def run(scheduler, executor, max_in_flight: int = 1, on_plan=None) -> dict[str, 
                 break
             if on_plan is not None:
                 on_plan(plan)
-            in_flight.append((plan, executor.execute(plan)))
+            pending = plan.pending_structured_output_tokens
+            in_flight.append([plan, None if pending else executor.execute(plan)])
         if not in_flight:
             manager.wait_for_compiles(5.0)
             continue
         plan, result = in_flight.popleft()
+        assert result is not None  # a pending plan's bitmask comes before its result
         collect(scheduler.update_from_output(plan, result), outputs)
+        for grammar in scheduler.take_grammar_outputs():
+            entry = in_flight[0]  # the bitmask of the oldest step in flight, in order
+            assert entry[0].step_id == grammar.step_id and entry[1] is None
+            if on_grammar is not None:
+                on_grammar(grammar)
+            entry[1] = executor.execute(entry[0], grammar)
+        assert not in_flight or in_flight[0][1] is not None
     raise AssertionError("did not finish")
 
 
@@ -169,24 +188,35 @@ def test_constrained_requests_in_every_scheduling_mode(manager, tokenizer, vocab
         scheduler = make_scheduler(structured_output_manager=manager, **kwargs)
         executor = GrammarSimExecutor(vocab_size)
         seen_placeholder_plans = []
+        num_pending_plans = [0]
 
-        def on_plan(plan: StepPlan, scheduler=scheduler, seen=seen_placeholder_plans) -> None:
-            # No constrained request is ever planned on a placeholder token: the only
-            # in-flight token it has is the one this plan (already in flight) samples.
-            for rid in plan.structured_output_req_ids:
+        def exact(req_ids: list[str], scheduler=scheduler) -> None:
+            # Every mask is exact: the only in-flight token of its request is the one
+            # this (already in flight) step samples; the matcher has all the others.
+            for rid in req_ids:
                 assert scheduler.in_flight.num_placeholders(scheduler.get_request(rid)) == 1
+
+        def on_plan(plan: StepPlan, scheduler=scheduler, seen=seen_placeholder_plans,
+                    num_pending=num_pending_plans) -> None:
+            exact(plan.structured_output_req_ids)
+            if plan.pending_structured_output_tokens:
+                assert not plan.structured_output_req_ids and not plan.grammar_bitmask
+                num_pending[0] += 1
             seen.append(len(scheduler.in_flight))
 
         for r in _requests(tokenizer):
             scheduler.add_request(r)
-        outputs = run(scheduler, executor, in_flight, on_plan)
+        outputs = run(scheduler, executor, in_flight, on_plan,
+                      on_grammar=lambda g: exact(g.structured_output_req_ids))
         _check_valid(outputs, tokenizer)
         assert executor.num_masked_rows == sum(
             len(outputs[r].token_ids) for r in ("re", "choice", "json"))
         if "preempt" in mode:
             assert scheduler.num_preemptions > 0
         if "async" in mode:
-            assert max(seen_placeholder_plans) == 2  # unconstrained decodes did overlap
+            assert max(seen_placeholder_plans) == 2  # decodes did overlap
+        # Constrained requests planned on placeholders: only under async scheduling.
+        assert (num_pending_plans[0] > 0) == ("async" in mode)
         assert manager.num_matchers == 0  # every finished request forgot its matcher
         results[mode] = {rid: o.token_ids for rid, o in outputs.items()}
     # Tokens depend on the history only: every mode gives the same outputs (free1, with
@@ -194,6 +224,37 @@ def test_constrained_requests_in_every_scheduling_mode(manager, tokenizer, vocab
     diff = {m: [rid for rid in ("re", "choice", "json", "free0")
                 if r[rid] != results["sync"][rid]] for m, r in results.items()}
     assert diff == {m: [] for m in results}
+
+
+@pytest.mark.parametrize("so", [StructuredOutputsParams(regex=REGEX),
+                                StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)],
+                         ids=["regex", "json"])
+def test_async_scheduling_decodes_a_constrained_request_in_every_step(manager, tokenizer,
+                                                                      vocab_size, so):
+    tokens = {}
+    for async_scheduling in (False, True):
+        scheduler = make_scheduler(structured_output_manager=manager,
+                                   async_scheduling=async_scheduling)
+        scheduler.add_request(_req("c", tokenizer, so, max_tokens=64))
+        plans: list[StepPlan] = []
+        outputs = run(scheduler, GrammarSimExecutor(vocab_size), 2 if async_scheduling else 1,
+                      on_plan=plans.append)
+        out = outputs["c"]
+        assert out.finish_reason == "stop" and out.token_ids[-1] == tokenizer.eos_token_id
+        num_tokens = len(out.token_ids)
+        assert num_tokens > 5
+        assert all(p.scheduled_req_ids == ["c"] for p in plans)
+        if not async_scheduling:
+            assert len(plans) == num_tokens  # one step per token
+            assert not any(p.pending_structured_output_tokens for p in plans)
+        else:
+            # One step per token, plus the speculative step planned while the EOS was
+            # in flight (its token dropped). Every decode step's bitmask followed it.
+            assert len(plans) == num_tokens + 1
+            assert [p.pending_structured_output_tokens for p in plans] == (
+                [False] + [True] * num_tokens)
+        tokens[async_scheduling] = out.token_ids
+    assert tokens[True] == tokens[False]
 
 
 class HeldManager(StructuredOutputManager):

@@ -134,6 +134,52 @@ async def _stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> l
     return ids
 
 
+def test_async_scheduling_decodes_a_constrained_request_in_every_step(default_model_path,
+                                                                      reference):
+    # The executor launches step N+1's forward before N's token is known and samples it
+    # with the bitmask the scheduler sends once N's token was accepted. So beside an
+    # unconstrained request that keeps two steps in flight, a constrained request is in
+    # every plan from its first token to its last (no step skipped to wait for its
+    # mask), one plan per token plus the speculative one planned while its EOS was in
+    # flight; and greedy ids are those of the offline engine.
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=512, placement="inproc",
+                             async_scheduling=True)
+        await engine.start()
+        core = engine.core
+        plans: list[list[str]] = []  # the constrained requests of each plan
+        schedule = core.schedule
+
+        def recording_schedule():
+            plan = schedule()
+            if plan is not None:
+                get = core.scheduler.get_request
+                plans.append([rid for rid in plan.scheduled_req_ids
+                              if get(rid).sampling_params.structured_outputs is not None])
+            return plan
+
+        core.schedule = recording_schedule
+        try:
+            free = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            background = asyncio.create_task(_stream(engine, "Once upon a time", free))
+            await asyncio.sleep(0)
+            results = await asyncio.gather(*(_stream(engine, p, _greedy(so)) for p, so in CASES))
+            assert results == reference
+            assert len(await background) == 64
+            assert not core.scheduler.has_unfinished_requests()
+            for rid in {rid for plan in plans for rid in plan}:
+                steps = [i for i, plan in enumerate(plans) if rid in plan]
+                assert steps == list(range(steps[0], steps[-1] + 1)), steps  # every step
+            # One plan per token (+1): each request's count is one of the references'.
+            counts = sorted(sum(rid in plan for plan in plans)
+                            for rid in {rid for plan in plans for rid in plan})
+            assert counts == sorted(len(ids) + 1 for ids in reference)
+        finally:
+            await engine.shutdown(drain_timeout_s=10)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(("placement", "async_scheduling"),
                          [("inproc", False), ("multiproc", True)])
 def test_async_engine_placements_and_restart(default_model_path, reference, placement,
