@@ -131,8 +131,8 @@ class GrammarOutput(_Msg, tag=True):
     StepPlan's bitmask, filled once the tokens the plan's constrained requests sample
     before it were accepted. Rows of requests that finished meanwhile are absent
     (their token in that step is dropped by the scheduler). Sent exactly once per such
-    plan, right after it on the steps channel or after plans before it completed, and
-    always before any later plan."""
+    plan, after it and before any later plan, once the results of the steps before it
+    were applied."""
 
     step_id: int
     structured_output_req_ids: list[str] = []

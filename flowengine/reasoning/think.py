@@ -17,7 +17,10 @@ splits are equal. Pure logic.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
+
+from flowengine.sampling_params import StructuredOutputsParams
 
 START, END = "<think>", "</think>"
 
@@ -93,14 +96,54 @@ class ThinkReasoningParser:
         is rendered later): the output must then open its own block or start the JSON.
         """
         value = {"type": "json_schema", "json_schema": json_schema}
-        space = {"type": "regex", "pattern": "[ \\t\\r\\n]*"}
+        return cls._gated(value, {"type": "regex", "pattern": "[ \\t\\r\\n]*"})
+
+    @classmethod
+    def _gated(cls, value: dict[str, Any], space: dict[str, Any] | None) -> dict[str, Any]:
+        """The structural tag: [think block, space (if any)] then `value` (a format)."""
         think = {"type": "tag", "begin": "" if cls.always_reasoning else START,
                  "content": {"type": "any_text"}, "end": END}
-        after_thinking = {"type": "sequence", "elements": [think, space, value]}
+        after_thinking = {"type": "sequence",
+                          "elements": [think, value] if space is None else [think, space, value]}
         if cls.always_reasoning:
             return {"type": "structural_tag", "format": after_thinking}
         return {"type": "structural_tag", "format": {"type": "or",
                                                       "elements": [after_thinking, value]}}
+
+    @classmethod
+    def gated_constraint(cls, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
+        """`constraint` applied only after the think block, as a structural tag
+        (`gated_structural_tag`'s shape): a JSON schema or any JSON object after
+        optional whitespace (JSON allows it); a regex, choice or EBNF/Lark grammar right
+        after `</think>` (vLLM's rule: the grammar starts with the first content token,
+        so the content is exactly in its language). Returned unchanged: a structural
+        tag (the caller's own format decides), and a JSON schema whose keywords only
+        llguidance honours (`select_backend`): a structural tag compiles on xgrammar,
+        which would ignore them, so validity wins and the schema applies from the
+        first token.
+        """
+        from flowengine.structured_outputs.backend import is_lark, select_backend
+
+        kind, spec = constraint.kind, constraint.spec
+        if kind == "json":
+            schema = json.loads(spec)
+            if select_backend("auto", kind, spec) != "xgrammar":
+                return constraint
+            return StructuredOutputsParams(structural_tag=cls.gated_structural_tag(schema))
+        if kind == "json_object":
+            return StructuredOutputsParams(
+                structural_tag=cls.gated_structural_tag({"type": "object"}))
+        if kind == "regex":
+            value: dict[str, Any] = {"type": "regex", "pattern": spec}
+        elif kind == "choice":
+            value = {"type": "or", "elements": [{"type": "const_string", "value": c}
+                                                for c in json.loads(spec)]}
+        elif kind == "grammar":
+            value = {"type": "grammar", "grammar": spec,
+                     "syntax": "lark" if is_lark(spec) else "ebnf"}
+        else:
+            return constraint
+        return StructuredOutputsParams(structural_tag=cls._gated(value, None))
 
     @classmethod
     def extract(cls, text: str, prompt: str | None = None) -> tuple[str | None, str | None]:

@@ -5,6 +5,7 @@ only after the think block (the model may reason first, the content still parses
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -72,3 +73,39 @@ def test_json_constraint_applies_after_reasoning(live):
                                              message["content"] or None)  # fmt: skip
 
 
+
+
+# Few-shot turns that reason in a think block first: the default model imitates them.
+SHOTS = [{"role": "user", "content": "What is 2 + 2?"},
+         {"role": "assistant", "content": "<think>Two plus two is four.</think>4"},
+         {"role": "user", "content": "What is the capital of Italy?"},
+         {"role": "assistant", "content": "<think>Italy's capital city is Rome.</think>Rome"},
+         {"role": "user", "content": "What is 10 + 5?"},
+         {"role": "assistant", "content": "<think>Ten plus five is fifteen.</think>15"}]  # fmt: skip
+SUM_EBNF = 'root ::= num (" + " num)*\nnum ::= [1-9] [0-9]*'
+
+
+@pytest.mark.parametrize(
+    ("question", "constraint", "content_re"),
+    [
+        ("What is 12 + 30?", {"structured_outputs": {"regex": "[0-9]{1,3}"}}, r"[0-9]{1,3}"),
+        ("What is the capital of France?", {"guided_choice": ["Paris", "London", "Rome"]},
+         r"Paris|London|Rome"),
+        ("Write a sum of two numbers.", {"guided_grammar": SUM_EBNF},
+         r"[1-9][0-9]*( \+ [1-9][0-9]*)*"),
+    ],
+    ids=["regex", "choice", "grammar"],
+)
+def test_regex_choice_and_grammar_apply_after_reasoning(live, question, constraint, content_re):
+    # The model reasons first (free text no constraint would allow), then the content is
+    # exactly in the constraint's language; streamed and non-streamed splits are equal.
+    body = {"messages": [*SHOTS, {"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": 60, **constraint}  # fmt: skip
+    with httpx.Client(base_url=live.base_url, timeout=600) as http:
+        choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        message = choice["message"]
+        assert choice["finish_reason"] == "stop", choice
+        assert message["reasoning_content"] and not re.fullmatch(content_re,
+                                                                 message["reasoning_content"])
+        assert re.fullmatch(content_re, message["content"]), message
+        assert _stream_split(http, body) == (message["reasoning_content"], message["content"])

@@ -88,3 +88,60 @@ def test_json_constraint_applies_after_the_think_block(cls, accepted, refused):
         assert _is_grammar_accept_string(grammar, text), text
     for text in refused:
         assert not _is_grammar_accept_string(grammar, text), text
+
+
+ARITH = 'root ::= num (" + " num)*\nnum ::= [1-9] [0-9]*'
+ARITH_LARK = 'start: NUM (" + " NUM)*\nNUM: /[1-9][0-9]*/'
+
+
+@pytest.mark.parametrize(
+    ("so", "valid", "invalid"),
+    [
+        ({"regex": r"[0-9]{3}-[0-9]{4}"}, "555-1234", "555 1234"),
+        ({"choice": ["yes", "no", "maybe so"]}, "maybe so", "perhaps"),
+        ({"grammar": ARITH}, "12 + 7 + 30", "12 + 07"),
+        ({"grammar": ARITH_LARK}, "12 + 7", "12 - 7"),
+        ({"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                   "required": ["a"]}}, '{"a": 1}', '{"a": "x"}'),
+        ({"json_object": True}, '{"b": [1]}', "[1]"),
+    ],
+    ids=["regex", "choice", "ebnf", "lark", "json", "json_object"],
+)
+@pytest.mark.parametrize("cls", [QWEN3, R1], ids=["qwen3", "deepseek_r1"])
+def test_every_constraint_kind_applies_after_the_think_block(cls, so, valid, invalid):
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from flowengine.sampling_params import StructuredOutputsParams
+
+    gated = cls.gated_constraint(StructuredOutputsParams(**so))
+    assert gated.kind == "structural_tag"
+    grammar = xgr.Grammar.from_structural_tag(gated.spec)
+    # JSON may follow the block after whitespace; the other kinds start right after it.
+    sep = "\n\n" if "json" in so or "json_object" in so else ""
+    think = "<think>{maybe} 555-1234? </think>" if cls is QWEN3 else "{maybe} no</think>"
+    accepted = [think + sep + valid] + ([valid] if cls is QWEN3 else [])
+    refused = [think + sep + invalid, think + "\n" + valid if not sep else think + "x" + valid,
+               valid + " " + think]
+    if cls is R1:
+        refused.append(valid)  # deepseek_r1 always reasons first
+    else:
+        refused.append("hmm</think>" + valid)  # qwen3 opens its own block
+    for text in accepted:
+        assert _is_grammar_accept_string(grammar, text), text
+    for text in refused:
+        assert not _is_grammar_accept_string(grammar, text), text
+    # The content of an accepted output is exactly in the constraint's language.
+    assert cls.extract(think + sep + valid)[1] == sep + valid
+
+
+def test_a_structural_tag_and_an_llguidance_only_schema_stay_as_given():
+    from flowengine.sampling_params import StructuredOutputsParams
+
+    tag = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+        "type": "const_string", "value": "x"}})
+    assert QWEN3.gated_constraint(tag) is tag
+    # xgrammar ignores "not": a structural tag (compiled by xgrammar) would not enforce it.
+    schema = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"not": {"type": "string"}}}})
+    assert QWEN3.gated_constraint(schema) is schema

@@ -23,8 +23,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import orjson
-
 from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import (
     APIRequest,
@@ -221,16 +219,14 @@ def _schema_constraint(params: SamplingParams, schema: dict[str, Any]) -> dict[s
 def _after_reasoning(
     params: SamplingParams, parser_cls: type[ThinkReasoningParser]
 ) -> SamplingParams:
-    """With a reasoning parser, a JSON constraint (response_format json_schema or
-    json_object, a tool choice's schema) applies only after the think block: it becomes
-    the structural tag of `ThinkReasoningParser.gated_structural_tag`. Other kinds
-    (regex, choice, grammar, structural_tag) apply from the first token."""
+    """With a reasoning parser, a constraint (response_format, structured_outputs,
+    guided_*, a tool choice's schema) applies only after the think block
+    (`ThinkReasoningParser.gated_constraint`; a structural tag stays as given)."""
     constraint = params.structured_outputs
-    if constraint is None or constraint.kind not in ("json", "json_object"):
+    if constraint is None:
         return params
-    schema = orjson.loads(constraint.spec) if constraint.kind == "json" else {"type": "object"}
-    tag = parser_cls.gated_structural_tag(schema)
-    return params.clone(structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    gated = parser_cls.gated_constraint(constraint)
+    return params if gated is constraint else params.clone(structured_outputs=gated)
 
 
 def _choice_body(
