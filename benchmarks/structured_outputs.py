@@ -1,27 +1,41 @@
-"""Structured outputs on the CPU: throughput and TPOT with a JSON-schema constraint
-against the same workload unconstrained, and grammar compile times (issue 13).
+"""Structured outputs: throughput and TPOT with a JSON-schema constraint against the
+same workload unconstrained, and grammar compile times (issue 13).
 
     python benchmarks/structured_outputs.py [--batch-sizes 1 32] [--output-len 48]
-        [--reps 2] [--device cpu]
+        [--reps 2] [--device cpu] [--async-scheduling] [--model DIR --load-format dummy]
+    python benchmarks/structured_outputs.py --write-model-dir DIR   # the H200 model
 
-Workload: the default model (SmolLM2-135M-Instruct), `batch` copies of one short chat
-prompt, exactly `output_len` tokens each. Constrained: a JSON schema (an array of at
-least 40 records) whose every output is longer than output_len, so each request is cut
-by max_tokens at the same length as the unconstrained run (ignore_eos). Runs of the
-two alternate (unconstrained, constrained, ...) `reps` times per batch size; the
-table gives the medians. TPOT = mean duration of the decode steps (every step after
-the first, which prefills the batch); mask = the CPU time the scheduler spent filling
-bitmasks per step (inside TPOT). Then the compile time of each of the 30 schemas of
-tests/data/json_schemas.json on a fresh backend (no cache), xgrammar or llguidance as
-"auto" picks. Prints markdown tables last, with the load average.
+Workload: the default model (SmolLM2-135M-Instruct) unless --model, `batch` copies of
+one short chat prompt, exactly `output_len` tokens each, temperature 1.0. Constrained:
+a JSON schema (an array of at least 40 records) whose every output is longer than
+output_len, so each request is cut by max_tokens at the same length as the
+unconstrained run (ignore_eos). Runs of the two alternate (unconstrained,
+constrained, ...) `reps` times per batch size; the table gives the medians.
+
+Engines: by default the offline `LLM` (one step at a time; TPOT = mean duration of
+the decode steps, every step after the first, which prefills the batch). With
+--async-scheduling, the served path: `AsyncEngine` in-process with two steps in flight,
+where a constrained step's forward is launched before its bitmask is filled (docs/
+design.md, "Structured outputs"); TPOT = mean over requests of (last token time - first
+token time) / (tokens - 1), as vLLM's benchmarks define it. mask = the CPU time the
+scheduler spent filling bitmasks, per step. Then the compile time of each of the 30
+schemas of tests/data/json_schemas.json on a fresh backend (no cache), xgrammar or
+llguidance as "auto" picks. Prints markdown tables last, with the load average.
+
+--write-model-dir DIR writes the H200 benchmark's model: Llama-3.1-8B's shapes with
+SmolLM2's vocabulary (49,152 tokens) and its tokenizer files and chat template, no
+weights (run it with --load-format dummy: random bf16 weights built on the device).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shutil
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -66,9 +80,7 @@ def _timed_steps(llm: LLM) -> tuple[list[float], list[float]]:
 
 def run_once(llm: LLM, prompt: str, batch: int, output_len: int, constrained: bool,
              steps: list[float], masks: list[float]) -> dict[str, float]:
-    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
-    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=not constrained,
-                            seed=1, structured_outputs=so)
+    params = _params(output_len, constrained)
     steps.clear()
     masks.clear()
     t = time.perf_counter()
@@ -81,6 +93,74 @@ def run_once(llm: LLM, prompt: str, batch: int, output_len: int, constrained: bo
     decode = steps[1:]
     return {"tok_s": tokens / wall, "tpot_ms": 1e3 * statistics.mean(decode),
             "mask_ms": 1e3 * sum(masks) / max(len(decode), 1)}
+
+
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B) architecture fields, with
+# SmolLM2's vocabulary and special tokens (its tokenizer is what the grammars index).
+LLAMA_31_8B_SMOLLM2_VOCAB = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def write_model_dir(path: str) -> None:
+    """The H200 model: LLAMA_31_8B_SMOLLM2_VOCAB's config.json and the default model's
+    tokenizer files (no weights: load with load_format "dummy")."""
+    from flowengine.config import EngineArgs
+    from flowengine.engine.builder import resolve
+
+    source = resolve(EngineArgs()).model_path
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(LLAMA_31_8B_SMOLLM2_VOCAB, f, indent=1)
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(path, name))
+
+
+def _params(output_len: int, constrained: bool) -> SamplingParams:
+    so = StructuredOutputsParams(json=SCHEMA) if constrained else None
+    return SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=not constrained,
+                          seed=1, structured_outputs=so)
+
+
+async def run_async_once(engine, prompt: str, batch: int, output_len: int, constrained: bool,
+                         masks: list[float]) -> dict[str, float]:
+    """One batch through `AsyncEngine.submit` (two steps in flight): tok/s over the
+    wall time, TPOT from each request's token arrival times."""
+    params = _params(output_len, constrained)
+    masks.clear()
+    steps_before = engine.core.num_steps
+
+    async def one() -> tuple[int, float, float]:
+        n, first, last = 0, 0.0, 0.0
+        async for out in engine.submit(prompt, params):
+            k = len(out.outputs[0].token_ids)
+            if k:
+                last = time.perf_counter()
+                first = first or last
+                n += k
+            if out.finished:
+                assert out.outputs[0].finish_reason == "length", out.outputs[0].finish_reason
+        return n, first, last
+
+    t = time.perf_counter()
+    runs = await asyncio.gather(*(one() for _ in range(batch)))
+    wall = time.perf_counter() - t
+    tokens = sum(n for n, _, _ in runs)
+    assert tokens == batch * output_len, (tokens, batch * output_len)
+    num_steps = max(engine.core.num_steps - steps_before, 1)
+    return {"tok_s": tokens / wall,
+            "tpot_ms": 1e3 * statistics.mean((b - a) / (n - 1) for n, a, b in runs),
+            "mask_ms": 1e3 * sum(masks) / num_steps}
 
 
 def compile_times(tokenizer, vocab_size: int) -> list[tuple[str, str, float]]:
@@ -102,19 +182,55 @@ def compile_times(tokenizer, vocab_size: int) -> list[tuple[str, str, float]]:
     return rows
 
 
+def _timed_fill(manager, masks: list[float]) -> None:
+    fill = manager.fill_bitmask
+
+    def timed_fill(req_ids):
+        t = time.perf_counter()
+        out = fill(req_ids)
+        masks.append(time.perf_counter() - t)
+        return out
+
+    manager.fill_bitmask = timed_fill
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="AsyncEngine in-process with two steps in flight")
+    parser.add_argument("--write-model-dir", default=None, metavar="DIR")
+    parser.add_argument("--json-out", default=None, help="write the raw runs here")
     args = parser.parse_args()
+    if args.write_model_dir is not None:
+        write_model_dir(args.write_model_dir)
+        return
+    if args.async_scheduling:
+        asyncio.run(_main(args))
+    else:
+        _main_llm(args)
 
-    llm = LLM(device=args.device, max_num_seqs=max(args.batch_sizes), seed=0)
-    tokenizer = llm.input_processor.tokenizer
-    prompt = tokenizer.apply_chat_template(
+
+def _engine_args(args) -> dict:
+    return {"model": args.model, "device": args.device, "load_format": args.load_format,
+            "max_num_seqs": max(args.batch_sizes), "max_model_len": 1024, "seed": 0}
+
+
+def _chat_prompt(tokenizer) -> str:
+    return tokenizer.apply_chat_template(
         [{"role": "user", "content": "List some user records as JSON."}], tokenize=False,
         add_generation_prompt=True)
+
+
+def _main_llm(args) -> None:
+    llm = LLM(**_engine_args(args))
+    tokenizer = llm.input_processor.tokenizer
+    prompt = _chat_prompt(tokenizer)
     steps, masks = _timed_steps(llm)
     run_once(llm, prompt, 1, 4, True, steps, masks)  # warm-up: tokenizer info, compile
     load_before = os.getloadavg()
@@ -126,12 +242,55 @@ def main() -> None:
                 results.setdefault((batch, constrained), []).append(r)
                 print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
     load_after = os.getloadavg()
-    rows = compile_times(tokenizer, llm.resolved.model_config.vocab_size)
+    _report(args, results, load_before, load_after, tokenizer,
+            llm.resolved.model_config.vocab_size, "LLM, one step at a time")
+    llm.shutdown()
+
+
+async def _main(args) -> None:
+    from flowengine.entrypoints.async_engine import AsyncEngine
+
+    engine = AsyncEngine(**_engine_args(args), async_scheduling=True, disable_log_stats=True)
+    await engine.start()
+    try:
+        tokenizer = engine.tokenizer
+        prompt = _chat_prompt(tokenizer)
+        masks: list[float] = []
+        _timed_fill(engine.core.scheduler.structured_outputs, masks)
+        await run_async_once(engine, prompt, 1, 4, True, masks)  # warm-up
+        await run_async_once(engine, prompt, max(args.batch_sizes), 4, False, masks)
+        load_before = os.getloadavg()
+        results: dict[tuple[int, bool], list[dict[str, float]]] = {}
+        for batch in args.batch_sizes:
+            for _ in range(args.reps):
+                for constrained in (False, True):
+                    r = await run_async_once(engine, prompt, batch, args.output_len,
+                                             constrained, masks)
+                    results.setdefault((batch, constrained), []).append(r)
+                    print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
+        load_after = os.getloadavg()
+        _report(args, results, load_before, load_after, tokenizer,
+                engine.resolved.model_config.vocab_size,
+                "AsyncEngine in-process, async scheduling (2 steps in flight)")
+    finally:
+        await engine.shutdown(drain_timeout_s=30)
+
+
+def _report(args, results, load_before, load_after, tokenizer, vocab_size: int,
+            engine_name: str) -> None:
+    rows = compile_times(tokenizer, vocab_size)
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "runs": {f"{b}-{'json' if c else 'free'}": r
+                                                     for (b, c), r in results.items()},
+                       "compile_ms": rows, "load": [load_before, load_after]}, f, indent=1)
 
     def med(batch: int, constrained: bool, key: str) -> float:
         return statistics.median(r[key] for r in results[(batch, constrained)])
 
-    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+    print(f"\ncommand: python benchmarks/structured_outputs.py "
+          f"{' '.join(sys.argv[1:])}\nengine: {engine_name}; device {args.device}; "
+          f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} CPUs); {args.reps} alternated runs per cell, medians; "
           f"output {args.output_len} tokens per request\n")
     print("| batch | unconstrained tok/s | JSON-schema tok/s | ratio | unconstrained TPOT ms "
@@ -140,13 +299,12 @@ def main() -> None:
     for batch in args.batch_sizes:
         free, con = med(batch, False, "tok_s"), med(batch, True, "tok_s")
         print(f"| {batch} | {free:.1f} | {con:.1f} | {con / free:.3f} | "
-              f"{med(batch, False, 'tpot_ms'):.1f} | {med(batch, True, 'tpot_ms'):.1f} | "
+              f"{med(batch, False, 'tpot_ms'):.2f} | {med(batch, True, 'tpot_ms'):.2f} | "
               f"{med(batch, True, 'mask_ms'):.2f} |")
     print("\n| schema | backend | compile ms |")
     print("|---|---|---|")
     for name, backend, ms in rows:
         print(f"| {name} | {backend} | {ms:.1f} |")
-    llm.shutdown()
 
 
 if __name__ == "__main__":

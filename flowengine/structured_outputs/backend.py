@@ -130,6 +130,46 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
     return sorted(found)
 
 
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"  # 0001-9999
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = ("((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)"
+              "|(0[13578]|1[02])-31)")
+# Exact patterns of the string formats whose xgrammar grammar is looser than the format's
+# definition (checked against xgrammar 0.2.9: ipv4 takes octets with leading zeros,
+# "date" any day 01-31 of any month and year 0000). ipv4: RFC 2673's dotted quad
+# without leading zeros (Python's ipaddress, which jsonschema's format checker uses);
+# date: RFC 3339 full-date, years 0001-9999 (Python's date.fromisoformat), Gregorian
+# leap years.
+STRICT_FORMAT_PATTERNS = {
+    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+    "date": f"^({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$",
+}
+
+
+def with_strict_formats(schema: Any) -> Any:
+    """`schema` with each `format` of STRICT_FORMAT_PATTERNS on a node without its own
+    `pattern` replaced by that exact pattern (a copy; the input is not changed)."""
+    if isinstance(schema, list):
+        return [with_strict_formats(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYS:
+            out[key] = value
+        elif key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            out[key] = {name: with_strict_formats(sub) for name, sub in value.items()}
+        else:
+            out[key] = with_strict_formats(value)
+    pattern = STRICT_FORMAT_PATTERNS.get(out.get("format")) if isinstance(
+        out.get("format"), str) else None
+    if pattern is not None and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = pattern
+    return out
+
+
 def select_backend(configured: str, kind: str, spec: str) -> str:
     """The backend that compiles (kind, spec): `configured` unless it is "auto", which
     takes xgrammar (vLLM's default) and llguidance for the JSON schemas whose keywords

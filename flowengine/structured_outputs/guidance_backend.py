@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-from flowengine.structured_outputs.backend import GrammarOptions, choice_to_ebnf
+from flowengine.structured_outputs.backend import (
+    GrammarOptions,
+    choice_to_ebnf,
+    with_strict_formats,
+)
 
 
 class GuidanceMatcher:
@@ -69,7 +73,8 @@ def guidance_grammar(kind: str, spec: str, options: GrammarOptions) -> str:
     import llguidance
 
     if kind == "json":
-        schema = json.loads(spec)
+        # Formats llguidance matches too loosely (date: any Feb 29) become exact patterns.
+        schema = with_strict_formats(json.loads(spec))
         if options.disable_additional_properties and isinstance(schema, dict):
             schema = _no_additional_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(

@@ -17,6 +17,7 @@ from flowengine.structured_outputs.backend import (
     choice_to_ebnf,
     is_lark,
     unsupported_json_features,
+    with_strict_formats,
 )
 
 
@@ -91,7 +92,9 @@ class XgrammarBackend:
         if kind == "json":
             schema = json.loads(spec)
             check_xgrammar_schema(schema)
-            return c.compile_json_schema(spec, any_whitespace=not options.disable_any_whitespace,
+            # Formats xgrammar matches too loosely become their exact patterns.
+            return c.compile_json_schema(json.dumps(with_strict_formats(schema)),
+                                         any_whitespace=not options.disable_any_whitespace,
                                          strict_mode=True)
         if kind == "json_object":
             return c.compile_builtin_json_grammar()

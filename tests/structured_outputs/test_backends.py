@@ -137,6 +137,62 @@ def test_unsupported_schema_features_are_named():
         validate_structured_outputs(StructuredOutputsParams(json=schema), "auto")
 
 
+def test_strict_format_patterns_are_exactly_the_format_checkers():
+    import datetime
+    import ipaddress
+    import re
+
+    from flowengine.structured_outputs.backend import STRICT_FORMAT_PATTERNS
+
+    date, ipv4 = (re.compile(STRICT_FORMAT_PATTERNS[k]) for k in ("date", "ipv4"))
+    for year in [*range(0, 420), *range(1890, 2110), 9600, 9999]:
+        for month in range(14):
+            for day in range(33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    valid = bool(datetime.date.fromisoformat(text))
+                except ValueError:
+                    valid = False
+                assert bool(date.fullmatch(text)) == valid, text
+    for octet in range(300):
+        for text in (f"{octet}.1.22.3", f"0{octet}.1.2.3", f"9.8.7.{octet}", f"1.2.3.00{octet}"):
+            try:
+                valid = bool(ipaddress.IPv4Address(text))
+            except ValueError:
+                valid = False
+            assert bool(ipv4.fullmatch(text)) == valid, text
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "guidance"])
+def test_ipv4_and_date_formats_are_exact(name, tokenizer, vocab_size):
+    # xgrammar's own ipv4 and date grammars take "014" octets and "2023-02-30";
+    # llguidance's date takes "2023-02-29" and year 0000.
+    backend = (XgrammarBackend(tokenizer, vocab_size) if name == "xgrammar" else
+               GuidanceBackend(tokenizer, vocab_size, eos_token_id=tokenizer.eos_token_id))
+    eos = tokenizer.eos_token_id
+
+    def accepts(schema: dict, value: str) -> bool:
+        spec = json.dumps({"type": "object", "properties": {"v": schema}, "required": ["v"]})
+        matcher = backend.compile("json", spec, OPTS).new_matcher([eos])
+        ids = tokenizer.encode(json.dumps({"v": value}), add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in [*ids, eos])
+
+    nested = {"anyOf": [{"type": "string", "format": "ipv4"}, {"type": "null"}]}
+    for ok in ("54.242.131.14", "0.0.0.0", "255.255.255.255"):
+        assert accepts(nested, ok), ok
+    for bad in ("54.242.131.014", "01.2.3.4", "256.1.1.1"):
+        assert not accepts(nested, bad), bad
+    date = {"type": "string", "format": "date"}
+    for ok in ("2024-02-29", "2000-02-29", "2023-12-31", "0001-01-01"):
+        assert accepts(date, ok), ok
+    for bad in ("2023-02-29", "1900-02-29", "2023-04-31", "2023-13-01"):
+        assert not accepts(date, bad), bad
+    assert not accepts(date, "0000-01-01")
+    if name == "guidance":  # a length bound sends a formatted string to llguidance
+        bounded = {"type": "string", "format": "date", "maxLength": 10}
+        assert accepts(bounded, "2024-02-29") and not accepts(bounded, "2023-02-29")
+
+
 def test_choice_ebnf_escapes():
     assert choice_to_ebnf(['a"b', "c\\d", "é"]) == 'root ::= "a\\"b" | "c\\\\d" | "\\u00e9"'
 
