@@ -202,7 +202,6 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="AsyncEngine in-process with two steps in flight")
     parser.add_argument("--write-model-dir", default=None, metavar="DIR")
@@ -219,8 +218,7 @@ def main() -> None:
 
 def _engine_args(args) -> dict:
     return {"model": args.model, "device": args.device, "load_format": args.load_format,
-            "dtype": args.dtype, "max_num_seqs": max(args.batch_sizes), "max_model_len": 1024,
-            "seed": 0}
+            "max_num_seqs": max(args.batch_sizes), "max_model_len": 1024, "seed": 0}
 
 
 def _chat_prompt(tokenizer) -> str:

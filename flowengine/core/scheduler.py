@@ -465,7 +465,6 @@ class Scheduler:
         if grammars is not None and not grammars.num_matchers:
             grammars = None
         deltas = []
-        constrained: list[tuple[Request, RequestDelta]] = []  # matchers to advance
         entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
             req_id = entry.req_id
@@ -484,25 +483,19 @@ class Scheduler:
                 delta = append_sampled(request, sampled.get(req_id))
                 deltas.append(delta)
                 if grammars is not None and delta.finish_reason is None and delta.new_token_ids:
-                    constrained.append((request, delta))
-        if constrained:
-            self._advance_matchers(constrained, grammars)
+                    self._advance_matcher(request, delta, grammars)
         return deltas
 
-    def _advance_matchers(self, constrained: list[tuple[Request, RequestDelta]],
-                          grammars: Any) -> None:
-        """Feed the accepted tokens to the requests' matchers (one batched call); a
-        refused token (the output left its grammar, which the mask should make
-        impossible) fails its request, in the same delta."""
-        accepted = grammars.accept_tokens_batch(
-            [(request.request_id, delta.new_token_ids) for request, delta in constrained])
-        for (request, delta), ok in zip(constrained, accepted, strict=True):
-            if ok:
-                continue
-            error = (f"structured outputs: token {delta.new_token_ids[-1]} does not match "
-                     f"the grammar of request {request.request_id}")
-            failed = self.state.fail_request(request, error)
-            delta.finish_reason, delta.error = failed.finish_reason, failed.error
+    def _advance_matcher(self, request: Request, delta: RequestDelta, grammars: Any) -> None:
+        """Feed the accepted tokens to the request's matcher; a refused token (the output
+        left its grammar, which the mask should make impossible) fails the request, in
+        the same delta."""
+        if grammars.accept_tokens(request.request_id, delta.new_token_ids):
+            return
+        error = (f"structured outputs: token {delta.new_token_ids[-1]} does not match the "
+                 f"grammar of request {request.request_id}")
+        failed = self.state.fail_request(request, error)
+        delta.finish_reason, delta.error = failed.finish_reason, failed.error
 
     def _fail_plan(
         self, plan: StepPlan, scheduled: dict[str, ScheduledRequest], error: str

@@ -191,32 +191,6 @@ class StructuredOutputManager:
         if pending:
             wait_futures(pending, timeout=timeout_s, return_when="FIRST_COMPLETED")
 
-    def accept_tokens_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> list[bool]:
-        """`accept_tokens` of many requests, in order; the one-token advances of live
-        xgrammar matchers (every decode step's) go to xgrammar in one call."""
-        results = [True] * len(items)
-        batch: list[Any] = []
-        batch_rows: list[int] = []
-        batch_tokens: list[int] = []
-        for i, (req_id, token_ids) in enumerate(items):
-            matcher = self._matchers.get(req_id)
-            if matcher is None:
-                continue
-            batch_accept = getattr(matcher, "batch_accept_token", None)
-            if batch_accept is not None and len(token_ids) == 1 and not matcher.is_terminated():
-                batch.append(matcher)
-                batch_rows.append(i)
-                batch_tokens.append(token_ids[0])
-            else:
-                results[i] = self.accept_tokens(req_id, token_ids)
-        if len(batch) == 1:
-            results[batch_rows[0]] = batch[0].accept_token(batch_tokens[0])
-        elif batch:
-            for i, ok in zip(batch_rows, type(batch[0]).batch_accept_token(batch, batch_tokens),
-                             strict=True):
-                results[i] = bool(ok)
-        return results
-
     def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Advance the request's matcher; False if a token was refused (True for an
         unconstrained request)."""
@@ -244,8 +218,6 @@ class StructuredOutputManager:
         order: [len(request_ids), num_words] int32, little-endian, as bytes (the form
         it travels in a StepPlan). A terminated matcher allows only its stop tokens."""
         bitmask = torch.full((len(request_ids), self.num_words), -1, dtype=torch.int32)
-        batch: list[Any] = []  # matchers that fill many rows in one call (xgrammar)
-        batch_rows: list[int] = []
         for row, req_id in enumerate(request_ids):
             matcher = self._matchers[req_id]
             if matcher.is_terminated():
@@ -253,15 +225,8 @@ class StructuredOutputManager:
                 for t in self._stop_ids[req_id]:
                     if t < self.vocab_size:
                         bitmask[row, t // 32] |= _bit(t % 32)
-            elif getattr(matcher, "batch_fill_bitmask", None) is not None:
-                batch.append(matcher)
-                batch_rows.append(row)
             else:
                 matcher.fill_bitmask(bitmask, row)
-        if len(batch) == 1:
-            batch[0].fill_bitmask(bitmask, batch_rows[0])
-        elif batch:
-            type(batch[0]).batch_fill_bitmask(batch, bitmask, batch_rows)
         return bitmask.numpy().tobytes()
 
     def shutdown(self) -> None:

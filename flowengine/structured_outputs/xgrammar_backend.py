@@ -44,33 +44,6 @@ class XgrammarMatcher:
     def reset(self) -> None:
         self._m.reset()
 
-    @staticmethod
-    def batch_fill_bitmask(matchers: list[XgrammarMatcher], bitmask: torch.Tensor,
-                           rows: list[int]) -> None:
-        """`fill_bitmask` of many matchers in one call: xgrammar fills the rows in its
-        own threads, outside the GIL (vLLM fills large batches in parallel too)."""
-        _batch_matcher().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask,
-                                                       indices=rows)
-
-    @staticmethod
-    def batch_accept_token(matchers: list[XgrammarMatcher], token_ids: list[int]) -> list[bool]:
-        """`accept_token` of one token each, in one call."""
-        import xgrammar as xgr
-
-        return xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], token_ids)
-
-
-_BATCH_MATCHER: Any = None
-
-
-def _batch_matcher() -> Any:
-    global _BATCH_MATCHER
-    if _BATCH_MATCHER is None:
-        import xgrammar as xgr
-
-        _BATCH_MATCHER = xgr.BatchGrammarMatcher("auto")  # threads: xgrammar's choice
-    return _BATCH_MATCHER
-
 
 class XgrammarGrammar:
     __slots__ = ("_compiled",)

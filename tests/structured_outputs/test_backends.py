@@ -256,34 +256,3 @@ def test_manager_compiles_once_per_spec_off_the_calling_thread(tokenizer, vocab_
     assert "structured_outputs.regex is invalid" in manager.poll(broken)
     assert not manager.has_matcher("r5") and manager.num_compiling == 0
     manager.shutdown()
-
-
-def test_manager_batched_fill_and_accept_equal_row_by_row(tokenizer, vocab_size):
-    # Batched xgrammar calls (the scheduler's per-step path) against one matcher at a time,
-    # with a terminated matcher, an llguidance one and an unconstrained id mixed in.
-    def ready(backend: str) -> StructuredOutputManager:
-        m = StructuredOutputManager(backend, vocab_size=vocab_size, tokenizer=tokenizer)
-        for i, so in enumerate([StructuredOutputsParams(regex="[a-c]{2,5}"),
-                                StructuredOutputsParams(choice=["abc", "acb", "b"]),
-                                StructuredOutputsParams(regex="[a-c]{2,5}"),
-                                StructuredOutputsParams(regex="a")]):
-            r = _request(f"r{i}", so, eos)
-            m.add_request(r)
-            while m.poll(r) == "compiling":
-                m.wait_for_compiles(5.0)
-        assert m.accept_tokens("r3", tokenizer.encode("a", add_special_tokens=False) + [eos])
-        return m
-
-    eos = tokenizer.eos_token_id
-    batched, single = ready("auto"), ready("guidance")
-    ids = ["r0", "r1", "r2", "r3"]
-    a, b, c = (tokenizer.encode(x, add_special_tokens=False)[0] for x in "abc")
-    for tokens in ([a, a, b, eos], [b, c, a, eos], [c, a, a, c]):
-        assert batched.fill_bitmask(ids) == single.fill_bitmask(ids)
-        items = list(zip([*ids, "free"], [[t] for t in tokens] + [[7]], strict=True))
-        got = batched.accept_tokens_batch(items)
-        assert got == [single.accept_tokens(rid, t) for rid, t in items]
-    # "aca" leaves the choice; a terminated matcher takes only EOS; "free" has none.
-    assert got == [True, False, True, False, True]
-    batched.shutdown()
-    single.shutdown()

@@ -92,9 +92,6 @@ class RuleManager:
             history.append(t)
         return True
 
-    def accept_tokens_batch(self, items: list[tuple[str, list[int]]]) -> list[bool]:
-        return [self.accept_tokens(rid, token_ids) for rid, token_ids in items]
-
     def remove(self, request_id: str) -> None:
         self.history.pop(request_id, None)
 
