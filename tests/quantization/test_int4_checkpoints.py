@@ -62,9 +62,8 @@ CI_CASES = ("gptq-asym-actorder", "awq-g128")
 RUN_CASES = list(CASES) if os.environ.get("FLOWENGINE_INT4_ALL_CASES") == "1" else CI_CASES
 
 
-@pytest.fixture(scope="module")
-def float_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("float")
+def save_float_model(path: Path) -> str:
+    """The random float32 model (SMOL_SHAPES), saved as safetensors in `path`."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOL_SHAPES), dtype=torch.float32)
     with torch.no_grad():
@@ -73,6 +72,11 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
             param.copy_(1.0 + noise if "norm" in name else noise * 2)
     model.save_pretrained(str(path), safe_serialization=True)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_float_model(tmp_path_factory.mktemp("float"))
 
 
 def _reference(float_dir: str, state: dict[str, torch.Tensor]) -> torch.nn.Module:
