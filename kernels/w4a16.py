@@ -11,10 +11,10 @@ Weights arrive in FlowEngine's canonical layout (flowengine/model/layers/int4.py
     W[n, k] = (q[k, n] - qzeros[g(k), n]) * scales[g(k), n]
 
 A program owns a BLOCK_M x BLOCK_N output tile and one of SPLIT_K slices of K. Each
-BLOCK_K step loads the [BLOCK_K, BLOCK_N] words holding its nibbles (a word serves 8
-consecutive k, so the 8 loads of one word hit the same cache line), shifts out the
-nibbles, subtracts the zeros and multiplies by the scales in float32, casts the tile to
-x's dtype and multiplies with `tl.dot` (fp32 accumulate). Without g_idx and with
+BLOCK_K step loads the [BLOCK_K / 8, BLOCK_N] words holding its nibbles (each word
+read once), shifts out the 8 nibbles of each into [BLOCK_K, BLOCK_N], subtracts the
+zeros and multiplies by the scales in float32, casts the tile to x's dtype and
+multiplies with `tl.dot` (fp32 accumulate). Without g_idx and with
 group_size a multiple of BLOCK_K, a tile lies in one group: one [BLOCK_N] row of scales
 and zeros per step (GROUPED); otherwise (act-order) each k gathers its own group's row.
 Split-K partial sums are added in a fixed order by fp8_linear's reduce kernel, so
@@ -54,6 +54,8 @@ def _w4a16_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kw = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
     m_valid = offs_m < M
     n_valid = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -64,13 +66,18 @@ def _w4a16_gemm_kernel(
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * x_stride + k[None, :],
                     mask=m_valid[:, None] & k_valid[None, :], other=0.0)  # [BM, BK]
         w_mask = k_valid[:, None] & n_valid[None, :]
-        words = tl.load(qweight_ptr + (k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=w_mask, other=0)  # [BK, BN] int32
-        q = ((words >> ((k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+        rows = k0 // 8 + offs_kw  # the words holding rows k0..k0+BK-1
+        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(rows < K // 8)[:, None] & n_valid[None, :], other=0)
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK / 8, 8, BN]
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row 8r + i = nibble i
         if GROUPED:  # the whole tile in group k0 // GROUP_SIZE
             g = k0 // GROUP_SIZE
-            z = tl.load(qzeros_ptr + g * N + offs_n, mask=n_valid, other=0).to(tl.float32)
-            s = tl.load(scales_ptr + g * N + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+            # NOTE: a split's last tiles may start past K (K_PER_SPLIT is rounded up):
+            # their group does not exist, so its row must not be read.
+            g_mask = n_valid & (k0 < K)
+            z = tl.load(qzeros_ptr + g * N + offs_n, mask=g_mask, other=0).to(tl.float32)
+            s = tl.load(scales_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
             w = (q - z[None, :]) * s[None, :]
         else:
             if HAS_G_IDX:

@@ -42,6 +42,9 @@ def _abs_bound(x, qweight, scales, qzeros, g_idx, group_size, dtype, ref):
     (5, 64, 384, 128, True, torch.bfloat16, True),      # act-order g_idx + bias
     (37, 72, 192, 64, False, torch.float32, True),      # several M tiles, IEEE dot
     (3, 40, 200, 40, True, torch.float16, False),       # group not a power of 2, partial K
+    # K 576 in 2 splits of 384: the second split's last tile starts past K, in a group
+    # that does not exist (its row must not be read); a partial last group (64 of 128).
+    (2, 48, 576, 128, False, torch.float16, False),
 ])
 def test_w4a16_matches_reference(m: int, n: int, k: int, group_size: int, act_order: bool,
                                  dtype: torch.dtype, bias: bool, device: torch.device) -> None:
