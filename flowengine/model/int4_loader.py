@@ -41,8 +41,9 @@ def swap_int4_layers(model: nn.Module, cfg: Int4QuantConfig, dtype: torch.dtype,
     eligible layer is quantized).
 
     Raises:
-        ValueError: tensor parallelism (not supported for 4-bit checkpoints yet), or a
-            fused layer whose parts are partly quantized.
+        ValueError: tensor parallelism (not supported for 4-bit checkpoints yet), a
+            fused layer whose parts are partly quantized, or packed tensors of layers
+            that have no 4-bit form here (MoE experts, the LM head).
     """
     if tp.world_size > 1:
         raise ValueError(f"{cfg.method.upper()} checkpoints run with tensor_parallel_size 1 "
@@ -75,6 +76,13 @@ def swap_int4_layers(model: nn.Module, cfg: Int4QuantConfig, dtype: torch.dtype,
         setattr(modules[parent] if parent else model, leaf, layer)
         for s in shards:
             plan.setdefault(s.hf_name.removesuffix(".weight"), []).append((layer, s))
+    if checkpoint_names is not None:
+        stray = sorted(n for n in checkpoint_names
+                       if n.endswith(".qweight") and n.removesuffix(".qweight") not in plan)
+        if stray:
+            raise ValueError(
+                f"{cfg.method.upper()} checkpoint quantizes {len(stray)} layer(s) FlowEngine "
+                f"does not run in 4 bits (MoE experts, the LM head): {stray[:5]}")
     logger.info("%s checkpoint: %d linear layer(s) in 4 bits (group size %d%s)",
                 cfg.method.upper(), len({id(lay) for v in plan.values() for lay, _ in v}),
                 cfg.group_size, ", act-order" if cfg.desc_act else "")
