@@ -277,8 +277,8 @@ class Int4Linear(nn.Module):
         C kernels when every group is 32-aligned and has exactly group_size rows (an
         act-order layer then permutes its input once per call), dropping the canonical
         planes; otherwise keep them for the tile-dequantizing fallback."""
-        if self.qweight.device.type != "cpu" or self.group_size % 32:
-            return
+        if self.qweight.device.type != "cpu" or self.group_size % 32 or self.in_features % 32:
+            return  # Q4_1 blocks are 32 weights of one group
         from flowengine.model.layers.quant_linear import kernels_available
 
         if not kernels_available():
