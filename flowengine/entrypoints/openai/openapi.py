@@ -159,6 +159,10 @@ def build_openapi(
             "enum": ["message", "function_call", "function_call_output", "reasoning"],
             "default": "message",
         }
+    if "ContentBlock" in components:  # the Anthropic block types served
+        components["ContentBlock"]["properties"]["type"] = {
+            "enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"],
+        }
     if "ResponsesTool" in components:  # function tools only
         components["ResponsesTool"]["properties"]["type"] = {"const": "function"}
     if "AnthropicTool" in components:  # custom tools only

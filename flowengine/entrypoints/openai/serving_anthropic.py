@@ -209,7 +209,9 @@ def chat_messages_of(
         results: list[dict[str, Any]] = []
         for j, block in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
-            if block.type == "text" and block.text is not None:
+            if block.type == "text":
+                if block.text is None:
+                    raise bad_request("a text block needs text", where)
                 texts.append(block.text)
             elif block.type == "tool_use" and m.role == "assistant":
                 if not block.id or not block.name:
