@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from flowengine.entrypoints.openai.chat_adapter import Delta
+from flowengine.entrypoints.openai.tool_parsers import ToolCallDelta
 
 Event = tuple[str, dict[str, Any]]
 
@@ -96,10 +97,20 @@ class MessageContent:
             events += self._switch("thinking")
             events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning},
                                       delta.reasoning))  # fmt: skip
+        # Within one delta: the open call's last fragments come before any text, and
+        # text before a call that starts in it.
+        known = set(self._calls)
+        going = [p for p in delta.tool_calls if p.index in known]
+        events += self._tool_pieces(going)
         if delta.text:
             events += self._switch("text")
             events.append(self._delta({"type": "text_delta", "text": delta.text}, delta.text))
-        for piece in delta.tool_calls:
+        events += self._tool_pieces([p for p in delta.tool_calls if p.index not in known])
+        return events
+
+    def _tool_pieces(self, pieces: list[ToolCallDelta]) -> list[Event]:
+        events: list[Event] = []
+        for piece in pieces:
             block = self._calls.get(piece.index)
             if block is None:
                 events += self._stop()

@@ -116,11 +116,18 @@ class ResponseOutput:
             item.text += delta.reasoning
             events.append(("response.reasoning_text.delta",
                            {**item.where(), "delta": delta.reasoning}))  # fmt: skip
+        # Within one delta: the open call's last fragments come before any text, and
+        # text before a call that starts in it.
+        known = set(self._calls)
+        going = [p for p in delta.tool_calls if p.index in known]
+        for piece in going:
+            events += self._tool_piece(piece)
         if delta.text or (self.plain and logprobs):
             events += self._switch("message")
             events.append(self._text_delta(delta.text))
         for piece in delta.tool_calls:
-            events += self._tool_piece(piece)
+            if piece.index not in known:
+                events += self._tool_piece(piece)
         return events
 
     def finish(self, status: str) -> list[Event]:
