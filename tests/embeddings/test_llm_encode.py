@@ -39,8 +39,7 @@ def tiny_path(default_model_path, tmp_path_factory) -> str:
 
 def test_pooling_task_check():
     assert check_pooling_task("embed", "pooling") == "embed"
-    assert supported_tasks("pooling") == ("embed",) and supported_tasks("generate") == (
-        "generate",)
+    assert supported_tasks("pooling") == ("embed",) and supported_tasks("generate") == ("generate",)
     with pytest.raises(ValueError, match="pooling_task is required.*LLM.embed"):
         check_pooling_task(None, "pooling")
     with pytest.raises(ValueError, match="needs a pooling model.*runner='pooling'"):

@@ -72,8 +72,9 @@ def test_blocks_equal_the_chat_route_streamed_and_not(claude, oai, http, prompt)
     msg = claude.messages.create(model=MODEL, max_tokens=200, messages=user(prompt), tools=TOOLS)
     assert split(msg.content) == expected
     kinds = [b.type for b in msg.content]
-    assert kinds == (["thinking"] if expected[0] else []) + (
-        ["text"] if expected[1] else []) + ["tool_use"] * len(expected[2])
+    assert kinds == (["thinking"] if expected[0] else []) + (["text"] if expected[1] else []) + [
+        "tool_use"
+    ] * len(expected[2])
     assert msg.stop_reason == ("tool_use" if expected[2] else "end_turn")
     ids = [b.id for b in msg.content if b.type == "tool_use"]
     assert all(i.startswith("toolu_") for i in ids) and len(set(ids)) == len(ids)
@@ -85,7 +86,10 @@ def test_blocks_equal_the_chat_route_streamed_and_not(claude, oai, http, prompt)
     # Streamed: blocks start, take their deltas and stop in order; fragments join.
     events = typed_events(http.post("/v1/messages", json={**body, "stream": True}).content)
     names = [name for name, _ in events]
-    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
     blocks: list[dict] = []
     for name, data in events[2:-2]:
         if name == "content_block_start":

@@ -71,7 +71,9 @@ def test_responses_logprobs_travel_with_text_and_empty_outputs():
     assert [(i["type"], i["content"][0]["text"]) for i in empty.final] == [("message", "")]
     plain = ResponseOutput(plain=True, message_id="msg_p")
     assert [t for t, _ in plain.start()] == [
-        "response.output_item.added", "response.content_part.added"]
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
 
 
 def test_anthropic_blocks_and_events_in_order():

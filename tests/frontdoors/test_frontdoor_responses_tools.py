@@ -73,7 +73,8 @@ def test_output_items_equal_the_chat_route_streamed_and_not(oai, http, prompt):
     assert r.status == "completed"
     kinds = [o.type for o in r.output]
     assert kinds == (["reasoning"] if expected[0] else []) + (
-        ["message"] if expected[1] else []) + ["function_call"] * len(expected[2])
+        ["message"] if expected[1] else []
+    ) + ["function_call"] * len(expected[2])
     for item in r.output:
         assert item.status == "completed"
         if item.type == "function_call":
@@ -83,7 +84,8 @@ def test_output_items_equal_the_chat_route_streamed_and_not(oai, http, prompt):
     assert r.tools[0].name == "get_weather" and r.tool_choice == "auto"
     if expected[0]:
         assert r.usage.output_tokens_details.reasoning_tokens == num_reasoning_pieces(
-            SCRIPTS[prompt])
+            SCRIPTS[prompt]
+        )
     # The wire body matches the documented schema exactly.
     raw = http.post("/v1/responses", json={"input": prompt, "tools": TOOLS})
     strict(raw.content, ResponseObject)
@@ -103,7 +105,9 @@ def test_output_items_equal_the_chat_route_streamed_and_not(oai, http, prompt):
         assert added[index]["id"] == item["id"] and added[index]["status"] == "in_progress"
         if item["type"] == "function_call":
             assert added[index]["call_id"] == item["call_id"] and added[index]["arguments"] == ""
-            deltas = [d["delta"] for d in ev if d["type"] == "response.function_call_arguments.delta"]
+            deltas = [
+                d["delta"] for d in ev if d["type"] == "response.function_call_arguments.delta"
+            ]
             assert "".join(deltas) == item["arguments"]
             [args_done] = [d for d in ev if d["type"] == "response.function_call_arguments.done"]
             assert (args_done["arguments"], args_done["name"]) == (item["arguments"], item["name"])
@@ -112,7 +116,9 @@ def test_output_items_equal_the_chat_route_streamed_and_not(oai, http, prompt):
             deltas = [d["delta"] for d in ev if d["type"] == f"response.{kind}.delta"]
             assert "".join(deltas) == item["content"][0]["text"]
             assert [d["type"] for d in ev][:2] == [
-                "response.output_item.added", "response.content_part.added"]
+                "response.output_item.added",
+                "response.content_part.added",
+            ]
             assert [d["type"] for d in ev][-3:] == [
                 f"response.{kind}.done", "response.content_part.done",
                 "response.output_item.done"]  # fmt: skip
@@ -176,7 +182,8 @@ def test_multi_turn_with_function_call_output(oai, engine):
     messages = engine.submitted[-1][1]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
     assert messages[1]["content"] == "" and messages[1]["tool_calls"][0]["id"] == (
-        thought.output[1].call_id)
+        thought.output[1].call_id
+    )
 
 
 def test_tool_choice_and_parallel_tool_calls(oai, engine):
@@ -191,7 +198,9 @@ def test_tool_choice_and_parallel_tool_calls(oai, engine):
         params = engine.submitted[-1][2]
         assert params.structured_outputs is not None
         assert params.structured_outputs.kind == "structural_tag"
-        assert r.tool_choice == choice if isinstance(choice, str) else r.tool_choice.name == "get_time"
+        assert (
+            r.tool_choice == choice if isinstance(choice, str) else r.tool_choice.name == "get_time"
+        )
     # none: the tools reach the template, the output is not parsed for calls.
     r = oai.responses.create(model=MODEL, input="one call", tools=TOOLS, tool_choice="none")
     assert [o.type for o in r.output] == ["message"]
@@ -228,8 +237,10 @@ def test_bad_tool_specs_are_openai_400s(http, body, param, words):
     err = assert_error(http.post("/v1/responses", json=body), 400, param=param)
     assert words in err["message"]
     ok = http.post("/v1/responses", json={"input": "no call", "tools": TOOLS})
-    assert ok.status_code == 200 and ok.json()["output"][0]["content"][0]["text"] == (
-        SCRIPTS["no call"])
+    assert (
+        ok.status_code == 200
+        and ok.json()["output"][0]["content"][0]["text"] == (SCRIPTS["no call"])
+    )
 
 
 def test_sdk_bad_request(oai):
