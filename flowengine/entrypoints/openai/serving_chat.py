@@ -7,7 +7,8 @@ chunk with `choices: []` and `usage` (and `usage: null` on every earlier chunk),
 `data: [DONE]`. The response starts once the engine produced its first output, so
 input errors still get a 4xx status (see generation.py).
 
-Tool calling and reasoning (chat_parsing.py): `tools` reach the chat template;
+Tool calling and reasoning (chat_tools.py, shared with the Responses and Anthropic
+routes; chat_parsing.py): `tools` reach the chat template;
 `tool_choice` required / a named function constrain the output with a JSON schema
 (tool_parsers/request.py), `auto` is parsed by the server's `--tool-call-parser`;
 with `--reasoning-parser` the text before `</think>` becomes `reasoning_content`.
