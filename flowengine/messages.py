@@ -65,11 +65,19 @@ class NewRequestData(_Msg):
 
 
 class CachedRequestData(_Msg):
-    """A request the executor already holds: only what changed since the last step."""
+    """A request the executor already holds: only what changed since the last step.
+
+    draft_token_ids: speculative decoding (flowengine/spec_decode): tokens proposed to
+    follow the request's last known token; the step computes that token and these
+    drafts (num_scheduled_tokens = 1 + len(draft_token_ids)), verifies them and
+    returns the accepted ones plus one token sampled after them (vLLM's
+    `scheduled_spec_decode_tokens`).
+    """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(_Msg, tag=True):
@@ -183,6 +191,13 @@ class SchedulerStats(_Msg):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): drafts proposed (requests
+    # x steps with at least one draft token), draft tokens, accepted draft tokens, and
+    # accepted tokens by draft position (index 0 = first draft token).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineOutputs(_Msg):

@@ -282,7 +282,23 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
         CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
         hash_seed=new_hash_seed(),
         structured_output_manager=make_structured_output_manager(resolved),
+        proposer=make_proposer(resolved),
     )
+
+
+def make_proposer(resolved: ResolvedEngine):
+    """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
+    or None without speculation."""
+    from flowengine.spec_decode.config import SpeculativeConfig
+    from flowengine.spec_decode.ngram import NgramProposer
+
+    config = SpeculativeConfig.parse(resolved.args.speculative_config)
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                             config.prompt_lookup_max)
+    raise ValueError(f"speculative_config method {config.method!r} is not built yet")
 
 
 def make_structured_output_manager(resolved: ResolvedEngine):
