@@ -102,6 +102,13 @@ class StepPlan(_Msg, tag=True):
     A token sampled for a request that finished in the meantime is dropped by the
     scheduler, and the request comes in a later plan's finished_req_ids.
 
+    Speculative decoding: a cached request with draft_token_ids appends them to its
+    token_ids before step 3 (n = 1 + k), samples each of its 1 + k last rows, returns
+    the accepted drafts plus one token, and rolls back: token_ids end with those,
+    num_computed_tokens drops by the rejected count, and block-table entries past
+    ceil(num_computed_tokens / block_size) are dropped (the scheduler frees the same
+    blocks; flowengine/executor/spec_verify.py, flowengine/core/spec_tokens.py).
+
     Structured outputs: structured_output_req_ids are the constrained requests that
     sample in this step and grammar_bitmask their next-token masks, one row each in
     that order: [len(structured_output_req_ids), ceil(vocab_size / 32)] int32
