@@ -158,6 +158,9 @@ class SampledTokens(_Msg):
     # Pooling runner: the request's pooled vector instead of a token (token_ids empty),
     # float32 little-endian bytes [hidden_size], before normalisation.
     pooled: bytes | None = None
+    # Speculative decoding with a draft model: the draft tokens it proposes to follow
+    # token_ids (the scheduler may schedule them in the request's next step).
+    draft_token_ids: list[int] = []
 
 
 class StepResult(_Msg, tag=True):

@@ -467,6 +467,8 @@ class Scheduler:
                 tokens = sampled.get(req_id)
                 if plan_drafts and req_id in plan_drafts:
                     self._roll_back_drafts(request, record, plan_drafts[req_id], tokens)
+                if tokens is not None and tokens.draft_token_ids:
+                    request.spec_token_ids = tokens.draft_token_ids  # a draft model's
                 delta = append_sampled(request, tokens)
                 deltas.append(delta)
                 if grammars is not None and delta.finish_reason is None and delta.new_token_ids:

@@ -39,6 +39,18 @@ class DraftProposer(Protocol):
     def propose(self, token_ids: list[int], max_num_tokens: int | None = None) -> list[int]: ...
 
 
+class ExecutorDrafts:
+    """The scheduler's side of a draft model: drafts arrive with the results."""
+
+    from_executor = True
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def propose(self, token_ids: list[int], max_num_tokens: int | None = None) -> list[int]:
+        raise RuntimeError("a draft model's drafts come from the executor's results")
+
+
 class SpecDecodeState:
     """The scheduler's speculative-decoding part: proposer, caps and vLLM's counters.
 
@@ -51,6 +63,9 @@ class SpecDecodeState:
 
     def __init__(self, proposer: DraftProposer, max_len: int) -> None:
         self.proposer = proposer
+        # A draft model proposes in the executor: its drafts come with each result
+        # (Request.spec_token_ids) instead of from `propose`.
+        self.from_executor = getattr(proposer, "from_executor", False)
         self.num_speculative_tokens = proposer.num_speculative_tokens
         self.max_len = max_len
         self.num_drafts = 0
@@ -70,6 +85,9 @@ class SpecDecodeState:
                   self.max_len - num_tokens)
         if cap <= 0:
             return []
+        if self.from_executor:
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            return drafts[:cap]
         return self.proposer.propose(request.prompt_token_ids + request.output_token_ids, cap)
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:

@@ -225,6 +225,8 @@ class CudaModelRunner(ModelRunner):
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.attn_metadata)
+        if self.draft_runner is not None:
+            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
         self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
         for state, num in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += num

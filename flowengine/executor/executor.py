@@ -89,6 +89,7 @@ class Executor:
         its event loop instead of a worker thread; False when a launch computes the
         step on the host (CPU runners, tensor-parallel rank 0)."""
         return (getattr(self.runner, "launch", None) is not None and self.pooler_config is None
+                and self.runner.draft_runner is None
                 and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda")
 
     def execute_model(self, plan: StepPlan) -> StepResult:
@@ -106,7 +107,8 @@ class Executor:
         if self.pooler_config is not None:
             return CompletedStep(self.pool(plan))
         launch = getattr(self.runner, "launch", None)
-        if launch is not None and self.runner.tp.world_size == 1 and not has_drafts(plan):
+        if (launch is not None and self.runner.tp.world_size == 1 and not has_drafts(plan)
+                and self.runner.draft_runner is None):
             # (A plan with draft tokens is verified on the host path below: the number of
             # tokens each request gains is known only after sampling.)
             # A runner that samples on the device (CudaModelRunner); tensor-parallel
@@ -170,6 +172,7 @@ class Executor:
             self.runner.append_sampled(rid, [tok])
             prompt_lps = self.runner.get_request_state(rid).take_prompt_logprobs()
             results.append(SampledTokens(rid, [tok], None if lp is None else [lp], prompt_lps))
+        self._propose(results)
         return StepResult(plan.step_id, results)
 
     def _sample_drafts(self, plan: StepPlan, output: ModelOutput) -> StepResult:
@@ -198,7 +201,21 @@ class Executor:
             self.runner.apply_verified(rid, tokens)
             prompt_lps = self.runner.get_request_state(rid).take_prompt_logprobs()
             results.append(SampledTokens(rid, tokens, lps, prompt_lps))
+        self._propose(results)
         return StepResult(plan.step_id, results)
+
+    def _propose(self, results: list[SampledTokens]) -> None:
+        """With a draft model: its drafts after each sampled request's new tokens, in
+        the result (the scheduler plans them). Constrained requests get none."""
+        draft = self.runner.draft_runner
+        if draft is None:
+            return
+        rows = [r for r in results
+                if self.runner.get_request_state(r.req_id).sampling_params.structured_outputs
+                is None]
+        proposals = draft.propose([self.runner.get_request_state(r.req_id) for r in rows])
+        for r, tokens in zip(rows, proposals, strict=True):
+            r.draft_token_ids = tokens
 
     def receive_sampled(self, plan: StepPlan, output: ModelOutput) -> bool:
         """Tensor-parallel ranks other than 0: receive the ids rank 0 sampled for this

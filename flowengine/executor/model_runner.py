@@ -95,6 +95,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Speculative decoding's draft model (executor/draft_runner.py), or None.
+        self.draft_runner = None
         if cache_config is not None:
             self.initialize_kv_cache(cache_config)
 
@@ -213,6 +215,8 @@ class ModelRunner:
             )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                             inputs.attn_metadata)
+        if self.draft_runner is not None:
+            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
         logits_indices, drafts = verification_rows(states, inputs)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         self.collect_prompt_logprobs(states, plan.num_scheduled_tokens, inputs, hidden)

@@ -1,7 +1,7 @@
-"""n-gram speculation on the default model: the very tokens of no speculation.
+"""Speculation on the default model: the very tokens of no speculation.
 
-One engine with and one without `speculative_config`, the same requests in one batch
-each: greedy (the issue's CI acceptance), greedy with logprobs, penalties, min_tokens +
+An engine without `speculative_config`, one with n-gram speculation and one with the
+model as its own draft model, the same requests in one batch each: greedy (the issue's CI acceptance), greedy with logprobs, penalties, min_tokens +
 stop_token_ids, a max_tokens cut, and seeded random sampling (each verification row
 draws with its own position's seed, so even sampled tokens are identical). Drafts must
 actually be accepted (acceptance counters), and every KV block is free at the end.
@@ -57,11 +57,16 @@ def _run(llm: LLM) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def runs(default_model_path):
+def reference(default_model_path):
     base = LLM(default_model_path)
-    reference = _run(base)
-    del base
-    spec = LLM(default_model_path, speculative_config=SPEC)
+    return _run(base)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def runs(request, default_model_path, reference):
+    config = SPEC if request.param == "ngram" else {"model": default_model_path,
+                                                    "num_speculative_tokens": 3}
+    spec = LLM(default_model_path, speculative_config=config)
     got = _run(spec)
     return reference, got, spec
 

@@ -42,3 +42,18 @@ def test_scheduler_stats_cross_the_ring() -> None:
     msg = EngineOutputs([], stats=stats)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=EngineOutputs)
     assert back.stats == stats
+
+
+def test_draft_fields_cross_the_rings() -> None:
+    """Multiproc placement: drafts in the plan and a draft model's in the result."""
+    import msgspec
+
+    from flowengine.messages import CachedRequestData, SampledTokens, StepPlan, StepResult
+
+    plan = StepPlan(3, [], [CachedRequestData("a", [4], 10, [7, 8]),
+                            CachedRequestData("b", [], 5)], [3, 1])
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan)
+    assert back == plan and back.cached_reqs[1].draft_token_ids == []
+    result = StepResult(3, [SampledTokens("a", [7, 1], draft_token_ids=[2, 3])])
+    back_result = msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=StepResult)
+    assert back_result.sampled[0].draft_token_ids == [2, 3]
