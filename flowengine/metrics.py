@@ -88,9 +88,8 @@ class EngineStatsCollector(Collector):
             logger.warning("engine stats unavailable: %s", err)
             return
         labels = ["model_name", "engine"]
-        values = [self.model_name, ENGINE_INDEX]
         # Data parallel: the scheduler's series once per replica (engine = its index).
-        engines = list(enumerate(stats.per_engine)) if stats.per_engine else [(0, stats)]
+        engines = list(enumerate(stats.per_engine)) if stats.per_engine else [(ENGINE_INDEX, stats)]
 
         def gauge(name: str, doc: str, attr: str) -> GaugeMetricFamily:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)

@@ -10,8 +10,8 @@ the replicas sit:
 - `ReplicaOutputs` (one actor per replica): reads the replica's "outputs" ring, drops
   outputs of replaced engine generations (the replica's own restart count), updates
   the router's load and finished requests, and forwards the rest into the one inbox
-  the Detokenizer reads (re-stamped generation 0: the Detokenizer's own generation
-  check then passes, the per-replica one has been done here).
+  the Detokenizer reads (`MergedOutputs`; re-stamped generation 0: the Detokenizer's
+  own generation check then passes, the per-replica one has been done here).
 - `ReplicaWatcher` (one per replica): runs the replica's `Supervisor` (restarts with
   recompute, as without DP). When the supervisor gives up (its restarts failed in a
   row), the replica is down for good: its requests are resubmitted, with the tokens
@@ -82,10 +82,43 @@ class DPRequests:
             gate.close()
 
 
+class MergedOutputs:
+    """The Detokenizer's inbox of every replica's outputs (`Channel`'s receiving side).
+
+    A replica's ready message after a restart carries its Supervisor's event, set when
+    the Detokenizer takes that message: by then it has processed every earlier output of
+    that replica, so the resubmission that follows the event sees every token already
+    delivered (NOTE: setting it on arrival instead could resubmit a request without
+    tokens still queued here, and the caller would get them twice).
+    """
+
+    def __init__(self) -> None:
+        self._queue: InprocChannel = InprocChannel()
+
+    async def send_async(self, msg: EngineOutputs, ready: anyio.Event | None = None) -> None:
+        await self._queue.send_async((msg, ready))
+
+    def _take(self, item: tuple[EngineOutputs, anyio.Event | None]) -> EngineOutputs:
+        msg, ready = item
+        if ready is not None:
+            ready.set()
+        return msg
+
+    async def recv_async(self) -> EngineOutputs:
+        return self._take(await self._queue.recv_async())
+
+    def try_recv(self) -> EngineOutputs | None:
+        item = self._queue.try_recv()
+        return None if item is None else self._take(item)
+
+    def close(self) -> None:
+        self._queue.close()
+
+
 class ReplicaOutputs:
     """Forwards one replica's current-generation outputs into the Detokenizer's inbox."""
 
-    def __init__(self, index: int, outputs: Any, router: DPRouter, inbox: InprocChannel) -> None:
+    def __init__(self, index: int, outputs: Any, router: DPRouter, inbox: MergedOutputs) -> None:
         self.index = index
         self.outputs = outputs
         self.router = router
@@ -117,9 +150,7 @@ class ReplicaOutputs:
             msg: EngineOutputs = await self.outputs.recv_async()
             if msg.generation != self.generation:
                 continue  # a replaced engine's; its requests are recomputed
-            if self._ready is not None:
-                self._ready.set()
-                self._ready = None
+            ready, self._ready = self._ready, None
             if msg.stats is not None:
                 self.stats = msg.stats
                 self.router.update_stats(self.index, msg.stats)
@@ -127,7 +158,7 @@ class ReplicaOutputs:
                 self.generation_tokens_total += len(delta.new_token_ids)
                 if delta.finish_reason is not None:
                     self.router.finish(delta.req_id)
-            await self.inbox.send_async(msgspec.structs.replace(msg, generation=0))
+            await self.inbox.send_async(msgspec.structs.replace(msg, generation=0), ready)
 
 
 class ReplicaWatcher:

@@ -157,16 +157,21 @@ class AsyncEngine:
         self.engine_actors = {"scheduler": scheduler, "executor": executor}
         return requests, outputs, [scheduler, executor]
 
-    async def _start_data_parallel(self) -> tuple[Any, Channel, list[Any]]:
+    async def _start_data_parallel(self) -> tuple[Any, Any, list[Any]]:
         """N replicas (engine groups) behind one router (flowengine/engine/dp_client.py)."""
         from flowengine.actors.supervisor import Supervisor
-        from flowengine.engine.dp_client import DPRequests, ReplicaOutputs, ReplicaWatcher
+        from flowengine.engine.dp_client import (
+            DPRequests,
+            MergedOutputs,
+            ReplicaOutputs,
+            ReplicaWatcher,
+        )
         from flowengine.engine.dp_router import DPRouter
 
         n = self.args.data_parallel_size
         self.router = DPRouter(n, self.args.block_size,
                                max_prefix_blocks=8 if self.args.enable_prefix_caching else 0)
-        inbox = InprocChannel()  # what the Detokenizer reads: every replica's outputs
+        inbox = MergedOutputs()  # what the Detokenizer reads: every replica's outputs
         self.replica_outputs = [ReplicaOutputs(i, None, self.router, inbox) for i in range(n)]
         self.supervisors = [
             Supervisor(
