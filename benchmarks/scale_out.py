@@ -75,7 +75,7 @@ async def main(args: argparse.Namespace) -> list[dict]:
                 rows.append(dict(round=r, data_parallel_size=size, load_1m=load,
                                  elapsed_s=elapsed_s, requests_per_s=len(prompts) / elapsed_s,
                                  output_tokens_per_s=num_tokens / elapsed_s,
-                                 per_replica=[a - b for a, b in zip(after, before)]))
+                                 per_replica=[a - b for a, b in zip(after, before, strict=True)]))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         for engine in engines.values():
