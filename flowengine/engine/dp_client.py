@@ -6,7 +6,8 @@ The frontend's actors (tokenizer, detokenizer, streamer) are shared; between the
 the replicas sit:
 
 - `DPRequests`: the frontend's "requests" channel. A `NewRequest` goes to the replica
-  `DPRouter.route` picks; an `AbortRequest` is split by owner; `Shutdown` goes to all.
+  `DPRouter.route` picks (not one that is restarting, its gate closed, while another
+  can take it); an `AbortRequest` is split by owner; `Shutdown` goes to all.
 - `ReplicaOutputs` (one actor per replica): reads the replica's "outputs" ring, drops
   outputs of replaced engine generations (the replica's own restart count), updates
   the router's load and finished requests, and forwards the rest into the one inbox
@@ -60,6 +61,8 @@ class DPRequests:
 
     async def send_async(self, msg: Any) -> None:
         if isinstance(msg, NewRequest):
+            for i, gate in enumerate(self.gates):  # a closed gate: that replica restarts
+                self.router.set_paused(i, not gate.is_open)
             replica = self.router.route(msg.request_id, msg.prompt_token_ids, msg.cache_salt)
             await self.gates[replica].send_async(msg)
         elif isinstance(msg, AbortRequest):

@@ -10,7 +10,9 @@ the lower KV cache usage, then the lower index.
 
 Prefix affinity: the frontend keeps a bounded LRU map from chained hashes of a
 prompt's full leading blocks (`block_size` tokens each, at most `max_prefix_blocks`) to
-the replica last sent that prefix. A request whose prefix is held by a replica goes
+the replica last sent that prefix. A replica that is restarting gets no new request
+while another live replica is not restarting. A request whose prefix is held by a
+replica goes
 there, unless that replica's load exceeds the least loaded one's by more than
 `max_imbalance` requests (so one hot prefix cannot pile all work on one replica). The
 map only approximates the replicas' prefix caches (it does not see evictions); a wrong
@@ -35,6 +37,7 @@ class ReplicaLoad:
     num_running: int = 0  # last reported
     kv_cache_usage: float = 0.0  # last reported, 0..1
     is_alive: bool = True
+    is_paused: bool = False  # restarting: new requests go elsewhere while others serve
     num_routed_total: int = 0  # requests ever sent to it (tests, benchmarks)
 
     @property
@@ -99,13 +102,15 @@ class DPRouter:
         live = [i for i, r in enumerate(self.replicas) if r.is_alive]
         if not live:
             raise NoLiveReplicaError("every data-parallel replica is down")
+        # A restarting replica gets new work only when every live one is restarting.
+        live = [i for i in live if not self.replicas[i].is_paused] or live
         least = min(live, key=self._key)
         chosen = least
         hashes = self.prefix_hashes(token_ids, salt)
         # Longest held prefix first: the deepest block hash that maps to a live replica.
         for h in reversed(hashes):
             holder = self._prefix.get(h)
-            if holder is not None and self.replicas[holder].is_alive:
+            if holder is not None and holder in live:
                 if self.replicas[holder].load - self.replicas[least].load <= self.max_imbalance:
                     chosen = holder
                 break
@@ -141,6 +146,11 @@ class DPRouter:
     def request_ids_of(self, replica: int) -> set[str]:
         """Ids of the unfinished requests held by `replica`."""
         return {rid for rid, i in self._owner.items() if i == replica}
+
+    def set_paused(self, replica: int, is_paused: bool) -> None:
+        """A replica restarting (paused) keeps its requests but gets no new ones while
+        another live replica is not paused."""
+        self.replicas[replica].is_paused = is_paused
 
     def update_stats(self, replica: int, stats: SchedulerStats) -> None:
         r = self.replicas[replica]

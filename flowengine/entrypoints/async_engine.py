@@ -398,17 +398,25 @@ class AsyncEngine:
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine cannot serve: it stopped, or (multiproc)
         the step watchdog sees no engine step for FLOWENGINE_STEP_STALL_UNHEALTHY_S
-        seconds while requests wait (a hung or stopped process; see Supervisor)."""
+        seconds while requests wait (a hung or stopped process; see Supervisor); with
+        data parallelism, when that holds for every live replica."""
         if self._dead is not None:
             raise self._dead
         if self._task is not None and self._task.done():
             raise EngineDeadError("the engine task ended")
-        for i, (sup, lost) in enumerate(zip(getattr(self, "supervisors", []),
-                                            self._lost_replicas(), strict=True)):
-            reason = None if lost else sup.unhealthy_reason()
-            if reason is not None:
-                where = f" (data-parallel replica {i})" if len(self.supervisors) > 1 else ""
-                raise EngineDeadError(f"the engine is stalled{where}: {reason}")
+        # Data parallel: unhealthy only when no live replica can serve (new requests
+        # avoid a restarting replica; a hung one is restarted by its watchdog).
+        reasons = [
+            sup.unhealthy_reason()
+            for sup, lost in zip(getattr(self, "supervisors", []), self._lost_replicas(),
+                                 strict=True)
+            if not lost
+        ]
+        if reasons and all(r is not None for r in reasons):
+            if len(reasons) == 1:
+                raise EngineDeadError(f"the engine is stalled: {reasons[0]}")
+            raise EngineDeadError("every data-parallel replica is stalled: " + "; ".join(
+                f"replica {i}: {r}" for i, r in enumerate(reasons)))
 
     def _lost_replicas(self) -> list[bool]:
         """Per supervisor: True when that data-parallel replica is down for good."""

@@ -32,6 +32,7 @@ class FakeGate:
     def __init__(self) -> None:
         self.channel = InprocChannel()
         self.closed = False
+        self.is_open = True
 
     async def send_async(self, msg) -> None:
         await self.channel.send_async(msg)
@@ -75,6 +76,12 @@ async def test_routing_aborts_and_shutdown_reach_the_right_replicas() -> None:
     await requests.send_async(AbortRequest(["r3", "r0", "gone"]))
     assert [[m.request_ids for m in g.drain()] for g in gates] == [[["r0"]], [["r3"]]]
     assert router.owner("r0") is None and router.owner("r2") == 0
+    # Replica 0 restarting (gate closed): new work goes to 1 although 0 is less loaded.
+    gates[0].is_open = False
+    await requests.send_async(_req("r4", [4] * 8))
+    await requests.send_async(_req("r5", [5] * 8))
+    assert [len(g.drain()) for g in gates] == [0, 2]
+    gates[0].is_open = True
     await requests.send_async(Shutdown())
     assert [[type(m) for m in g.drain()] for g in gates] == [[Shutdown], [Shutdown]]
     with pytest.raises(TypeError, match="unexpected request message"):

@@ -103,3 +103,19 @@ def test_rejects_bad_sizes() -> None:
         DPRouter(0)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         DPRouter(2, block_size=0)
+
+
+def test_restarting_replica_gets_no_new_work_while_another_can() -> None:
+    router = DPRouter(2, block_size=16)
+    shared = _prompt(11, 32)
+    assert router.route("a", shared) == 0
+    router.set_paused(0, True)
+    # Not even its prefix draws new work to it while replica 1 serves.
+    assert [router.route(f"b{i}", shared) for i in range(3)] == [1, 1, 1]
+    # A resubmission keeps its (restarting) replica: its restart recomputes it.
+    assert router.route("a", shared) == 0
+    router.set_paused(1, True)  # both restarting: least loaded again
+    assert router.route("c", _prompt(12)) == 0
+    router.set_paused(0, False)
+    router.set_paused(1, False)
+    assert router.route("d", _prompt(13)) == 0  # loads 2 vs 3
