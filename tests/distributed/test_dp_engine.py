@@ -40,8 +40,12 @@ def test_dp2_equals_dp1_and_survives_a_killed_replica(default_model_path: str) -
         try:
             tasks = [asyncio.create_task(_text(engine, p)) for p in PROMPTS]
             # Kill replica 1's engine once it has streamed some tokens (mid-run).
-            while engine.get_stats().per_engine[1].generation_tokens_total < 2 * GREEDY.max_tokens:
-                await asyncio.sleep(0.01)
+            async def replica_1_streamed() -> None:
+                while engine.get_stats().per_engine[1].generation_tokens_total < \
+                        2 * GREEDY.max_tokens:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(replica_1_streamed(), timeout=600)
             unfinished_on_1 = engine.router.replicas[1].num_unfinished
             os.kill(engine.supervisors[1].pids["engine"][0], signal.SIGKILL)
             texts = await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
