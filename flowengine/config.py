@@ -108,6 +108,9 @@ class EngineArgs:
     # Intra-op threads of a CPU executor; None: the cores this process may use
     # (affinity, cgroup CPU quota), shared among the tensor-parallel ranks.
     cpu_threads: int | None = None
+    # vLLM's --speculative-config (flowengine/spec_decode/config.py): method "ngram"
+    # (num_speculative_tokens, prompt_lookup_min/max) or a draft "model".
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -192,6 +195,13 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
                              f"got {self.max_logprobs}")
+        if self.speculative_config is not None:
+            from flowengine.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)  # raises ValueError
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config needs tensor_parallel_size 1 (the draft "
+                                 "verification runs on one rank)")
         for name, allowed in (
             ("dtype", Dtype),
             ("load_format", LoadFormat),

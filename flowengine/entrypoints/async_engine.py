@@ -14,6 +14,7 @@ own process, over shared-memory rings, under a supervisor that restarts them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -442,6 +443,11 @@ class AsyncEngine:
             num_preemptions_total=st.num_preemptions_total,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
+            spec_decode_num_drafts_total=st.spec_decode_num_drafts_total,
+            spec_decode_num_draft_tokens_total=st.spec_decode_num_draft_tokens_total,
+            spec_decode_num_accepted_tokens_total=st.spec_decode_num_accepted_tokens_total,
+            spec_decode_num_accepted_tokens_per_pos=list(
+                st.spec_decode_num_accepted_tokens_per_pos),
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
             histograms=self.detokenizer.request_stats.snapshot(),
             cache_config=self._cache_config(st.num_total_blocks),
@@ -480,6 +486,16 @@ class AsyncEngine:
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
             histograms=self.detokenizer.request_stats.snapshot(),
             cache_config=self._cache_config(total_blocks),
+            spec_decode_num_drafts_total=sum(
+                r.stats.spec_decode_num_drafts_total for r in replicas),
+            spec_decode_num_draft_tokens_total=sum(
+                r.stats.spec_decode_num_draft_tokens_total for r in replicas),
+            spec_decode_num_accepted_tokens_total=sum(
+                r.stats.spec_decode_num_accepted_tokens_total for r in replicas),
+            spec_decode_num_accepted_tokens_per_pos=[
+                sum(col) for col in itertools.zip_longest(
+                    *(r.stats.spec_decode_num_accepted_tokens_per_pos for r in replicas),
+                    fillvalue=0)],
             per_engine=per_engine,
         )
 

@@ -171,6 +171,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "'{\"pooling_type\": \"MEAN\", \"normalize\": true}'",
     )
     g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup) or "
+        "'{\"model\": DIR, \"num_speculative_tokens\": 4}' (a draft model with the same "
+        "tokenizer); outputs are unchanged, only faster",
+    )
+    g.add_argument(
         "--chat-template",
         default=None,
         help="Jinja chat template for chat requests instead of the tokenizer's: a file "
