@@ -76,7 +76,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     device: Device = "auto"
     enforce_eager: bool = False
-    placement: Placement = "inproc"  # tensor_parallel_size > 1 always runs "multiproc"
+    placement: Placement = "inproc"  # tensor/data_parallel_size > 1 always run "multiproc"
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
