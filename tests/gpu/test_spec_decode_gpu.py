@@ -26,14 +26,37 @@ from flowengine import LLM, SamplingParams  # noqa: E402
 MAX_TOKENS = 48
 
 
-def _prompts() -> list[list[int]]:
+def greedy_map(path: str) -> torch.Tensor:
+    """[V] int64: the shaped model's greedy next token after each token id, to first
+    order (gpu_models.py: the LM head holds the embedding rows permuted, so the largest
+    logit is that of perm^-1(current token))."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in Path(path).glob("*.safetensors"):
+        weights.update(load_file(file, device="cuda" if torch.cuda.is_available() else "cpu"))
+    embed = weights["model.embed_tokens.weight"].float()
+    head = weights["lm_head.weight"].float()
+    return (embed @ head.T).argmax(dim=1).cpu()
+
+
+def _prompts(next_token: torch.Tensor) -> list[list[int]]:
+    """16 prompts of 5..300 tokens; the odd ones quote a greedy chain (x, f(x), f(f(x)),
+    ...) and end with its start again, so n-gram drafts find the chain's continuation."""
     rng = random.Random(16)
     prompts = []
     for i in range(16):
         n = rng.randint(5, 300)
-        base = [rng.randrange(32000) for _ in range(max(3, n // 4))]
-        # Repetitive text, so n-gram drafts find matches.
-        prompts.append((base * 4)[:n] if i % 2 else [rng.randrange(32000) for _ in range(n)])
+        if i % 2:
+            chain = [rng.randrange(32000)]
+            for _ in range(n // 2 + MAX_TOKENS):
+                chain.append(int(next_token[chain[-1]]))
+            noise = [rng.randrange(32000) for _ in range(n // 4)]
+            prompts.append(chain + noise + chain[:4])
+        else:
+            prompts.append([rng.randrange(32000) for _ in range(n)])
     return prompts
 
 
@@ -49,7 +72,8 @@ def models(tmp_path_factory) -> dict[str, str]:
 def _generate(path: str, **kwargs) -> tuple[list[list[int]], object]:
     llm = LLM(path, max_num_batched_tokens=256, num_kv_blocks=2048, max_num_seqs=16, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
+    prompts = _prompts(greedy_map(path))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                         use_tqdm=False)
     stats = llm.engine.scheduler.make_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
