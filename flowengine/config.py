@@ -23,8 +23,9 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # Weight quantization applied at load (vLLM's --quantization); None: weights as loaded
 # (except GGUF weights on the CPU, which stay "gguf"). fp8: E4M3 W8A8 (CUDA); gguf:
-# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU).
-Quantization = Literal["fp8", "gguf", "int8"]
+# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU);
+# gptq / awq: a 4-bit checkpoint's own format (also chosen when unset, from config.json).
+Quantization = Literal["fp8", "gguf", "int8", "gptq", "awq"]
 # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" and
 # "fp8_e4m3" (the same on CUDA and CPU here) = float8_e4m3fn with scale 1.0.
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
