@@ -289,10 +289,9 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
 def make_proposer(resolved: ResolvedEngine):
     """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
     or None without speculation."""
+    from flowengine.core.spec_tokens import ExecutorDrafts
     from flowengine.spec_decode.config import SpeculativeConfig
     from flowengine.spec_decode.ngram import NgramProposer
-
-    from flowengine.core.spec_tokens import ExecutorDrafts
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
     if config is None:
