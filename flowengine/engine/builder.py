@@ -295,10 +295,9 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
 def make_proposer(resolved: ResolvedEngine):
     """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
     or None without speculation."""
+    from flowengine.core.spec_tokens import ExecutorDrafts
     from flowengine.spec_decode.config import SpeculativeConfig
     from flowengine.spec_decode.ngram import NgramProposer
-
-    from flowengine.core.spec_tokens import ExecutorDrafts
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
     if config is None:
@@ -391,8 +390,9 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     if resolved.device == "cpu":
         from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
 
-        # A multiproc placement leaves a core to the engine and frontend processes.
-        setup_cpu_threads(args.cpu_threads, tp.world_size,
+        # A multiproc placement leaves a core to the engine and frontend processes;
+        # data-parallel replicas share the rest with each other.
+        setup_cpu_threads(args.cpu_threads, tp.world_size * args.data_parallel_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
         if dtype == torch.bfloat16:
             log_bf16_path()
