@@ -8,15 +8,21 @@ freeing, with each request's blocks bounded by the window.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
+from pathlib import Path
 
 import pytest
 from core_sim_executor import _ROOT_KV, Finished, SimExecutor, collect, make_request, mix
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "spec_decode"))
+from spec_sim import OracleProposer, SpecSimExecutor  # noqa: E402
 
 from flowengine.config import CacheConfig, SchedulerConfig
 from flowengine.core.kv_cache_manager import KVCacheManager, cdiv
 from flowengine.core.scheduler import Scheduler
 from flowengine.core.sliding_window import SlidingWindowBlocks
+from flowengine.core.spec_tokens import SpecDecodeState
 from flowengine.request import Request
 from flowengine.sampling_params import SamplingParams
 
@@ -134,10 +140,10 @@ def test_trim_and_deferred_free_skip_the_null_block() -> None:
     assert manager.num_free_blocks == 9 and manager.null_block.ref_cnt == 1
 
 
-class WindowSim(SimExecutor):
-    """SimExecutor whose every step checks that each computed position's window still
-    reads back the request's own KV through its block table: a block freed while in
-    the window and reused (or never written) fails the check."""
+class WindowCheck:
+    """Mixin for a SimExecutor: every step checks that each computed position's window
+    still reads back the request's own KV through its block table: a block freed while
+    in the window and reused (or never written) fails the check."""
 
     window: int = 0
 
@@ -156,9 +162,18 @@ class WindowSim(SimExecutor):
         return result
 
 
+class WindowSim(WindowCheck, SimExecutor):
+    pass
+
+
+class SpecWindowSim(WindowCheck, SpecSimExecutor):
+    """Verifies draft tokens (rolling rejected ones back) and checks the window."""
+
+
 def run(window: int | None, num_blocks: int, requests: list[Request], *,
         async_scheduling: bool = False, prefix_caching: bool = True,
-        chunk: int = 24) -> tuple[dict[str, Finished], Scheduler, int]:
+        chunk: int = 24, proposer: OracleProposer | None = None,
+        ) -> tuple[dict[str, Finished], Scheduler, int]:
     """Drive a Scheduler to completion (one plan ahead with async scheduling); returns
     the outputs, the scheduler and the most blocks any request held at once (the
     null block not counted)."""
@@ -167,7 +182,9 @@ def run(window: int | None, num_blocks: int, requests: list[Request], *,
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=chunk, max_model_len=200),
         CacheConfig(block_size, num_blocks, prefix_caching, sliding_window=window),
         async_scheduling=async_scheduling)
-    sim = WindowSim(num_blocks, block_size, 50)
+    if proposer is not None:
+        scheduler.spec = SpecDecodeState(proposer, scheduler.max_len)
+    sim = (WindowSim if proposer is None else SpecWindowSim)(num_blocks, block_size, 50)
     sim.window = window or 10**9
     for request in requests:
         scheduler.add_request(request)
@@ -234,3 +251,15 @@ def test_preemption_and_prefix_caching_stay_correct_with_a_window() -> None:
         k: (o.token_ids, o.finish_reason) for k, o in full.items()}
     assert sched.num_preemptions > 0
     assert sched.prefix_cache_hits > 0
+
+
+def test_draft_rollback_with_a_window() -> None:
+    """Speculative decoding: rejected drafts are trimmed from the tail while the head
+    is freed out of the window; outputs equal the plain run's."""
+    full, _, _ = run(None, 400, requests())
+    proposer = OracleProposer(k=4, vocab_size=50, error_rate=0.4, seed=5)
+    outputs, sched, held = run(12, 40, requests(), proposer=proposer)
+    assert outputs == full
+    assert sched.spec is not None and sched.spec.num_draft_tokens > 0
+    assert 0 < sched.spec.num_accepted_tokens < sched.spec.num_draft_tokens
+    assert held <= cdiv(11 + 24, 4) + 1
