@@ -28,7 +28,7 @@ EOS = 2  # <|im_end|>, the default model's eos_token_id (generation_config.json)
 if SWEEP:
     CONFIGS = list(itertools.product((2, 4), (0.0, 1.0, 2.0), (True, False, "never")))
 else:
-    CONFIGS = [(2, 0.0, True), (4, 1.0, False), (2, 2.0, False), (4, 2.0, True)]
+    CONFIGS = [(2, 0.0, True), (4, 1.0, False), (2, 2.0, False)]
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ def llm(beam_llm):
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    chat = tokenizer.apply_chat_template(
+def prompts(beam_llm, tokenizer) -> list[list[int]]:
+    # The chat template's rendering, so the answer ends with <|im_end|> (EOS).
+    _, chat = beam_llm.input_processor.chat_prompt(
         [{"role": "user", "content": "What is 2+2? Answer with one number."}],
-        add_generation_prompt=True, tokenize=True)
-    chat = list(chat["input_ids"]) if isinstance(chat, dict) else list(chat)
+        add_generation_prompt=True)
     plain = [tokenizer.encode("The capital of France is")]
     if SWEEP:
         plain.append(tokenizer.encode("def fibonacci(n):"))
@@ -75,6 +75,8 @@ def test_beam_search_equals_transformers(llm, hf_model, prompts, tokenizer, widt
                               length_penalty=length_penalty, early_stopping=early_stopping)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert len(outs) == len(prompts)
+    # Early stopping only matters once hypotheses end with EOS: the chat prompt's do.
+    assert any(s.finish_reason == "stop" for s in outs[0].sequences)
     for prompt, out in zip(prompts, outs, strict=True):
         ref_seqs, ref_scores = hf_beam_search(hf_model, prompt, width, length_penalty,
                                               early_stopping)
@@ -92,10 +94,3 @@ def test_beam_search_equals_transformers(llm, hf_model, prompts, tokenizer, widt
             chosen = sum(step[t].logprob for step, t in zip(s.logprobs, gen, strict=True))
             assert s.cum_logprob == pytest.approx(chosen, abs=1e-9)
             assert s.score == pytest.approx(s.cum_logprob / len(gen) ** length_penalty)
-
-
-def test_the_chat_prompt_reaches_eos(llm, prompts):
-    # The subset above only tests early stopping if some hypothesis ends with EOS.
-    out = llm.beam_search([{"prompt_token_ids": prompts[0]}],
-                          BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS))
-    assert any(s.finish_reason == "stop" for s in out[0].sequences)

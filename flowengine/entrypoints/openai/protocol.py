@@ -141,9 +141,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logprobs_mode: None = None
     # vLLM's beam search (serving_beam.py): beam width = `n` (completions: `best_of`
     # when set); length_penalty and early_stopping as transformers' generate.
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    # (null: the default, as absent).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -87,9 +87,9 @@ def beam_params(
             max_tokens=ctx.engine.max_model_len if unset else params.max_tokens,
             ignore_eos=req.ignore_eos,
             temperature=params.temperature,
-            length_penalty=req.length_penalty,
+            length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            early_stopping=req.early_stopping,
+            early_stopping=False if req.early_stopping is None else req.early_stopping,
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
