@@ -103,7 +103,8 @@ def test_chat_with_beam_search(client, beam_llm):
         ({"top_p": 0.5}, "top_p", "top_p cannot be used with use_beam_search"),
         ({"n": 3, "best_of": 2}, "best_of", "n=3 is more than best_of=2"),
         ({"n": 129}, "n", "over this server's limit of"),
-        ({"n": 11}, None, "beam_width=11 needs the top 22 log-probabilities"),
+        ({"n": 11}, "n", "n=11 beams need the top 22 log-probabilities per step, over "
+                         "this server's limit of 20 (--max-logprobs)"),
         ({"length_penalty": "long"}, "length_penalty", None),
         ({"early_stopping": "sometimes"}, "early_stopping", None),
     ],

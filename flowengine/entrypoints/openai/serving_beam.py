@@ -9,8 +9,8 @@ Streaming does what vLLM does: the search yields its result only at the end, so 
 stream carries each choice's whole text in one chunk (with its finish_reason), then
 usage if asked, then `[DONE]`. Fields that would change the output of a sampled
 request but that beam search cannot honour (stop strings, logprobs, structured
-outputs, penalties, ...) are refused with a 400 naming the field, as is n over
-`--max-n`.
+outputs, penalties, ...) are refused with a 400 naming the field, as is a width over
+`--max-n` or one whose 2W log-probabilities per step exceed `--max-logprobs`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
+from flowengine.beam_search import BeamSearchOutput, BeamSearchParams, num_candidates
 from flowengine.entrypoints.async_engine import beam_search
 from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import Response, StreamingResponse, json_response
@@ -80,6 +80,14 @@ def beam_params(
         raise bad_request(
             f"{width_field} is {width}, over this server's limit of {ctx.limits.max_n} "
             "beams (--max-n sets it)", width_field)
+    # Each step asks the engine for the top 2W log-probabilities of every beam: the
+    # server's limit on log-probabilities per token bounds the width.
+    needed = num_candidates(width, 1)
+    if ctx.limits.max_logprobs != -1 and needed > ctx.limits.max_logprobs:
+        raise bad_request(
+            f"{width_field}={width} beams need the top {needed} log-probabilities per step, "
+            f"over this server's limit of {ctx.limits.max_logprobs} (--max-logprobs); "
+            f"ask for at most {ctx.limits.max_logprobs // 2} beams", width_field)
     unset = params.max_tokens is None
     try:
         beam = BeamSearchParams(
