@@ -323,6 +323,16 @@ class AsyncEngine:
         # the caller's loop closes the stream at once, which aborts the request.
         return self._stream(prompt, sampling_params, request_id, priority, None)
 
+    async def beam_search(
+        self, prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
+        params: BeamSearchParams, *, priority: int = 0,
+    ) -> BeamSearchOutput:
+        """Beam search over one prompt (as `submit` takes it); `beam_width` sequences,
+        best first, as `LLM.beam_search` returns them (the module function
+        `beam_search` documents the errors)."""
+        output, _ = await beam_search(self, prompt, params, priority=priority)
+        return output
+
     def encode(
         self,
         prompt: str | list[int] | dict[str, Any],

@@ -115,3 +115,18 @@ def test_beam_search_input_errors(live, extra, param, message):
     err = assert_error(resp, 400, param=param)
     if message is not None:
         assert message in err["message"]
+
+
+def test_async_engine_beam_search_equals_offline(live, beam_llm):
+    import asyncio
+
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS, length_penalty=2.0)
+    ref = beam_llm.beam_search(PROMPTS[1:], params)[0]
+    # On the server's own loop, while it serves (the engine lives there).
+    future = asyncio.run_coroutine_threadsafe(
+        live.engine.beam_search(PROMPTS[1], params), live.loop)
+    out = future.result(timeout=300)
+    assert [(s.tokens, s.text, s.finish_reason) for s in out.sequences] == [
+        (s.tokens, s.text, s.finish_reason) for s in ref.sequences]
+    assert [s.score for s in out.sequences] == pytest.approx(
+        [s.score for s in ref.sequences], abs=1e-5)
