@@ -112,6 +112,7 @@ class BeamSearchSequence:
         text: the generated text (without EOS unless include_stop_str_in_output).
         finish_reason: "stop" (EOS) or "length" (max_tokens).
         stop_reason: None (EOS ends a sequence, as vLLM reports it).
+        num_prompt_tokens: how many of `tokens` are the prompt's.
     """
 
     tokens: list[int]
