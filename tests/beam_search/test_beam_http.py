@@ -14,7 +14,7 @@ import pytest
 from flowengine.beam_search import BeamSearchParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "entrypoints"))
-from openai_helpers import assert_error  # noqa: E402
+from openai_helpers import assert_error, wait_until  # noqa: E402
 from openai_live_server import LiveServer  # noqa: E402
 
 MAX_TOKENS = 4
@@ -130,3 +130,21 @@ def test_async_engine_beam_search_equals_offline(live, beam_llm):
         (s.tokens, s.text, s.finish_reason) for s in ref.sequences]
     assert [s.score for s in out.sequences] == pytest.approx(
         [s.score for s in ref.sequences], abs=1e-5)
+
+
+def test_cancelling_a_search_aborts_its_requests(live):
+    import asyncio
+    import concurrent.futures
+
+    engine = live.engine
+    pool = engine.core.scheduler.kv_cache_manager.block_pool
+    params = BeamSearchParams(beam_width=4, max_tokens=200, ignore_eos=True)
+    future = asyncio.run_coroutine_threadsafe(engine.beam_search(PROMPTS[0], params),
+                                              live.loop)
+    wait_until(lambda: pool.ref_counts() != {}, timeout_s=120)  # a step runs
+    future.cancel()  # cancels the task on the server's loop (a client gone, too)
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result(timeout=60)
+    # Every step request was aborted: nothing runs, no block is held.
+    wait_until(lambda: not engine._has_unfinished_requests() and pool.ref_counts() == {},
+               timeout_s=60)
