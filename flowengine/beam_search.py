@@ -144,6 +144,22 @@ class _Beam:
     cum_logprob: float
 
 
+def length_normalized(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """cum_logprob / length ** length_penalty (transformers' hypothesis score).
+
+    NOTE: a huge |length_penalty| takes length ** length_penalty out of the float range
+    (where Python's float pow raises OverflowError, and a 0.0 denominator
+    ZeroDivisionError); the score is then its limit: -0.0 for a vanishing score,
+    -inf for a diverging one (cum_logprob <= 0).
+    """
+    try:
+        return cum_logprob / length ** length_penalty
+    except OverflowError:
+        return -0.0 if cum_logprob <= 0 else 0.0
+    except ZeroDivisionError:
+        return -math.inf if cum_logprob < 0 else 0.0
+
+
 def num_candidates(beam_width: int, num_eos_ids: int) -> int:
     """Continuations kept per step, also the log-probabilities asked per beam:
     max(2, 1 + num_eos_ids) * beam_width (transformers' `beams_to_keep`), enough that
@@ -263,7 +279,8 @@ class BeamSearch:
         if self._improvable and not (full and p.early_stopping is True):
             for c, end in zip(cands[:width], ends[:width], strict=False):
                 if end:
-                    self.finished.append((c[0] / gen_len ** p.length_penalty, extend(c)))
+                    score = length_normalized(c[0], gen_len, p.length_penalty)
+                    self.finished.append((score, extend(c)))
             self.finished.sort(key=lambda sb: -sb[0])  # stable: earlier ones win ties
             del self.finished[width:]
         self.running = [extend(c) for c, end in zip(cands, ends, strict=True) if not end][:width]
@@ -273,7 +290,8 @@ class BeamSearch:
                 best_len = p.max_tokens
             else:
                 best_len = gen_len
-            best_possible = self.running[0].cum_logprob / best_len ** p.length_penalty
+            best_possible = length_normalized(self.running[0].cum_logprob, best_len,
+                                              p.length_penalty)
             self._improvable = best_possible > self.finished[-1][0]
         open_beam = not (len(self.finished) == width and p.early_stopping is True)
         self.done = not (self._improvable and open_beam and not all(ends))

@@ -75,24 +75,28 @@ async def beam_search(
         max_logprobs = -1
     step = step_params(params, len(eos))
 
-    async def run_one(one_prompt: Any) -> RequestOutput:
-        last = None
+    async def run_one(one_prompt: Any) -> tuple[list[int], dict[int, float]]:
+        """(prompt token ids, the step's top log-probabilities) of one beam request;
+        the token and its logprobs may come in another delta than the finish."""
+        prompt_ids, lps, error = None, None, None
         async for out in engine.submit(one_prompt, step, priority=priority):
-            last = out
-        if last is None or last.error is not None or not last.outputs[0].logprobs:
-            raise RuntimeError(f"a beam-search step failed: {getattr(last, 'error', None)}")
-        return last
+            prompt_ids = out.prompt_token_ids
+            error = out.error or error
+            if out.outputs and out.outputs[0].logprobs and lps is None:
+                lps = top_logprobs(out.outputs[0].logprobs[0])
+        if prompt_ids is None or error is not None or lps is None:
+            raise RuntimeError(f"a beam-search step failed: {error or 'no log-probabilities'}")
+        return prompt_ids, lps
 
     check_request(params, 0, engine.max_model_len, max_logprobs, len(eos))
-    first = await run_one(prompt)
+    prompt_ids, first = await run_one(prompt)
     if fit_max_tokens:
-        room = engine.max_model_len - len(first.prompt_token_ids)
+        room = engine.max_model_len - len(prompt_ids)
         if room < params.max_tokens:
             params = replace(params, max_tokens=max(1, room))
-    search = BeamSearch(first.prompt_token_ids, params, eos)
-    check_request(params, len(search.prompt_token_ids), engine.max_model_len, max_logprobs,
-                  len(eos))
-    search.advance([top_logprobs(first.outputs[0].logprobs[0])])
+    search = BeamSearch(prompt_ids, params, eos)
+    check_request(params, len(prompt_ids), engine.max_model_len, max_logprobs, len(eos))
+    search.advance([first])
     while not search.done:
         try:
             async with asyncio.TaskGroup() as tg:
@@ -104,7 +108,7 @@ async def beam_search(
             first_error = None
         if first_error is not None:
             raise first_error
-        search.advance([top_logprobs(t.result().outputs[0].logprobs[0]) for t in tasks])
+        search.advance([t.result()[1] for t in tasks])
     tokenizer = engine.get_tokenizer()
     return (search.output(lambda t: tokenizer.decode(t, skip_special_tokens=False)),
             len(search.prompt_token_ids))

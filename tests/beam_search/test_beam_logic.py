@@ -9,6 +9,7 @@ from flowengine.beam_search import (
     BeamSearch,
     BeamSearchParams,
     check_request,
+    length_normalized,
     num_candidates,
     step_params,
 )
@@ -170,3 +171,15 @@ def test_advance_checks_the_number_of_beams():
     search = BeamSearch(PROMPT, BeamSearchParams(beam_width=2, max_tokens=3), [EOS])
     with pytest.raises(ValueError, match="got log-probabilities for 2 beams, 1 are live"):
         search.advance([TABLE[()], TABLE[()]])
+
+
+def test_extreme_length_penalties_score_their_limit():
+    assert length_normalized(-3.0, 3, 1.0) == -1.0
+    assert length_normalized(-3.0, 1, 1e308) == -3.0  # 1 ** anything is 1
+    assert length_normalized(-3.0, 2, 1e308) == 0.0  # 2 ** 1e308 overflows: -> -0.0
+    assert length_normalized(-3.0, 2, -1e308) == float("-inf")  # 2 ** -1e308 == 0.0
+    for lp in (1e308, -1e308):
+        params = BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=lp)
+        search = BeamSearch(PROMPT, params, [EOS])
+        run(search)  # no OverflowError / ZeroDivisionError
+        assert len(search.output().sequences) == 2
