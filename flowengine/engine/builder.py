@@ -385,8 +385,9 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     if resolved.device == "cpu":
         from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
 
-        # A multiproc placement leaves a core to the engine and frontend processes.
-        setup_cpu_threads(args.cpu_threads, tp.world_size,
+        # A multiproc placement leaves a core to the engine and frontend processes;
+        # data-parallel replicas share the rest with each other.
+        setup_cpu_threads(args.cpu_threads, tp.world_size * args.data_parallel_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
         if dtype == torch.bfloat16:
             log_bf16_path()
