@@ -259,6 +259,11 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
     return runner, cache_config
 
 
+def _kv_sliding_window(resolved: ResolvedEngine) -> int | None:
+    """The window the KV cache frees blocks by: the model's, when all layers share it."""
+    return getattr(resolved.model_config, "kv_sliding_window", None)
+
+
 def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     """The `Scheduler` for a KV cache of `num_blocks` blocks (in the engine process of
     the multiproc placement, from the count its executor reports).
@@ -279,7 +284,8 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         ),
-        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
+                    sliding_window=_kv_sliding_window(resolved)),
         hash_seed=new_hash_seed(),
         structured_output_manager=make_structured_output_manager(resolved),
         proposer=make_proposer(resolved),
@@ -289,10 +295,9 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
 def make_proposer(resolved: ResolvedEngine):
     """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
     or None without speculation."""
+    from flowengine.core.spec_tokens import ExecutorDrafts
     from flowengine.spec_decode.config import SpeculativeConfig
     from flowengine.spec_decode.ngram import NgramProposer
-
-    from flowengine.core.spec_tokens import ExecutorDrafts
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
     if config is None:
