@@ -246,6 +246,9 @@ class LLM:
             one = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
             params_list = [one] * len(prompts)
         else:
+            if isinstance(pooling_params, dict | str | bytes):
+                raise TypeError("pooling_params must be a PoolingParams or a list of them "
+                                f"(one per prompt), not {type(pooling_params).__name__}")
             params_list = list(pooling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")

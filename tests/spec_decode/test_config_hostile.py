@@ -47,3 +47,14 @@ def test_the_bound_given_is_kept() -> None:
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
                                  "prompt_lookup_min": 2})  # fmt: skip
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+
+
+def test_a_missing_draft_model_is_refused_before_the_target_loads(tmp_path) -> None:
+    from flowengine.engine import builder
+
+    missing = tmp_path / "no-such-draft"
+    args = EngineArgs(speculative_config={"model": str(missing), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config.model: .*no-such-draft"):
+        builder._check_draft_model(args)
+    builder._check_draft_model(EngineArgs(speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2}))  # no draft model: nothing to find
