@@ -250,8 +250,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache geometry: `num_blocks` blocks of `block_size` tokens each."""
+    """KV cache geometry: `num_blocks` blocks of `block_size` tokens each.
+
+    `sliding_window`: the attention window (tokens) shared by every layer of the model,
+    or None; with one, blocks out of the window are freed (flowengine/core/
+    sliding_window.py) and one block is the null block, held by no request.
+    """
 
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: `num_blocks`, less the null block of a window."""
+        return self.num_blocks - (self.sliding_window is not None)

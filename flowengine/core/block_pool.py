@@ -5,10 +5,11 @@ The data structures follow vLLM v1's `vllm/v1/core/block_pool.py` and
 own free-list links, so a block can leave the middle of the free queue in O(1) when a
 request hits it in the prefix cache.
 
-NOTE: no block is reserved. Block ids run 0..num_blocks-1 and all of them can hold
-tokens; padding slots are marked with slot id -1 in the slot mapping and unused
+NOTE: the pool reserves no block. Block ids run 0..num_blocks-1 and all of them can
+hold tokens; padding slots are marked with slot id -1 in the slot mapping and unused
 block-table entries read as 0 but are never dereferenced past `seq_lens`
-(see flowengine/model/attention/metadata.py), so no null block is needed.
+(see flowengine/model/attention/metadata.py). Only a sliding-window KV cache takes one
+block as its null block (flowengine/core/sliding_window.py).
 
 Pure Python: this module must not import torch.
 """
@@ -197,6 +198,14 @@ class BlockPool:
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         """The block registered under `block_hash`, or None."""
         return self.cached_block_hash_to_block.get(block_hash)
+
+    def ref_counts(self) -> dict[int, int]:
+        """Block id -> reference count of every block a request holds, ascending ids.
+
+        A read-only view for tests and debugging (e.g. the beams of a beam search
+        holding their prompt's blocks once each), O(num_blocks).
+        """
+        return {b.block_id: b.ref_cnt for b in self.blocks if b.ref_cnt > 0}
 
     def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache entry (e.g. after a weight update); returns how many.

@@ -69,6 +69,7 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     _check_tensor_parallel(args, model_config, device)
+    _check_draft_model(args)
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -259,6 +260,11 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
     return runner, cache_config
 
 
+def _kv_sliding_window(resolved: ResolvedEngine) -> int | None:
+    """The window the KV cache frees blocks by: the model's, when all layers share it."""
+    return getattr(resolved.model_config, "kv_sliding_window", None)
+
+
 def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     """The `Scheduler` for a KV cache of `num_blocks` blocks (in the engine process of
     the multiproc placement, from the count its executor reports).
@@ -279,7 +285,8 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         ),
-        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
+                    sliding_window=_kv_sliding_window(resolved)),
         hash_seed=new_hash_seed(),
         structured_output_manager=make_structured_output_manager(resolved),
         proposer=make_proposer(resolved),
@@ -289,10 +296,9 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
 def make_proposer(resolved: ResolvedEngine):
     """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
     or None without speculation."""
+    from flowengine.core.spec_tokens import ExecutorDrafts
     from flowengine.spec_decode.config import SpeculativeConfig
     from flowengine.spec_decode.ngram import NgramProposer
-
-    from flowengine.core.spec_tokens import ExecutorDrafts
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
     if config is None:
@@ -301,6 +307,25 @@ def make_proposer(resolved: ResolvedEngine):
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                              config.prompt_lookup_max)
     return ExecutorDrafts(config.num_speculative_tokens)  # the executor's draft model
+
+
+def _check_draft_model(args: EngineArgs) -> None:
+    """Find speculative_config's draft model before the target loads.
+
+    Raises ValueError naming speculative_config.model when its files cannot be found (a
+    missing directory would otherwise surface as FileNotFoundError after the target's
+    weights were loaded).
+    """
+    from flowengine.model.resolve import resolve_model
+    from flowengine.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config is None or not config.uses_draft_model:
+        return
+    try:
+        resolve_model(config.model, download_dir=args.download_dir)
+    except FileNotFoundError as err:
+        raise ValueError(f"speculative_config.model: {err}") from None
 
 
 def _draft_model_config(resolved: ResolvedEngine):
