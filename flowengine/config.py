@@ -23,8 +23,9 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # Weight quantization applied at load (vLLM's --quantization); None: weights as loaded
 # (except GGUF weights on the CPU, which stay "gguf"). fp8: E4M3 W8A8 (CUDA); gguf:
-# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU).
-Quantization = Literal["fp8", "gguf", "int8"]
+# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU);
+# gptq / awq: a 4-bit checkpoint's own format (also chosen when unset, from config.json).
+Quantization = Literal["fp8", "gguf", "int8", "gptq", "awq"]
 # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" and
 # "fp8_e4m3" (the same on CUDA and CPU here) = float8_e4m3fn with scale 1.0.
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
@@ -100,6 +101,9 @@ class EngineArgs:
     # Intra-op threads of a CPU executor; None: the cores this process may use
     # (affinity, cgroup CPU quota), shared among the tensor-parallel ranks.
     cpu_threads: int | None = None
+    # vLLM's --speculative-config (flowengine/spec_decode/config.py): method "ngram"
+    # (num_speculative_tokens, prompt_lookup_min/max) or a draft "model".
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -172,6 +176,13 @@ class EngineArgs:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit (vLLM's), "
                              f"got {self.max_logprobs}")
+        if self.speculative_config is not None:
+            from flowengine.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)  # raises ValueError
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config needs tensor_parallel_size 1 (the draft "
+                                 "verification runs on one rank)")
         for name, allowed in (
             ("dtype", Dtype),
             ("load_format", LoadFormat),

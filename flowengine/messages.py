@@ -65,11 +65,19 @@ class NewRequestData(_Msg):
 
 
 class CachedRequestData(_Msg):
-    """A request the executor already holds: only what changed since the last step."""
+    """A request the executor already holds: only what changed since the last step.
+
+    draft_token_ids: speculative decoding (flowengine/spec_decode): tokens proposed to
+    follow the request's last known token; the step computes that token and these
+    drafts (num_scheduled_tokens = 1 + len(draft_token_ids)), verifies them and
+    returns the accepted ones plus one token sampled after them (vLLM's
+    `scheduled_spec_decode_tokens`).
+    """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(_Msg, tag=True):
@@ -93,6 +101,13 @@ class StepPlan(_Msg, tag=True):
     sampled and appended in step N, which never travels back through the scheduler.
     A token sampled for a request that finished in the meantime is dropped by the
     scheduler, and the request comes in a later plan's finished_req_ids.
+
+    Speculative decoding: a cached request with draft_token_ids appends them to its
+    token_ids before step 3 (n = 1 + k), samples each of its 1 + k last rows, returns
+    the accepted drafts plus one token, and rolls back: token_ids end with those,
+    num_computed_tokens drops by the rejected count, and block-table entries past
+    ceil(num_computed_tokens / block_size) are dropped (the scheduler frees the same
+    blocks; flowengine/executor/spec_verify.py, flowengine/core/spec_tokens.py).
 
     Structured outputs: structured_output_req_ids are the constrained requests that
     sample in this step and grammar_bitmask their next-token masks, one row each in
@@ -143,6 +158,9 @@ class SampledTokens(_Msg):
     # Pooling runner: the request's pooled vector instead of a token (token_ids empty),
     # float32 little-endian bytes [hidden_size], before normalisation.
     pooled: bytes | None = None
+    # Speculative decoding with a draft model: the draft tokens it proposes to follow
+    # token_ids (the scheduler may schedule them in the request's next step).
+    draft_token_ids: list[int] = []
 
 
 class StepResult(_Msg, tag=True):
@@ -183,6 +201,13 @@ class SchedulerStats(_Msg):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): drafts proposed (requests
+    # x steps with at least one draft token), draft tokens, accepted draft tokens, and
+    # accepted tokens by draft position (index 0 = first draft token).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineOutputs(_Msg):

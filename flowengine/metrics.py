@@ -70,6 +70,31 @@ E2E_BUCKETS_S = (
 )  # fmt: skip
 
 
+def _spec_decode_metrics(stats: EngineStats, labels: list[str], values: list[str]
+                         ) -> Iterator[Metric]:
+    """vLLM's spec_decode counters (`vllm/v1/spec_decode/metrics.py`; 0 without
+    speculative decoding); per_pos carries vLLM's `position` label (0 = first draft
+    token), one sample per position when speculation is on."""
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Number of spec decoding drafts.",
+         stats.spec_decode_num_drafts_total),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens.",
+         stats.spec_decode_num_draft_tokens_total),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+         stats.spec_decode_num_accepted_tokens_total),
+    ):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        c.add_metric(values, value)
+        yield c
+    c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                            "Accepted tokens per draft position.",
+                            labels=[*labels, "position"])
+    for pos, count in enumerate(per_pos):
+        c.add_metric([*values, str(pos)], count)
+    yield c
+
+
 class EngineStatsCollector(Collector):
     """Turns one `EngineStats` snapshot per scrape into gauges and counters."""
 
@@ -117,6 +142,7 @@ class EngineStatsCollector(Collector):
         yield counter(
             "prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits_total
         )
+        yield from _spec_decode_metrics(stats, labels, values)
         success = CounterMetricFamily(
             PREFIX + "request_success",
             "Successfully processed requests, by finish reason.",

@@ -74,6 +74,7 @@ class Request:
         "max_tokens",
         "cache_salt",
         "error",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -107,6 +108,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Speculative decoding with a draft model: the drafts the executor proposed to
+        # follow the request's last token (core/spec_tokens.py).
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_new_request(cls, msg: NewRequest, max_model_len: int) -> Request:

@@ -255,3 +255,18 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget all prefix-cache entries; returns how many were dropped."""
         return self.block_pool.reset_prefix_cache()
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Speculative decoding's rollback: free the request's blocks past the first
+        ceil(num_tokens / block_size), which hold only rejected draft tokens (none is
+        published: published blocks hold verified tokens only). Call once the step that
+        wrote them has completed and no later step in flight computes the request.
+        Returns the number of blocks freed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return 0
+        freed = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(freed))
+        return len(freed)

@@ -43,6 +43,14 @@ token (it skips the plans made while its token is in flight, as in the default m
 while unconstrained requests keep overlapping. `update_from_output` advances each
 matcher by the accepted tokens; a token the grammar refuses fails the request.
 
+Speculative decoding (`proposer`, core/spec_tokens.py): a decoding request may be
+scheduled for its last token plus draft tokens, all in the token budget and with KV
+slots allocated before the step (never by preempting others: short of blocks, it runs
+without drafts); after the step the rejected drafts are rolled back
+(`num_computed_tokens` and trailing blocks). With async scheduling a request is then
+never planned on a placeholder (its number of accepted tokens is known only from the
+result), as a constrained request.
+
 In both modes stop checks run on the tokens in order, so outputs equal the
 non-overlapped engine's and no token past a stop is ever delivered. Blocks of a
 request that finishes, is preempted or is aborted while an in-flight step writes them
@@ -66,6 +74,7 @@ from flowengine.core.block_pool import KVCacheBlock
 from flowengine.core.in_flight import ScheduledRequest
 from flowengine.core.kv_cache_manager import PrefixCacheStats
 from flowengine.core.scheduler_state import SchedulerState
+from flowengine.core.spec_tokens import DraftProposer, SpecDecodeState
 from flowengine.core.step_draft import NO_NEW_BLOCKS, StepDraft
 from flowengine.messages import RequestDelta, SchedulerStats, StepPlan, StepResult
 from flowengine.request import Request, RequestStatus
@@ -88,6 +97,8 @@ class Scheduler:
         structured_output_manager: compiles grammars and keeps the matchers of
             constrained requests (a `StructuredOutputManager`); None refuses requests
             with structured_outputs.
+        proposer: speculative decoding's draft-token proposer (the n-gram proposer of
+            flowengine/spec_decode); None: no speculation.
 
     Raises ValueError when chunked prefill is off and max_num_batched_tokens is below
     max_model_len (such prompts could never be scheduled).
@@ -109,6 +120,7 @@ class Scheduler:
         hash_seed: str = "",
         async_scheduling: bool = False,
         structured_output_manager: Any = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         self.state = state = SchedulerState(scheduler_config, cache_config, hash_seed=hash_seed)
         self.async_scheduling = async_scheduling
@@ -127,6 +139,7 @@ class Scheduler:
         self.waiting = state.waiting
         self.running = state.running
         self.in_flight = state.in_flight
+        self.spec = None if proposer is None else SpecDecodeState(proposer, self.max_len)
 
     # ------------------------------------------------------------------ life cycle
     def add_request(self, request: Request) -> None:
@@ -163,7 +176,11 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """Snapshot of the gauges and counters for /metrics."""
-        return self.state.make_stats()
+        stats = self.state.make_stats()
+        if self.spec is not None:
+            for name, value in self.spec.stats().items():
+                setattr(stats, name, value)
+        return stats
     # ------------------------------------------------------------------ gauges
     @property
     def num_running(self) -> int:
@@ -229,6 +246,8 @@ class Scheduler:
         if num_placeholders and (
             # A constrained request's next mask needs its in-flight token (docstring).
             request.sampling_params.structured_outputs is not None
+            # With speculation the accepted count is known only from the result.
+            or self.spec is not None
             or request.num_output_tokens + num_placeholders >= request.max_tokens
             or num_tokens + num_placeholders >= self.max_len
         ):
@@ -243,6 +262,7 @@ class Scheduler:
         block_size = self.block_size
         with_placeholders = self.async_scheduling and len(self.in_flight) > 0
         budget = draft.token_budget
+        spec = self.spec
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -254,12 +274,20 @@ class Scheduler:
             num_new = min(num_known - num_computed, budget)
             if num_new <= 0:
                 continue
+            drafts = None
+            if spec is not None and num_new == 1 and num_known == num_computed + 1 and budget > 1:
+                drafts = spec.drafts_for(request, budget - 1)
+                num_new += len(drafts)
             new_blocks: Sequence[KVCacheBlock] | None
             # Most decode steps: the tokens fit in the blocks the request holds.
             if num_computed + num_new <= len(req_to_blocks[request.request_id]) * block_size:
                 new_blocks = NO_NEW_BLOCKS
             else:
                 new_blocks = manager.allocate_slots(request, num_new)
+                if new_blocks is None and drafts:
+                    # Never preempt anyone for draft tokens: run without them.
+                    drafts, num_new = None, 1
+                    new_blocks = manager.allocate_slots(request, num_new)
                 if new_blocks is None:
                     new_blocks = self._preempt_for(request, num_new, draft)
                     if new_blocks is None:
@@ -268,6 +296,8 @@ class Scheduler:
             draft.cached_num_tokens.append(num_new)
             draft.cached_new_blocks.append(new_blocks)
             draft.cached_num_known.append(num_known)
+            if drafts:
+                draft.draft_token_ids[request.request_id] = drafts
             budget -= num_new
         draft.token_budget = budget
 
@@ -414,6 +444,10 @@ class Scheduler:
         grammars = self.structured_outputs
         if grammars is not None and not grammars.num_matchers:
             grammars = None
+        plan_drafts = None
+        if self.spec is not None:
+            plan_drafts = {c.req_id: c.draft_token_ids for c in plan.cached_reqs
+                           if c.draft_token_ids}
         deltas = []
         entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
@@ -430,11 +464,33 @@ class Scheduler:
                 if num_computed // block_size > num_cached_blocks.get(req_id, 0):
                     cache_blocks(request, num_computed)
             if record.samples:
-                delta = append_sampled(request, sampled.get(req_id))
+                tokens = sampled.get(req_id)
+                if plan_drafts and req_id in plan_drafts:
+                    self._roll_back_drafts(request, record, plan_drafts[req_id], tokens)
+                if tokens is not None and tokens.draft_token_ids:
+                    request.spec_token_ids = tokens.draft_token_ids  # a draft model's
+                delta = append_sampled(request, tokens)
                 deltas.append(delta)
                 if grammars is not None and delta.finish_reason is None and delta.new_token_ids:
                     self._advance_matcher(request, delta, grammars)
         return deltas
+
+    def _roll_back_drafts(self, request: Request, record: ScheduledRequest,
+                          drafts: list[int], sampled: Any) -> None:
+        """A step verified `drafts` of `request`: count them, and take the rejected
+        ones' KV back (num_computed_tokens, trailing blocks: core/spec_tokens.py). The
+        executor returned the accepted drafts plus one token."""
+        if sampled is None or not sampled.token_ids:
+            return  # append_sampled fails the request
+        num_accepted = min(len(sampled.token_ids) - 1, len(drafts))
+        assert self.spec is not None
+        self.spec.record(len(drafts), num_accepted)
+        if request.status is not _RUNNING or request.num_preemptions != record.num_preemptions:
+            return  # preempted since the plan: its blocks are gone already
+        # NOTE: no later plan in flight computes this request (it is never planned on a
+        # placeholder while speculation is on), so these blocks are written by no one.
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.kv_cache_manager.trim(request, request.num_computed_tokens)
 
     def _advance_matcher(self, request: Request, delta: RequestDelta, grammars: Any) -> None:
         """Feed the accepted tokens to the request's matcher; a refused token (the output

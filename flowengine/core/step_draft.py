@@ -39,6 +39,8 @@ class StepDraft:
             allocation the garbage collector has to track.
         is_short_of_blocks: a running request could not get its blocks (it preempted
             others or itself, or waits for blocks that in-flight steps release).
+        draft_token_ids: speculative decoding: the draft tokens of the cached requests
+            that have some (their num_tokens count them), by request id.
     """
 
     token_budget: int
@@ -49,6 +51,7 @@ class StepDraft:
     cached_new_blocks: list[Sequence[KVCacheBlock]] = field(default_factory=list)
     cached_num_known: list[int] = field(default_factory=list)
     is_short_of_blocks: bool = False
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def add_new(self, request: Request, num_tokens: int) -> None:
         self.new_reqs.append(request)
@@ -108,6 +111,7 @@ class StepDraft:
             samples = num_computed >= request.num_tokens
             scheduled[req_id] = ScheduledRequest(request, request.num_preemptions, samples)
         cached_reqs: list[CachedRequestData] = []
+        drafts = self.draft_token_ids
         for request, num_tokens, new_blocks, num_known in zip(
             self.cached_reqs,
             self.cached_num_tokens,
@@ -118,7 +122,11 @@ class StepDraft:
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             new_block_ids = [b.block_id for b in new_blocks] if new_blocks else _NO_NEW_BLOCK_IDS
-            cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
+            if drafts and req_id in drafts:
+                cached_reqs.append(
+                    CachedRequestData(req_id, new_block_ids, num_computed, drafts[req_id]))
+            else:
+                cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
             num_computed += num_tokens
             request.num_computed_tokens = num_computed
             scheduled[req_id] = ScheduledRequest(

@@ -282,7 +282,51 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
         CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
         hash_seed=new_hash_seed(),
         structured_output_manager=make_structured_output_manager(resolved),
+        proposer=make_proposer(resolved),
     )
+
+
+def make_proposer(resolved: ResolvedEngine):
+    """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
+    or None without speculation."""
+    from flowengine.spec_decode.config import SpeculativeConfig
+    from flowengine.spec_decode.ngram import NgramProposer
+
+    from flowengine.core.spec_tokens import ExecutorDrafts
+
+    config = SpeculativeConfig.parse(resolved.args.speculative_config)
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                             config.prompt_lookup_max)
+    return ExecutorDrafts(config.num_speculative_tokens)  # the executor's draft model
+
+
+def _draft_model_config(resolved: ResolvedEngine):
+    """The draft model's ModelConfig (speculative_config "model"), or None."""
+    from flowengine.model.model_config import ModelConfig
+    from flowengine.model.resolve import resolve_model
+    from flowengine.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(resolved.args.speculative_config)
+    if config is None or not config.uses_draft_model:
+        return None, None
+    args = resolved.args
+    path = resolve_model(config.model, download_dir=args.download_dir).path
+    return ModelConfig.from_pretrained(path, resolved.max_model_len), config
+
+
+def _attach_draft_runner(resolved: ResolvedEngine, runner: Any, draft_config: Any,
+                         spec: Any, num_blocks: int) -> None:
+    from flowengine.executor.draft_runner import DraftRunner
+
+    args = resolved.args
+    runner.draft_runner = DraftRunner(
+        draft_config, spec.num_speculative_tokens,
+        target_vocab_size=resolved.model_config.vocab_size, num_blocks=num_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=runner.device,
+        dtype=runner.dtype, load_format=args.load_format, seed=args.seed)
 
 
 def make_structured_output_manager(resolved: ResolvedEngine):
@@ -320,6 +364,12 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
                                                      kv_dtype, tp.world_size)
+    draft_config, spec = _draft_model_config(resolved)
+    if draft_config is not None:
+        from flowengine.executor.draft_runner import DraftRunner
+
+        # The draft's cache has a block for each of the target's: size them together.
+        per_block += DraftRunner.kv_cache_bytes_per_block(draft_config, args.block_size, dtype)
     runner_kwargs: dict[str, Any] = dict(
         device=torch.device(resolved.device),
         dtype=dtype,
@@ -353,6 +403,8 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     # Before the first step, in the process that allocated the cache: a max_model_len
     # the user set that the cache cannot hold stops start-up here with what to change.
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
+    if draft_config is not None:
+        _attach_draft_runner(resolved, runner, draft_config, spec, cache_config.num_blocks)
     logger.info(
         "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens (KV cache %s)",
         resolved.served_model_names[0],

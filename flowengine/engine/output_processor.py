@@ -176,6 +176,8 @@ class OutputProcessor:
         """Update one sample; True if a stop string finished it here."""
         stream = sample.delta
         new_token_ids = delta.new_token_ids
+        if len(new_token_ids) > 1 and sample.text_state.stop_checker is not None:
+            return self._apply_one_by_one(sample, delta)
         sample.token_ids += new_token_ids
         if stream:
             # Usually one delta per output: pass its list on rather than copy it.
@@ -206,6 +208,23 @@ class OutputProcessor:
             return finish_reason is None
         if finish_reason is not None:
             sample.finish_reason, sample.stop_reason = finish_reason, delta.stop_reason
+        return False
+
+    def _apply_one_by_one(self, sample: _SampleState, delta: RequestDelta) -> bool:
+        """Several tokens in one delta (speculative decoding) for a sample with stop
+        strings: apply them one at a time, so a stop string that ends inside the run
+        drops the tokens after it, exactly as when they come one per step."""
+        ids, lps = delta.new_token_ids, delta.new_logprobs
+        last = len(ids) - 1
+        for j, token_id in enumerate(ids):
+            part = msgspec.structs.replace(
+                delta, new_token_ids=[token_id],
+                new_logprobs=None if lps is None else lps[j:j + 1],
+                finish_reason=delta.finish_reason if j == last else None,
+                stop_reason=delta.stop_reason if j == last else None)
+            stopped = self._apply(sample, part)
+            if sample.finish_reason is not None:
+                return stopped and delta.finish_reason is None
         return False
 
     def _logprob_entry(

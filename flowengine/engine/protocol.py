@@ -41,6 +41,12 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0  # tokens looked up
     prefix_cache_hits_total: int = 0  # tokens found
+    # Speculative decoding (SchedulerStats' spec_decode_* counters); per_pos is empty
+    # when speculation is off, and then no spec_decode metric is exported (as vLLM).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     # Cumulative per-request histograms by metric name (engine/request_stats.py).
     histograms: dict[str, Any] = field(default_factory=dict)

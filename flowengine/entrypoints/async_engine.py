@@ -381,6 +381,11 @@ class AsyncEngine:
             num_preemptions_total=st.num_preemptions_total,
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
+            spec_decode_num_drafts_total=st.spec_decode_num_drafts_total,
+            spec_decode_num_draft_tokens_total=st.spec_decode_num_draft_tokens_total,
+            spec_decode_num_accepted_tokens_total=st.spec_decode_num_accepted_tokens_total,
+            spec_decode_num_accepted_tokens_per_pos=list(
+                st.spec_decode_num_accepted_tokens_per_pos),
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
             histograms=self.detokenizer.request_stats.snapshot(),
             cache_config=self._cache_config(st.num_total_blocks),

@@ -31,12 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "--quantization",
         "-q",
         default=None,
-        choices=["fp8", "gguf", "int8"],
+        choices=["fp8", "gguf", "int8", "gptq", "awq"],
         help="quantize weights at load: fp8 = E4M3 weights with per-channel scales and "
         "per-token dynamic activation scales (FP8 GEMMs; CUDA compute capability >= 8.9); "
         "gguf (CPU) = keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (the default for GGUF "
         "weights on the CPU); int8 (CPU) = weight-only int8 per 32 weights of a float "
-        "checkpoint",
+        "checkpoint; gptq / awq = a 4-bit GPTQ / AWQ checkpoint (detected from its "
+        "config.json when unset)",
     )
     g.add_argument(
         "--kv-cache-dtype",
@@ -158,6 +159,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         help='pooling runner: JSON object with pooling_type ("CLS", "MEAN", "LAST") and '
         "normalize, over the model's sentence-transformers config, e.g. "
         "'{\"pooling_type\": \"MEAN\", \"normalize\": true}'",
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup) or "
+        "'{\"model\": DIR, \"num_speculative_tokens\": 4}' (a draft model with the same "
+        "tokenizer); outputs are unchanged, only faster",
     )
     g.add_argument(
         "--chat-template",

@@ -13,7 +13,12 @@ from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.outputs import RequestOutput
-from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
+from flowengine.pooling.params import (
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+)
 from flowengine.sampling_params import SamplingParams
 
 
@@ -201,6 +206,43 @@ class LLM:
                 out.prompt = p.prompt
             return outs
         return self._run(processed, use_tqdm)  # type: ignore[return-value]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        pooling_task: str | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling entry: pool each prompt with a pooling-runner model and
+        return the pooled tensor, `out.outputs.data` (float32 torch tensor
+        [hidden_size]; for pooling_task "embed" the embedding `LLM.embed` returns).
+
+        pooling_task: required, as vLLM requires it; this engine's pooling models serve
+        "embed" (vLLM's other tasks, classify / score / token_*, are refused).
+        pooling_params, use_tqdm, truncate_prompt_tokens: as for `embed`. Raises
+        ValueError for a missing or unsupported task or a generate-runner model (before
+        anything runs), and what `embed` raises for bad prompts.
+        """
+        from flowengine.pooling.params import check_pooling_task
+
+        check_pooling_task(pooling_task, self.resolved.runner)
+        import torch
+
+        outs = self.embed(prompts, pooling_params, use_tqdm=use_tqdm,
+                          truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+        return [
+            PoolingRequestOutput(
+                request_id=o.request_id,
+                outputs=None if o.outputs is None else PoolingOutput(
+                    torch.from_numpy(o.outputs.vector.copy())),
+                prompt_token_ids=o.prompt_token_ids, finished=o.finished, prompt=o.prompt,
+                error=o.error,
+            )
+            for o in outs
+        ]  # fmt: skip
 
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

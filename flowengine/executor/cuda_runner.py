@@ -43,6 +43,7 @@ from flowengine.executor.input_batch import (
 from flowengine.executor.memory_profile import MemoryProfile, profile_memory
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.executor.pending_step import PendingStep, copy_to_host
+from flowengine.executor.spec_verify import verification_rows
 from flowengine.messages import StepPlan
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.model_config import ModelConfig
@@ -224,6 +225,8 @@ class CudaModelRunner(ModelRunner):
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.attn_metadata)
+        if self.draft_runner is not None:
+            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
         self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
         for state, num in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += num
@@ -235,12 +238,15 @@ class CudaModelRunner(ModelRunner):
         append_sampled). Resolves launched steps first, so the host knows every token."""
         with self._lock:
             self.flush()
-            _, inputs, hidden = self._forward(plan)
+            states, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None:
             return ModelOutput([], torch.empty(0, self.model_config.vocab_size,
                                                device=self.device))
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return ModelOutput(inputs.sample_req_ids, logits)
+        # Speculative decoding: the drafts' rows too (the Executor sends plans with
+        # drafts here, not to launch).
+        logits_indices, drafts = verification_rows(states, inputs)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        return ModelOutput(inputs.sample_req_ids, logits, drafts)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, sampler: Sampler) -> PendingStep:

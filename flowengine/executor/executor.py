@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
+from flowengine.executor.spec_verify import accept, row_states
 from flowengine.messages import SampledTokens, StepPlan, StepResult
 from flowengine.pooling.config import PoolerConfig
 from flowengine.sample.grammar_bitmask import apply_plan_bitmask
@@ -43,6 +44,11 @@ class StepHandle(Protocol):
     def done(self) -> bool: ...
 
     def result(self) -> StepResult: ...
+
+
+def has_drafts(plan: StepPlan) -> bool:
+    """Whether any request of the plan carries draft tokens (speculative decoding)."""
+    return any(c.draft_token_ids for c in plan.cached_reqs)
 
 
 class CompletedStep:
@@ -83,6 +89,7 @@ class Executor:
         its event loop instead of a worker thread; False when a launch computes the
         step on the host (CPU runners, tensor-parallel rank 0)."""
         return (getattr(self.runner, "launch", None) is not None and self.pooler_config is None
+                and self.runner.draft_runner is None
                 and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda")
 
     def execute_model(self, plan: StepPlan) -> StepResult:
@@ -100,7 +107,10 @@ class Executor:
         if self.pooler_config is not None:
             return CompletedStep(self.pool(plan))
         launch = getattr(self.runner, "launch", None)
-        if launch is not None and self.runner.tp.world_size == 1:
+        if (launch is not None and self.runner.tp.world_size == 1 and not has_drafts(plan)
+                and self.runner.draft_runner is None):
+            # (A plan with draft tokens is verified on the host path below: the number of
+            # tokens each request gains is known only after sampling.)
             # A runner that samples on the device (CudaModelRunner); tensor-parallel
             # ranks take the path below, where rank 0 shares the sampled tokens.
             return launch(plan, self.sampler)
@@ -140,6 +150,8 @@ class Executor:
         """
         if not output.req_ids:
             return StepResult(plan.step_id, [])
+        if output.draft_token_ids is not None:
+            return self._sample_drafts(plan, output)
         states = [self.runner.get_request_state(rid).sampling_state() for rid in output.req_ids]
         tp = self.runner.tp
         try:
@@ -160,7 +172,50 @@ class Executor:
             self.runner.append_sampled(rid, [tok])
             prompt_lps = self.runner.get_request_state(rid).take_prompt_logprobs()
             results.append(SampledTokens(rid, [tok], None if lp is None else [lp], prompt_lps))
+        self._propose(results)
         return StepResult(plan.step_id, results)
+
+    def _sample_drafts(self, plan: StepPlan, output: ModelOutput) -> StepResult:
+        """Sample and verify a step with draft tokens (spec_verify.py): one sampler call
+        over every verification row, then each request's accepted tokens."""
+        if self.runner.tp.world_size > 1:
+            raise RuntimeError("speculative decoding runs at tensor_parallel_size 1 only")
+        assert output.logits is not None and output.draft_token_ids is not None
+        row_req_ids: list[str] = []
+        states = []
+        for rid, drafts in zip(output.req_ids, output.draft_token_ids, strict=True):
+            rows = row_states(self.runner.get_request_state(rid), drafts)
+            states.extend(rows)
+            row_req_ids.extend([rid] * len(rows))
+        # Constrained requests get no drafts (one row each): their mask rows stay exact.
+        apply_plan_bitmask(output.logits, row_req_ids, plan.structured_output_req_ids,
+                           plan.grammar_bitmask)
+        token_ids, logprobs = self.sampler(output.logits, states).tolists()
+        results = []
+        offset = 0
+        for rid, drafts in zip(output.req_ids, output.draft_token_ids, strict=True):
+            num_rows = len(drafts) + 1
+            tokens, lps = accept(drafts, token_ids[offset:offset + num_rows],
+                                 logprobs[offset:offset + num_rows])
+            offset += num_rows
+            self.runner.apply_verified(rid, tokens)
+            prompt_lps = self.runner.get_request_state(rid).take_prompt_logprobs()
+            results.append(SampledTokens(rid, tokens, lps, prompt_lps))
+        self._propose(results)
+        return StepResult(plan.step_id, results)
+
+    def _propose(self, results: list[SampledTokens]) -> None:
+        """With a draft model: its drafts after each sampled request's new tokens, in
+        the result (the scheduler plans them). Constrained requests get none."""
+        draft = self.runner.draft_runner
+        if draft is None:
+            return
+        rows = [r for r in results
+                if self.runner.get_request_state(r.req_id).sampling_params.structured_outputs
+                is None]
+        proposals = draft.propose([self.runner.get_request_state(r.req_id) for r in rows])
+        for r, tokens in zip(rows, proposals, strict=True):
+            r.draft_token_ids = tokens
 
     def receive_sampled(self, plan: StepPlan, output: ModelOutput) -> bool:
         """Tensor-parallel ranks other than 0: receive the ids rank 0 sampled for this

@@ -44,6 +44,9 @@ class RequestState:
     prompt_logprobs: with `sampling_params.prompt_logprobs` set, the logprobs of prompt
         tokens 1.. collected so far (prefill chunk by chunk); None once delivered with
         the first sampled token (`take_prompt_logprobs`).
+    num_draft_tokens: speculative decoding: the last num_draft_tokens of token_ids are
+        this step's draft tokens, replaced by the verified ones after the step
+        (`ModelRunner.apply_verified`).
     """
 
     req_id: str
@@ -56,6 +59,7 @@ class RequestState:
     placeholder_indices: list[int] = field(default_factory=list)
     token_slot: int = -1
     prompt_logprobs: list[TokenLogprobs] | None = None
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None and self.num_computed_tokens == 0:

@@ -16,6 +16,7 @@ from flowengine.config import CacheConfig
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.executor.input_batch import InputBatch, RequestState, StepInputs
 from flowengine.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
+from flowengine.executor.spec_verify import verification_rows
 from flowengine.messages import StepPlan
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.loader import load_model
@@ -29,10 +30,14 @@ class ModelOutput:
     req_ids: the requests whose scheduled tokens reach their last known token (partial
     prefill chunks are absent), in batch order. logits: [len(req_ids), vocab] float32;
     None on tensor-parallel ranks other than 0 (rank 0 gathers the vocabulary slices).
+    draft_token_ids: speculative decoding: each request's draft tokens (None when no
+    request of the step has any); logits then has 1 + len(drafts) rows per request, in
+    order (spec_verify.py).
     """
 
     req_ids: list[str]
     logits: torch.Tensor | None
+    draft_token_ids: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -90,6 +95,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Speculative decoding's draft model (executor/draft_runner.py), or None.
+        self.draft_runner = None
         if cache_config is not None:
             self.initialize_kv_cache(cache_config)
 
@@ -135,6 +142,23 @@ class ModelRunner:
         """Record tokens sampled for `req_id` so that later steps can feed them."""
         self.requests[req_id].token_ids.extend(token_ids)
 
+    def apply_verified(self, req_id: str, token_ids: list[int]) -> None:
+        """Speculative decoding: replace the request's draft tokens by the verified
+        `token_ids` (accepted drafts + one sampled token) and roll back the rejected
+        drafts' KV: num_computed_tokens, and block-table entries past
+        ceil(num_computed_tokens / block_size), the scheduler's rule
+        (KVCacheManager.trim)."""
+        state = self.requests[req_id]
+        k = state.num_draft_tokens
+        state.num_draft_tokens = 0
+        if k:
+            del state.token_ids[-k:]
+            state.num_computed_tokens -= k - (len(token_ids) - 1)
+            block_size = self.input_batch.block_size
+            num_blocks_kept = -(-state.num_computed_tokens // block_size)
+            del state.block_ids[num_blocks_kept:]
+        state.token_ids.extend(token_ids)
+
     def update_states(self, plan: StepPlan) -> None:
         """Apply a plan's request changes (finished, new, cached) to the executor state.
 
@@ -161,6 +185,10 @@ class ModelRunner:
                 )
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.draft_token_ids:
+                # Computed after the last known token, replaced by apply_verified.
+                state.token_ids.extend(cached.draft_token_ids)
+                state.num_draft_tokens = len(cached.draft_token_ids)
 
     @torch.inference_mode()
     def execute_model(self, plan: StepPlan) -> ModelOutput:
@@ -187,11 +215,14 @@ class ModelRunner:
             )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                             inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        if self.draft_runner is not None:
+            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
+        logits_indices, drafts = verification_rows(states, inputs)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         self.collect_prompt_logprobs(states, plan.num_scheduled_tokens, inputs, hidden)
         for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
             state.num_computed_tokens += num
-        return ModelOutput(inputs.sample_req_ids, logits)
+        return ModelOutput(inputs.sample_req_ids, logits, drafts)
 
     @torch.inference_mode()
     def execute_pooling(self, plan: StepPlan, pooling_type: str) -> tuple[list[str], torch.Tensor]:

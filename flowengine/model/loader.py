@@ -11,6 +11,10 @@ weight is swapped for empty packed planes before materialization and filled from
 file's blocks; the other tensors are dequantized as before. "int8" quantizes the
 linear layers of a float checkpoint after loading (the q8_0 layout, per 32 weights).
 See flowengine/model/layers/quant_linear.py.
+
+A 4-bit GPTQ / AWQ checkpoint (`quantization_config` in config.json, on any device)
+loads its projections as packed `Int4Linear` layers, never dequantized whole
+(flowengine/model/int4_loader.py, flowengine/model/layers/int4.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ import torch
 
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
+from flowengine.model.int4_loader import (
+    Int4Plan,
+    checkpoint_names,
+    fill_dummy_int4,
+    finalize_int4,
+    place_int4,
+    swap_int4_layers,
+)
+from flowengine.model.int4_loader import expected_names as int4_expected_names
+from flowengine.model.layers.int4 import Int4QuantConfig
 from flowengine.model.layers.linear import QuantizableWeight
 from flowengine.model.layers.quant_linear import PackedTensor
 from flowengine.model.model_config import ModelConfig
@@ -69,18 +83,22 @@ def load_model(
         quantization: None (float weights); "fp8": after loading, every linear layer
             except the LM head becomes an E4M3 `Fp8Linear` (flowengine/model/layers/fp8.py);
             "gguf" (CPU): keep the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (load_format
-            must resolve to "gguf"); "int8" (CPU): weight-only, quantized after loading.
+            must resolve to "gguf"); "int8" (CPU): weight-only, quantized after loading;
+            "gptq" / "awq": the checkpoint's own 4-bit format (also chosen when unset and
+            config.json has a GPTQ / AWQ quantization_config).
 
     Raises:
         ValueError: unknown load_format or quantization, no weight files, checkpoint
             tensors that are missing / unexpected / of the wrong shape (listed in the
-            message), quantization="fp8" on a device without FP8 GEMMs, or "gguf" /
-            "int8" off the CPU.
+            message), quantization="fp8" on a device without FP8 GEMMs, "gguf" /
+            "int8" off the CPU, or a quantization that disagrees with the checkpoint's
+            quantization_config.
     """
     device = torch.device(device)
-    if quantization not in (None, "fp8", "gguf", "int8"):
+    if quantization not in (None, "fp8", "gguf", "int8", "gptq", "awq"):
         raise ValueError(f"unknown quantization {quantization!r}; supported: 'fp8', 'gguf', "
-                         "'int8'")
+                         "'int8', 'gptq', 'awq'")
+    int4 = _int4_config(model_config, quantization)
     if quantization in ("gguf", "int8") and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only; on "
                          f"{device.type} leave it unset (the weights are dequantized)")
@@ -94,7 +112,16 @@ def load_model(
         raise ValueError(
             f"quantization 'gguf' needs GGUF weights, but {model_config.model_path} loads "
             f"as {fmt!r}; pass the .gguf file (or use quantization 'int8')")
-    expected = model.expected_weight_names()
+    names: set[str] = set()
+    int4_plan: Int4Plan = {}
+    if int4 is not None:
+        if fmt not in ("safetensors", "dummy"):
+            raise ValueError(f"{int4.method.upper()} checkpoints load from safetensors, not "
+                             f"{fmt!r}")
+        names = set() if fmt == "dummy" else checkpoint_names(
+            safetensors_files(model_config.model_path))
+        int4_plan = swap_int4_layers(model, int4, dtype, None if fmt == "dummy" else names, tp)
+    expected = model.expected_weight_names() | int4_expected_names(int4_plan, int4)
     packed: dict[str, list[tuple[QuantizableWeight, WeightShard]]] = {}
     if quantization == "gguf":
         gguf_file = gguf_file or _single_gguf(model_config.model_path)
@@ -106,10 +133,14 @@ def load_model(
             init_buffers()
     if fmt == "dummy":
         model.load_weights(dummy_weights(model, seed, device))
+        fill_dummy_int4(model, seed)
     else:
         weights: Iterator[tuple[str, Any]]
         if fmt == "safetensors":
             weights = iter_safetensors(safetensors_files(model_config.model_path))
+            placed_int4: set[str] = set()
+            if int4 is not None:
+                weights = place_int4(weights, int4_plan, int4, names, placed_int4)
         else:
             from flowengine.model.gguf_loader import iter_gguf_tensors
 
@@ -117,6 +148,8 @@ def load_model(
                                         frozenset(packed))
         placed: set[str] = set()
         loaded = model.load_weights(_place_packed(weights, packed, placed)) | placed
+        if fmt == "safetensors":
+            loaded |= placed_int4
         missing = expected - loaded
         if missing:
             raise ValueError(
@@ -126,12 +159,32 @@ def load_model(
             )
     if quantization == "int8":
         _quantize_int8(model)
+    if int4 is not None:
+        finalize_int4(model)
     model.requires_grad_(False)
     if quantization == "fp8":
         from flowengine.model.layers.fp8 import quantize_model_fp8_
 
         quantize_model_fp8_(model, device)
     return model.eval()
+
+
+def _int4_config(model_config: ModelConfig, quantization: str | None
+                 ) -> Int4QuantConfig | None:
+    """The checkpoint's GPTQ / AWQ config when its layers load as packed int4; checks
+    that `quantization` (None: from the checkpoint, as vLLM) agrees with it."""
+    int4 = model_config.quantization_config
+    if int4 is None:
+        if quantization in ("gptq", "awq"):
+            raise ValueError(
+                f"quantization {quantization!r} needs a {quantization.upper()} checkpoint "
+                f"(quantization_config in config.json); {model_config.model_path} has none")
+        return None
+    if quantization not in (None, int4.method):
+        raise ValueError(
+            f"{model_config.model_path} is a {int4.method.upper()} checkpoint; leave "
+            f"quantization unset (or {int4.method!r}), not {quantization!r}")
+    return int4
 
 
 def _quantizable(model: torch.nn.Module) -> dict[str, QuantizableWeight]:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from flowengine.model.layers.int4 import Int4QuantConfig
+
 # Architectures FlowEngine serves; flowengine/model/models/__init__.py maps each to its
 # model class (one file per family).
 SUPPORTED_ARCHITECTURES = (
@@ -159,6 +161,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # BERT (encoder-only): token type embeddings; `rms_norm_eps` holds its layer_norm_eps.
     type_vocab_size: int = 0
+    # A 4-bit GPTQ / AWQ checkpoint's `quantization_config` (flowengine/model/layers/int4.py).
+    quantization_config: Int4QuantConfig | None = None
 
     @property
     def is_encoder_only(self) -> bool:
@@ -273,7 +277,19 @@ class ModelConfig:
             **_granite_fields(hf_config, arch),
             **rope_fields,
             **(_gemma_fields(hf_config, arch) if is_gemma else {}),
+            quantization_config=_quantization_config(hf_config),
         )
+
+
+def _quantization_config(hf_config: Any) -> Int4QuantConfig | None:
+    """config.json's `quantization_config` (GPTQ / AWQ), or None for a float checkpoint.
+    Raises ValueError for a quantization FlowEngine cannot load (Int4QuantConfig.from_hf)."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict()
+    return Int4QuantConfig.from_hf(qc)
 
 
 def _bert_config(cls: type[ModelConfig], hf_config: Any, model_path: str, arch: str,

@@ -11,6 +11,7 @@ No torch: runs in the frontend.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -96,6 +97,67 @@ class EmbeddingRequestOutput:
 
     request_id: str
     outputs: EmbeddingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    error: str | None = None
+
+
+# vLLM's pooling tasks (`PoolingTask`); a pooling-runner model here serves "embed".
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+SERVED_POOLING_TASKS = ("embed",)
+
+
+def supported_tasks(runner: str) -> tuple[str, ...]:
+    """What a model of this runner serves (vLLM's `LLM.supported_tasks`)."""
+    return SERVED_POOLING_TASKS if runner == "pooling" else ("generate",)
+
+
+def check_pooling_task(pooling_task: str | None, runner: str) -> str:
+    """`LLM.encode`'s pooling_task, checked against the model (vLLM's rules: the task
+    is required, and must be one the model supports). Raises ValueError saying what to
+    use instead."""
+    if pooling_task is None:
+        raise ValueError(
+            "pooling_task is required for LLM.encode; for embeddings use LLM.embed(...) "
+            "or pooling_task='embed'"
+        )
+    if runner != "pooling":
+        raise ValueError(
+            f"LLM.encode(pooling_task={pooling_task!r}) needs a pooling model, but this "
+            "one runs the 'generate' runner; load an embedding model, or the same weights "
+            "with runner='pooling' (decoder models pool their last token)"
+        )
+    if pooling_task not in SERVED_POOLING_TASKS:
+        known = "" if pooling_task in POOLING_TASKS else " (not a vLLM pooling task)"
+        raise ValueError(
+            f"pooling_task {pooling_task!r}{known} is not supported by this model; it "
+            f"supports {list(SERVED_POOLING_TASKS)}"
+        )
+    return pooling_task
+
+
+class PoolingOutput:
+    """The pooled output of one request (vLLM's `PoolingOutput`): `data` is a
+    float32 torch tensor [hidden_size] (for "embed": the embedding, truncated and
+    normalised as its PoolingParams say)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data=<tensor of shape {tuple(self.data.shape)}>)"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt (vLLM's `PoolingRequestOutput`): `outputs`
+    the pooled tensor; `error` is set (and outputs None) when the request failed."""
+
+    request_id: str
+    outputs: PoolingOutput | None
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None

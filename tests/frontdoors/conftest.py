@@ -1,16 +1,20 @@
-"""Fixtures of the front-door tests (OpenAI Responses, Anthropic Messages): the OpenAI
-server tests' fake engine, live server and helpers, imported from tests/entrypoints."""
+"""Fixtures of the front-door tests (OpenAI Responses, Anthropic Messages): one live
+server per module on the OpenAI server tests' fake engine (tests/entrypoints), with an
+API key. A module may set `make_engine()` (another engine, e.g. a scripted one) and
+`CHAT_PARSING` (the server's tool-call and reasoning parsers); the defaults are the
+echoing `FakeEngine` and no parsers."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-# The helpers are plain modules of tests/entrypoints (not a package); their directory
-# goes on the path once, so `import openai_live_server` finds them from here.
-_ENTRYPOINTS = str(Path(__file__).resolve().parents[1] / "entrypoints")
-if _ENTRYPOINTS not in sys.path:
-    sys.path.insert(0, _ENTRYPOINTS)
+# The helpers are plain modules of tests/entrypoints and tests/tools (not packages);
+# their directories go on the path once, so `import openai_live_server` finds them.
+for _name in ("entrypoints", "tools"):
+    _dir = str(Path(__file__).resolve().parents[1] / _name)
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 
 from collections.abc import Iterator  # noqa: E402
 
@@ -18,25 +22,29 @@ import anthropic  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
+from frontdoor_helpers import MODEL  # noqa: E402
 from openai_fake_engine import FakeEngine  # noqa: E402
 from openai_helpers import API_KEY, MAX_BODY_BYTES  # noqa: E402
 from openai_live_server import LiveServer  # noqa: E402
 
 from flowengine.entrypoints.openai.app import AppOptions  # noqa: E402
 
-MODEL = "fake-model"
-
 
 @pytest.fixture(scope="module")
-def engine() -> FakeEngine:
+def engine(request: pytest.FixtureRequest) -> FakeEngine:
+    make = getattr(request.module, "make_engine", None)
+    if make is not None:
+        return make()
     return FakeEngine(model_name=MODEL, max_model_len=512, step_s=0.001)
 
 
 @pytest.fixture(scope="module")
-def server(engine: FakeEngine) -> Iterator[LiveServer]:
+def server(engine: FakeEngine, request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     """One live server per module, with an API key (as `flowengine serve --api-key`)."""
     options = AppOptions(api_key=API_KEY, max_request_body_bytes=MAX_BODY_BYTES)
-    with LiveServer(engine, app_options=options, model_names=(MODEL, "alias")) as live:
+    parsing = getattr(request.module, "CHAT_PARSING", None)
+    extra = {} if parsing is None else {"chat_parsing": parsing}
+    with LiveServer(engine, app_options=options, model_names=(MODEL, "alias"), **extra) as live:
         yield live
 
 

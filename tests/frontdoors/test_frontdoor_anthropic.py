@@ -14,8 +14,8 @@ from __future__ import annotations
 import anthropic
 import httpx
 import openai
-import orjson
 import pytest
+from frontdoor_helpers import MODEL, rendered, typed_events
 from openai_helpers import API_KEY, strict
 
 from flowengine.entrypoints.openai.protocol_anthropic import (
@@ -25,14 +25,8 @@ from flowengine.entrypoints.openai.protocol_anthropic import (
 )
 from flowengine.entrypoints.openai.serving_anthropic import stop_reason_of
 
-MODEL = "fake-model"  # the conftest's server serves it
 GREEDY = {"extra_body": {"temperature": 0}}
 USER = [{"role": "user", "content": "hello there"}]
-
-
-def rendered(messages: list[dict[str, str]]) -> str:
-    """The fake engine's chat template: what its greedy output echoes."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def chat(oai: openai.OpenAI, messages, max_tokens: int, **extra):
@@ -117,19 +111,6 @@ def test_stop_reasons_of_finish_reasons():
     assert stop_reason_of(Run("abort")) == (None, None)
 
 
-def _events(raw: bytes) -> list[tuple[str, dict]]:
-    """(event, data) of each SSE event; `event:` + `data:` framing, no [DONE]."""
-    assert raw.endswith(b"\n\n") and b"[DONE]" not in raw
-    out = []
-    for block in raw.split(b"\n\n")[:-1]:
-        head, data = block.split(b"\n")
-        assert head.startswith(b"event: ") and data.startswith(b"data: "), block
-        payload = orjson.loads(data[len(b"data: ") :])
-        assert payload["type"] == head[len(b"event: ") :].decode()
-        out.append((payload["type"], payload))
-    return out
-
-
 def test_stream_events(claude, http):
     whole = claude.messages.create(model=MODEL, max_tokens=8, messages=USER, **GREEDY)
     raw = http.post(
@@ -137,7 +118,7 @@ def test_stream_events(claude, http):
         json={"model": MODEL, "max_tokens": 8, "messages": USER, "stream": True, "temperature": 0},
     )
     assert raw.status_code == 200 and raw.headers["content-type"] == "text/event-stream"
-    events = _events(raw.content)
+    events = typed_events(raw.content)
     names = [name for name, _ in events]
     num_deltas = names.count("content_block_delta")
     assert num_deltas >= 1
@@ -230,8 +211,10 @@ def test_auth_x_api_key_and_bearer(server):
             {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "tool_use"),
         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {}}]}]}, "image"),
+        ({"model": MODEL, "max_tokens": 5, "messages": USER, "tool_choice": {"type": "any"},
+          "tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "input_schema"),
         ({"model": MODEL, "max_tokens": 5, "messages": USER,
-          "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
+          "tools": [{"name": "f", "input_schema": {}}]}, "--enable-auto-tool-choice"),
         ({"model": MODEL, "max_tokens": 5, "messages": USER, "tool_choice": {"type": "any"}},
          "tool_choice"),
         ({"model": MODEL, "max_tokens": 5, "messages": USER,
@@ -282,7 +265,7 @@ def test_sdk_error_classes(claude):
         claude.messages.create(model=MODEL, max_tokens=5, messages=USER,
                                tools=[{"name": "f", "input_schema": {"type": "object"}}])  # fmt: skip
     assert err.value.body["error"]["type"] == "invalid_request_error"
-    assert "tools are not supported" in err.value.message
+    assert "--enable-auto-tool-choice" in err.value.message  # auto: not parsed here
     with pytest.raises(anthropic.NotFoundError) as err:
         claude.messages.create(model="claude-none", max_tokens=5, messages=USER)
     assert err.value.body["error"]["type"] == "not_found_error"
@@ -307,7 +290,7 @@ def test_engine_failure_mid_stream_is_an_error_event(claude, engine, http):
                 stream.get_final_text()
     finally:
         engine.fail_after_tokens = None
-    events = _events(raw.content)
+    events = typed_events(raw.content)
     assert events[-1][0] == "error"
     assert events[-1][1] == {
         "type": "error",

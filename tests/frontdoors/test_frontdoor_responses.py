@@ -13,12 +13,12 @@ import msgspec
 import openai
 import orjson
 import pytest
+from frontdoor_helpers import MODEL, rendered, typed_events
 from openai_helpers import API_KEY, assert_error, strict, wait_until
 
 from flowengine.entrypoints.openai.app import AppOptions, OpenAIApp
 from flowengine.entrypoints.openai.protocol_responses import ResponseDeleted, ResponseObject
 
-MODEL = "fake-model"  # the conftest's server serves it
 # The fake engine samples letters at random unless greedy: every request asks temperature 0.
 GREEDY = {"temperature": 0}
 STREAM_TYPES_HEAD = [
@@ -32,11 +32,6 @@ STREAM_TYPES_TAIL = [
     "response.content_part.done",
     "response.output_item.done",
 ]
-
-
-def rendered(messages: list[dict[str, str]]) -> str:
-    """The fake engine's chat template: what its greedy output echoes."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def chat_text(oai: openai.OpenAI, messages, max_tokens: int, **extra) -> tuple[str, str]:
@@ -114,19 +109,6 @@ def test_instructions_and_message_items(oai, engine):
     assert r.instructions == "sys"
 
 
-def _sse(raw: bytes) -> list[tuple[str, dict]]:
-    """(event name, data) of each event; checks `event:` + `data:` framing, no [DONE]."""
-    assert raw.endswith(b"\n\n") and b"[DONE]" not in raw
-    events = []
-    for block in raw.split(b"\n\n")[:-1]:
-        head, data = block.split(b"\n")
-        assert head.startswith(b"event: ") and data.startswith(b"data: "), block
-        payload = orjson.loads(data[len(b"data: ") :])
-        assert payload["type"] == head[len(b"event: ") :].decode()
-        events.append((payload["type"], payload))
-    return events
-
-
 def test_stream_event_sequence(oai, http):
     whole = oai.responses.create(model=MODEL, input="stream me", max_output_tokens=12, **GREEDY)
     events = list(
@@ -162,7 +144,7 @@ def test_stream_event_sequence(oai, http):
         json={"input": "abc", "stream": True, "max_output_tokens": 50, "stop": ["abc"], **GREEDY},
     )
     assert raw.headers["content-type"] == "text/event-stream"
-    wire = _sse(raw.content)
+    wire = typed_events(raw.content)
     assert [t for t, _ in wire][-1] == "response.completed"
     done = wire[-1][1]["response"]
     assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "user: "
@@ -239,11 +221,16 @@ def test_store_size_comes_from_the_options(engine):
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools", "tool"),
-        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
-         "input[0]", "function_call"),
+        # Tools are the chat route's: auto needs --enable-auto-tool-choice (not set here).
+        ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice",
+         "--enable-auto-tool-choice"),
+        ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": "required"},
+         "tools[0].type", "web_search"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+         "input[0].arguments", "object"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
-         "input[0]", "function_call_output"),
+         "input[0].call_id", "function_call"),
+        ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type", "web_search_call"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content[0]", "input_image"),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "not supported"),
@@ -271,8 +258,8 @@ def test_sdk_errors(oai, server):
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="x", tools=[{"type": "function", "name": "f",
                                                              "parameters": {}}])  # fmt: skip
-    assert err.value.body["param"] == "tools"
-    assert "tools are not supported" in err.value.message
+    assert err.value.body["param"] == "tool_choice"  # auto, which this server does not parse
+    assert "--enable-auto-tool-choice" in err.value.message
     with pytest.raises(openai.NotFoundError) as err:
         oai.responses.create(model="no-such-model", input="x")
     assert err.value.body["code"] == "model_not_found"
@@ -327,7 +314,10 @@ def test_openapi_documents_the_routes(http):
     assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
     request = doc["components"]["schemas"]["ResponsesRequest"]
     assert request["required"] == ["input"]
-    assert request["properties"]["tools"]["anyOf"][1] == {"type": "array", "maxItems": 0}
+    tools = request["properties"]["tools"]["anyOf"][0]
+    assert tools["items"] == {"$ref": "#/components/schemas/ResponsesTool"}
+    assert doc["components"]["schemas"]["ResponsesTool"]["properties"]["type"] == {
+        "const": "function"}
     assert msgspec.json.decode(orjson.dumps(doc))["openapi"] == "3.1.0"
 
 
@@ -357,7 +347,7 @@ def test_logprobs_equal_the_chat_routes(oai, http):
     part = strict(raw.content, ResponseObject).output[0].content[0]
     assert [msgspec.to_builtins(lp) for lp in part.logprobs] == expected
     # Streamed: each delta carries its tokens' log-probabilities; they join to the same.
-    events = _sse(http.post("/v1/responses", json={**body, "stream": True}).content)
+    events = typed_events(http.post("/v1/responses", json={**body, "stream": True}).content)
     deltas = [d for t, d in events if t == "response.output_text.delta"]
     assert [lp for d in deltas for lp in d["logprobs"]] == expected
     done = next(d for t, d in events if t == "response.output_text.done")

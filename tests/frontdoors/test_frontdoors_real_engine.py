@@ -1,8 +1,13 @@
 """The Responses and Anthropic Messages routes on the real `AsyncEngine` and the default
 model (SmolLM2-135M-Instruct), through the official SDKs: greedy texts, token counts and
-stop reasons equal the chat route's for the same request, streamed and not."""
+stop reasons equal the chat route's for the same request, streamed and not; with
+tool_choice required (the tools' JSON schema constrains the real model's output), the
+calls equal the chat route's too (FLOWENGINE_FRONTDOOR_REAL_TOOLS=1: it is slow)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import anthropic
 import openai
@@ -23,9 +28,12 @@ CASES = [
 @pytest.fixture(scope="module")
 def live(default_model_path):
     from flowengine.entrypoints.async_engine import AsyncEngine
+    from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 
     engine = AsyncEngine(default_model_path, max_model_len=MAX_MODEL_LEN)
-    server = LiveServer(engine, manage_engine=True).start(timeout_s=600)
+    # Requests without tools are plain text (no parser runs for them).
+    parsing = ChatParsingOptions(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    server = LiveServer(engine, manage_engine=True, chat_parsing=parsing).start(timeout_s=600)
     try:
         yield server
     finally:
@@ -128,3 +136,38 @@ def test_anthropic_prefill_continues_the_assistant_message(clients):
     # Not the same as a new assistant turn after it.
     fresh = oai.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
     assert fresh.usage.prompt_tokens != r.usage.prompt_tokens
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FLOWENGINE_FRONTDOOR_REAL_TOOLS"),
+    reason="constrained decoding on the real model takes ~15-50 s; set "
+    "FLOWENGINE_FRONTDOOR_REAL_TOOLS=1 (the fake-engine tool tests run the same code in CI)",
+)
+def test_required_tool_calls_equal_chat(clients):
+    oai, claude, name = clients
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}  # fmt: skip
+    user = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = oai.chat.completions.create(
+        model=name, messages=user, max_tokens=40, temperature=0, tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": schema}}],
+    )  # fmt: skip
+    calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+    assert r.choices[0].finish_reason == "tool_calls" and calls[0][0] == "get_weather"
+    tools = [{"type": "function", "name": "get_weather", "parameters": schema}]
+    resp = oai.responses.create(model=name, input=user, max_output_tokens=40, temperature=0,
+                                tools=tools, tool_choice="required")  # fmt: skip
+    assert [(o.name, o.arguments) for o in resp.output if o.type == "function_call"] == calls
+    events = list(oai.responses.create(model=name, input=user, max_output_tokens=40,
+                                       temperature=0, tools=tools, tool_choice="required",
+                                       stream=True))  # fmt: skip
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(a for _, a in calls)
+    m = claude.messages.create(
+        model=name, max_tokens=40, messages=user, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "input_schema": schema}], tool_choice={"type": "any"},
+    )  # fmt: skip
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == [
+        (n, json.loads(a)) for n, a in calls
+    ]
+    assert m.stop_reason == "tool_use"

@@ -1,5 +1,6 @@
 """A fake `EngineClient` whose model answers from a script: the reply to a chat is
-`scripts[last user message]`, sent a few characters per step (sizes cycling 1..5, so
+`scripts[last user message]` (or `scripts[key(messages)]` with a `key` function), sent a
+few characters per step (sizes cycling 1..5, so
 markers and JSON are cut at every kind of place), each piece one token. Ends with
 finish_reason "stop", or "length" once max_tokens pieces were sent."""
 
@@ -25,9 +26,10 @@ def pieces(text: str) -> list[str]:
 
 
 class ScriptedEngine(FakeEngine):
-    def __init__(self, scripts: dict[str, str], **kwargs: Any) -> None:
+    def __init__(self, scripts: dict[str, str], key: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scripts = scripts
+        self.key = key
 
     async def _generate(
         self, prompt: Any, params: SamplingParams, request_id: str, priority: int
@@ -35,7 +37,8 @@ class ScriptedEngine(FakeEngine):
         text, ids = self._prompt_ids(prompt)
         messages = prompt["messages"] if isinstance(prompt, dict) else prompt
         users = [m["content"] for m in messages if m["role"] == "user"]
-        script = self.scripts.get(users[-1] if users else "", "no script for this prompt")
+        wanted = self.key(messages) if self.key is not None else (users[-1] if users else "")
+        script = self.scripts.get(wanted, "no script for this prompt")
         self.submitted.append((request_id, prompt, params))
         parts = pieces(script)
         limit = params.max_tokens or len(parts)

@@ -47,33 +47,21 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
 }
 # Per request struct: fields that accept fewer values than their type (the handler
 # answers 400 to the others), stated exactly so the document describes what is served.
-_NO_TOOLS = {"anyOf": [_NULL, {"type": "array", "maxItems": 0}], "default": None}
 REFUSED_BY_REQUEST: dict[str, dict[str, dict[str, Any]]] = {
     "ResponsesRequest": {
-        "tools": _NO_TOOLS,
-        "tool_choice": {"anyOf": [_NULL, {"enum": ["none", "auto"]}], "default": None},
         "background": {"anyOf": [_NULL, {"const": False}], "default": None},
         "include": {"anyOf": [_NULL, {
             "type": "array", "items": {"const": "message.output_text.logprobs"},
         }], "default": None},
         "truncation": {"anyOf": [_NULL, {"const": "disabled"}], "default": None},
     },
-    "MessagesRequest": {
-        "tools": _NO_TOOLS,
-        "tool_choice": {"anyOf": [_NULL, {
-            "type": "object", "properties": {"type": {"enum": ["auto", "none"]}},
-            "required": ["type"],
-        }], "default": None},
-        "thinking": {"anyOf": [_NULL, {
-            "type": "object", "properties": {"type": {"const": "disabled"}}, "required": ["type"],
-        }], "default": None},
-    },
+    "MessagesRequest": {},
 }  # fmt: skip
 REFUSED_BY_REQUEST["CountTokensRequest"] = REFUSED_BY_REQUEST["MessagesRequest"]
 # Component schemas of text-only content, by struct name: the `type` values served.
 TEXT_ONLY_PARTS = {
     "TextPart": ("text",),
-    "ContentBlock": ("text",),
+    "ToolResultPart": ("text",),
     "InputContentPart": ("input_text", "output_text"),
 }
 
@@ -166,8 +154,21 @@ def build_openapi(
             }
     if "TextFormat" in components:  # the Responses route's text.format: text only
         components["TextFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
-    if "InputItem" in components:
-        components["InputItem"]["properties"]["type"] = {"const": "message", "default": "message"}
+    if "InputItem" in components:  # the item types the Responses route serves
+        components["InputItem"]["properties"]["type"] = {
+            "enum": ["message", "function_call", "function_call_output", "reasoning"],
+            "default": "message",
+        }
+    if "ContentBlock" in components:  # the Anthropic block types served
+        components["ContentBlock"]["properties"]["type"] = {
+            "enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"],
+        }
+    if "ResponsesTool" in components:  # function tools only
+        components["ResponsesTool"]["properties"]["type"] = {"const": "function"}
+    if "AnthropicTool" in components:  # custom tools only
+        components["AnthropicTool"]["properties"]["type"] = {
+            "anyOf": [_NULL, {"const": "custom"}], "default": None,
+        }
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         error = {"application/json": {"schema": schema_of[id(route.error_type)]}}

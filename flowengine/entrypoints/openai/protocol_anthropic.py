@@ -5,11 +5,13 @@ the tests).
 Field names, types and requirements follow Anthropic's API reference ("Messages",
 "Count Message tokens", "Streaming Messages", "Errors"): `model`, `messages` and
 `max_tokens` are required on /v1/messages, as Anthropic requires. Unknown fields are
-ignored. Content blocks other than text (`tool_use`, `tool_result`, `image`,
-`document`, `thinking`, ...) and `tools` are refused by the handler with a 400 naming
-the block, until tool calling exists; so is `thinking` other than disabled, and
-`output_config.format` (structured outputs) is typed null. `temperature`, `top_p` and
-`top_k` are accepted (newer `anthropic` SDKs send them through `extra_body`).
+ignored. Content blocks are `text`, `tool_use` (assistant), `tool_result` (user) and
+`thinking` / `redacted_thinking` (assistant, sent back and not rendered); others
+(`image`, `document`, ...) are refused by the handler with a 400 naming the block, and
+so are server tools (web search, code execution, ...): custom tools ({name,
+description, input_schema}) are served. `output_config.format` (structured outputs)
+is typed null. `temperature`, `top_p` and `top_k` are accepted (newer `anthropic`
+SDKs send them through `extra_body`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,28 @@ import msgspec
 from flowengine.entrypoints.openai.protocol import Int64, PosInt
 
 
-class ContentBlock(msgspec.Struct, kw_only=True):
-    """One content block; only `{"type": "text", "text": ...}` is served."""
+class ToolResultPart(msgspec.Struct, kw_only=True):
+    """One block of a `tool_result`'s content; only text blocks are served."""
 
     type: str
     text: str | None = None
+
+
+class ContentBlock(msgspec.Struct, kw_only=True):
+    """One content block: `text` (text), `tool_use` (id, name, input: a call the
+    assistant made), `tool_result` (tool_use_id, content: a string or text blocks,
+    is_error), `thinking` (thinking, signature) or `redacted_thinking` (data)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ToolResultPart] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+    signature: str | None = None
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True):
@@ -49,13 +68,41 @@ class OutputConfig(msgspec.Struct, kw_only=True):
     format: None = None
 
 
+class AnthropicTool(msgspec.Struct, kw_only=True):
+    """One entry of `tools`: a custom tool (`type` omitted or "custom") with
+    `input_schema` a JSON Schema of an object. Server tools (a `type` such as
+    "web_search_20250305") are refused by the handler."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class AnthropicToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice`: auto (the model decides), any (it must call a tool), tool (it
+    must call `name`), none; `disable_parallel_tool_use` allows at most one call."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(msgspec.Struct, kw_only=True):
+    """`thinking`: "enabled" (needs the server's --reasoning-parser; `budget_tokens`
+    is accepted and not enforced) or "disabled"."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Int64 | None = None
+
+
 class _MessagesInput(msgspec.Struct, kw_only=True):
     model: str
     messages: Annotated[list[AnthropicMessage], msgspec.Meta(min_length=1)]
     system: str | list[ContentBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class MessagesRequest(_MessagesInput, kw_only=True):
@@ -89,9 +136,19 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
-class TextBlock(_Strict):
-    type: str  # "text"
+class TextBlock(_Strict, tag="text", tag_field="type"):
     text: str
+
+
+class ToolUseBlock(_Strict, tag="tool_use", tag_field="type"):
+    id: str  # "toolu_..."
+    name: str
+    input: dict[str, Any]
+
+
+class ThinkingBlock(_Strict, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str  # always "": nothing to verify
 
 
 class AnthropicUsage(_Strict):
@@ -106,8 +163,8 @@ class MessageResponse(_Strict):
     type: str  # "message"
     role: str  # "assistant"
     model: str
-    content: list[TextBlock]
-    stop_reason: str | None  # "end_turn" | "max_tokens" | "stop_sequence"
+    content: list[TextBlock | ToolUseBlock | ThinkingBlock]
+    stop_reason: str | None  # "end_turn" | "max_tokens" | "stop_sequence" | "tool_use"
     stop_sequence: str | None
     usage: AnthropicUsage
 

@@ -7,9 +7,9 @@ fields (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`, `ignore_eos`,
 `priority`, `cache_salt`), which the `openai` SDK sends through `extra_body`. Unknown
 fields are ignored, as OpenAI and vLLM do. Fields that would change the output and
 are not served yet (`reasoning`, `conversation`, `prompt`) are typed `null`: any
-other value is a 400 naming the field; `tools`, `background`, `include` values other
-than "message.output_text.logprobs", `truncation: "auto"` and non-text `text.format`
-are refused by the handler, also with a 400 naming the field.
+other value is a 400 naming the field; tools other than function tools, `background`,
+`include` values other than "message.output_text.logprobs", `truncation: "auto"` and
+non-text `text.format` are refused by the handler, also with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -35,15 +35,41 @@ class InputContentPart(msgspec.Struct, kw_only=True):
 
 
 class InputItem(msgspec.Struct, kw_only=True):
-    """One item of `input`: a message (`type` "message" or omitted, OpenAI's
-    EasyInputMessage) with string or part-list content. `function_call`,
-    `function_call_output` and other item types are refused until tool calling lands."""
+    """One item of `input`:
+
+    - a message (`type` "message" or omitted, OpenAI's EasyInputMessage) with string
+      or part-list `content`;
+    - `function_call`: a call the model made earlier (`call_id`, `name`, `arguments`
+      as JSON text), as the `function_call` output item returned it;
+    - `function_call_output`: the result of call `call_id` (`output`, text or
+      `input_text` parts);
+    - `reasoning`: an earlier reasoning output item, accepted so that a client can send
+      a response's `output` back whole; it is not rendered (chat templates drop earlier
+      turns' reasoning).
+    Other item types are refused with a 400 naming the item.
+    """
 
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputContentPart] | None = None
     id: str | None = None
     status: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputContentPart] | None = None
+
+
+class ResponsesTool(msgspec.Struct, kw_only=True):
+    """One entry of `tools`: OpenAI's function tool, flat (`name`, `description`,
+    `parameters` a JSON Schema of an object, `strict`). Built-in tools (web_search,
+    file_search, ...) are refused by the handler with a 400 naming the tool."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextFormat(msgspec.Struct, kw_only=True):
@@ -79,8 +105,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Function tools (the chat route's tool calling): tool_choice "none", "auto"
+    # (--enable-auto-tool-choice), "required" or {"type": "function", "name": ...}.
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: PosInt | None = None
     text: TextConfig | None = None
@@ -136,12 +164,42 @@ class OutputText(_Strict):
     logprobs: list[TokenLogprob]  # [] unless include asks for them
 
 
-class OutputMessage(_Strict):
+class OutputMessage(_Strict, tag="message", tag_field="type"):
+    """A `message` output item: the assistant's text."""
+
     id: str
-    type: str  # "message"
     role: str  # "assistant"
     status: str  # "in_progress" | "completed" | "incomplete"
     content: list[OutputText]
+
+
+class FunctionCallItem(_Strict, tag="function_call", tag_field="type"):
+    """A `function_call` output item: `call_id` is what a later `function_call_output`
+    input item answers; `arguments` the model's JSON text of the arguments object."""
+
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str  # "in_progress" | "completed" | "incomplete"
+
+
+class ReasoningText(_Strict):
+    type: str  # "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Strict, tag="reasoning", tag_field="type"):
+    """A `reasoning` output item (with --reasoning-parser): the think block's text in
+    `content`; `summary` is always [] (no summaries are written)."""
+
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: str  # "in_progress" | "completed" | "incomplete"
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(_Strict):
@@ -186,15 +244,15 @@ class ResponseObject(_Strict):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
     store: bool
     temperature: float | None
     top_p: float | None
     text: TextConfigOut
-    tool_choice: str
-    tools: list[Any]
+    tool_choice: str | dict[str, str]
+    tools: list[Any]  # the request's function tools, as sent
     top_logprobs: int | None
     truncation: str
     usage: ResponseUsage | None

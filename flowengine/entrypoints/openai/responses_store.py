@@ -4,7 +4,7 @@
 the conversation it answered, for `GET /v1/responses/{id}` and for a later request's
 `previous_response_id`. Memory is bounded twice: at most `max_entries` responses and
 at most `max_bytes` bytes of text (the encoded body plus the conversation's message
-texts); past either, the least recently used responses (stored, read or continued
+texts, tool calls as JSON text); past either, the least recently used responses (stored, read or continued
 longest ago) are dropped first. A response larger than `max_bytes` alone is not
 kept. Plain logic, no asyncio: the server's event loop is its only user.
 """
@@ -29,20 +29,32 @@ class StoredResponse:
     Attributes:
         body: the Response object as returned to the client (a JSON-ready dict).
         messages: the conversation it answered, without its `instructions` (OpenAI:
-            instructions are not carried over), as {"role", "content"} dicts.
-        output_text: the assistant text it produced (the next turn's history).
+            instructions are not carried over), as chat messages ({"role", "content"},
+            plus `tool_calls` / `tool_call_id` where the turn had them).
+        output_text: the assistant text it produced.
         num_bytes: what it counts against the store's byte bound.
+        turn: its answer as chat messages when it is more than the text (tool calls),
+            else None (the answer is {"role": "assistant", "content": output_text}).
     """
 
     body: dict[str, Any]
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     output_text: str
     num_bytes: int
+    turn: tuple[dict[str, Any], ...] | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """Its messages followed by its answer: the history of a request that names it
         as `previous_response_id`."""
+        if self.turn is not None:
+            return [*self.messages, *self.turn]
         return [*self.messages, {"role": "assistant", "content": self.output_text}]
+
+
+def _message_bytes(m: dict[str, Any]) -> int:
+    """What one message counts: its role and text, and its tool calls' JSON."""
+    extra = sum(len(orjson.dumps(m[k])) for k in ("tool_calls", "tool_call_id") if k in m)
+    return len(m["role"]) + len(m["content"]) + extra
 
 
 class ResponseStore:
@@ -73,15 +85,25 @@ class ResponseStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._entries
 
-    def put(self, body: dict[str, Any], messages: list[dict[str, str]], output_text: str) -> bool:
+    def put(
+        self,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        output_text: str,
+        turn: list[dict[str, Any]] | None = None,
+    ) -> bool:
         """Keep a finished response under `body["id"]` (replacing one with that id);
-        evict LRU entries to stay within bounds. Returns False if it was not kept (the
+        evict LRU entries to stay within bounds. `turn`: the answer as chat messages
+        when it made tool calls (kept only then). Returns False if it was not kept (the
         store keeps nothing, or this response alone is over `max_bytes`)."""
         response_id = body["id"]
+        if turn is not None and not any("tool_calls" in m for m in turn):
+            turn = None  # the text alone is the answer
         num_bytes = (
             len(orjson.dumps(body))
-            + sum(len(m["content"]) + len(m["role"]) for m in messages)
+            + sum(_message_bytes(m) for m in messages)
             + len(output_text)
+            + sum(_message_bytes(m) for m in turn or ())
         )
         self.delete(response_id)
         if self.max_entries == 0 or num_bytes > self.max_bytes:
@@ -91,7 +113,9 @@ class ResponseStore:
         ):
             _, evicted = self._entries.popitem(last=False)
             self.num_bytes -= evicted.num_bytes
-        self._entries[response_id] = StoredResponse(body, tuple(messages), output_text, num_bytes)
+        self._entries[response_id] = StoredResponse(
+            body, tuple(messages), output_text, num_bytes, tuple(turn) if turn else None
+        )
         self.num_bytes += num_bytes
         return True
 

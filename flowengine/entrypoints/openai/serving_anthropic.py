@@ -3,17 +3,28 @@
 A request becomes the chat route's request (chat_adapter.py): `system` a system
 message, `messages` the conversation, `max_tokens` the cap, `stop_sequences` stop
 strings; a conversation ending with an assistant message has that message
-continued (Anthropic's prefill: the chat route's `continue_final_message`). The answer
-is one text block; `stop_reason` is "end_turn" (EOS or a stop
-token), "max_tokens" (the cap or the context limit) or "stop_sequence" (with
-`stop_sequence` the string that matched); null for a request the engine aborted.
+continued (Anthropic's prefill: the chat route's `continue_final_message`).
+
+Tools are the chat route's (chat_tools.py): custom `tools` ({name, description,
+input_schema}) become function tools, `tool_choice` auto / any / tool / none the chat
+route's auto / required / named / none (`disable_parallel_tool_use` its
+parallel_tool_calls false), with its rules (auto needs --enable-auto-tool-choice and
+--tool-call-parser). An assistant message's `tool_use` blocks become its `tool_calls`,
+a user message's `tool_result` blocks `tool` messages before its text. The answer's
+blocks (anthropic_output.py) are a `thinking` block (with --reasoning-parser), a
+`text` block and one `tool_use` block per call, their texts the chat route's
+reasoning_content / content / tool_calls. `stop_reason` is "end_turn" (EOS or a stop
+token), "tool_use" (it stopped after calling tools), "max_tokens" (the cap or the
+context limit) or "stop_sequence" (with `stop_sequence` the string that matched);
+null for a request the engine aborted.
 
 Streaming sends Anthropic's named events (`event: <type>` plus `data: <json>`):
-message_start (usage.input_tokens known, output_tokens 0), content_block_start
-(index 0, an empty text block), ping, content_block_delta (text_delta) per text delta,
-content_block_stop, message_delta (stop_reason, stop_sequence, cumulative usage),
-message_stop. A failure after the stream started is an `error` event in Anthropic's
-error shape, which ends the stream.
+message_start (usage.input_tokens known, output_tokens 0), per block
+content_block_start, content_block_delta (text_delta, thinking_delta,
+input_json_delta) per delta and content_block_stop (without a parser the text block
+starts before the ping), ping, message_delta (stop_reason, stop_sequence, cumulative
+usage), message_stop. A failure after the stream started is an `error` event in
+Anthropic's error shape, which ends the stream.
 
 Every error of these routes, also those of the app itself (401, 413, 415, 503 while
 draining, a body that is not JSON), has Anthropic's shape
@@ -23,12 +34,14 @@ as on the OpenAI routes (`anthropic_error_response`).
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 
+from flowengine.entrypoints.openai.anthropic_output import MessageContent
 from flowengine.entrypoints.openai.asgi import (
     APIRequest,
     JSONResponse,
@@ -36,11 +49,20 @@ from flowengine.entrypoints.openai.asgi import (
     StreamingResponse,
     json_response,
 )
-from flowengine.entrypoints.openai.chat_adapter import ChatRun
+from flowengine.entrypoints.openai.chat_adapter import ChatRun, rename_param
 from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import engine_error
-from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from flowengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionTool,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    MessageToolCall,
+    NamedFunction,
+    NamedToolChoice,
+)
 from flowengine.entrypoints.openai.protocol_anthropic import (
     AnthropicMessage,
     ContentBlock,
@@ -48,6 +70,7 @@ from flowengine.entrypoints.openai.protocol_anthropic import (
     MessagesRequest,
 )
 from flowengine.entrypoints.openai.sse import HEADERS
+from flowengine.entrypoints.openai.tool_parsers.request import check_tools
 
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors"); other 4xx are
 # invalid_request_error, other 5xx api_error.
@@ -65,6 +88,16 @@ ERROR_TYPES = {
 }
 # Chat field names in 400s -> this API's names.
 PARAM_NAMES = {"stop": "stop_sequences"}
+# The chat route's names of a tool's fields -> Anthropic's.
+_CHAT_TOOL_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.(name|parameters)")
+_TOOL_FIELDS = {"name": "name", "parameters": "input_schema"}
+
+
+def anthropic_param(param: str) -> str:
+    """This API's name of a chat request field named in a 400."""
+    if param in PARAM_NAMES:
+        return PARAM_NAMES[param]
+    return _CHAT_TOOL_FIELD.sub(lambda m: f"tools[{m[1]}].{_TOOL_FIELDS[m[2]]}", param)
 
 
 def anthropic_error_body(err: APIError) -> dict[str, Any]:
@@ -93,88 +126,218 @@ def anthropic_error_event(err: APIError) -> bytes:
 
 
 def _block_text(blocks: list[ContentBlock], where: str) -> str:
+    """The text of text-only blocks (`system`), joined with newlines."""
     texts = []
     for j, block in enumerate(blocks):
-        if block.type in ("tool_use", "tool_result"):
-            raise bad_request(
-                f"{block.type} blocks need tool calling, which this server does not "
-                "support yet; send text blocks only",
-                f"{where}[{j}]",
-            )
         if block.type != "text" or block.text is None:
             raise bad_request(
-                f"content block type {block.type!r} is not supported; send text blocks "
-                "({'type': 'text', 'text': ...})",
+                f"content block type {block.type!r} is not supported here; send text "
+                "blocks ({'type': 'text', 'text': ...})",
                 f"{where}[{j}]",
             )
         texts.append(block.text)
     return "\n".join(texts)
 
 
-def check_supported(req: MessagesRequest | CountTokensRequest) -> None:
-    """Raise APIError(400) for tools, forced tool choice and extended thinking."""
-    if req.tools:
+def _tool_result_text(block: ContentBlock, where: str) -> str:
+    content = block.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for k, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"tool_result content block type {part.type!r} is not supported; send "
+                "text blocks",
+                f"{where}.content[{k}]",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def check_supported(req: MessagesRequest | CountTokensRequest, has_reasoning: bool) -> None:
+    """Raise APIError(400) for server tools, and thinking without a reasoning parser."""
+    for i, tool in enumerate(req.tools or ()):
+        if tool.type not in (None, "custom"):
+            raise bad_request(
+                f"tool type {tool.type!r} is a server tool, which this server does not "
+                "run; send custom tools ({'name', 'description', 'input_schema'})",
+                f"tools[{i}].type",
+            )
+        if tool.input_schema is None:
+            raise bad_request(
+                f"tool {tool.name!r} needs input_schema (a JSON Schema of an object)",
+                f"tools[{i}].input_schema",
+            )
+    if req.thinking is not None and req.thinking.type == "enabled" and not has_reasoning:
         raise bad_request(
-            "tools are not supported yet by this server (tool calling); remove them", "tools"
-        )
-    if req.tool_choice is not None and req.tool_choice.get("type") not in ("auto", "none"):
-        raise bad_request(
-            "tool_choice needs tools, which this server does not support yet; remove it",
-            "tool_choice",
-        )
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise bad_request(
-            "extended thinking is not supported by this server; remove thinking or set "
-            "{'type': 'disabled'}",
+            "extended thinking needs a reasoning model served with --reasoning-parser; "
+            "remove thinking or set {'type': 'disabled'}",
             "thinking",
         )
 
 
 def chat_messages_of(
     system: str | list[ContentBlock] | None, messages: list[AnthropicMessage]
-) -> list[dict[str, str]]:
-    """`system` and `messages` as chat messages ({"role", "content"}, text blocks of one
-    message joined with newlines). Raises APIError(400) naming a non-text block."""
-    out = []
+) -> list[dict[str, Any]]:
+    """`system` and `messages` as chat messages: text blocks of one message joined with
+    newlines; an assistant message's `tool_use` blocks its `tool_calls` (id, name,
+    arguments as JSON text); a user message's `tool_result` blocks
+    {"role": "tool", "tool_call_id", "content"} messages before its text (a user
+    message of tool results only has no user message); thinking blocks dropped.
+
+    Raises APIError(400) naming the block: a block type not served (image, document,
+    ...), tool_use outside an assistant message or without id/name, tool_result
+    outside a user message or answering no tool_use of the message before, and tool_use
+    blocks without their tool_result in the next message.
+    """
+    out: list[dict[str, Any]] = []
     if system is not None:
         text = system if isinstance(system, str) else _block_text(system, "system")
         out.append({"role": "system", "content": text})
+    unanswered: dict[str, int] = {}  # tool_use ids of the last assistant message
     for i, m in enumerate(messages):
+        if unanswered and m.role != "user":
+            raise _unanswered(unanswered, i)
         if isinstance(m.content, str):
-            text = m.content
+            if unanswered:
+                raise _unanswered(unanswered, i)
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for j, block in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if block.type == "text":
+                if block.text is None:
+                    raise bad_request("a text block needs text", where)
+                texts.append(block.text)
+            elif block.type == "tool_use" and m.role == "assistant":
+                if not block.id or not block.name:
+                    raise bad_request("a tool_use block needs id and name", where)
+                arguments = orjson.dumps(block.input or {}).decode()
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": arguments}})  # fmt: skip
+            elif block.type == "tool_result" and m.role == "user":
+                if block.tool_use_id not in unanswered:
+                    raise bad_request(
+                        f"tool_result answers tool_use_id {block.tool_use_id!r}, which is not "
+                        "a tool_use block of the assistant message just before",
+                        f"{where}.tool_use_id",
+                    )
+                del unanswered[block.tool_use_id]
+                results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                "content": _tool_result_text(block, where)})  # fmt: skip
+            elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # an earlier turn's reasoning: templates do not render it
+            elif block.type in ("tool_use", "tool_result", "thinking", "redacted_thinking"):
+                owner = "user" if block.type == "tool_result" else "assistant"
+                raise bad_request(f"{block.type} blocks belong in {owner} messages", where)
+            else:
+                raise bad_request(
+                    f"content block type {block.type!r} is not supported; send text, "
+                    "tool_use or tool_result blocks",
+                    where,
+                )
+        if unanswered:
+            raise _unanswered(unanswered, i)
+        if m.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+                unanswered = {c["id"]: i for c in calls}
+            out.append(message)
         else:
-            text = _block_text(m.content, f"messages[{i}].content")
-        out.append({"role": m.role, "content": text})
+            out.extend(results)
+            if texts or not results:
+                out.append({"role": "user", "content": "\n".join(texts)})
+    if unanswered:
+        raise _unanswered(unanswered, len(messages))
     return out
 
 
-def is_prefill(messages: list[dict[str, str]]) -> bool:
+def _unanswered(ids: dict[str, int], i: int) -> APIError:
+    where = next(iter(ids.values()))
+    return bad_request(
+        f"tool_use ids {sorted(ids)} of messages[{where}] have no tool_result block in the "
+        "user message right after it; answer each call",
+        f"messages[{min(i, where + 1)}]",
+    )
+
+
+def chat_tools(
+    req: MessagesRequest | CountTokensRequest,
+) -> tuple[list[ChatCompletionTool] | None, Any, bool | None]:
+    """(tools, tool_choice, parallel_tool_calls) as the chat route's. A tool_choice of
+    auto or none without tools means no tools."""
+    choice = req.tool_choice
+    parallel = None
+    if choice is not None and choice.disable_parallel_tool_use is not None:
+        parallel = not choice.disable_parallel_tool_use
+    chat_choice: Any = None
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise bad_request("tool_choice of type 'tool' needs name", "tool_choice.name")
+            chat_choice = NamedToolChoice(function=NamedFunction(name=choice.name))
+        else:
+            chat_choice = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if not req.tools:
+        if chat_choice in (None, "auto", "none"):
+            return None, None, parallel
+        return None, chat_choice, parallel
+    tools = [
+        ChatCompletionTool(function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.input_schema))
+        for t in req.tools
+    ]  # fmt: skip
+    return tools, chat_choice, parallel
+
+
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
     """Anthropic's "prefill": a conversation ending with an assistant message has that
     message continued (the text returned is only the continuation), which the chat
     template gives with continue_final_message instead of a new assistant turn."""
     return messages[-1]["role"] == "assistant"
 
 
-def stop_reason_of(run: ChatRun) -> tuple[str | None, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for a finished run."""
+def stop_reason_of(run: ChatRun, num_tool_uses: int = 0) -> tuple[str | None, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished run that made
+    `num_tool_uses` calls."""
     if run.finish_reason == "length":
         return "max_tokens", None
     if run.finish_reason == "stop":
+        if num_tool_uses:
+            return "tool_use", None
         if isinstance(run.stop_reason, str):
             return "stop_sequence", run.stop_reason
         return "end_turn", None  # EOS or a stop token id
     return None, None  # aborted by the engine
 
 
+def _chat_message(m: dict[str, Any]) -> ChatMessage:
+    calls = [
+        MessageToolCall(id=c["id"], function=FunctionCall(
+            name=c["function"]["name"], arguments=c["function"]["arguments"]))
+        for c in m.get("tool_calls") or ()
+    ]  # fmt: skip
+    return ChatMessage(
+        role=m["role"], content=m["content"], tool_calls=calls or None,
+        tool_call_id=m.get("tool_call_id"),
+    )  # fmt: skip
+
+
 async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle POST /v1/messages. Raises APIError (400/404/429/503)."""
     req = ctx.decode(request.raw_body, MessagesRequest)
-    check_supported(req)
+    check_supported(req, ctx.chat_parsing.reasoning_parser is not None)
     model = ctx.resolve_model(req.model)
     messages = chat_messages_of(req.system, req.messages)
     prefill = is_prefill(messages)
+    tools, tool_choice, parallel = chat_tools(req)
     chat = ChatCompletionRequest(
-        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],  # type: ignore[arg-type]
+        messages=[_chat_message(m) for m in messages],
         model=model,
         add_generation_prompt=not prefill,
         continue_final_message=prefill,
@@ -184,28 +347,35 @@ async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
         top_p=req.top_p,
         top_k=req.top_k,
         stream=req.stream,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
     )
     message_id = f"msg_{uuid.uuid4().hex}"
-    run = await ChatRun.open(ctx, chat, message_id, kind="messages", param_names=PARAM_NAMES)
+    run = await ChatRun.open(ctx, chat, message_id, kind="messages", param_names=anthropic_param)
+    content = MessageContent(plain=not run.is_parsed)
     if req.stream:
         return StreamingResponse(
-            _stream(run, model),
+            _stream(run, content, model),
             cleanup=run.aclose,
             headers=HEADERS,
             error_event=anthropic_error_event,
         )
     try:
-        await run.collect()
+        content.start()
+        async for delta in run.deltas():
+            content.feed(delta)
+        content.finish()
     finally:
         await run.aclose()
-    reason, sequence = stop_reason_of(run)
+    reason, sequence = stop_reason_of(run, content.num_tool_uses)
     return json_response(
         {
             "id": message_id,
             "type": "message",
             "role": "assistant",
             "model": model,
-            "content": [{"type": "text", "text": run.text}],
+            "content": content.json(),
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": {
@@ -216,7 +386,7 @@ async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
     )
 
 
-async def _stream(run: ChatRun, model: str) -> AsyncIterator[bytes]:
+async def _stream(run: ChatRun, content: MessageContent, model: str) -> AsyncIterator[bytes]:
     try:
         message = {
             "id": run.request_id,
@@ -229,26 +399,15 @@ async def _stream(run: ChatRun, model: str) -> AsyncIterator[bytes]:
             "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": 0},
         }
         yield _event("message_start", {"type": "message_start", "message": message})
-        yield _event(
-            "content_block_start",
-            {
-                "type": "content_block_start",
-                "index": 0,
-                "content_block": {"type": "text", "text": ""},
-            },
-        )
+        for name, data in content.start():
+            yield _event(name, data)
         yield _event("ping", {"type": "ping"})
         async for delta in run.deltas():
-            yield _event(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": 0,
-                    "delta": {"type": "text_delta", "text": delta.text},
-                },
-            )
-        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        reason, sequence = stop_reason_of(run)
+            for name, data in content.feed(delta):
+                yield _event(name, data)
+        for name, data in content.finish():
+            yield _event(name, data)
+        reason, sequence = stop_reason_of(run, content.num_tool_uses)
         yield _event(
             "message_delta",
             {
@@ -268,12 +427,22 @@ async def _stream(run: ChatRun, model: str) -> AsyncIterator[bytes]:
 
 
 async def count_tokens(ctx: ServingContext, request: APIRequest) -> Response:
-    """POST /v1/messages/count_tokens: the prompt's token count after the chat template
-    (the `usage.input_tokens` that /v1/messages would report). Raises APIError(400/404)."""
+    """POST /v1/messages/count_tokens: the prompt's token count after the chat template,
+    tools included (the `usage.input_tokens` that /v1/messages would report). Raises
+    APIError(400/404)."""
     req = ctx.decode(request.raw_body, CountTokensRequest)
-    check_supported(req)
+    check_supported(req, ctx.chat_parsing.reasoning_parser is not None)
     ctx.resolve_model(req.model)
     messages = chat_messages_of(req.system, req.messages)
+    tools, tool_choice, _ = chat_tools(req)
+    template_tools = None
+    if tools:
+        try:
+            template_tools = check_tools(tools)
+        except APIError as err:
+            raise rename_param(err, anthropic_param) from None
+        if tool_choice == "none" and ctx.chat_parsing.exclude_tools_when_tool_choice_none:
+            template_tools = None
     # The engine's own template step, as /tokenize: the count is what a request uses.
     from flowengine.tokenize.chat import apply_chat_template
 
@@ -285,6 +454,7 @@ async def count_tokens(ctx: ServingContext, request: APIRequest) -> Response:
             not prefill,
             continue_final_message=prefill,
             chat_template=getattr(ctx.engine, "chat_template", None),  # --chat-template
+            tools=template_tools,
         )
     except ValueError as err:
         raise APIError(400, str(err), param="messages") from err

@@ -7,7 +7,8 @@ chunk with `choices: []` and `usage` (and `usage: null` on every earlier chunk),
 `data: [DONE]`. The response starts once the engine produced its first output, so
 input errors still get a 4xx status (see generation.py).
 
-Tool calling and reasoning (chat_parsing.py): `tools` reach the chat template;
+Tool calling and reasoning (chat_tools.py, shared with the Responses and Anthropic
+routes; chat_parsing.py): `tools` reach the chat template;
 `tool_choice` required / a named function constrain the output with a JSON schema
 (tool_parsers/request.py), `auto` is parsed by the server's `--tool-call-parser`;
 with `--reasoning-parser` the text before `</think>` becomes `reasoning_content`.
@@ -20,10 +21,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
-
-import orjson
 
 from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import (
@@ -33,6 +32,7 @@ from flowengine.entrypoints.openai.asgi import (
     json_response,
 )
 from flowengine.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, join_choice
+from flowengine.entrypoints.openai.chat_tools import ParserFactory, setup_chat_output
 from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
@@ -44,17 +44,7 @@ from flowengine.entrypoints.openai.logprobs import (
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
-from flowengine.entrypoints.openai.tool_parsers.request import (
-    ToolChoice,
-    resolve_tool_choice,
-    tool_choice_schema,
-)
 from flowengine.outputs import CompletionOutput, RequestOutput
-from flowengine.reasoning import ThinkReasoningParser, get_reasoning_parser
-from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
-
-# Makes a choice's parser from the prompt text; None: plain content.
-ParserFactory = Callable[[str | None], ChoiceParser] | None
 
 
 def _usage(ctx: ServingContext, stream: EngineStream) -> dict[str, Any]:
@@ -69,22 +59,16 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     model = ctx.resolve_model(req.model)
     params = chat_params(req, ctx.engine.default_sampling_params)
     check_limits(ctx.limits, params, 1, ctx.engine.max_model_len, "top_logprobs")
-    parsing = ctx.chat_parsing
-    choice = resolve_tool_choice(
-        req.tools, req.tool_choice, req.parallel_tool_calls, auto_enabled=parsing.auto_enabled
+    setup = setup_chat_output(
+        ctx.chat_parsing, params, req.tools, req.tool_choice, req.parallel_tool_calls
     )
-    params = _tool_params(params, choice, parsing.tool_parser_class(choice))
-    if parsing.reasoning_parser is not None:
-        params = _after_reasoning(params, get_reasoning_parser(parsing.reasoning_parser))
-    make_parser = parsing.parser_factory(choice)
+    params, make_parser = setup.params, setup.make_parser
     messages = chat_messages(req)
     # The plain conversation, or {"messages": ..., options} when an option is not the
     # default (the engine's Tokenizer renders it: input_processor.CHAT_OPTIONS).
     options: dict[str, Any] = {}
-    if choice.tools is not None and not (
-        choice.mode == "none" and parsing.exclude_tools_when_tool_choice_none
-    ):
-        options["tools"] = choice.tools
+    if setup.template_tools is not None:
+        options["tools"] = setup.template_tools
     if req.cache_salt is not None:
         options["cache_salt"] = req.cache_salt
     if req.chat_template_kwargs:
@@ -165,59 +149,6 @@ def _final_choices(total: RequestOutput, n: int) -> list[CompletionOutput]:
     """The n completions of a folded output, in index order (empty where none came)."""
     by_index = {c.index: c for c in total.outputs}
     return [by_index.get(i) or CompletionOutput(i, "", []) for i in range(n)]
-
-
-def _tool_params(
-    params: SamplingParams, choice: ToolChoice, parser_cls: type | None
-) -> SamplingParams:
-    """The request's SamplingParams with what its tool choice needs: the JSON schema of
-    `required` / a named function as a structured-output constraint (so arguments
-    always parse), and the detokenizer setting of a parser whose markers are special
-    tokens. Raises APIError(400)."""
-    changes: dict[str, Any] = {}
-    schema = tool_choice_schema(choice)
-    if schema is not None:
-        changes.update(_schema_constraint(params, schema))
-    wanted = getattr(parser_cls, "skip_special_tokens", None)
-    if wanted is not None and params.skip_special_tokens != wanted:
-        changes["skip_special_tokens"] = wanted
-    return params.clone(**changes) if changes else params
-
-
-def _schema_constraint(params: SamplingParams, schema: dict[str, Any]) -> dict[str, Any]:
-    """SamplingParams changes that constrain the output to the tool choice's `schema`.
-    Raises APIError(400): another constraint is set too, or a tool's parameters use a
-    schema feature the grammar backends cannot compile (named in the message)."""
-    if params.structured_outputs is not None:
-        raise bad_request(
-            "tool_choice 'required' or a named function constrains the output to the "
-            "tools' schemas; it cannot be combined with response_format or another "
-            "structured-output constraint",
-            "tool_choice",
-        )
-    from flowengine.structured_outputs.validate import validate_structured_outputs
-
-    constraint = StructuredOutputsParams(json=schema)
-    try:
-        validate_structured_outputs(constraint, field="tools")
-    except ValueError as err:
-        raise bad_request(str(err), "tools") from None
-    return {"structured_outputs": constraint}
-
-
-def _after_reasoning(
-    params: SamplingParams, parser_cls: type[ThinkReasoningParser]
-) -> SamplingParams:
-    """With a reasoning parser, a JSON constraint (response_format json_schema or
-    json_object, a tool choice's schema) applies only after the think block: it becomes
-    the structural tag of `ThinkReasoningParser.gated_structural_tag`. Other kinds
-    (regex, choice, grammar, structural_tag) apply from the first token."""
-    constraint = params.structured_outputs
-    if constraint is None or constraint.kind not in ("json", "json_object"):
-        return params
-    schema = orjson.loads(constraint.spec) if constraint.kind == "json" else {"type": "object"}
-    tag = parser_cls.gated_structural_tag(schema)
-    return params.clone(structured_outputs=StructuredOutputsParams(structural_tag=tag))
 
 
 def _choice_body(

@@ -3,22 +3,33 @@
 A request becomes the chat route's request (chat_adapter.py): `instructions` a system
 message, `input` the conversation (after the stored conversation of
 `previous_response_id`, if given), `max_output_tokens` the chat route's
-`max_completion_tokens`. The answer is one `message` output item with one
-`output_text` part. A response that stopped at `max_output_tokens` (or the context
-limit) has `status: "incomplete"` and `incomplete_details.reason:
-"max_output_tokens"`.
+`max_completion_tokens`. Function `tools` (flat, OpenAI's Responses shape),
+`tool_choice` and `parallel_tool_calls` become the chat route's, with its rules
+(`auto` needs --enable-auto-tool-choice and --tool-call-parser; `required` and a
+named function are enforced by a JSON schema); `function_call` input items become an
+assistant message's `tool_calls`, `function_call_output` items `tool` messages.
+The answer's output items (responses_output.py) are a `reasoning` item (with
+--reasoning-parser), a `message` item with one `output_text` part, and one
+`function_call` item per call, in the order generated; their texts are the chat
+route's reasoning_content / content / tool_calls for the same request. A response
+that stopped at `max_output_tokens` (or the context limit) has `status:
+"incomplete"` and `incomplete_details.reason: "max_output_tokens"`.
 
 Streaming sends OpenAI's typed events, each as `event: <type>` plus `data: <json>`
 with a `sequence_number` counting from 0: response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta
-(one per text delta), response.output_text.done, response.content_part.done,
-response.output_item.done, then response.completed (or response.incomplete). A failure
-after the stream started ends it with response.failed (status "failed", `error`).
-There is no `data: [DONE]`; OpenAI's Responses streams end with their last event.
+then per output item response.output_item.added, its content events
+(response.content_part.added, response.output_text.delta or
+response.reasoning_text.delta per delta, their .done, response.content_part.done; for
+a call response.function_call_arguments.delta per fragment and .done),
+response.output_item.done; then response.completed (or response.incomplete). A
+failure after the stream started ends it with response.failed (status "failed",
+`error`). There is no `data: [DONE]`; OpenAI's Responses streams end with their last
+event.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -37,13 +48,24 @@ from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import engine_error
 from flowengine.entrypoints.openai.logprobs import chat_logprobs
-from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from flowengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionTool,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    MessageToolCall,
+    NamedFunction,
+    NamedToolChoice,
+)
 from flowengine.entrypoints.openai.protocol_responses import (
     INCLUDE_LOGPROBS,
     RESPONSES_UNSUPPORTED_FIELDS,
+    InputContentPart,
     InputItem,
     ResponsesRequest,
 )
+from flowengine.entrypoints.openai.responses_output import Event, ResponseOutput
 from flowengine.entrypoints.openai.responses_store import ResponseStore
 from flowengine.entrypoints.openai.sse import HEADERS
 
@@ -51,6 +73,13 @@ from flowengine.entrypoints.openai.sse import HEADERS
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
 # Content part types that carry text: user/system/developer input, replayed assistant output.
 TEXT_PART_TYPES = ("input_text", "output_text")
+# The chat route names a tool's fields `tools[i].function.<field>`; here they are flat.
+_CHAT_TOOL_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.")
+
+
+def responses_param(param: str) -> str:
+    """This API's name of a chat request field named in a 400."""
+    return PARAM_NAMES.get(param) or _CHAT_TOOL_FIELD.sub(r"tools[\1].", param)
 
 
 def decode_request(body: bytes) -> ResponsesRequest:
@@ -68,16 +97,21 @@ def decode_request(body: bytes) -> ResponsesRequest:
 
 def check_supported(req: ResponsesRequest) -> None:
     """Raise APIError(400) for fields set to values this server cannot honour."""
-    if req.tools:
-        raise bad_request(
-            "tools are not supported yet by this server (tool calling); remove them", "tools"
-        )
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request(
-            "tool_choice needs tools, which this server does not support yet; remove it "
-            "or use 'auto' or 'none'",
-            "tool_choice",
-        )
+    for i, tool in enumerate(req.tools or ()):
+        if tool.type != "function":
+            raise bad_request(
+                f"tool type {tool.type!r} is not supported by this server; only function "
+                "tools ({'type': 'function', 'name': ..., 'parameters': ...}) are",
+                f"tools[{i}].type",
+            )
+    if isinstance(req.tool_choice, dict):
+        name = req.tool_choice.get("name")
+        if req.tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request(
+                "tool_choice must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'name': <one of the tools>}",
+                "tool_choice",
+            )
     if req.background:
         raise bad_request(
             "background responses are not supported; send the request without "
@@ -104,27 +138,99 @@ def check_supported(req: ResponsesRequest) -> None:
         )
 
 
-def input_messages(items: str | list[InputItem]) -> list[dict[str, str]]:
-    """`input` as chat messages ({"role", "content"} with text content; text parts of
-    one message joined with newlines, as the chat route joins them).
+def _parts_text(parts: str | list[InputContentPart] | None, where: str) -> str:
+    """Text content (a string, or text parts joined with newlines as the chat route
+    joins them). Raises APIError(400) naming a non-text part."""
+    if parts is None or isinstance(parts, str):
+        return parts or ""
+    texts = []
+    for j, part in enumerate(parts):
+        if part.type not in TEXT_PART_TYPES or part.text is None:
+            raise bad_request(
+                f"content part type {part.type!r} is not supported; send text parts "
+                "({'type': 'input_text', 'text': ...})",
+                f"{where}[{j}]",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
 
-    Raises APIError(400) naming the item for function_call / function_call_output
-    items (tool calling is not served yet), other non-message items, a message
-    without a role, and non-text content parts (images, files).
+
+def _function_call(i: int, item: InputItem) -> dict[str, Any]:
+    """A `function_call` input item as one of an assistant message's `tool_calls`."""
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(getattr(item, name), str) or not getattr(item, name):
+            raise bad_request(
+                f"input[{i}] is a function_call item and needs {name} (a non-empty string)",
+                f"input[{i}].{name}",
+            )
+    assert item.arguments is not None
+    try:
+        arguments = orjson.loads(item.arguments)
+    except orjson.JSONDecodeError as err:
+        raise bad_request(
+            f"the arguments of a function_call must be JSON text of an object: {err}",
+            f"input[{i}].arguments",
+        ) from None
+    if not isinstance(arguments, dict):
+        raise bad_request(
+            "the arguments of a function_call must be JSON text of an object, got "
+            f"{type(arguments).__name__}",
+            f"input[{i}].arguments",
+        )
+    return {"id": item.call_id, "type": "function",
+            "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+
+
+def _known_call_ids(messages: list[dict[str, Any]]) -> set[str]:
+    return {c["id"] for m in messages for c in m.get("tool_calls") or ()}
+
+
+def input_messages(
+    items: str | list[InputItem], history: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """`input` as chat messages: {"role", "content"} with text content (text parts of
+    one message joined with newlines, as the chat route joins them); `function_call`
+    items become the `tool_calls` of an assistant message (consecutive calls, and the
+    assistant message just before them, form one turn), `function_call_output` items
+    {"role": "tool", "tool_call_id", "content"}; `reasoning` items are dropped.
+    `history`: the stored conversation before `input` (its calls may be answered).
+
+    Raises APIError(400) naming the item: a message without a role, non-text content
+    parts (images, files), a function_call without call_id/name/arguments or with
+    arguments that are not a JSON object, a function_call_output whose call_id
+    answers no earlier function_call, other item types.
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    messages = []
+    messages: list[dict[str, Any]] = []
+    known = _known_call_ids(history or [])
     for i, item in enumerate(items):
-        if item.type in ("function_call", "function_call_output"):
-            raise bad_request(
-                f"input[{i}] is a {item.type} item; tool calling is not supported yet by "
-                "this server, send message items only",
-                f"input[{i}]",
-            )
+        if item.type == "reasoning":
+            continue  # an earlier turn's reasoning: templates do not render it
+        if item.type == "function_call":
+            call = _function_call(i, item)
+            known.add(call["id"])
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if item.type == "function_call_output":
+            if not item.call_id or item.call_id not in known:
+                raise bad_request(
+                    f"input[{i}] answers call_id {item.call_id!r}, but no function_call "
+                    "with that call_id comes before it (in input or the "
+                    "previous_response_id's conversation)",
+                    f"input[{i}].call_id",
+                )
+            output = _parts_text(item.output, f"input[{i}].output")
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            continue
         if item.type != "message":
             raise bad_request(
-                f"input[{i}] has type {item.type!r}; only message items are supported",
+                f"input[{i}] has type {item.type!r}; supported items are message, "
+                "function_call, function_call_output and reasoning",
                 f"input[{i}].type",
             )
         if item.role is None:
@@ -132,19 +238,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, str]]:
                 f"input[{i}] needs a role: user, assistant, system or developer",
                 f"input[{i}].role",
             )
-        if item.content is None or isinstance(item.content, str):
-            text = item.content or ""
-        else:
-            texts = []
-            for j, part in enumerate(item.content):
-                if part.type not in TEXT_PART_TYPES or part.text is None:
-                    raise bad_request(
-                        f"content part type {part.type!r} is not supported; send text "
-                        "parts ({'type': 'input_text', 'text': ...})",
-                        f"input[{i}].content[{j}]",
-                    )
-                texts.append(part.text)
-            text = "\n".join(texts)
+        text = _parts_text(item.content, f"input[{i}].content")
         messages.append({"role": item.role, "content": text})
     return messages
 
@@ -155,15 +249,52 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
     return INCLUDE_LOGPROBS in (req.include or ())
 
 
+def chat_tools(req: ResponsesRequest) -> tuple[list[ChatCompletionTool] | None, Any]:
+    """The request's tools and tool_choice as the chat route's. A tool_choice of "auto"
+    or "none" without tools means no tools (OpenAI accepts it)."""
+    if not req.tools:
+        if req.tool_choice in (None, "auto", "none"):
+            return ([] if req.tools is not None else None), None
+        return None, _chat_tool_choice(req.tool_choice)
+    tools = [
+        ChatCompletionTool(function=FunctionDefinition(
+            name=t.name or "", description=t.description, parameters=t.parameters,
+            strict=t.strict,
+        ))
+        for t in req.tools
+    ]  # fmt: skip
+    return tools, _chat_tool_choice(req.tool_choice)
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict):
+        return NamedToolChoice(function=NamedFunction(name=choice["name"]))
+    return choice
+
+
+def _chat_message(m: dict[str, Any]) -> ChatMessage:
+    calls = [
+        MessageToolCall(id=c["id"], function=FunctionCall(
+            name=c["function"]["name"], arguments=c["function"]["arguments"]))
+        for c in m.get("tool_calls") or ()
+    ]  # fmt: skip
+    return ChatMessage(
+        role=m["role"], content=m["content"], tool_calls=calls or None,
+        tool_call_id=m.get("tool_call_id"),
+    )  # fmt: skip
+
+
 def chat_request(
-    req: ResponsesRequest, messages: list[dict[str, str]], model: str
+    req: ResponsesRequest, messages: list[dict[str, Any]], model: str
 ) -> ChatCompletionRequest:
-    """The chat route's request for this Responses request (same sampling fields)."""
+    """The chat route's request for this Responses request (same sampling fields,
+    tools and tool choice)."""
     logprobs = wants_logprobs(req)
+    tools, tool_choice = chat_tools(req)
     return ChatCompletionRequest(
         logprobs=logprobs,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
-        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],  # type: ignore[arg-type]
+        messages=[_chat_message(m) for m in messages],
         model=model,
         max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature,
@@ -181,7 +312,27 @@ def chat_request(
         cache_salt=req.cache_salt,
         user=req.user,
         stream=req.stream,
+        tools=tools or None,
+        tool_choice=tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
+
+
+def _tools_echo(run: ChatRun) -> list[dict[str, Any]]:
+    """The request's function tools as checked, in the Responses shape."""
+    out = []
+    for tool in run.setup.choice.tools or ():
+        fn = tool["function"]
+        out.append({"type": "function", "name": fn["name"],
+                    "description": fn.get("description"), "parameters": fn["parameters"],
+                    "strict": fn.get("strict")})  # fmt: skip
+    return out
+
+
+def _tool_choice_echo(req: ResponsesRequest) -> str | dict[str, str]:
+    if isinstance(req.tool_choice, dict):
+        return {"type": "function", "name": req.tool_choice["name"]}
+    return req.tool_choice or "auto"
 
 
 class _Response:
@@ -198,9 +349,7 @@ class _Response:
         self.ctx = ctx
         self.run = run
         self.num_top = (req.top_logprobs or 0) if wants_logprobs(req) else None
-        self.message_id = f"msg_{uuid.uuid4().hex}"
-        # The output's log-probabilities once known (a stream joins its deltas').
-        self.logprobs: list[dict[str, Any]] | None = None
+        self.output = ResponseOutput(plain=not run.is_parsed, message_id=f"msg_{uuid.uuid4().hex}")
         self.body: dict[str, Any] = {
             "id": response_id,
             "object": "response",
@@ -213,16 +362,14 @@ class _Response:
             "max_output_tokens": req.max_output_tokens,
             "model": model,
             "output": [],
-            "parallel_tool_calls": True
-            if req.parallel_tool_calls is None
-            else req.parallel_tool_calls,
+            "parallel_tool_calls": run.setup.choice.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
             "store": req.store,
             "temperature": run.params.temperature,
             "top_p": run.params.top_p,
             "text": {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto",
-            "tools": [],
+            "tool_choice": _tool_choice_echo(req),
+            "tools": _tools_echo(run),
             "top_logprobs": req.top_logprobs,
             "truncation": "disabled",
             "usage": None,
@@ -240,46 +387,51 @@ class _Response:
             return []
         return chat_logprobs(token_ids, logprobs, self.num_top, self.ctx.tokenizer)
 
-    def all_logprobs(self) -> list[dict[str, Any]]:
-        return self.token_logprobs(self.run.token_ids, self.run.logprobs)
+    async def events(self) -> AsyncIterator[Event]:
+        """Run the request to its end: the output items' events (responses_output.py),
+        then the final body is ready (`finish`)."""
+        for event in self.output.start():
+            yield event
+        async for delta in self.run.deltas():
+            lps = self.token_logprobs(delta.token_ids, delta.logprobs)
+            for event in self.output.feed(delta, lps):
+                yield event
+        for event in self.output.finish(self.status()):
+            yield event
 
-    def message(self, status: str) -> dict[str, Any]:
-        """The output message item; with its text part once the text is final."""
-        content = [] if status == "in_progress" else [self.part(self.run.text, self.logprobs)]
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "status": status,
-            "content": content,
-        }
-
-    @staticmethod
-    def part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    def status(self) -> str:
+        return "completed" if self.run.finish_reason == "stop" else "incomplete"
 
     def finish(self) -> dict[str, Any]:
         """The final body once the run finished: status, output, usage."""
         run = self.run
-        if run.finish_reason == "stop":
-            status = "completed"
-        else:
-            status = "incomplete"
-            if run.finish_reason == "length":
-                self.body["incomplete_details"] = {"reason": "max_output_tokens"}
-        if self.logprobs is None:
-            self.logprobs = self.all_logprobs()
+        status = self.status()
+        if run.finish_reason == "length":
+            self.body["incomplete_details"] = {"reason": "max_output_tokens"}
         self.body["status"] = status
         self.body["completed_at"] = int(time.time())
-        self.body["output"] = [self.message(status)]
+        self.body["output"] = self.output.final or []
         self.body["usage"] = {
             "input_tokens": run.num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": run.num_cached_tokens},
             "output_tokens": run.num_output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": run.num_reasoning_tokens},
             "total_tokens": run.num_prompt_tokens + run.num_output_tokens,
         }
         return self.body
+
+    def turn(self) -> list[dict[str, Any]]:
+        """The assistant turn as chat messages (the next request's history): its text
+        and its calls, under their call_ids."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.run.text}
+        calls = [
+            {"id": item["call_id"], "type": "function",
+             "function": {"name": item["name"], "arguments": item["arguments"]}}
+            for item in self.output.final or () if item["type"] == "function_call"
+        ]  # fmt: skip
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
 
     def fail(self, err: APIError) -> dict[str, Any]:
         self.body["status"] = "failed"
@@ -305,13 +457,13 @@ async def create_response(
     req = decode_request(request.raw_body)
     check_supported(req)
     model = ctx.resolve_model(req.model)
-    history: list[dict[str, str]] = []
+    history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
         if previous is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
         history = previous.conversation()
-    conversation = [*history, *input_messages(req.input)]
+    conversation = [*history, *input_messages(req.input, history)]
     if not conversation:
         raise bad_request("input is empty; send a string or at least one message", "input")
     messages = conversation
@@ -323,13 +475,13 @@ async def create_response(
         chat_request(req, messages, model),
         response_id,
         kind="responses",
-        param_names=PARAM_NAMES,
+        param_names=responses_param,
     )
     resp = _Response(ctx, req, run, model, response_id)
 
     def keep(body: dict[str, Any]) -> None:
         if req.store:
-            store.put(dict(body), conversation, run.text)
+            store.put(dict(body), conversation, run.text, resp.turn())
 
     if req.stream:
         events = _Events()
@@ -340,7 +492,8 @@ async def create_response(
             error_event=lambda err: events("response.failed", response=resp.fail(err)),
         )
     try:
-        await run.collect()
+        async for _ in resp.events():
+            pass
     finally:
         await run.aclose()
     body = resp.finish()
@@ -363,32 +516,19 @@ class _Events:
 async def _stream(
     resp: _Response, ev: _Events, keep: Callable[[dict[str, Any]], None]
 ) -> AsyncIterator[bytes]:
-    run = resp.run
-    item_id = resp.message_id
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
     try:
         yield ev("response.created", response=resp.snapshot())
         yield ev("response.in_progress", response=resp.snapshot())
-        yield ev("response.output_item.added", output_index=0, item=resp.message("in_progress"))
-        yield ev("response.content_part.added", **where, part=resp.part(""))
-        logprobs: list[dict[str, Any]] = []
-        async for delta in run.deltas():
-            lps = resp.token_logprobs(delta.token_ids, delta.logprobs)
-            logprobs.extend(lps)
-            yield ev("response.output_text.delta", **where, delta=delta.text, logprobs=lps)
-        text = run.text
-        resp.logprobs = logprobs
-        yield ev("response.output_text.done", **where, text=text, logprobs=logprobs)
-        yield ev("response.content_part.done", **where, part=resp.part(text, logprobs))
+        async for type, fields in resp.events():
+            yield ev(type, **fields)
         body = resp.finish()
-        yield ev("response.output_item.done", output_index=0, item=body["output"][0])
         keep(body)
         last = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield ev(last, response=body)
     except Exception as err:
         yield ev("response.failed", response=resp.fail(engine_error(err)))
     finally:
-        await run.aclose()
+        await resp.run.aclose()
 
 
 async def retrieve_response(
