@@ -6,10 +6,6 @@ start the stop string): FINAL_ONLY gives exactly one output, the whole result; j
 the DELTA outputs gives that result; every CUMULATIVE output extends the previous one
 and the last is that result. Multiproc kills the executor while they run: after the
 recompute each kind still delivers no token twice, and equals inproc.
-
-The kill costs a restart (minutes on a loaded 2-core machine), so CI runs multiproc
-without it; FLOWENGINE_OUTPUT_KINDS_KILL=1 adds it:
-  FLOWENGINE_OUTPUT_KINDS_KILL=1 python3 -m pytest -q tests/actors/test_output_kinds_engine.py
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from flowengine.sampling_params import RequestOutputKind
 pytestmark = pytest.mark.slow
 
 K = RequestOutputKind
-KILL = os.environ.get("FLOWENGINE_OUTPUT_KINDS_KILL", "0") == "1"
 PROMPT = "Once upon a time, in a village by the sea, there lived"
 BASE = SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
 
@@ -144,8 +139,6 @@ def test_multiproc_each_kind_survives_an_executor_kill(default_model_path,
         try:
             params = BASE.clone(stop=[stop])
             assert _check_kinds(await _all_kinds(engine, params), reference, stop) == expected
-            if not KILL:
-                return
             before = engine.supervisor.num_restarts
             runs = await _all_kinds(engine, params, kill=True)
             assert engine.supervisor.num_restarts == before + 1
