@@ -66,9 +66,17 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # Engine replicas behind one frontend, each with its own scheduler, KV cache and
+    # executors (vLLM's --data-parallel-size; flowengine/engine/dp_router.py).
+    data_parallel_size: int = 1
+    # vLLM's --pipeline-parallel-size: not built yet (issue #18); > 1 is refused.
+    pipeline_parallel_size: int = 1
+    # vLLM's --distributed-executor-backend: "mp" (processes on this host, the
+    # default) or "ray" (needs the `ray` extra; not built yet: refused with a hint).
+    distributed_executor_backend: str | None = None
     device: Device = "auto"
     enforce_eager: bool = False
-    placement: Placement = "inproc"  # tensor_parallel_size > 1 always runs "multiproc"
+    placement: Placement = "inproc"  # tensor/data_parallel_size > 1 always run "multiproc"
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
@@ -107,8 +115,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.validate()
-        if self.tensor_parallel_size > 1 and self.placement == "inproc":
-            # One process per rank: tensor parallelism always runs multiproc.
+        if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1) \
+                and self.placement == "inproc":
+            # One process per rank, one group per replica: always multiproc.
             object.__setattr__(self, "placement", "multiproc")
 
     @classmethod
@@ -154,6 +163,17 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallelism "
+                "is not supported yet (issue #18); use tensor_parallel_size or "
+                "data_parallel_size")
+        validate_executor_backend(self.distributed_executor_backend)
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if not self.generation_config:
@@ -198,6 +218,25 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {allowed.__args__}, got {value!r}")
 
 
+def validate_executor_backend(backend: str | None) -> None:
+    """Check --distributed-executor-backend (vLLM's values "mp", "ray", "uni"; None is
+    "mp"). Raises ValueError for an unknown value, ImportError naming the extra to
+    install when "ray" is asked for without Ray, and ValueError for "ray" with Ray
+    installed (the Ray executor is not built yet, issue #18)."""
+    if backend is None or backend in ("mp", "uni"):
+        return
+    if backend != "ray":
+        raise ValueError(f"distributed_executor_backend must be 'mp', 'ray' or 'uni', "
+                         f"got {backend!r}")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ImportError("distributed_executor_backend 'ray' needs Ray: "
+                          "pip install flowengine[ray]")
+    raise ValueError("distributed_executor_backend 'ray' is not supported yet (issue #18); "
+                     "use 'mp' (processes on this host)")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits the scheduler applies each step (DESIGN.md §4). All counts in tokens/seqs."""
@@ -211,8 +250,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV cache geometry: `num_blocks` blocks of `block_size` tokens each."""
+    """KV cache geometry: `num_blocks` blocks of `block_size` tokens each.
+
+    `sliding_window`: the attention window (tokens) shared by every layer of the model,
+    or None; with one, blocks out of the window are freed (flowengine/core/
+    sliding_window.py) and one block is the null block, held by no request.
+    """
 
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: `num_blocks`, less the null block of a window."""
+        return self.num_blocks - (self.sliding_window is not None)

@@ -11,7 +11,10 @@ over by renaming. Two sources feed them:
 
 Each `ServingMetrics` owns its own `CollectorRegistry` (several servers, e.g. in tests,
 can live in one process). All metrics carry vLLM's labels `model_name` and `engine`
-(the engine index, "0": one engine per server; `cache_config_info` carries `engine` and
+(the engine index: "0" with one engine; with data parallelism the scheduler's gauges
+and counters, generation tokens and `cache_config_info` come once per replica, while
+what the frontend observes per request, prompt tokens, `request_success` and the
+histograms, stays one series under engine "0"; `cache_config_info` carries `engine` and
 its config keys); the per-request histograms of vLLM v1 (`request_*`,
 `iteration_tokens_total`) come from `flowengine/engine/request_stats.py`.
 
@@ -110,39 +113,37 @@ class EngineStatsCollector(Collector):
             logger.warning("engine stats unavailable: %s", err)
             return
         labels = ["model_name", "engine"]
-        values = [self.model_name, ENGINE_INDEX]
+        # Data parallel: the scheduler's series once per replica (engine = its index).
+        engines = list(enumerate(stats.per_engine)) if stats.per_engine else [(ENGINE_INDEX, stats)]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, attr: str) -> GaugeMetricFamily:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(values, value)
+            for i, e in engines:
+                g.add_metric([self.model_name, str(i)], getattr(e, attr))
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter(name: str, doc: str, attr: str, per_engine: bool = True
+                    ) -> CounterMetricFamily:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(values, value)
+            for i, e in engines if per_engine else [(0, stats)]:
+                c.add_metric([self.model_name, str(i)], getattr(e, attr))
             return c
 
-        yield gauge(
-            "num_requests_running", "Requests in model execution batches.", stats.num_running
-        )
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge(
-            "kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", stats.kv_cache_usage
-        )
-        yield counter("prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens_total)
-        yield counter(
-            "generation_tokens", "Generation tokens processed.", stats.generation_tokens_total
-        )
-        yield counter("num_preemptions", "Cumulative preemptions.", stats.num_preemptions_total)
-        yield counter(
-            "prefix_cache_queries",
-            "Prefix cache queries, in tokens.",
-            stats.prefix_cache_queries_total,
-        )
-        yield counter(
-            "prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits_total
-        )
-        yield from _spec_decode_metrics(stats, labels, values)
+        yield gauge("num_requests_running", "Requests in model execution batches.", "num_running")
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting")
+        yield gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", "kv_cache_usage")
+        # Counted by the frontend, per server (engine "0"), as the histograms below.
+        yield counter("prompt_tokens", "Prefill tokens processed.", "prompt_tokens_total",
+                      per_engine=False)
+        yield counter("generation_tokens", "Generation tokens processed.",
+                      "generation_tokens_total")
+        yield counter("num_preemptions", "Cumulative preemptions.", "num_preemptions_total")
+        yield counter("prefix_cache_queries", "Prefix cache queries, in tokens.",
+                      "prefix_cache_queries_total")
+        yield counter("prefix_cache_hits", "Prefix cache hits, in tokens.",
+                      "prefix_cache_hits_total")
+        # Speculative decoding: totals over the replicas (engine "0").
+        yield from _spec_decode_metrics(stats, labels, [self.model_name, ENGINE_INDEX])
         success = CounterMetricFamily(
             PREFIX + "request_success",
             "Successfully processed requests, by finish reason.",
@@ -170,7 +171,9 @@ class EngineStatsCollector(Collector):
             labels=[*keys, "engine"],
         )
         if keys:
-            info.add_metric([stats.cache_config[k] for k in keys] + [ENGINE_INDEX], 1.0)
+            for i, e in engines:
+                config = e.cache_config or stats.cache_config
+                info.add_metric([config.get(k, "") for k in keys] + [str(i)], 1.0)
         yield info
 
 

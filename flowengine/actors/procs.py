@@ -45,6 +45,8 @@ class ProcConfig(msgspec.Struct, frozen=True):
     port per group) when tensor_parallel_size > 1, else "".
     ready_timeout_s: how long the engine waits for its executor's ExecutorReady (the
     supervisor's FLOWENGINE_ENGINE_READY_TIMEOUT_S) before it exits with an error.
+    dp_rank: the data-parallel replica; its executors drive GPUs
+    dp_rank * tensor_parallel_size + rank.
     """
 
     role: str  # "engine" | "executor"
@@ -54,6 +56,7 @@ class ProcConfig(msgspec.Struct, frozen=True):
     generation: int = 0
     dist_init_method: str = ""
     ready_timeout_s: float = 600.0
+    dp_rank: int = 0  # data-parallel replica of the group
 
 
 # Test hook (the restart soak, tests/actors): the engine process sleeps this long
@@ -146,8 +149,10 @@ async def executor_main(cfg: ProcConfig) -> None:
     # CPU threads: build_executor sets them (flowengine/executor/cpu_threads.py).
     device = torch.device(resolved.device)
     if device.type == "cuda":
-        torch.cuda.set_device(cfg.rank)  # rank r drives GPU r; "cuda" means it below
-        device = torch.device("cuda", cfg.rank)
+        # Rank r of replica d drives GPU d * tp + r; "cuda" means it below.
+        gpu = cfg.dp_rank * world_size + cfg.rank
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
     tp = init_tensor_parallel(cfg.rank, world_size, cfg.dist_init_method, device)
     steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
     executor, num_blocks = build_executor(resolved, tp)

@@ -164,6 +164,8 @@ class Supervisor:
             (a restart whose group completes a step, or runs GROUP_SURVIVED_S, ends
             the row).
         limits: time limits (default: from the environment, `SupervisorLimits`).
+        dp_rank: the data-parallel replica this group serves (its executors drive
+            GPUs dp_rank * tensor_parallel_size + rank); 0 without data parallelism.
     """
 
     def __init__(
@@ -175,7 +177,9 @@ class Supervisor:
         has_work: Callable[[], bool] = lambda: False,
         max_restarts: int = 20,
         limits: SupervisorLimits | None = None,
+        dp_rank: int = 0,
     ) -> None:
+        self.dp_rank = dp_rank
         self.resolved = resolved
         self._expect_generation = expect_generation
         self._resubmit = resubmit
@@ -257,11 +261,13 @@ class Supervisor:
         self._procs = []
         for role, rank in roles:
             cfg = ProcConfig(role, self.resolved.args, self.rings, rank, self.generation,
-                             dist_init_method, self.limits.ready_timeout_s)
+                             dist_init_method, self.limits.ready_timeout_s, self.dp_rank)
             cmd = [sys.executable, "-m", "flowengine.actors.procs", msgspec.json.encode(cfg).decode()]
             self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
-        logger.info("generation %d: started pids %s", self.generation,
-                    [p.pid for p in self._procs])
+        logger.info("%sgeneration %d: started pids %s",
+                    f"data-parallel replica {self.dp_rank}: "
+                    if self.resolved.args.data_parallel_size > 1 else "",
+                    self.generation, [p.pid for p in self._procs])
 
     def _dead_procs(self) -> list[tuple[int, int]]:
         return [(p.pid, p.returncode) for p in self._procs if p.poll() is not None]

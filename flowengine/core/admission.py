@@ -35,7 +35,7 @@ def check_request_fits(
     (num_blocks * block_size tokens)."""
     num_tokens = request.num_tokens
     max_model_len = scheduler_config.max_model_len
-    capacity_tokens = cache_config.num_blocks * cache_config.block_size
+    capacity_tokens = cache_config.num_usable_blocks * cache_config.block_size
     if request.num_prompt_tokens == 0:
         raise ValueError("the prompt is empty; give at least one token")
     if num_tokens > max_model_len:
@@ -46,7 +46,7 @@ def check_request_fits(
     if num_tokens > capacity_tokens:
         raise ValueError(
             f"prompt has {num_tokens} tokens, but the whole KV cache holds {capacity_tokens} "
-            f"({cache_config.num_blocks} blocks of {cache_config.block_size}); shorten the "
+            f"({cache_config.num_usable_blocks} blocks of {cache_config.block_size}); shorten the "
             "prompt or give the KV cache more memory (num_kv_blocks, kv_cache_memory_bytes "
             "or gpu_memory_utilization)"
         )

@@ -5,10 +5,11 @@ The data structures follow vLLM v1's `vllm/v1/core/block_pool.py` and
 own free-list links, so a block can leave the middle of the free queue in O(1) when a
 request hits it in the prefix cache.
 
-NOTE: no block is reserved. Block ids run 0..num_blocks-1 and all of them can hold
-tokens; padding slots are marked with slot id -1 in the slot mapping and unused
+NOTE: the pool reserves no block. Block ids run 0..num_blocks-1 and all of them can
+hold tokens; padding slots are marked with slot id -1 in the slot mapping and unused
 block-table entries read as 0 but are never dereferenced past `seq_lens`
-(see flowengine/model/attention/metadata.py), so no null block is needed.
+(see flowengine/model/attention/metadata.py). Only a sliding-window KV cache takes one
+block as its null block (flowengine/core/sliding_window.py).
 
 Pure Python: this module must not import torch.
 """

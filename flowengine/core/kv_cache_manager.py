@@ -13,6 +13,10 @@ with a speculative token scheduled, preempted, aborted; DESIGN.md §5) are freed
 only in `release_deferred`, once that step has completed, so no block is handed to
 another request while an in-flight step still writes it.
 
+With a sliding window shared by all layers, blocks that fell out of the window are
+freed as the request advances (`remove_skipped_blocks`, flowengine/core/sliding_window.py)
+and their block-table entries point at the null block.
+
 Pure Python: this module must not import torch.
 """
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 from flowengine.core.block_pool import BlockPool, KVCacheBlock
 from flowengine.core.kv_cache_utils import extend_block_hashes, root_block_hash
+from flowengine.core.sliding_window import SlidingWindowBlocks
 from flowengine.request import Request
 
 
@@ -58,6 +63,9 @@ class KVCacheManager:
         block_size: token slots per block.
         enable_caching: reuse full blocks across requests by their chained hash.
         hash_seed: seed of the root block hash; processes sharing hashes use the same.
+        sliding_window: the attention window (tokens) of every layer, or None for a
+            model with a full-attention layer; with a window, one block becomes the null
+            block and blocks out of the window are freed (`remove_skipped_blocks`).
     """
 
     def __init__(
@@ -66,6 +74,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         hash_seed: str = "",
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -79,10 +88,21 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         # (step id, blocks): blocks to free once that step has completed.
         self._deferred_frees: list[tuple[int, list[KVCacheBlock]]] = []
+        self.sliding_window: SlidingWindowBlocks | None = None
+        self.null_block: KVCacheBlock | None = None
+        if sliding_window is not None:
+            self.sliding_window = SlidingWindowBlocks(self.block_pool, sliding_window,
+                                                      block_size)
+            self.null_block = self.sliding_window.null_block
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all of them, less the null block of a window."""
+        return self.block_pool.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,8 +118,11 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of KV cache blocks held by requests, in [0, 1]."""
-        return self.block_pool.usage
+        """Fraction of KV cache blocks held by requests, in [0, 1] (the null block of
+        a window is not counted, as in vLLM)."""
+        if self.null_block is None:
+            return self.block_pool.usage
+        return 1.0 - self.block_pool.num_free_blocks / self.num_usable_blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest chain of cached full blocks that prefixes the request's tokens.
@@ -174,6 +197,12 @@ class KVCacheManager:
             req_blocks = self.req_to_blocks[request.request_id] = []
         req_blocks.extend(new_computed_blocks)
         req_blocks.extend(new_blocks)
+        if new_computed_blocks and self.sliding_window is not None:
+            # No step computes this request yet, so hits before its first window go
+            # back at once (they stay cached; the table holds the null block there).
+            self.sliding_window.remove_skipped_blocks(
+                req_blocks,
+                request.num_computed_tokens + len(new_computed_blocks) * self.block_size)
         return new_blocks
 
     def num_new_blocks_for(
@@ -203,9 +232,14 @@ class KVCacheManager:
         if blocks is None or num_full <= start:
             return
         extend_block_hashes(request, self.block_size, self.root_hash, num_full)
-        self.block_pool.cache_full_blocks(
-            blocks[start:num_full], request.block_hashes[start:num_full]
-        )
+        new_blocks, new_hashes = blocks[start:num_full], request.block_hashes[start:num_full]
+        if self.null_block is not None and self.null_block in new_blocks:
+            # Freed out of the window before being offered (not on the scheduler's
+            # path, which publishes first): nothing of it to publish.
+            kept = [(b, h) for b, h in zip(new_blocks, new_hashes, strict=True)
+                    if b is not self.null_block]
+            new_blocks, new_hashes = [b for b, _ in kept], [h for _, h in kept]
+        self.block_pool.cache_full_blocks(new_blocks, new_hashes)
         self.num_cached_blocks[req_id] = num_full
 
     def unpublished_block_hashes(self, requests: Iterable[Request]) -> set[int]:
@@ -232,6 +266,8 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.null_block is not None:
+            blocks = [b for b in blocks if b is not self.null_block]
         if after_step is not None and blocks:
             self._deferred_frees.append((after_step, blocks))
         else:
@@ -266,7 +302,23 @@ class KVCacheManager:
         keep = cdiv(num_tokens, self.block_size)
         if blocks is None or len(blocks) <= keep:
             return 0
-        freed = blocks[keep:]
+        freed = [b for b in blocks[keep:] if b is not self.null_block]
         del blocks[keep:]
         self.block_pool.free_blocks(reversed(freed))
         return len(freed)
+
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> int:
+        """Sliding window: free the request's leading blocks that no token at position
+        >= `num_computed_tokens` reads, leaving the null block in their table entries.
+
+        Call after the step that wrote its first `num_computed_tokens` tokens has
+        completed, with no step still to run starting before that position (the
+        scheduler passes the count after any draft rollback). Returns the number of
+        blocks freed; 0 without a window or for an unknown request.
+        """
+        if self.sliding_window is None:
+            return 0
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        return self.sliding_window.remove_skipped_blocks(blocks, num_computed_tokens)

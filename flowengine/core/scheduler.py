@@ -439,6 +439,7 @@ class Scheduler:
         requests = self.requests
         cache_blocks = self.kv_cache_manager.cache_blocks
         num_cached_blocks = self.kv_cache_manager.num_cached_blocks
+        windowed = self.kv_cache_manager.sliding_window is not None
         block_size = self.block_size
         append_sampled = self.state.append_sampled
         grammars = self.structured_outputs
@@ -473,6 +474,13 @@ class Scheduler:
                 deltas.append(delta)
                 if grammars is not None and delta.finish_reason is None and delta.new_token_ids:
                     self._advance_matcher(request, delta, grammars)
+            if (windowed and request.status is _RUNNING
+                    and request.num_preemptions == record.num_preemptions):
+                # NOTE: after publishing (a freed block stays a prefix-cache entry) and
+                # after any draft rollback. Later plans (in flight or not) start at or
+                # past this count, so none reads the blocks freed here.
+                self.kv_cache_manager.remove_skipped_blocks(request, min(
+                    entry.num_computed_tokens + num_scheduled, request.num_computed_tokens))
         return deltas
 
     def _roll_back_drafts(self, request: Request, record: ScheduledRequest,

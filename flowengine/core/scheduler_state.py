@@ -57,8 +57,9 @@ class SchedulerState:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             hash_seed,
+            cache_config.sliding_window,
         )
-        self.kv_capacity_tokens = cache_config.num_blocks * cache_config.block_size
+        self.kv_capacity_tokens = cache_config.num_usable_blocks * cache_config.block_size
         self.max_len = min(config.max_model_len, self.kv_capacity_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = RequestQueue()

@@ -259,6 +259,11 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
     return runner, cache_config
 
 
+def _kv_sliding_window(resolved: ResolvedEngine) -> int | None:
+    """The window the KV cache frees blocks by: the model's, when all layers share it."""
+    return getattr(resolved.model_config, "kv_sliding_window", None)
+
+
 def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     """The `Scheduler` for a KV cache of `num_blocks` blocks (in the engine process of
     the multiproc placement, from the count its executor reports).
@@ -279,7 +284,8 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         ),
-        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+        CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
+                    sliding_window=_kv_sliding_window(resolved)),
         hash_seed=new_hash_seed(),
         structured_output_manager=make_structured_output_manager(resolved),
         proposer=make_proposer(resolved),
@@ -289,10 +295,9 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
 def make_proposer(resolved: ResolvedEngine):
     """The scheduler's draft proposer of `speculative_config` (flowengine/spec_decode),
     or None without speculation."""
+    from flowengine.core.spec_tokens import ExecutorDrafts
     from flowengine.spec_decode.config import SpeculativeConfig
     from flowengine.spec_decode.ngram import NgramProposer
-
-    from flowengine.core.spec_tokens import ExecutorDrafts
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
     if config is None:
@@ -385,8 +390,9 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     if resolved.device == "cpu":
         from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
 
-        # A multiproc placement leaves a core to the engine and frontend processes.
-        setup_cpu_threads(args.cpu_threads, tp.world_size,
+        # A multiproc placement leaves a core to the engine and frontend processes;
+        # data-parallel replicas share the rest with each other.
+        setup_cpu_threads(args.cpu_threads, tp.world_size * args.data_parallel_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
         if dtype == torch.bfloat16:
             log_bf16_path()

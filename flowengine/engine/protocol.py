@@ -52,6 +52,9 @@ class EngineStats:
     histograms: dict[str, Any] = field(default_factory=dict)
     # The KV cache configuration, as label values of cache_config_info.
     cache_config: dict[str, str] = field(default_factory=dict)
+    # Data parallel: one snapshot per replica, by engine index (scheduler gauges and
+    # counters, generation tokens); empty with one engine.
+    per_engine: list[EngineStats] = field(default_factory=list)
 
 
 class EngineClient(Protocol):

@@ -15,6 +15,7 @@ own process, over shared-memory rings, under a supervisor that restarts them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -94,6 +95,8 @@ class AsyncEngine:
         self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)
         if self.args.placement == "inproc":
             self.requests, self.outputs, engine_actors = await self._start_inproc()
+        elif self.args.data_parallel_size > 1:
+            self.requests, self.outputs, engine_actors = await self._start_data_parallel()
         else:
             from flowengine.actors.supervisor import Supervisor
 
@@ -108,6 +111,7 @@ class AsyncEngine:
                 self._fit_max_model_len(ready.stats.num_total_blocks)
             self.requests, self.outputs = self.supervisor.requests, self.supervisor.outputs
             engine_actors = [self.supervisor]
+            self.supervisors = [self.supervisor]
         input_processor = make_input_processor(self.tokenizer, self.resolved)
         # The model's sampling defaults (generation_config.json): the serving layer
         # fills unset request fields from them (vLLM's default_sampling_params).
@@ -156,6 +160,63 @@ class AsyncEngine:
         self._scheduler_actor = scheduler
         self.engine_actors = {"scheduler": scheduler, "executor": executor}
         return requests, outputs, [scheduler, executor]
+
+    async def _start_data_parallel(self) -> tuple[Any, Any, list[Any]]:
+        """N replicas (engine groups) behind one router (flowengine/engine/dp_client.py)."""
+        from flowengine.actors.supervisor import Supervisor
+        from flowengine.engine.dp_client import (
+            DPRequests,
+            MergedOutputs,
+            ReplicaOutputs,
+            ReplicaWatcher,
+        )
+        from flowengine.engine.dp_router import DPRouter
+
+        n = self.args.data_parallel_size
+        self.router = DPRouter(n, self.args.block_size,
+                               max_prefix_blocks=8 if self.args.enable_prefix_caching else 0)
+        inbox = MergedOutputs()  # what the Detokenizer reads: every replica's outputs
+        self.replica_outputs = [ReplicaOutputs(i, None, self.router, inbox) for i in range(n)]
+        self.supervisors = [
+            Supervisor(
+                self.resolved,
+                expect_generation=self.replica_outputs[i].expect_generation,
+                resubmit=lambda i=i: self._resubmit_replica(i),
+                has_work=lambda i=i: self.router.replicas[i].num_unfinished > 0,
+                dp_rank=i,
+            )
+            for i in range(n)
+        ]
+        self.supervisor = self.supervisors[0]
+        started = await asyncio.gather(*(s.start() for s in self.supervisors),
+                                       return_exceptions=True)
+        errors = [r for r in started if isinstance(r, BaseException)]
+        if errors:
+            for sup in self.supervisors:
+                await sup.stop(timeout_s=0.0)
+            raise errors[0]
+        blocks = [r.stats.num_total_blocks for r in started if r.stats is not None]
+        if blocks:
+            self._fit_max_model_len(min(blocks))  # a prompt must fit on any replica
+        gates = []
+        for sup, outs in zip(self.supervisors, self.replica_outputs, strict=True):
+            outs.outputs = sup.outputs
+            gates.append(sup.requests)
+        requests = DPRequests(self.router, gates)
+        self.replica_watchers = [
+            ReplicaWatcher(i, sup, self.replica_outputs[i], self.router, requests,
+                           self._live_requests)
+            for i, sup in enumerate(self.supervisors)
+        ]
+        return requests, inbox, [*self.replica_outputs, *self.replica_watchers]
+
+    def _live_requests(self) -> list[Any]:
+        self.detokenizer.drain_control()
+        return self.detokenizer.processor.resubmit_requests()
+
+    def _resubmit_replica(self, replica: int) -> list[Any]:
+        """Replica `replica` restarted: recompute the live requests it holds."""
+        return [m for m in self._live_requests() if self.router.owner(m.request_id) == replica]
 
     def _fit_max_model_len(self, num_kv_blocks: int) -> None:
         """Apply the KV-cache fit (`builder.fit_max_model_len`) to the frontend's limits,
@@ -209,7 +270,8 @@ class AsyncEngine:
                 await asyncio.sleep(0.02)
         if self._dead is None:
             if self.args.placement != "inproc":
-                self.supervisor.begin_stop()
+                for sup in self.supervisors:
+                    sup.begin_stop()
             await self.requests.send_async(Shutdown())
             with anyio.move_on_after(max(1.0, drain_timeout_s)):
                 await self._wait_engine_stopped()
@@ -220,7 +282,8 @@ class AsyncEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         if self.args.placement != "inproc":
-            await self.supervisor.stop()
+            for sup in self.supervisors:
+                await sup.stop()
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self.streamer.fail_all(self._dead)
         thaw_heap()  # the stopped engine's cycles become collectable
@@ -230,7 +293,9 @@ class AsyncEngine:
             # The scheduler actor returns after the drain; the executor after Shutdown.
             await self._scheduler_actor.stopped.wait()
         else:
-            await self.supervisor.wait_engine_stopped()
+            for sup, lost in zip(self.supervisors, self._lost_replicas(), strict=True):
+                if not lost:
+                    await sup.wait_engine_stopped()
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -356,18 +421,37 @@ class AsyncEngine:
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine cannot serve: it stopped, or (multiproc)
         the step watchdog sees no engine step for FLOWENGINE_STEP_STALL_UNHEALTHY_S
-        seconds while requests wait (a hung or stopped process; see Supervisor)."""
+        seconds while requests wait (a hung or stopped process; see Supervisor); with
+        data parallelism, when that holds for every live replica."""
         if self._dead is not None:
             raise self._dead
         if self._task is not None and self._task.done():
             raise EngineDeadError("the engine task ended")
-        supervisor = getattr(self, "supervisor", None)
-        if supervisor is not None:
-            reason = supervisor.unhealthy_reason()
-            if reason is not None:
-                raise EngineDeadError(f"the engine is stalled: {reason}")
+        # Data parallel: unhealthy only when no live replica can serve (new requests
+        # avoid a restarting replica; a hung one is restarted by its watchdog).
+        reasons = [
+            sup.unhealthy_reason()
+            for sup, lost in zip(getattr(self, "supervisors", []), self._lost_replicas(),
+                                 strict=True)
+            if not lost
+        ]
+        if reasons and all(r is not None for r in reasons):
+            if len(reasons) == 1:
+                raise EngineDeadError(f"the engine is stalled: {reasons[0]}")
+            raise EngineDeadError("every data-parallel replica is stalled: " + "; ".join(
+                f"replica {i}: {r}" for i, r in enumerate(reasons)))
+
+    def _lost_replicas(self) -> list[bool]:
+        """Per supervisor: True when that data-parallel replica is down for good."""
+        watchers = getattr(self, "replica_watchers", None)
+        if watchers is None:
+            return [False] * len(getattr(self, "supervisors", []))
+        return [w.is_lost for w in watchers]
 
     def get_stats(self) -> EngineStats:
+        replicas = getattr(self, "replica_outputs", None)
+        if replicas is not None:
+            return self._data_parallel_stats(replicas)
         st = self.detokenizer.stats
         return EngineStats(
             num_running=st.num_running,
@@ -389,6 +473,52 @@ class AsyncEngine:
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
             histograms=self.detokenizer.request_stats.snapshot(),
             cache_config=self._cache_config(st.num_total_blocks),
+        )
+
+    def _data_parallel_stats(self, replicas: list[Any]) -> EngineStats:
+        """Totals over the replicas, and each replica's own in `per_engine` (its
+        scheduler's gauges and counters, and the tokens it generated)."""
+        per_engine = [
+            EngineStats(
+                num_running=r.stats.num_running, num_waiting=r.stats.num_waiting,
+                kv_cache_usage=r.stats.kv_cache_usage,
+                num_free_blocks=r.stats.num_free_blocks,
+                num_total_blocks=r.stats.num_total_blocks,
+                generation_tokens_total=r.generation_tokens_total,
+                num_preemptions_total=r.stats.num_preemptions_total,
+                prefix_cache_queries_total=r.stats.prefix_cache_queries_total,
+                prefix_cache_hits_total=r.stats.prefix_cache_hits_total,
+                cache_config=self._cache_config(r.stats.num_total_blocks),
+            )
+            for r in replicas
+        ]
+        total_blocks = sum(e.num_total_blocks for e in per_engine)
+        free_blocks = sum(e.num_free_blocks for e in per_engine)
+        return EngineStats(
+            num_running=sum(e.num_running for e in per_engine),
+            num_waiting=sum(e.num_waiting for e in per_engine),
+            kv_cache_usage=(total_blocks - free_blocks) / total_blocks if total_blocks else 0.0,
+            num_free_blocks=free_blocks,
+            num_total_blocks=total_blocks,
+            prompt_tokens_total=self.detokenizer.request_stats.prompt_tokens_computed_total,
+            generation_tokens_total=self.detokenizer.generation_tokens_total,
+            num_preemptions_total=sum(e.num_preemptions_total for e in per_engine),
+            prefix_cache_queries_total=sum(e.prefix_cache_queries_total for e in per_engine),
+            prefix_cache_hits_total=sum(e.prefix_cache_hits_total for e in per_engine),
+            finished_by_reason=dict(self.detokenizer.finished_by_reason),
+            histograms=self.detokenizer.request_stats.snapshot(),
+            cache_config=self._cache_config(total_blocks),
+            spec_decode_num_drafts_total=sum(
+                r.stats.spec_decode_num_drafts_total for r in replicas),
+            spec_decode_num_draft_tokens_total=sum(
+                r.stats.spec_decode_num_draft_tokens_total for r in replicas),
+            spec_decode_num_accepted_tokens_total=sum(
+                r.stats.spec_decode_num_accepted_tokens_total for r in replicas),
+            spec_decode_num_accepted_tokens_per_pos=[
+                sum(col) for col in itertools.zip_longest(
+                    *(r.stats.spec_decode_num_accepted_tokens_per_pos for r in replicas),
+                    fillvalue=0)],
+            per_engine=per_engine,
         )
 
     def _cache_config(self, num_blocks: int) -> dict[str, str]:

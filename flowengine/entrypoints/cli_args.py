@@ -89,6 +89,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1,
+        help="engine replicas behind this server, each with its own scheduler, KV cache "
+        "and executors; requests go to the least loaded one (implies multiproc)",
+    )
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages (not supported yet: only 1)")
+    g.add_argument("--distributed-executor-backend", default=None,
+                   choices=["mp", "ray", "uni"],
+                   help="mp: executor processes on this host (default); ray: not supported "
+                   "yet (needs pip install flowengine[ray])")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--placement", default="inproc", choices=["inproc", "multiproc"])

@@ -43,6 +43,12 @@ ENCODER_ARCHITECTURES = ("BertModel",)
 # Architectures whose sliding-window layers FlowEngine applies in attention (so the
 # served length is not capped at the window).
 _WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Architectures whose every layer attends to the config's `sliding_window` (when set),
+# applied in attention (flowengine/model/models/llama.py) and in the KV cache (blocks out
+# of the window are freed: flowengine/core/sliding_window.py). Others of the Llama
+# family that carry a window (Mixtral, Qwen2 with use_sliding_window) are still served
+# up to the window only.
+_ALL_SLIDING_ARCHITECTURES = ("MistralForCausalLM",)
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                       "OlmoeForCausalLM")
@@ -165,6 +171,14 @@ class ModelConfig:
     quantization_config: Int4QuantConfig | None = None
 
     @property
+    def kv_sliding_window(self) -> int | None:
+        """The window (tokens) when every layer slides it, else None: only then can KV
+        blocks out of the window be freed (a global layer reads the whole context)."""
+        if self.sliding_window is None or len(set(self.sliding_layers)) != self.num_layers:
+            return None
+        return self.sliding_window
+
+    @property
     def is_encoder_only(self) -> bool:
         """An encoder (BERT): bidirectional attention, no KV cache, pooling runner only."""
         return self.architecture in ENCODER_ARCHITECTURES
@@ -243,6 +257,8 @@ class ModelConfig:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         # Qwen2 (and Qwen2-MoE) always have q/k/v biases and never an o_proj bias
         # (modeling_qwen2.py); newer Qwen2-MoE configs spell it `qkv_bias`.
+        window = _sliding_window(hf_config)
+        all_sliding = arch in _ALL_SLIDING_ARCHITECTURES and window is not None
         is_qwen2 = arch == "Qwen2ForCausalLM" or (
             arch == "Qwen2MoeForCausalLM" and bool(getattr(hf_config, "qkv_bias", True)))
         return cls(
@@ -260,7 +276,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             max_model_len=resolve_max_model_len(
-                max_model_len, max_pos, None if is_gemma else _sliding_window(hf_config)),
+                max_model_len, max_pos, None if is_gemma or all_sliding else window),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
@@ -277,6 +293,9 @@ class ModelConfig:
             **_granite_fields(hf_config, arch),
             **rope_fields,
             **(_gemma_fields(hf_config, arch) if is_gemma else {}),
+            **(dict(sliding_window=window,
+                    sliding_layers=tuple(range(int(hf_config.num_hidden_layers))))
+               if all_sliding else {}),
             quantization_config=_quantization_config(hf_config),
         )
 

@@ -65,14 +65,22 @@ def test_family_switches() -> None:
         Qwen3Config(architectures=["Qwen3ForCausalLM"], head_dim=128, hidden_size=1024,
                     num_attention_heads=16, num_key_value_heads=8), "/q")
     assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 128)
-    # Mistral 7B v0.1 slides a 4096-token window: served length capped to the window.
+    # Mistral 7B v0.1 slides a 4096-token window in every layer: applied in attention and
+    # the KV cache (tests/core/test_sliding_window.py), so the length is not capped.
     mistral = ModelConfig.from_hf_config(
         MistralConfig(architectures=["MistralForCausalLM"], sliding_window=4096,
-                      max_position_embeddings=32768), "/m")
-    assert mistral.max_model_len == 4096
+                      max_position_embeddings=32768, num_hidden_layers=3), "/m")
+    assert (mistral.max_model_len, mistral.sliding_window) == (32768, 4096)
+    assert (mistral.sliding_layers, mistral.kv_sliding_window) == ((0, 1, 2), 4096)
+    no_window = ModelConfig.from_hf_config(
+        MistralConfig(architectures=["MistralForCausalLM"], sliding_window=None), "/m")
+    assert (no_window.sliding_window, no_window.kv_sliding_window) == (None, None)
+    # A window FlowEngine does not apply (Qwen2's use_sliding_window): capped to it.
+    qwen2_window = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                               sliding_window=4096, max_position_embeddings=32768)
+    assert ModelConfig.from_hf_config(qwen2_window, "/q").max_model_len == 4096
     with pytest.raises(ValueError, match="max_model_len 8192 exceeds the model's sliding window"):
-        ModelConfig.from_hf_config(
-            MistralConfig(architectures=["MistralForCausalLM"], sliding_window=4096), "/m", 8192)
+        ModelConfig.from_hf_config(qwen2_window, "/q", 8192)
 
 
 def test_unsupported_inputs_raise_clear_errors() -> None:

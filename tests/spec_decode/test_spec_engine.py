@@ -41,18 +41,21 @@ def _params() -> list[SamplingParams]:
         SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS,
                        min_tokens=4, stop_token_ids=[13]),
         SamplingParams(**{**greedy, "max_tokens": 7}),
+        SamplingParams(**greedy),
+        # A stop string inside an accepted run: no token after it is delivered.
+        SamplingParams(**greedy, stop=[" six"]),
     ]
 
 
 def _run(llm: LLM) -> list[tuple]:
-    prompts = PROMPTS + [PROMPTS[0], PROMPTS[1]]
-    outs = llm.generate(prompts, _params() + [_params()[0]], use_tqdm=False)
+    prompts = PROMPTS + [PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
     result = []
     for o in outs:
         c = o.outputs[0]
         lps = None if c.logprobs is None else [
             {t: round(lp.logprob, 4) for t, lp in d.items()} for d in c.logprobs]
-        result.append((c.token_ids, c.finish_reason, c.stop_reason, lps))
+        result.append((c.token_ids, c.finish_reason, c.stop_reason, c.text, lps))
     return result
 
 
@@ -73,15 +76,16 @@ def runs(request, default_model_path, reference):
 
 def test_outputs_equal_no_speculation(runs) -> None:
     reference, got, _ = runs
-    assert len(got) == 6
+    assert len(got) == 7
     for i, (ref, out) in enumerate(zip(reference, got, strict=True)):
-        assert out[:3] == ref[:3], i
-        if ref[3] is not None:  # logprobs: same tokens, values to float32 noise
-            assert [set(d) for d in out[3]] == [set(d) for d in ref[3]], i
-            for d_out, d_ref in zip(out[3], ref[3], strict=True):
+        assert out[:4] == ref[:4], i
+        if ref[4] is not None:  # logprobs: same tokens, values to float32 noise
+            assert [set(d) for d in out[4]] == [set(d) for d in ref[4]], i
+            for d_out, d_ref in zip(out[4], ref[4], strict=True):
                 for t in d_ref:
                     assert d_out[t] == pytest.approx(d_ref[t], abs=2e-3), i
     assert len(got[4][0]) == 7 and got[4][1] == "length"
+    assert got[6][1:3] == ("stop", " six") and len(got[6][0]) < MAX_TOKENS
 
 
 def test_drafts_were_accepted_and_blocks_freed(runs) -> None:

@@ -139,7 +139,9 @@ class LlamaDecoderLayer(nn.Module):
                  mlp_name: str = "mlp") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, attn_backend, tp)
+        # Mistral: every layer slides the same window (ModelConfig.kv_sliding_window).
+        self.self_attn = LlamaAttention(config, attn_backend, tp,
+                                        sliding_window=config.kv_sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The checkpoint's name for the MLP (Mixtral: "block_sparse_moe").
         self.mlp_name = mlp_name

@@ -1,0 +1,153 @@
+"""The cost of verifying k draft tokens on the GPU: one verification step (each request
+computes its last token + k drafts, LM head on all k + 1 rows) against one plain decode
+step, at Llama-3.1-8B shapes with random (load_format="dummy") bf16 weights (issue 16).
+
+    python benchmarks/spec_decode_gpu.py [--k 4] [--batch-sizes 1 64] [--context 1024]
+
+Device time only (CUDA events around the forward, LM head and argmax on prepared
+inputs; median of 50 after 5 warm-ups), `batch` requests of `context` cached tokens
+over distinct KV blocks. Plain decode: the runner's captured CUDA graph (as the engine
+runs it) and eager. Verification: eager (as the engine runs a plan with drafts today)
+and as a CUDA graph captured here on the same prepared inputs (what capturing
+verification sizes in the engine would give). The ratio verification / plain decode
+bounds the speedup of any proposer: accepting a tokens per step on average gives at
+most (1 + a) / ratio. Prints a markdown table last, with the command and the GPU.
+--model DIR: another config.json; --device cpu and a small model debug the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_bench import write_model_dir  # noqa: E402
+
+from flowengine.config import CacheConfig  # noqa: E402
+from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
+from flowengine.executor.input_batch import RequestState  # noqa: E402
+from flowengine.model.model_config import ModelConfig  # noqa: E402
+from flowengine.sampling_params import SamplingParams  # noqa: E402
+
+
+def timed_ms(fn, device: torch.device, iters: int = 50, warmup: int = 5) -> float:
+    times = []
+    for i in range(iters + warmup):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            t = time.perf_counter()
+            fn()
+            elapsed = (time.perf_counter() - t) * 1e3
+        if i >= warmup:
+            times.append(elapsed)
+    return sorted(times)[len(times) // 2]
+
+
+def states_for(batch: int, context: int, num_new: int, block_size: int) -> list[RequestState]:
+    per_req = (context + num_new) // block_size + 1
+    return [RequestState(str(i), [1 + (i + j) % 1000 for j in range(context + num_new)],
+                         context, SamplingParams(), None,
+                         list(range(i * per_req, (i + 1) * per_req)), context)
+            for i in range(batch)]
+
+
+@torch.inference_mode()
+def measure(runner: CudaModelRunner, batch: int, context: int, k: int,
+            iters: int = 50) -> dict[str, float]:
+    model = runner.model
+    device = runner.device
+    bs = runner.cache_config.block_size
+    out: dict[str, float] = {}
+    for name, num_new in (("decode", 1), ("verify", k + 1)):
+        states = states_for(batch, context, num_new, bs)
+        pad = None
+        if num_new == 1 and runner.graphs is not None:
+            pad = min(s for s in runner.graphs.sizes if s >= batch)
+        inputs = runner.input_batch.prepare(states, [num_new] * batch, pad_to=pad)
+        rows = torch.tensor([i * num_new + j for i in range(batch) for j in range(num_new)],
+                            dtype=torch.int64, device=device)
+
+        def eager(inputs=inputs, rows=rows) -> None:  # bound: used in this iteration
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                           inputs.attn_metadata)
+            model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
+
+        out[f"{name}_eager"] = timed_ms(eager, device, iters)
+        if name == "decode" and pad is not None:
+            graphs = runner.graphs
+
+            def replay(graphs=graphs, pad=pad, rows=rows) -> None:
+                hidden = graphs.replay(pad)
+                model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
+
+            out["decode_graph"] = timed_ms(replay, device, iters)
+        if name == "verify" and device.type == "cuda":
+            try:
+                eager()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                                   inputs.attn_metadata)
+                    model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
+                out["verify_graph"] = timed_ms(graph.replay, device, iters)
+            except Exception as exc:  # a kernel that syncs with the host cannot be captured
+                print(f"verification graph capture failed at batch {batch}: {exc}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--model", help="a directory with config.json (default: Llama-3.1-8B shapes)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=50)
+    ns = p.parse_args(argv)
+    model_dir = ns.model or tempfile.mkdtemp(prefix="llama31-8b-")
+    if ns.model is None:
+        write_model_dir(model_dir, with_tokenizer=False)
+    device = torch.device(ns.device)
+    max_batch = max(ns.batch_sizes)
+    config = ModelConfig.from_pretrained(model_dir, max_model_len=ns.context + 64)
+    bs = 16
+    num_blocks = max_batch * ((ns.context + ns.k + 1) // bs + 1) + 8
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    runner = CudaModelRunner(config, CacheConfig(bs, num_blocks), device, dtype, "dummy",
+                             max_num_batched_tokens=max_batch * (ns.k + 1),
+                             max_num_seqs=max_batch)
+    runner.capture_cuda_graphs()
+    results = {b: measure(runner, b, ns.context, ns.k, ns.iters) for b in ns.batch_sizes}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print()
+    print("    python benchmarks/spec_decode_gpu.py " + shlex.join(argv))
+    print(f"{gpu}, torch {torch.__version__}, context {ns.context}, k = {ns.k}")
+    print()
+    print("| batch | decode, graph (ms) | decode, eager (ms) | verify k+1, eager (ms) | "
+          "verify k+1, graph (ms) | verify graph / decode graph | verify eager / decode graph |")
+    print("|---|---|---|---|---|---|---|")
+    for b, r in results.items():
+        base = r.get("decode_graph", r["decode_eager"])
+        vg = r.get("verify_graph")
+        print(f"| {b} | {r.get('decode_graph', float('nan')):.2f} | {r['decode_eager']:.2f} | "
+              f"{r['verify_eager']:.2f} | {'—' if vg is None else f'{vg:.2f}'} | "
+              f"{'—' if vg is None else f'{vg / base:.2f}x'} | {r['verify_eager'] / base:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
