@@ -199,6 +199,14 @@ class BlockPool:
         """The block registered under `block_hash`, or None."""
         return self.cached_block_hash_to_block.get(block_hash)
 
+    def ref_counts(self) -> dict[int, int]:
+        """Block id -> reference count of every block a request holds, ascending ids.
+
+        A read-only view for tests and debugging (e.g. the beams of a beam search
+        holding their prompt's blocks once each), O(num_blocks).
+        """
+        return {b.block_id: b.ref_cnt for b in self.blocks if b.ref_cnt > 0}
+
     def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache entry (e.g. after a weight update); returns how many.
 

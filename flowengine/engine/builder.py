@@ -69,6 +69,7 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     _check_tensor_parallel(args, model_config, device)
+    _check_draft_model(args)
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -306,6 +307,25 @@ def make_proposer(resolved: ResolvedEngine):
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                              config.prompt_lookup_max)
     return ExecutorDrafts(config.num_speculative_tokens)  # the executor's draft model
+
+
+def _check_draft_model(args: EngineArgs) -> None:
+    """Find speculative_config's draft model before the target loads.
+
+    Raises ValueError naming speculative_config.model when its files cannot be found (a
+    missing directory would otherwise surface as FileNotFoundError after the target's
+    weights were loaded).
+    """
+    from flowengine.model.resolve import resolve_model
+    from flowengine.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(args.speculative_config)
+    if config is None or not config.uses_draft_model:
+        return
+    try:
+        resolve_model(config.model, download_dir=args.download_dir)
+    except FileNotFoundError as err:
+        raise ValueError(f"speculative_config.model: {err}") from None
 
 
 def _draft_model_config(resolved: ResolvedEngine):

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -29,6 +30,7 @@ from flowengine.actors.detokenizer import DetokenizerActor
 from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
+from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
 from flowengine.config import EngineArgs
 from flowengine.engine.gc_utils import freeze_startup_heap, thaw_heap
 from flowengine.engine.output_processor import OutputProcessor
@@ -42,6 +44,77 @@ from flowengine.shm.inproc import InprocChannel
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_LEN = 4096
+
+
+async def beam_search(
+    engine: Any, prompt: Any, params: BeamSearchParams, *, priority: int = 0,
+    fit_max_tokens: bool = False,
+) -> tuple[BeamSearchOutput, int]:
+    """Beam search on any EngineClient through `submit` (the server's path: the event
+    loop keeps serving while the steps run). Scoring and KV sharing as `LLM.beam_search`
+    (flowengine/beam_search.py).
+
+    prompt: what `submit` takes (text, token ids, a dict, a conversation); the first
+    step sends it as given, later steps send the prompt's token ids plus each beam's.
+    fit_max_tokens: lower params.max_tokens to the context the prompt leaves (vLLM's
+    rule for a request without max_tokens) instead of refusing a longer one.
+    Returns (the output, the prompt's number of tokens).
+
+    Raises ValueError/TypeError for bad input (a prompt plus max_tokens over
+    max_model_len; 2 * beam_width over the engine's max_logprobs) before the search
+    grows, EngineOverloadedError/EngineDeadError as `submit`, RuntimeError when a step
+    fails in the engine. Cancelling aborts the step's requests.
+    """
+    from flowengine.beam_search import BeamSearch, check_request, step_params, top_logprobs
+
+    processor = getattr(getattr(engine, "tokenizer_actor", None), "input_processor", None)
+    if processor is not None:
+        eos = [] if processor.eos_token_id is None else [processor.eos_token_id]
+        eos += [t for t in processor.extra_eos_token_ids if t not in eos]
+        max_logprobs = processor.max_logprobs
+    else:  # another EngineClient: its tokenizer's EOS, its own limits
+        eos_id = getattr(engine.get_tokenizer(), "eos_token_id", None)
+        eos = [] if eos_id is None else [eos_id]
+        max_logprobs = -1
+    step = step_params(params, len(eos))
+
+    async def run_one(one_prompt: Any) -> tuple[list[int], dict[int, float]]:
+        """(prompt token ids, the step's top log-probabilities) of one beam request;
+        the token and its logprobs may come in another delta than the finish."""
+        prompt_ids, lps, error = None, None, None
+        async for out in engine.submit(one_prompt, step, priority=priority):
+            prompt_ids = out.prompt_token_ids
+            error = out.error or error
+            if out.outputs and out.outputs[0].logprobs and lps is None:
+                lps = top_logprobs(out.outputs[0].logprobs[0])
+        if prompt_ids is None or error is not None or lps is None:
+            raise RuntimeError(f"a beam-search step failed: {error or 'no log-probabilities'}")
+        return prompt_ids, lps
+
+    check_request(params, 0, engine.max_model_len, max_logprobs, len(eos))
+    prompt_ids, first = await run_one(prompt)
+    if fit_max_tokens:
+        room = engine.max_model_len - len(prompt_ids)
+        if room < params.max_tokens:
+            params = replace(params, max_tokens=max(1, room))
+    search = BeamSearch(prompt_ids, params, eos)
+    check_request(params, len(prompt_ids), engine.max_model_len, max_logprobs, len(eos))
+    search.advance([first])
+    while not search.done:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(run_one({"prompt_token_ids": ids}))
+                         for ids in search.beam_inputs()]
+        except* Exception as group:  # the first failure; the others were cancelled
+            first_error = group.exceptions[0]
+        else:
+            first_error = None
+        if first_error is not None:
+            raise first_error
+        search.advance([t.result()[1] for t in tasks])
+    tokenizer = engine.get_tokenizer()
+    return (search.output(lambda t: tokenizer.decode(t, skip_special_tokens=False)),
+            len(search.prompt_token_ids))
 
 
 class AsyncEngine:
@@ -328,6 +401,16 @@ class AsyncEngine:
         # A plain function returning the stream itself (no generator around it): closing
         # the caller's loop closes the stream at once, which aborts the request.
         return self._stream(prompt, sampling_params, request_id, priority, None, output_kind)
+
+    async def beam_search(
+        self, prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
+        params: BeamSearchParams, *, priority: int = 0,
+    ) -> BeamSearchOutput:
+        """Beam search over one prompt (as `submit` takes it); `beam_width` sequences,
+        best first, as `LLM.beam_search` returns them (the module function
+        `beam_search` documents the errors)."""
+        output, _ = await beam_search(self, prompt, params, priority=priority)
+        return output
 
     def encode(
         self,

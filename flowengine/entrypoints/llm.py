@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
 from flowengine.config import EngineArgs
 from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
@@ -168,6 +169,62 @@ class LLM:
             )
         return self._run(processed, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (text, token ids or {"prompt_token_ids": ...}),
+        results in input order (vLLM's `LLM.beam_search`; scoring as transformers'
+        `generate(num_beams=...)`, see flowengine/beam_search.py).
+
+        Each step runs every live beam of every prompt as one request of one token
+        with the top log-probabilities; the beams of a prompt share its full KV blocks
+        through the prefix cache (each step recomputes only each beam's partial last
+        block), so memory grows with the beams' divergent tails.
+
+        Returns one BeamSearchOutput per prompt: `beam_width` sequences, best score
+        first, each with tokens (prompt + generated), text, cum_logprob and score.
+
+        Raises:
+            ValueError/TypeError: a bad prompt, a prompt plus max_tokens over
+                max_model_len, or 2 * beam_width over the engine's max_logprobs;
+                nothing runs.
+            RuntimeError: a step request failed in the engine.
+        """
+        from flowengine.beam_search import BeamSearch, check_request, step_params, top_logprobs
+
+        ip = self.input_processor
+        eos_ids = ([] if ip.eos_token_id is None else [ip.eos_token_id])
+        eos_ids += [t for t in ip.extra_eos_token_ids if t not in eos_ids]
+        searches = []
+        for prompt in self._prompt_list(prompts):
+            _, ids = ip.tokenize(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            check_request(params, len(ids), ip.max_model_len, ip.max_logprobs, len(eos_ids))
+            searches.append(BeamSearch(ids, params, eos_ids))
+        step = step_params(params, len(eos_ids))
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            while live := [s for s in searches if not s.done]:
+                inputs = [(s, ids) for s in live for ids in s.beam_inputs()]
+                outs = self.generate([{"prompt_token_ids": ids} for _, ids in inputs], step,
+                                     use_tqdm=False)
+                by_search: dict[int, list[dict[int, float]]] = {}
+                for (s, _), out in zip(inputs, outs, strict=True):
+                    c = out.outputs[0]
+                    if out.error is not None or not c.logprobs:
+                        raise RuntimeError(f"a beam-search step failed: {out.error}")
+                    by_search.setdefault(id(s), []).append(top_logprobs(c.logprobs[0]))
+                for s in live:
+                    s.advance(by_search[id(s)])
+                bar.update(1)
+        tokenizer = self.tokenizer
+        return [s.output(lambda t: tokenizer.decode(t, skip_special_tokens=False))
+                for s in searches]
+
     def embed(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -189,6 +246,9 @@ class LLM:
             one = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
             params_list = [one] * len(prompts)
         else:
+            if isinstance(pooling_params, dict | str | bytes):
+                raise TypeError("pooling_params must be a PoolingParams or a list of them "
+                                f"(one per prompt), not {type(pooling_params).__name__}")
             params_list = list(pooling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")

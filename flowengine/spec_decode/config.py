@@ -59,7 +59,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
-        unknown = sorted(set(d) - _KEYS)
+        unknown = sorted(set(d) - _KEYS, key=str)  # keys of a dict need not be strings
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; FlowEngine takes "
                              f"{sorted(_KEYS)}")
@@ -84,16 +84,18 @@ class SpeculativeConfig:
         if method == "ngram":
             if model is not None:
                 raise ValueError('speculative_config: method "ngram" takes no "model"')
+            # The values given are checked before a missing bound copies the other, so
+            # the error names the key the user wrote.
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                    raise ValueError(f"speculative_config: {name} must be an integer >= 1, "
+                                     f"got {v!r}")
             if lo is None and hi is None:
                 lo = hi = DEFAULT_PROMPT_LOOKUP
             elif lo is None:
                 lo = hi
             elif hi is None:
                 hi = lo
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"speculative_config: {name} must be an integer >= 1, "
-                                     f"got {v!r}")
             if lo > hi:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
                                  f"prompt_lookup_max ({hi})")
@@ -101,9 +103,12 @@ class SpeculativeConfig:
         if lo is not None or hi is not None:
             raise ValueError("speculative_config: prompt_lookup_min/max apply to method "
                              '"ngram" only')
-        if not isinstance(model, str) or not model:
+        if model is None:
             raise ValueError('speculative_config: method "draft_model" needs "model", the '
                              "draft model's directory or hub id")
+        if not isinstance(model, str) or not model:
+            raise ValueError('speculative_config: "model" must be a non-empty string (the '
+                             f"draft model's directory or hub id), got {model!r}")
         return cls("draft_model", k, model=model)
 
     @property

@@ -73,3 +73,7 @@ def test_encode_returns_the_embeddings_as_tensors(tiny_path):
     for task, words in ((None, "required"), ("classify", "not supported")):
         with pytest.raises(ValueError, match=words):
             llm.encode(PROMPTS, pooling_task=task, use_tqdm=False)
+    # A dict is neither a PoolingParams nor a list of them (it would iterate its keys).
+    with pytest.raises(TypeError, match="pooling_params must be a PoolingParams or a list "
+                                        "of them .one per prompt., not dict"):
+        llm.embed(PROMPTS, {"normalize": False}, use_tqdm=False)

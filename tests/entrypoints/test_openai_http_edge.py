@@ -176,9 +176,9 @@ def test_too_deep_json_is_400_without_traceback(http, caplog):
         (CHAT, "mm_processor_kwargs", {"num_crops": 4}),
         (CHAT, "logits_processors", ["pkg.proc"]),
         (CHAT, "kv_transfer_params", {"do_remote_decode": True}),
-        (CHAT, "use_beam_search", True),
+        (CHAT, "logprobs_mode", "raw_logprobs"),
         ("/v1/completions", "return_token_ids", True),
-        ("/v1/completions", "length_penalty", 1.5),
+        ("/v1/completions", "return_tokens_as_token_ids", True),
     ],
 )
 def test_vllm_fields_not_implemented_are_refused_by_name(http, engine, path, field, value):

@@ -38,8 +38,7 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_whitespace_pattern",
         "logits_processors", "kv_transfer_params",
         "documents", "mm_processor_kwargs",
-        "return_tokens_as_token_ids", "return_token_ids", "use_beam_search",
-        "length_penalty", "add_special_tokens",
+        "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens",
         "reasoning_effort", "logprobs_mode", "thinking_token_budget",
     }
 )  # fmt: skip
@@ -139,9 +138,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     kv_transfer_params: None = None
     return_tokens_as_token_ids: None = None
     return_token_ids: None = None
-    use_beam_search: None = None
-    length_penalty: None = None
     logprobs_mode: None = None
+    # vLLM's beam search (serving_beam.py): beam width = `n` (completions: `best_of`
+    # when set); length_penalty and early_stopping as transformers' generate.
+    # (null: the default, as absent).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -249,7 +249,8 @@ def completion_params(
     APIError(400)."""
     if req.suffix:
         raise bad_request("suffix is not supported; put the text in the prompt", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
+    # With use_beam_search, best_of is the beam width (serving_beam.py checks it).
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
         raise bad_request(
             f"best_of={req.best_of} with n={req.n} is not supported; leave best_of unset "
             "or equal to n",

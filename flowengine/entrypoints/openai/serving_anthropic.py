@@ -70,7 +70,7 @@ from flowengine.entrypoints.openai.protocol_anthropic import (
     MessagesRequest,
 )
 from flowengine.entrypoints.openai.sse import HEADERS
-from flowengine.entrypoints.openai.tool_parsers.request import check_tools
+from flowengine.entrypoints.openai.tool_parsers.request import resolve_tool_choice
 
 # Anthropic's error types by HTTP status (docs.anthropic.com, "Errors"); other 4xx are
 # invalid_request_error, other 5xx api_error.
@@ -186,9 +186,11 @@ def chat_messages_of(
     {"role": "tool", "tool_call_id", "content"} messages before its text (a user
     message of tool results only has no user message); thinking blocks dropped.
 
-    Raises APIError(400) naming the block: a block type not served (image, document,
-    ...), tool_use outside an assistant message or without id/name, tool_result
-    outside a user message or answering no tool_use of the message before, and tool_use
+    Raises APIError(400) naming the block (Anthropic's rules): a message with empty
+    content (other than a final assistant message), a block type not served (image,
+    document, ...), tool_use outside an assistant message, without id/name or with an
+    id used twice in the message, tool_result outside a user message, after a text
+    block of its message or answering no tool_use of the message before, and tool_use
     blocks without their tool_result in the next message.
     """
     out: list[dict[str, Any]] = []
@@ -199,6 +201,13 @@ def chat_messages_of(
     for i, m in enumerate(messages):
         if unanswered and m.role != "user":
             raise _unanswered(unanswered, i)
+        if not m.content and not (m.role == "assistant" and i == len(messages) - 1):
+            # Anthropic's rule: an empty turn would render as a turn with nothing said.
+            raise bad_request(
+                "all messages must have non-empty content except for the optional final "
+                "assistant message",
+                f"messages[{i}].content",
+            )
         if isinstance(m.content, str):
             if unanswered:
                 raise _unanswered(unanswered, i)
@@ -216,10 +225,25 @@ def chat_messages_of(
             elif block.type == "tool_use" and m.role == "assistant":
                 if not block.id or not block.name:
                     raise bad_request("a tool_use block needs id and name", where)
+                if any(c["id"] == block.id for c in calls):
+                    # Two calls under one id: a tool_result could not say which it answers.
+                    raise bad_request(
+                        f"tool_use ids must be unique; {block.id!r} is used twice in "
+                        f"messages[{i}]",
+                        f"{where}.id",
+                    )
                 arguments = orjson.dumps(block.input or {}).decode()
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": arguments}})  # fmt: skip
             elif block.type == "tool_result" and m.role == "user":
+                if texts:
+                    # Anthropic's rule (its results are rendered before the turn's text,
+                    # so a result after text would be silently moved).
+                    raise bad_request(
+                        "tool_result blocks must come first in a user message's content, "
+                        "before any text blocks",
+                        where,
+                    )
                 if block.tool_use_id not in unanswered:
                     raise bad_request(
                         f"tool_result answers tool_use_id {block.tool_use_id!r}, which is not "
@@ -434,15 +458,17 @@ async def count_tokens(ctx: ServingContext, request: APIRequest) -> Response:
     check_supported(req, ctx.chat_parsing.reasoning_parser is not None)
     ctx.resolve_model(req.model)
     messages = chat_messages_of(req.system, req.messages)
-    tools, tool_choice, _ = chat_tools(req)
-    template_tools = None
-    if tools:
-        try:
-            template_tools = check_tools(tools)
-        except APIError as err:
-            raise rename_param(err, anthropic_param) from None
-        if tool_choice == "none" and ctx.chat_parsing.exclude_tools_when_tool_choice_none:
-            template_tools = None
+    tools, tool_choice, parallel = chat_tools(req)
+    # The tools and tool_choice are checked as /v1/messages checks them (a count for a
+    # request that would be refused would mislead); counting needs no output parser,
+    # so "auto" is checked as if the server had one.
+    try:
+        choice = resolve_tool_choice(tools, tool_choice, parallel, auto_enabled=True)
+    except APIError as err:
+        raise rename_param(err, anthropic_param) from None
+    template_tools = choice.tools
+    if choice.mode == "none" and ctx.chat_parsing.exclude_tools_when_tool_choice_none:
+        template_tools = None
     # The engine's own template step, as /tokenize: the count is what a request uses.
     from flowengine.tokenize.chat import apply_chat_template
 

@@ -87,6 +87,13 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     if req.continue_final_message:
         options["continue_final_message"] = True
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if req.use_beam_search:
+        from flowengine.entrypoints.openai.serving_beam import beam_chat_completion
+
+        base = {"id": request_id, "created": int(time.time()), "model": model,
+                "object": "chat.completion.chunk" if req.stream else "chat.completion"}
+        prompt = {"messages": messages, **options} if options else messages
+        return await beam_chat_completion(ctx, req, params, prompt, base)
     [stream] = await open_streams(
         ctx.engine,
         [{"messages": messages, **options} if options else messages],

@@ -88,6 +88,12 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
             for p in prompts
         ]
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    if req.use_beam_search:
+        from flowengine.entrypoints.openai.serving_beam import beam_completion
+
+        base = {"id": request_id, "object": "text_completion",
+                "created": int(time.time()), "model": model}
+        return await beam_completion(ctx, req, params, prompts, base)
     streams = await open_streams(
         ctx.engine,
         prompts,

@@ -197,8 +197,9 @@ def input_messages(
 
     Raises APIError(400) naming the item: a message without a role, non-text content
     parts (images, files), a function_call without call_id/name/arguments or with
-    arguments that are not a JSON object, a function_call_output whose call_id
-    answers no earlier function_call, other item types.
+    arguments that are not a JSON object or a call_id of an earlier function_call, a
+    function_call_output without call_id or whose call_id answers no earlier
+    function_call, other item types.
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -209,6 +210,13 @@ def input_messages(
             continue  # an earlier turn's reasoning: templates do not render it
         if item.type == "function_call":
             call = _function_call(i, item)
+            if any(c["id"] == call["id"] for m in messages for c in m.get("tool_calls") or ()):
+                # Two calls under one call_id: an output could not say which it answers.
+                raise bad_request(
+                    f"input[{i}] repeats call_id {call['id']!r} of an earlier function_call item; "
+                    "each call needs its own call_id",
+                    f"input[{i}].call_id",
+                )
             known.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -217,7 +225,13 @@ def input_messages(
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             continue
         if item.type == "function_call_output":
-            if not item.call_id or item.call_id not in known:
+            if not isinstance(item.call_id, str) or not item.call_id:
+                raise bad_request(
+                    f"input[{i}] is a function_call_output item and needs call_id (the "
+                    "call_id of the function_call it answers)",
+                    f"input[{i}].call_id",
+                )
+            if item.call_id not in known:
                 raise bad_request(
                     f"input[{i}] answers call_id {item.call_id!r}, but no function_call "
                     "with that call_id comes before it (in input or the "

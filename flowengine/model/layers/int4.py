@@ -76,7 +76,9 @@ class Int4QuantConfig:
         Raises:
             ValueError: another quant_method, bits other than 4, a group size that is
                 not -1 or a multiple of 8, an AWQ version other than gemm, a GPTQ
-                checkpoint_format other than gptq / gptq_v2, or AWQ without zero points.
+                checkpoint_format other than gptq / gptq_v2, AWQ without zero points,
+                bits / group_size that are not integers, desc_act / sym that are not
+                booleans, or modules_to_not_convert that is not a list of strings.
         """
         method = str(qc.get("quant_method", "")).lower()
         if method not in ("gptq", "awq"):
@@ -84,11 +86,11 @@ class Int4QuantConfig:
                 f"quantization_config quant_method {qc.get('quant_method')!r} is not "
                 "supported; FlowEngine loads 4-bit 'gptq' and 'awq' checkpoints (or a float "
                 "checkpoint with --quantization fp8 / int8)")
-        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        bits = _int_key(qc, ("bits", "w_bit"), 4)
         if bits != 4:
             raise ValueError(f"{method} checkpoint has bits={bits}; FlowEngine runs 4-bit "
                              f"{method.upper()} only")
-        group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        group_size = _int_key(qc, ("group_size", "q_group_size"), 128)
         if group_size != -1 and (group_size <= 0 or group_size % PACK):
             raise ValueError(f"{method} group_size {group_size} must be -1 or a positive "
                              f"multiple of {PACK}")
@@ -100,19 +102,47 @@ class Int4QuantConfig:
             if not qc.get("zero_point", True):
                 raise ValueError("AWQ without zero points (zero_point: false) is not "
                                  "supported")
-            skip = tuple(qc.get("modules_to_not_convert") or ())
-            return cls("awq", group_size, False, False, 0, skip)
+            skip = qc.get("modules_to_not_convert") or []
+            if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+                raise ValueError("quantization_config modules_to_not_convert must be a list "
+                                 f"of module name fragments (strings), got {skip!r}")
+            return cls("awq", group_size, False, False, 0, tuple(skip))
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (only "
                              "'gptq' and 'gptq_v2'); re-export the checkpoint in GPTQ format")
         if qc.get("lm_head"):
             raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported")
-        return cls("gptq", group_size, bool(qc.get("desc_act", False)),
-                   bool(qc.get("sym", True)), 1 if fmt == "gptq" else 0)
+        return cls("gptq", group_size, _bool_key(qc, "desc_act", False),
+                   _bool_key(qc, "sym", True), 1 if fmt == "gptq" else 0)
 
     def layer_group_size(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
+
+
+def _int_key(qc: dict[str, Any], keys: tuple[str, ...], default: int) -> int:
+    """The integer under the first of `keys` present (GPTQ's name, then AutoAWQ's).
+    Raises ValueError naming the key for anything but an integer (a float such as 4.5
+    must not be truncated into a valid value)."""
+    for key in keys:
+        if key in qc:
+            value = qc[key]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"quantization_config {key} must be an integer, got "
+                                 f"{value!r}")
+            return value
+    return default
+
+
+def _bool_key(qc: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false flag; raises ValueError for anything else (the string "false" is
+    truthy, so it would silently mean true)."""
+    value = qc.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"quantization_config {key} must be true or false, got {value!r}")
+    return value
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -164,8 +194,9 @@ def to_canonical(cfg: Int4QuantConfig, tensors: dict[str, torch.Tensor], in_feat
     g_idx int32 [K] or None when g_idx is the plain k // group_size).
 
     Raises:
-        ValueError: a tensor is missing or its shape disagrees with in_features / the
-            other tensors.
+        ValueError: a tensor is missing, has the wrong dtype (qweight / qzeros not
+            2-D int32, scales not floating point, g_idx not integer) or its shape
+            disagrees with in_features / the other tensors.
     """
     gs = cfg.layer_group_size(in_features)
     k = in_features
@@ -173,6 +204,17 @@ def to_canonical(cfg: Int4QuantConfig, tensors: dict[str, torch.Tensor], in_feat
     if missing:
         raise ValueError(f"{cfg.method} layer lacks tensor(s) {sorted(missing)}")
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    # Packed words copied into int32 buffers from another dtype would be converted by
+    # value, not reinterpreted: a float qweight would load as garbage, silently.
+    for leaf, tensor in (("qweight", qweight), ("qzeros", qzeros)):
+        if tensor.dtype != torch.int32 or tensor.dim() != 2:
+            raise ValueError(f"{cfg.method} {leaf} must be a 2-D int32 tensor of packed "
+                             f"4-bit values, got {tensor.dtype} {tuple(tensor.shape)}")
+    if not scales.is_floating_point():
+        raise ValueError(f"{cfg.method} scales must be floating point, got {scales.dtype}")
+    if "g_idx" in tensors and tensors["g_idx"].is_floating_point():
+        raise ValueError(f"GPTQ g_idx must be integer group indices, got "
+                         f"{tensors['g_idx'].dtype}")
     if cfg.method == "awq":
         if qweight.shape[0] != k:
             raise ValueError(f"AWQ qweight has {qweight.shape[0]} rows, the layer has "
