@@ -6,13 +6,14 @@
 import asyncio
 import sys
 
-from flowengine import AsyncEngine, SamplingParams
+from flowengine import AsyncEngine, RequestOutputKind, SamplingParams
 
 
 async def stream(engine: AsyncEngine, prompt: str) -> str:
     text = ""
-    async for out in engine.submit(prompt, SamplingParams(temperature=0, max_tokens=32)):
-        text += out.outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=32)
+    async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
+        text += out.outputs[0].text  # DELTA: each output holds only the new text
     return text
 
 

@@ -17,7 +17,11 @@ configure_wait_policy()
 from flowengine.config import EngineArgs  # noqa: E402
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams  # noqa: E402
-from flowengine.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from flowengine.sampling_params import (  # noqa: E402
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from flowengine.version import __version__  # noqa: E402
 
 if TYPE_CHECKING:
@@ -33,6 +37,7 @@ __all__ = [
     "Logprob",
     "PoolingParams",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "__version__",

@@ -12,6 +12,7 @@ be finite, and `bool` is not accepted where a number is meant.
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from typing import Any
@@ -23,6 +24,21 @@ INT64_MAX = (1 << 63) - 1
 
 # Below this temperature sampling is treated as greedy (vLLM uses the same cut-off).
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request holds (vLLM's `RequestOutputKind`).
+
+    - CUMULATIVE: everything so far (text, token ids, logprobs from the first token),
+      one output per step; the last one is the whole result.
+    - DELTA: only what is new since the previous output (a stream: joining the texts
+      and token ids of every output gives the whole result).
+    - FINAL_ONLY: one output, when the request finished, with the whole result.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 # The kinds of constraint, in vLLM's field order (StructuredOutputsParams).
@@ -161,6 +177,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     - extra_args: a dict passed through untouched, for custom code (vLLM's field).
     - structured_outputs: a `StructuredOutputsParams` constraint (JSON schema, regex,
       choice, grammar, any JSON object, structural tag), or None.
+    - output_kind: a `RequestOutputKind`, what each output of the request holds
+      (CUMULATIVE by default, as vLLM; `AsyncEngine.submit(output_kind=...)` sets it).
 
     `bad_words_token_ids` is filled in by the engine's input processor (the tokenized
     `bad_words`); callers leave it unset. Token ids in logit_bias, allowed_token_ids
@@ -194,6 +212,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -316,6 +335,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs,
                       "a StructuredOutputsParams")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            if isinstance(self.output_kind, bool) or self.output_kind not in (0, 1, 2):
+                raise bad("output_kind", self.output_kind,
+                          "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+            self.output_kind = RequestOutputKind(self.output_kind)
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (they are matched on the "
                              "text); use stop_token_ids or drop detokenize=False")

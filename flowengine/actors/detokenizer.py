@@ -16,7 +16,7 @@ from flowengine.shm.inproc import InprocChannel
 
 
 class DetokenizerActor:
-    """Wraps `OutputProcessor(stream=True)`.
+    """Wraps an `OutputProcessor` (each request gets the outputs of its `output_kind`).
 
     Args:
         output_processor: per-request detokenizer and stop-string state.

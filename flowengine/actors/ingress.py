@@ -9,7 +9,7 @@ from typing import Any
 from flowengine.actors.streamer import RequestStream, StreamerActor
 from flowengine.actors.tokenizer import TokenizeJob, TokenizerActor
 from flowengine.engine.protocol import EngineOverloadedError
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class IngressActor:
@@ -51,7 +51,10 @@ class IngressActor:
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError("request_id must be a string")
         rid = request_id or uuid.uuid4().hex
-        stream = self.streamer.open(rid)
+        # Pending DELTA outputs are concatenated, CUMULATIVE ones replaced (the kind is
+        # known here: AsyncEngine.submit resolves it before admission).
+        stream = self.streamer.open(rid, isinstance(params, SamplingParams)
+                                    and params.output_kind == RequestOutputKind.DELTA)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         await self.tokenizer.inbox.send_async(TokenizeJob(rid, prompt, params, priority, future,
                                                            pooling_params))

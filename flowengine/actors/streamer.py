@@ -1,4 +1,4 @@
-"""Streamer actor: routes each `RequestOutput` delta to its caller's stream (DESIGN.md §1)."""
+"""Streamer actor: routes each `RequestOutput` to its caller's stream (DESIGN.md §1)."""
 
 from __future__ import annotations
 
@@ -6,60 +6,22 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from flowengine.outputs import CompletionOutput, RequestOutput
+from flowengine.outputs import RequestOutput
 from flowengine.shm.inproc import InprocChannel
 
 
-def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
-    """Fold the stream delta `new` into `pending`, the one its caller has not taken yet.
-
-    Afterwards `pending` is the delta since the caller's previous output: per completion
-    (matched by `index`, kept in index order) the texts, token ids and logprobs are
-    concatenated, and the latest cumulative logprob, finish and stop reasons win; the
-    request's `finished`, `num_cached_tokens` and `error` are the latest. Joining what
-    the caller receives therefore gives the same text, the same token ids in order and
-    the same last output as taking every delta. Mutates `pending` (owned by the stream)
-    and the lists inside it; `new` must not be used afterwards.
-    """
-    by_index = {c.index: c for c in pending.outputs}
-    added = False
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            pending.outputs.append(c)
-            added = True
-            continue
-        old.text += c.text
-        old.token_ids.extend(c.token_ids)
-        if old.logprobs is not None and c.logprobs is not None:
-            old.logprobs.extend(c.logprobs)
-        old.cumulative_logprob = c.cumulative_logprob
-        old.finish_reason = c.finish_reason
-        old.stop_reason = c.stop_reason
-    if added:
-        pending.outputs.sort(key=_completion_index)
-    pending.finished = new.finished
-    pending.num_cached_tokens = new.num_cached_tokens
-    if new.error is not None:
-        pending.error = new.error
-    if new.prompt_logprobs is not None:
-        pending.prompt_logprobs = new.prompt_logprobs
-
-
-def _completion_index(c: CompletionOutput) -> int:
-    return c.index
-
-
 class RequestStream:
-    """One caller's outputs. Deltas the caller has not taken yet are merged into one
-    (`merge_delta`), so a slow caller wakes once for all of them, and a fast one once
-    per step at most. An exception is raised to the caller after the pending output.
+    """One caller's outputs. Outputs the caller has not taken yet are folded into one
+    (`RequestOutput.add`: DELTA outputs concatenated, `aggregate`; CUMULATIVE ones
+    replaced by the newest), so a slow caller wakes once for all of them, and a fast one
+    once per step at most. An exception is raised to the caller after the pending output.
     """
 
-    __slots__ = ("request_id", "finished", "_pending", "_error", "_waiter")
+    __slots__ = ("request_id", "aggregate", "finished", "_pending", "_error", "_waiter")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, aggregate: bool = True) -> None:
         self.request_id = request_id
+        self.aggregate = aggregate
         self.finished = False
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -72,7 +34,7 @@ class RequestStream:
         elif self._pending is None:
             self._pending = item
         else:
-            merge_delta(self._pending, item)
+            self._pending.add(item, self.aggregate)
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -80,7 +42,7 @@ class RequestStream:
                 waiter.set_result(None)
 
     def take(self) -> RequestOutput | None:
-        """The output the caller has not taken yet (merged deltas), or None if there is
+        """The output the caller has not taken yet (folded outputs), or None if there is
         none now: then await `wait()` and take again.
 
         Raises the stream's exception once no output is pending (the stream is over).
@@ -126,10 +88,11 @@ class StreamerActor:
         self._on_orphan = on_orphan
         self.busy_s = 0.0  # time spent routing (for `flowengine bench pipeline`)
 
-    def open(self, request_id: str) -> RequestStream:
+    def open(self, request_id: str, aggregate: bool = True) -> RequestStream:
+        """A new stream; aggregate: its outputs are DELTAs (see `RequestStream`)."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = self._streams[request_id] = RequestStream(request_id)
+        stream = self._streams[request_id] = RequestStream(request_id, aggregate)
         return stream
 
     def close(self, request_id: str) -> None:

@@ -85,7 +85,7 @@ async def _inline(fn: Any, *args: Any) -> Any:
 
 async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> dict:
     from flowengine.entrypoints.async_engine import AsyncEngine
-    from flowengine.sampling_params import SamplingParams
+    from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = AsyncEngine(core_factory=null_core_factory, max_queue_len=num_streams + 1, **args)
     await engine.start()
@@ -98,7 +98,7 @@ async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> 
     async def one() -> int:
         nonlocal consumer_s
         n = 0
-        async for out in engine.submit(prompt, params):
+        async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
             t = time.perf_counter()
             n += len(out.outputs[0].token_ids)
             consumer_s += time.perf_counter() - t

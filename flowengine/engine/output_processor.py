@@ -3,6 +3,11 @@
 Runs in the frontend (DESIGN.md §7): the Detokenizer actor wraps it, and the
 in-process `LLM` calls it directly. Stop strings are matched here on characters; a
 match finishes the sample and reports its id so the engine can free its blocks.
+
+This is where engine deltas become what the caller asked for: each request's
+`SamplingParams.output_kind` (`RequestOutputKind`) picks cumulative outputs, deltas or
+one final output. Nothing downstream re-accumulates; a stream its caller has not read
+yet only folds pending outputs with `RequestOutput.add`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.messages import NewRequest, RequestDelta, TokenLogprobs
 from flowengine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from flowengine.pooling.params import EmbeddingOutput, EmbeddingRequestOutput, finish_embedding
+from flowengine.sampling_params import RequestOutputKind
 from flowengine.tokenize.text_state import IncrementalTextState
 
 # Placeholder of a sample's new_token_ids between outputs; never mutated (see below).
@@ -45,6 +51,8 @@ class _SampleState:
     dirty: bool = False
     # SamplingParams.detokenize: False leaves text "" and logprob tokens undecoded.
     detokenize: bool = True
+    # The request's output kind is DELTA: collect new_* for the next output.
+    delta: bool = False
 
 
 @dataclass(slots=True)
@@ -57,18 +65,22 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # streaming: they go out once
     pooled: bytes | None = None  # embedding requests: the raw pooled vector
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 class OutputProcessor:
     """Turns engine deltas into `RequestOutput`s, per user request.
 
+    Each request gets the outputs its `SamplingParams.output_kind` asks for:
+    CUMULATIVE (every step, everything so far), DELTA (every step that changed it,
+    only what is new) or FINAL_ONLY (one output when it finished; a cumulative output
+    of every running request on every step costs O(length) each).
+
     Args:
         tokenizer: the Hugging Face tokenizer, for detokenization and logprob texts.
-        stream: True → each output carries only what is new since the previous one
-            (the `submit()` stream); False → cumulative text and token ids.
-        final_only: with stream False, `process` returns only the outputs of requests
-            that finished (the offline `LLM` keeps nothing else); a cumulative output of
-            every running request on every step costs O(length) each.
+        stream: True → DELTA for every request, whatever its params say.
+        final_only: True → FINAL_ONLY for every request (the offline `LLM` keeps
+            nothing else). Neither: each request's own `output_kind`.
 
     Raises ValueError for stream and final_only together.
     """
@@ -79,6 +91,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream = stream
         self.final_only = final_only
+        self._forced_kind: RequestOutputKind | None = (
+            RequestOutputKind.DELTA if stream
+            else RequestOutputKind.FINAL_ONLY if final_only else None
+        )
         self._requests: dict[str, _RequestState] = {}
         # Child (engine-side) request id -> (parent id, its state, the child's sample).
         self._children: dict[str, tuple[str, _RequestState, _SampleState]] = {}
@@ -93,6 +109,10 @@ class OutputProcessor:
         if processed.request_id in self._requests:
             raise ValueError(f"request id {processed.request_id!r} is already in use")
         params = processed.sampling_params
+        kind = self._forced_kind
+        if kind is None:
+            kind = params.output_kind
+        delta = kind == RequestOutputKind.DELTA
         samples = [
             _SampleState(
                 index=i,
@@ -100,10 +120,11 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
                 detokenize=params.detokenize,
+                delta=delta,
             )
             for i in range(params.n)
         ]
-        state = _RequestState(processed, samples, len(samples))
+        state = _RequestState(processed, samples, len(samples), kind=kind)
         self._requests[processed.request_id] = state
         for child, sample in zip(processed.children, samples, strict=True):
             self._children[child.request_id] = (processed.request_id, state, sample)
@@ -141,7 +162,7 @@ class OutputProcessor:
                 to_stop.append(delta.req_id)
             if sample.finish_reason is not None:
                 state.num_unfinished -= 1
-            if not self.final_only or state.num_unfinished == 0:
+            if state.num_unfinished == 0 or state.kind != RequestOutputKind.FINAL_ONLY:
                 touched[parent_id] = state
         outputs = []
         for rid, st in touched.items():
@@ -153,7 +174,7 @@ class OutputProcessor:
 
     def _apply(self, sample: _SampleState, delta: RequestDelta) -> bool:
         """Update one sample; True if a stop string finished it here."""
-        stream = self.stream
+        stream = sample.delta
         new_token_ids = delta.new_token_ids
         if len(new_token_ids) > 1 and sample.text_state.stop_checker is not None:
             return self._apply_one_by_one(sample, delta)
@@ -230,7 +251,8 @@ class OutputProcessor:
         if state.prompt.pooling_params is not None:
             return self._make_embedding_output(request_id, state)  # type: ignore[return-value]
         completions = []
-        if self.stream:
+        kind = state.kind
+        if kind == RequestOutputKind.DELTA:
             for s in state.samples:
                 if not s.dirty:
                     continue
@@ -252,14 +274,18 @@ class OutputProcessor:
                 s.new_text = ""
                 s.dirty = False
         else:
+            # CUMULATIVE outputs are snapshots (the lists keep growing here); the one
+            # FINAL_ONLY output takes the request's own lists, which are done.
+            final = kind == RequestOutputKind.FINAL_ONLY
             for s in state.samples:
+                logprobs = s.logprobs
                 completions.append(
                     CompletionOutput(
                         s.index,
                         s.text_state.output_text,
-                        list(s.token_ids),
+                        s.token_ids if final else list(s.token_ids),
                         s.cumulative_logprob,
-                        s.logprobs,
+                        logprobs if final or logprobs is None else list(logprobs),
                         s.finish_reason,
                         s.stop_reason,
                     )
@@ -267,7 +293,7 @@ class OutputProcessor:
                 s.new_text = ""
                 s.dirty = False
         prompt_logprobs = state.prompt_logprobs
-        if self.stream and prompt_logprobs is not None:
+        if kind == RequestOutputKind.DELTA and prompt_logprobs is not None:
             if state.prompt_logprobs_sent:
                 prompt_logprobs = None
             state.prompt_logprobs_sent = True

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flowengine.outputs import RequestOutput
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class EngineDeadError(RuntimeError):
@@ -86,7 +86,11 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]: ...
+        output_kind: RequestOutputKind | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; output_kind (None: sampling_params.output_kind, which
+        defaults to CUMULATIVE) picks what each holds, as `AsyncEngine.submit`."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 

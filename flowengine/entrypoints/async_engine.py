@@ -2,7 +2,8 @@
 
     engine = AsyncEngine(max_model_len=2048)          # any EngineArgs field
     await engine.start()
-    async for out in engine.submit("Hello", SamplingParams(max_tokens=16)):
+    async for out in engine.submit("Hello", SamplingParams(max_tokens=16),
+                                   output_kind=RequestOutputKind.DELTA):
         print(out.outputs[0].text, end="")
     await engine.shutdown()
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
@@ -36,7 +38,7 @@ from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
 from flowengine.outputs import RequestOutput
 from flowengine.pooling.params import EmbeddingRequestOutput, PoolingParams
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 from flowengine.shm.inproc import InprocChannel
 
 logger = logging.getLogger(__name__)
@@ -190,7 +192,8 @@ class AsyncEngine:
         self.chat_template = input_processor.chat_template  # --chat-template text or None
         self.streamer = StreamerActor(on_orphan=self._abort_orphan)
         self.detokenizer = DetokenizerActor(
-            OutputProcessor(self.tokenizer, stream=True),
+            # Each request's SamplingParams.output_kind picks its outputs (submit sets it).
+            OutputProcessor(self.tokenizer),
             self.outputs,
             self.requests,
             self.streamer.inbox,
@@ -375,8 +378,15 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        output_kind: RequestOutputKind | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield `RequestOutput` deltas until one has `finished=True`.
+        """Yield `RequestOutput`s until one has `finished=True`.
+
+        output_kind (vLLM's `RequestOutputKind`): what each output holds; None keeps
+        `sampling_params.output_kind` (CUMULATIVE by default, as vLLM's AsyncLLM):
+        CUMULATIVE → everything so far, DELTA → only what is new since the previous
+        output, FINAL_ONLY → one output, the whole result. Outputs a slow caller has not
+        taken yet are folded into one (concatenated deltas, or the newest cumulative).
 
         prompt: text, token ids, {"prompt"|"prompt_token_ids": ..., "cache_salt": ...},
         a conversation (list of messages), or {"messages": [...], "cache_salt": ...,
@@ -390,7 +400,7 @@ class AsyncEngine:
         """
         # A plain function returning the stream itself (no generator around it): closing
         # the caller's loop closes the stream at once, which aborts the request.
-        return self._stream(prompt, sampling_params, request_id, priority, None)
+        return self._stream(prompt, sampling_params, request_id, priority, None, output_kind)
 
     async def beam_search(
         self, prompt: str | list[int] | list[dict[str, Any]] | dict[str, Any],
@@ -428,10 +438,22 @@ class AsyncEngine:
 
     async def _stream(self, prompt: Any, sampling_params: SamplingParams | None,
                       request_id: str | None, priority: int,
-                      pooling_params: PoolingParams | None) -> AsyncIterator[RequestOutput]:
+                      pooling_params: PoolingParams | None,
+                      output_kind: RequestOutputKind | None = None,
+                      ) -> AsyncIterator[RequestOutput]:
         await self.start()
         if self._dead is not None:
             raise self._dead
+        if output_kind is not None and pooling_params is None:
+            if not isinstance(output_kind, RequestOutputKind):
+                raise TypeError("output_kind must be a RequestOutputKind, not "
+                                f"{type(output_kind).__name__}")
+            if sampling_params is None:  # the model's defaults, as the Tokenizer fills them
+                sampling_params = SamplingParams(**self.default_sampling_params)
+            if isinstance(sampling_params, SamplingParams):  # else the Tokenizer refuses it
+                if sampling_params.output_kind != output_kind:
+                    sampling_params = msgspec.structs.replace(sampling_params,
+                                                              output_kind=output_kind)
         rid, stream, children = await self.ingress.admit(
             prompt, sampling_params, request_id, priority, pooling_params
         )

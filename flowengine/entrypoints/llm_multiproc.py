@@ -7,33 +7,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from flowengine.outputs import CompletionOutput, RequestOutput
-
-
-def merge_delta(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold one streamed delta into the cumulative output of its request."""
-    if total is None:
-        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids)
-    by_index = {c.index: c for c in total.outputs}
-    for c in delta.outputs:
-        acc = by_index.get(c.index)
-        if acc is None:
-            acc = by_index[c.index] = CompletionOutput(
-                c.index, "", [], logprobs=[] if c.logprobs is not None else None
-            )
-        acc.text += c.text
-        acc.token_ids.extend(c.token_ids)
-        if c.logprobs is not None and acc.logprobs is not None:
-            acc.logprobs.extend(c.logprobs)
-        acc.cumulative_logprob = c.cumulative_logprob
-        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
-    total.outputs = [by_index[i] for i in sorted(by_index)]
-    total.finished = delta.finished
-    total.num_cached_tokens = delta.num_cached_tokens or total.num_cached_tokens
-    total.error = delta.error or total.error
-    if delta.prompt_logprobs is not None:
-        total.prompt_logprobs = delta.prompt_logprobs
-    return total
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import RequestOutputKind
 
 
 class BackgroundEngine:
@@ -51,11 +26,13 @@ class BackgroundEngine:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _one(self, prompt: Any, params: Any, request_id: str, on_done) -> RequestOutput:
-        total = None
-        async for delta in self.engine.submit(prompt, params, request_id):
-            total = merge_delta(total, delta)
+        # FINAL_ONLY: the output processor folds; the one output is the whole result.
+        final = None
+        async for out in self.engine.submit(prompt, params, request_id,
+                                            output_kind=RequestOutputKind.FINAL_ONLY):
+            final = out
         on_done()
-        return total
+        return final
 
     def generate(self, jobs: list[tuple[Any, Any, str]], on_done) -> list[RequestOutput]:
         """Run (prompt, params, request_id) jobs concurrently; results in job order."""

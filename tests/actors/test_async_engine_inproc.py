@@ -9,6 +9,7 @@ import pytest
 from flowengine import SamplingParams
 from flowengine.entrypoints.async_engine import AsyncEngine
 from flowengine.entrypoints.llm import LLM
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def offline(default_model_path) -> list[str]:
 
 async def _collect(engine: AsyncEngine, prompt, params=GREEDY) -> tuple[str, list]:
     text, outs = "", []
-    async for out in engine.submit(prompt, params):
+    async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
         outs.append(out)
         text += "".join(c.text for c in out.outputs)
     return text, outs
@@ -117,7 +118,8 @@ def test_chat_messages_and_abort_by_id(default_model_path):
             async def run_and_abort():
                 outs = []
                 async for out in engine.submit("Go on forever:", SamplingParams(
-                        max_tokens=800, ignore_eos=True), request_id="victim"):
+                        max_tokens=800, ignore_eos=True), request_id="victim",
+                        output_kind=RequestOutputKind.DELTA):
                     outs.append(out)
                     if len(outs) == 2:
                         await engine.abort("victim")

@@ -16,6 +16,7 @@ import pytest
 
 from flowengine import SamplingParams
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 async def _stream(engine: AsyncEngine, prompt: str) -> tuple[str, list[int]]:
     text, ids = "", []
-    async for out in engine.submit(prompt, GREEDY):
+    async for out in engine.submit(prompt, GREEDY, output_kind=RequestOutputKind.DELTA):
         text += out.outputs[0].text
         ids += out.outputs[0].token_ids
     return text, ids

@@ -20,6 +20,7 @@ import pytest
 from flowengine import SamplingParams
 from flowengine.engine.protocol import EngineDeadError
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ NUM_KV_BLOCKS = 12  # 192 tokens of 16: less than the model's max_model_len (819
 
 async def _text(engine: AsyncEngine, prompt, params=GREEDY) -> str:
     text = ""
-    async for out in engine.submit(prompt, params):
+    async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
         text += out.outputs[0].text
     return text
 

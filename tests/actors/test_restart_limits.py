@@ -20,6 +20,7 @@ from flowengine.actors.procs import START_DELAY_ENV
 from flowengine.actors.supervisor import SupervisorLimits
 from flowengine.engine.protocol import EngineDeadError
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +95,7 @@ def test_restart_that_is_not_ready_in_time_is_retried_then_the_engine_is_dead(
 
 async def _collect(engine: AsyncEngine) -> str:
     text = ""
-    async for out in engine.submit("Once upon a time", GREEDY):
+    async for out in engine.submit("Once upon a time", GREEDY, output_kind=RequestOutputKind.DELTA):
         text += out.outputs[0].text
     return text
 

@@ -25,6 +25,7 @@ import pytest
 from flowengine import SamplingParams
 from flowengine.actors.procs import START_DELAY_ENV
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 async def _stream(engine: AsyncEngine, prompt: str) -> tuple[str, list[int]]:
     text, ids = "", []
-    async for out in engine.submit(prompt, GREEDY):
+    async for out in engine.submit(prompt, GREEDY, output_kind=RequestOutputKind.DELTA):
         text += out.outputs[0].text
         ids += out.outputs[0].token_ids
     return text, ids

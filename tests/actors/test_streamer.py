@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from flowengine.actors.streamer import RequestStream, StreamerActor, merge_delta
+from flowengine.actors.streamer import RequestStream, StreamerActor
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -31,8 +31,8 @@ def test_merge_concatenates_per_completion_and_keeps_the_latest_state() -> None:
     later.outputs[1].cumulative_logprob = -3.0
     last = delta("r", (0, "!", [9]), finished=True, finish_reason="length")
     last.num_cached_tokens, last.error = 16, "boom"
-    merge_delta(pending, later)
-    merge_delta(pending, last)
+    pending.add(later, aggregate=True)  # RequestOutput.add, the one fold (was merge_delta)
+    pending.add(last, aggregate=True)
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in pending.outputs] == [
         (0, "a!", [1, 9], "length"),
         (1, "bc", [2, 3], None),

@@ -13,6 +13,7 @@ import pytest
 
 from flowengine import LLM, SamplingParams
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ PROMPTS = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(NU
 
 async def _text(engine: AsyncEngine, prompt: str) -> str:
     text = ""
-    async for out in engine.submit(prompt, GREEDY):
+    async for out in engine.submit(prompt, GREEDY, output_kind=RequestOutputKind.DELTA):
         text += out.outputs[0].text
     return text
 

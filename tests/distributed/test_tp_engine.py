@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowengine import LLM, SamplingParams
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def test_smollm2_tp3_equals_tp1(default_model_path: str) -> None:
 
 async def _stream(engine: AsyncEngine, prompt: str) -> list[int]:
     ids: list[int] = []
-    async for out in engine.submit(prompt, GREEDY):
+    async for out in engine.submit(prompt, GREEDY, output_kind=RequestOutputKind.DELTA):
         ids += out.outputs[0].token_ids
     return ids
 

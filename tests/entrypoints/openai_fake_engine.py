@@ -18,6 +18,7 @@ FLOWENGINE_TEST_ENGINE=openai_fake_engine:make_engine hook.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from flowengine.engine.protocol import (
     EngineStats,
 )
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 EOS = 256
 LOGPROB_STEP = -0.25
@@ -112,8 +113,32 @@ class FakeEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        output_kind: RequestOutputKind | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self._generate(prompt, sampling_params, request_id or "fake", priority)
+        deltas = self._generate(prompt, sampling_params, request_id or "fake", priority)
+        kind = sampling_params.output_kind if output_kind is None else output_kind
+        return deltas if kind == RequestOutputKind.DELTA else self._fold(deltas, kind)
+
+    @staticmethod
+    async def _fold(deltas: Any, kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+        """CUMULATIVE / FINAL_ONLY outputs from the fake's deltas (RequestOutput.add)."""
+        total: RequestOutput | None = None
+        async with contextlib.aclosing(deltas):
+            async for out in deltas:
+                if total is None:
+                    total = RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
+                                          [], error=out.error)
+                total.add(out, aggregate=True)
+                if kind == RequestOutputKind.CUMULATIVE or total.finished:
+                    yield RequestOutput(
+                        total.request_id, total.prompt, total.prompt_token_ids,
+                        [CompletionOutput(c.index, c.text, list(c.token_ids),
+                                          c.cumulative_logprob,
+                                          None if c.logprobs is None else list(c.logprobs),
+                                          c.finish_reason, c.stop_reason)
+                         for c in total.outputs],
+                        total.finished, total.num_cached_tokens, total.error,
+                        total.prompt_logprobs)
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids" | "messages", "cache_salt"}

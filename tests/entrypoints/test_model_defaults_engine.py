@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from flowengine import LLM, SamplingParams
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,7 @@ def test_submit_without_params_uses_the_model_defaults(model_dir, llm) -> None:
         engine = AsyncEngine(model_dir, **ENGINE)
         try:
             ids: list[int] = []
-            async for out in engine.submit(PROMPT):
+            async for out in engine.submit(PROMPT, output_kind=RequestOutputKind.DELTA):
                 ids.extend(out.outputs[0].token_ids)
             assert engine.default_sampling_params == {"temperature": 0.0, "max_tokens": 4}
             return ids

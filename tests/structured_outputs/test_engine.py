@@ -16,6 +16,7 @@ import pytest
 
 from flowengine import LLM, SamplingParams, StructuredOutputsParams
 from flowengine.entrypoints.async_engine import AsyncEngine
+from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +130,7 @@ def test_max_tokens_cut_is_length(llm):
 
 async def _stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> list[int]:
     ids: list[int] = []
-    async for out in engine.submit(prompt, params):
+    async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
         ids += out.outputs[0].token_ids
     return ids
 

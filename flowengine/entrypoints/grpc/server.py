@@ -28,7 +28,7 @@ from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
 from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import Admission
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         except APIError as err:
             raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, err.message) from err
         pending = True
-        stream = self.engine.submit(prompt, params, rid, priority=request.priority)
+        stream = self.engine.submit(prompt, params, rid, priority=request.priority,
+                                    output_kind=RequestOutputKind.DELTA)
         try:
             async for out in stream:
                 if pending:

@@ -19,7 +19,7 @@ from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOver
 from flowengine.entrypoints.openai.errors import APIError, internal_error
 from flowengine.metrics import ServingMetrics
 from flowengine.outputs import RequestOutput
-from flowengine.sampling_params import SamplingParams
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,10 @@ class EngineStream:
         arrival_s = time.monotonic()
         iterator: AsyncIterator[RequestOutput] | None = None
         try:
-            iterator = engine.submit(prompt, params, request_id, priority=priority)
+            # DELTA: the routes format each output as it comes (SSE chunks, and the
+            # per-output TTFT/ITL metrics of _observe); non-streaming routes join them.
+            iterator = engine.submit(prompt, params, request_id, priority=priority,
+                                     output_kind=RequestOutputKind.DELTA)
             first = await anext(iterator)
         except StopAsyncIteration:
             await _close(engine, iterator, request_id, abort=False)

@@ -44,26 +44,7 @@ from flowengine.entrypoints.openai.logprobs import (
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
-from flowengine.outputs import CompletionOutput
-
-
-class _ChoiceState:
-    """Accumulated text, tokens and logprobs of one choice (non-streaming)."""
-
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[Any] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-
-    def add(self, c: CompletionOutput) -> None:
-        self.texts.append(c.text)
-        self.token_ids.extend(c.token_ids)
-        if c.logprobs:
-            self.logprobs.extend(c.logprobs)
-        if c.finish_reason is not None:
-            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+from flowengine.outputs import CompletionOutput, RequestOutput
 
 
 def _usage(ctx: ServingContext, stream: EngineStream) -> dict[str, Any]:
@@ -141,21 +122,21 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
             error_event=sse.error_event,
             done_event=sse.DONE,
         )
-    choices = [_ChoiceState() for _ in range(params.n)]
+    # The engine's DELTA outputs folded by the one fold (RequestOutput.add); the
+    # stream stays DELTA for the per-output TTFT/ITL metrics (generation.py).
+    total = RequestOutput(request_id, None, [])
     outcome = "aborted"
-    prompt_logprobs = None
-    prompt: str | None = None
     try:
         async for out in stream:
-            prompt = out.prompt if prompt is None else prompt
-            if out.prompt_logprobs is not None and prompt_logprobs is None:
-                prompt_logprobs = out.prompt_logprobs
-            for c in out.outputs:
-                choices[c.index].add(c)
+            if total.prompt is None:
+                total.prompt = out.prompt
+            total.add(out, aggregate=True)
         outcome = "ok"
     finally:
         await stream.aclose()
+        choices = _final_choices(total, params.n)
         _log(stream, [c.finish_reason for c in choices], outcome)
+    prompt, prompt_logprobs = total.prompt, total.prompt_logprobs
     return json_response(
         {
             **base,
@@ -171,22 +152,28 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
     )
 
 
+def _final_choices(total: RequestOutput, n: int) -> list[CompletionOutput]:
+    """The n completions of a folded output, in index order (empty where none came)."""
+    by_index = {c.index: c for c in total.outputs}
+    return [by_index.get(i) or CompletionOutput(i, "", []) for i in range(n)]
+
+
 def _choice_body(
     ctx: ServingContext,
     index: int,
-    ch: _ChoiceState,
+    ch: CompletionOutput,
     num_top: int | None,
     parser: ChoiceParser | None,
 ) -> dict[str, Any]:
     logprobs = None
     if num_top is not None:
-        content = chat_logprobs(ch.token_ids, ch.logprobs, num_top, ctx.tokenizer)
+        content = chat_logprobs(ch.token_ids, ch.logprobs or [], num_top, ctx.tokenizer)
         logprobs = {"content": content, "refusal": None}
     finish_reason = ch.finish_reason
     if parser is None:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(ch.texts)}
+        message: dict[str, Any] = {"role": "assistant", "content": ch.text}
     else:
-        message = join_choice([parser.feed("".join(ch.texts)), parser.finish()])
+        message = join_choice([parser.feed(ch.text), parser.finish()])
         finish_reason = parser.finish_reason(finish_reason)
     return {
         "index": index,

@@ -34,6 +34,7 @@ from flowengine.entrypoints.openai.logprobs import (
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest
 from flowengine.entrypoints.openai.sampling import check_limits, completion_params
+from flowengine.outputs import RequestOutput
 
 
 def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -135,19 +136,31 @@ async def _collect(
 ) -> dict[str, Any]:
     """The whole completion object, once every stream finished."""
     n = len(state.texts) // len(streams)
+    # Each prompt's DELTA outputs folded by the one fold (RequestOutput.add), then
+    # formatted once per choice (echo, text offsets).
+    totals: list[RequestOutput | None] = [None] * len(streams)
     outcome = "aborted"
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
-                state.record_prompt_logprobs(i, out.prompt_logprobs)
-                for c in out.outputs:
-                    k = i * n + c.index
-                    state.add(k, c.text, c.token_ids, c.logprobs)
-                    if c.finish_reason is not None:
-                        state.finish(k, c.finish_reason, c.stop_reason)
+                total = totals[i]
+                if total is None:
+                    totals[i] = RequestOutput(out.request_id, out.prompt,
+                                              out.prompt_token_ids)
+                    total = totals[i]
+                total.add(out, aggregate=True)
         outcome = "ok"
     finally:
+        for i, total in enumerate(totals):
+            for c in total.outputs if total is not None else []:
+                if c.finish_reason is not None:
+                    state.finish(i * n + c.index, c.finish_reason, c.stop_reason)
         _log(base["id"], streams, state.finish_reasons, outcome)
+    for i, total in enumerate(totals):
+        if total is not None:
+            state.record_prompt_logprobs(i, total.prompt_logprobs)
+            for c in total.outputs:
+                state.add(i * n + c.index, c.text, c.token_ids, c.logprobs)
     choices = [
         {
             "index": k,
