@@ -19,9 +19,9 @@ import os
 import statistics
 import time
 
-import flowengine  # noqa: F401  (sets the wait policy before torch loads)
 import torch
 
+import flowengine  # noqa: F401  (sets the wait policy before torch loads)
 from flowengine import LLM, SamplingParams
 
 
