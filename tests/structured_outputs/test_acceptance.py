@@ -29,7 +29,10 @@ SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "json_schemas.json").
 # The issue's acceptance is 10 samples per constraint (FLOWENGINE_ACCEPTANCE_SAMPLES=10,
 # about 5 minutes on two idle cores); CI's default run takes 2, to keep the suite short.
 NUM_SAMPLES = int(os.environ.get("FLOWENGINE_ACCEPTANCE_SAMPLES", "2"))
-MAX_TOKENS = 256
+# Room for the longest valid document of every schema: survey_response's worst case (a
+# uuid, four 20-character answers, a timestamp) is about 300 tokens, since SmolLM2's
+# tokenizer spends one token per digit; 256 cut such a sample short in a CI run.
+MAX_TOKENS = 512
 
 PHONE_REGEX = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 CHOICES = ["positive", "negative", "neutral", "mixed"]
