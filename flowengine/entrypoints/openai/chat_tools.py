@@ -18,6 +18,7 @@ from typing import Any
 
 from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions, ChoiceParser
 from flowengine.entrypoints.openai.errors import bad_request
+from flowengine.entrypoints.openai.protocol import ChatMessage, FunctionCall, MessageToolCall
 from flowengine.entrypoints.openai.tool_parsers.request import (
     ToolChoice,
     resolve_tool_choice,
@@ -120,3 +121,17 @@ def after_reasoning(
         return params
     gated = parser_cls.gated_constraint(constraint)
     return params if gated is constraint else params.clone(structured_outputs=gated)
+
+
+def chat_message(m: dict[str, Any]) -> ChatMessage:
+    """A chat-route message from a front door's converted message dict (role, content,
+    optional tool_calls [{id, function: {name, arguments}}] and tool_call_id)."""
+    calls = [
+        MessageToolCall(id=c["id"], function=FunctionCall(
+            name=c["function"]["name"], arguments=c["function"]["arguments"]))
+        for c in m.get("tool_calls") or ()
+    ]  # fmt: skip
+    return ChatMessage(
+        role=m["role"], content=m["content"], tool_calls=calls or None,
+        tool_call_id=m.get("tool_call_id"),
+    )  # fmt: skip

@@ -50,16 +50,14 @@ from flowengine.entrypoints.openai.asgi import (
     json_response,
 )
 from flowengine.entrypoints.openai.chat_adapter import ChatRun, rename_param
+from flowengine.entrypoints.openai.chat_tools import chat_message
 from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import engine_error
 from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionTool,
-    ChatMessage,
-    FunctionCall,
     FunctionDefinition,
-    MessageToolCall,
     NamedFunction,
     NamedToolChoice,
 )
@@ -340,18 +338,6 @@ def stop_reason_of(run: ChatRun, num_tool_uses: int = 0) -> tuple[str | None, st
     return None, None  # aborted by the engine
 
 
-def _chat_message(m: dict[str, Any]) -> ChatMessage:
-    calls = [
-        MessageToolCall(id=c["id"], function=FunctionCall(
-            name=c["function"]["name"], arguments=c["function"]["arguments"]))
-        for c in m.get("tool_calls") or ()
-    ]  # fmt: skip
-    return ChatMessage(
-        role=m["role"], content=m["content"], tool_calls=calls or None,
-        tool_call_id=m.get("tool_call_id"),
-    )  # fmt: skip
-
-
 async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
     """Handle POST /v1/messages. Raises APIError (400/404/429/503)."""
     req = ctx.decode(request.raw_body, MessagesRequest)
@@ -361,7 +347,7 @@ async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
     prefill = is_prefill(messages)
     tools, tool_choice, parallel = chat_tools(req)
     chat = ChatCompletionRequest(
-        messages=[_chat_message(m) for m in messages],
+        messages=[chat_message(m) for m in messages],
         model=model,
         add_generation_prompt=not prefill,
         continue_final_message=prefill,

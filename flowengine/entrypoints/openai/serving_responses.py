@@ -44,6 +44,7 @@ from flowengine.entrypoints.openai.asgi import (
     json_response,
 )
 from flowengine.entrypoints.openai.chat_adapter import ChatRun
+from flowengine.entrypoints.openai.chat_tools import chat_message
 from flowengine.entrypoints.openai.context import ServingContext
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import engine_error
@@ -51,10 +52,7 @@ from flowengine.entrypoints.openai.logprobs import chat_logprobs
 from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionTool,
-    ChatMessage,
-    FunctionCall,
     FunctionDefinition,
-    MessageToolCall,
     NamedFunction,
     NamedToolChoice,
 )
@@ -286,18 +284,6 @@ def _chat_tool_choice(choice: Any) -> Any:
     return choice
 
 
-def _chat_message(m: dict[str, Any]) -> ChatMessage:
-    calls = [
-        MessageToolCall(id=c["id"], function=FunctionCall(
-            name=c["function"]["name"], arguments=c["function"]["arguments"]))
-        for c in m.get("tool_calls") or ()
-    ]  # fmt: skip
-    return ChatMessage(
-        role=m["role"], content=m["content"], tool_calls=calls or None,
-        tool_call_id=m.get("tool_call_id"),
-    )  # fmt: skip
-
-
 def chat_request(
     req: ResponsesRequest, messages: list[dict[str, Any]], model: str
 ) -> ChatCompletionRequest:
@@ -308,7 +294,7 @@ def chat_request(
     return ChatCompletionRequest(
         logprobs=logprobs,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
-        messages=[_chat_message(m) for m in messages],
+        messages=[chat_message(m) for m in messages],
         model=model,
         max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature,
