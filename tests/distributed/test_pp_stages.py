@@ -5,7 +5,6 @@ weights and KV cache."""
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass, field
 
