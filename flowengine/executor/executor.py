@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flowengine.distributed.pp_group import SINGLE_STAGE
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.executor.spec_verify import accept, row_states
 from flowengine.messages import GrammarOutput, SampledTokens, StepPlan, StepResult
@@ -86,6 +87,8 @@ class Executor:
         self.runner = runner
         self.sampler = sampler if sampler is not None else Sampler()
         self.pooler_config = pooler_config
+        # The runner's pipeline stage (runners that stand in for one in tests have none).
+        self.stage = getattr(runner, "pp", SINGLE_STAGE)
 
     @property
     def launches_on_device(self) -> bool:
@@ -96,7 +99,7 @@ class Executor:
         return (getattr(self.runner, "launch", None) is not None and self.pooler_config is None
                 and self.runner.draft_runner is None
                 and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda"
-                and self.runner.pp.size == 1)
+                and self.stage.size == 1)
 
     def execute_model(self, plan: StepPlan) -> StepResult:
         """Forward and sample one step (the in-process engine's path)."""
@@ -127,7 +130,7 @@ class Executor:
     def _samples_on_device(self, plan: StepPlan) -> bool:
         return (getattr(self.runner, "launch", None) is not None
                 and self.runner.tp.world_size == 1 and not has_drafts(plan)
-                and self.runner.draft_runner is None and self.runner.pp.size == 1)
+                and self.runner.draft_runner is None and self.stage.size == 1)
 
     def launch_forward(self, plan: StepPlan) -> Any:
         """The first half of a step: apply the plan and run the forward (on the device:
@@ -176,7 +179,7 @@ class Executor:
             self.runner.execute_pooling(plan, self.pooler_config.pooling_type)
             return True
         output = self.runner.execute_model(plan)
-        if not self.runner.pp.is_last:
+        if not self.stage.is_last:
             return True
         return self.receive_sampled(plan, output)
 
