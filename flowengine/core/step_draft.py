@@ -20,6 +20,8 @@ NO_NEW_BLOCKS: tuple[KVCacheBlock, ...] = ()
 # extend their own block tables from them). Sharing saves a list per request per step
 # that the garbage collector would track while the plan is in flight.
 _NO_NEW_BLOCK_IDS: list[int] = []
+# The same for `new_token_ids` of a step that computes no output token (a prompt chunk).
+_NO_TOKEN_IDS: list[int] = []
 
 
 @dataclass(slots=True)
@@ -127,11 +129,11 @@ class StepDraft:
             new_block_ids = [b.block_id for b in new_blocks] if new_blocks else _NO_NEW_BLOCK_IDS
             if with_new_token_ids:
                 num_prompt = request.num_prompt_tokens
-                start = max(num_computed, num_prompt) - num_prompt
-                new_token_ids = request.output_token_ids[start:num_computed + num_tokens
-                                                         - num_prompt]
+                end = num_computed + num_tokens - num_prompt  # < 0: a prompt chunk
+                new_token_ids = (request.output_token_ids[max(num_computed - num_prompt, 0):end]
+                                 if end > 0 else _NO_TOKEN_IDS)
                 cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed,
-                                                     drafts.get(req_id, []), new_token_ids))
+                                                     drafts.get(req_id, _NO_TOKEN_IDS), new_token_ids))
             elif drafts and req_id in drafts:
                 cached_reqs.append(
                     CachedRequestData(req_id, new_block_ids, num_computed, drafts[req_id]))

@@ -37,12 +37,17 @@ class EarlierStage(SimExecutor):
             self.num_prompt = {}
         for new in plan.new_reqs:
             self.num_prompt[new.req_id] = new.num_prompt_tokens
-        for cached in plan.cached_reqs:
+        num_new = len(plan.new_reqs)
+        for cached, num in zip(plan.cached_reqs, plan.num_scheduled_tokens[num_new:],
+                               strict=True):
             state = self.requests[cached.req_id]
+            start = max(cached.num_computed_tokens, self.num_prompt[cached.req_id])
+            end = cached.num_computed_tokens + num
+            # Exactly the output positions the step computes, none of a prompt chunk.
+            assert len(cached.new_token_ids) == max(end - start, 0), (cached, num)
             if cached.new_token_ids:  # ModelRunner.update_states' rule
-                start = max(cached.num_computed_tokens, self.num_prompt[cached.req_id])
                 assert len(state.token_ids) >= start
-                state.token_ids[start:start + len(cached.new_token_ids)] = cached.new_token_ids
+                state.token_ids[start:end] = cached.new_token_ids
         result = super().execute(plan)
         for sampled in result.sampled:
             self.requests[sampled.req_id].token_ids.pop()
@@ -123,3 +128,21 @@ def test_prompt_chunks_carry_no_tokens_and_outputs_equal_one_stage() -> None:
         (outputs[f"r{i}"] for i in range(6)), (6 + i for i in range(6)), strict=True))
     # The run exercised what it claims to: preemptions and prefix-cache hits.
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
+
+
+def test_new_token_ids_of_a_resumed_request_recomputed_in_chunks() -> None:
+    from flowengine.core.step_draft import NO_NEW_BLOCKS, StepDraft
+
+    # A preempted request recomputes its 40 prompt + 30 output tokens in chunks: a
+    # chunk inside the prompt carries no token, one across its end the outputs it
+    # reaches, one past it only its own.
+    request = make_request("r", prompt(3, 40), max_tokens=64)
+    request.append_output_token_ids(list(range(100, 130)))
+    expected = {(16, 8): [], (32, 20): list(range(100, 112)), (52, 18): list(range(112, 130))}
+    for (num_computed, num_tokens), ids in expected.items():
+        request.num_computed_tokens = num_computed
+        draft = StepDraft(token_budget=64)
+        draft.add_cached(request, num_tokens, NO_NEW_BLOCKS, request.num_tokens)
+        plan, _ = draft.commit(1, [], lambda rid: [], with_new_token_ids=True)
+        assert plan.cached_reqs[0].new_token_ids == ids, (num_computed, num_tokens)
+        assert plan.cached_reqs[0].num_computed_tokens == num_computed
