@@ -174,6 +174,7 @@ def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> 
                              "an encoder (pooling runner); serve it with "
                              "pipeline_parallel_size 1")
         check_pipeline_parallel(model_config.num_layers, pp)
+        _check_stages_supported(model_config)
         if device == "cuda":
             # The stages' send/recv pick NCCL there (pp_group.py), but the CUDA runner's
             # graphs, memory profile and on-device sampling have no stage path yet.
@@ -188,6 +189,24 @@ def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> 
                 f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} "
                 f"GPUs, but torch sees {torch.cuda.device_count()}; lower them"
             )
+
+
+def _check_stages_supported(model_config: Any) -> None:
+    """Raise ValueError at start-up (not in the executor processes) for a model family
+    whose decoder cannot be split into pipeline stages: the model is built on the
+    meta device (no memory) and asked to keep a stage."""
+    import torch
+
+    from flowengine.model.models import model_class
+
+    with torch.device("meta"):
+        model = model_class(model_config.architecture)(model_config, None)
+        keep = getattr(model, "keep_pipeline_stage", None)
+        if keep is None:
+            raise ValueError(f"pipeline parallelism is not supported for "
+                             f"{model_config.architecture} models; serve it with "
+                             "pipeline_parallel_size 1")
+        keep(0, 1, True, False)  # raises ValueError naming the architecture
 
 
 def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:

@@ -66,6 +66,19 @@ def test_more_stages_than_layers_fails_at_resolve(default_model_path: str) -> No
         resolve(EngineArgs(model=default_model_path, pipeline_parallel_size=31, device="cpu"))
 
 
+def test_a_family_without_a_llama_decoder_is_refused(tmp_path) -> None:
+    from transformers import Gemma2Config
+
+    from flowengine.engine.builder import _check_stages_supported
+
+    Gemma2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                 architectures=["Gemma2ForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pipeline parallelism is not supported for "
+                                         "Gemma2ForCausalLM models"):
+        _check_stages_supported(ModelConfig.from_pretrained(str(tmp_path), 64))
+
+
 @dataclass(frozen=True)
 class PipedStage(PipelineStage):
     """A stage whose send/recv go through an in-memory pipe (no torch.distributed)."""
