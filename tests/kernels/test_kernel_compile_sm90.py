@@ -38,10 +38,11 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
       "BLOCK_K": 64, "DOT_PRECISION": "tf32"}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16,
-      "SLIDING": False, "SOFT_CAP": False}),
+      "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "NUM_Q_HEADS": 16, "QPK": 2,
-      "BLOCK_H": 16, "NUM_KV_SPLITS": 8, "SLIDING": True, "SOFT_CAP": True}),
+      "BLOCK_H": 16, "NUM_KV_SPLITS": 8, "WIDEN_FP16": False, "SLIDING": True,
+      "SOFT_CAP": True}),
     ("decode_attention", "_decode_attention_stage2_kernel",
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "NUM_KV_SPLITS": 16}),
     ("reshape_and_cache", "_reshape_and_cache_kernel",
@@ -68,7 +69,14 @@ FP8_KERNELS: list[tuple[str, str, dict[str, object]]] = [
      {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_KV_HEADS_PADDED": 8,
       "HEAD_DIM_PADDED": 128, "FP8_MAX": 448.0}),
     KERNELS[0],
-    KERNELS[5],
+    # Decode over an E4M3 cache: widened to fp16 (module docstring), one split (the
+    # output written by stage 1) and 16.
+    ("decode_attention", "_decode_attention_stage1_kernel",
+     {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 1,
+      "WIDEN_FP16": True, "SLIDING": False, "SOFT_CAP": False}),
+    ("decode_attention", "_decode_attention_stage1_kernel",
+     {**LLAMA_ATTN, "TILE_N": 64, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16,
+      "NUM_KV_SPLITS": 16, "WIDEN_FP16": True, "SLIDING": False, "SOFT_CAP": False}),
 ]
 # Pointer arguments that are not activations/caches (those are bf16).
 POINTER_TYPES = {
