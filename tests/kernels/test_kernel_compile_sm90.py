@@ -20,15 +20,15 @@ LLAMA_ATTN = {"HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "BLOCK_SIZE": 16, "TILE_N
               "DOT_PRECISION": "tf32"}
 KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("paged_attention", "_paged_attention_kernel",
-     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "SLIDING": False,
-      "SOFT_CAP": False}),
+     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "WIDEN_FP16": False,
+      "SLIDING": False, "SOFT_CAP": False}),
     ("paged_attention", "_paged_attention_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 64, "HEAD_DIM_PADDED": 64, "QPK": 3, "BLOCK_Q": 5,
-      "BLOCK_M": 16, "SLIDING": False, "SOFT_CAP": False}),
+      "BLOCK_M": 16, "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
     # Gemma 2 9B: head_dim 256, QPK 2, sliding window and soft-capping on.
     ("paged_attention", "_paged_attention_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "QPK": 2, "BLOCK_Q": 32,
-      "BLOCK_M": 64, "SLIDING": True, "SOFT_CAP": True}),
+      "BLOCK_M": 64, "WIDEN_FP16": False, "SLIDING": True, "SOFT_CAP": True}),
     # Fused MoE grouped GEMMs at Qwen3-30B-A3B's shapes (gate/up, then down).
     ("fused_moe", "_grouped_gemm_kernel",
      {"TOP_K": 8, "A_BY_TOKEN": True, "MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64,
@@ -68,7 +68,9 @@ FP8_KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("reshape_and_cache", "_reshape_and_cache_kernel",
      {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_KV_HEADS_PADDED": 8,
       "HEAD_DIM_PADDED": 128, "FP8_MAX": 448.0}),
-    KERNELS[0],
+    ("paged_attention", "_paged_attention_kernel",
+     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "WIDEN_FP16": True,
+      "SLIDING": False, "SOFT_CAP": False}),
     # Decode over an E4M3 cache: widened to fp16 (module docstring), one split (the
     # output written by stage 1) and 16.
     ("decode_attention", "_decode_attention_stage1_kernel",

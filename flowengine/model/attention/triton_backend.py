@@ -16,6 +16,7 @@ import torch
 from flowengine.kernels.decode_attention import choose_num_kv_splits, decode_attention
 from flowengine.kernels.paged_attention import paged_attention
 from flowengine.kernels.reshape_and_cache import reshape_and_cache
+from flowengine.kernels.rotary import rotary_embedding_and_cache
 from flowengine.model.attention.metadata import AttentionMetadata
 
 # Below this context length the unified kernel's one program per (request, KV head)
@@ -36,6 +37,8 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
+    # forward() takes `rotary=` and applies RoPE in the same launch as the KV write.
+    fuses_rotary = True
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class TritonAttentionBackend:
         out: torch.Tensor | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend.
 
@@ -72,6 +76,10 @@ class TritonAttentionBackend:
             sliding_window, logits_soft_cap: as the torch backend (a token at position p
                 sees p - sliding_window < j <= p; scores soft-capped); both kernels take
                 them, and a window bounds the context that decides the split count.
+            rotary: (positions [T] int64, cos [max_position, head_dim // 2] float32,
+                sin likewise) when q and k are not rotated yet: one kernel rotates q in
+                place and writes the rotated k with v into the cache (k itself is left
+                as it is); None: q and k come rotated.
 
         Returns:
             [T, num_heads, head_dim] in q's dtype; rows of padding tokens (beyond
@@ -80,7 +88,12 @@ class TritonAttentionBackend:
         Raises:
             ValueError: shapes, dtypes or devices disagree (from the kernel wrappers).
         """
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if rotary is None:
+            reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        else:
+            positions, cos, sin = rotary
+            rotary_embedding_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping,
+                                       cos, sin)
         is_decode_only = meta.max_query_len == 1
         if out is None:
             out = torch.empty_like(q)
