@@ -62,9 +62,13 @@ class DecodeLaunchConfig:
 
 
 def default_launch_config(head_dim: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
-    """The stage-1 launch the wrapper uses when none is given (measured on an H200 at
-    Llama-3.1-8B shapes, docs/benchmarks.md issue-14 section)."""
-    del kv_dtype  # one configuration measured best for bf16 and fp8 caches alike
+    """The stage-1 launch the wrapper uses when none is given, measured on an H200 at
+    Llama-3.1-8B shapes (`benchmarks/decode_attention_bench.py`, docs/benchmarks.md's
+    issue-14 section): for a bf16 cache 32-position tiles on 4 warps (64 for head_dim
+    <= 64); for an E4M3 cache 16-position tiles on 2 warps, 13% faster there than the
+    bf16 choice at batch 256 (more, smaller programs hide the widening better)."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return DecodeLaunchConfig(tile_n=16, num_warps=2, num_stages=2)
     return DecodeLaunchConfig(tile_n=64 if head_dim <= 64 else 32, num_warps=4, num_stages=2)
 
 
@@ -249,15 +253,19 @@ def choose_num_kv_splits(
 ) -> int:
     """Power-of-two split count from batch x KV heads x context.
 
-    Enough programs for PROGRAMS_PER_SM per SM of a CUDA `device` (132 SMs on an
-    H100/H200; 8 assumed elsewhere, i.e. the CPU interpreter), but no range shorter
-    than MIN_TOKENS_PER_SPLIT tokens and at most MAX_KV_SPLITS ranges; rounded down to
-    a power of 2 (a count past both limits would only add merge work).
+    One range when num_reqs x num_kv_heads alone gives 2 programs per SM of a CUDA
+    `device` (132 SMs on an H100/H200; 8 assumed elsewhere, i.e. the CPU
+    interpreter): measured, a merge never paid off there (batch 64 x 8 KV heads: 82 µs
+    unsplit, 88-94 µs split). Else enough ranges for PROGRAMS_PER_SM programs per SM,
+    none shorter than MIN_TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS; rounded down
+    to a power of 2 (a count past both limits would only add merge work).
     """
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         num_sms = 8
+    if num_reqs * num_kv_heads >= 2 * num_sms:
+        return 1
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_reqs * num_kv_heads))
     by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(want, by_len, MAX_KV_SPLITS))

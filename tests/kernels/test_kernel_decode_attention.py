@@ -68,6 +68,8 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(1, 1, 600, cpu) == 8  # ranges of >= 64 tokens: 10 -> 8
     assert choose_num_kv_splits(1, 1, 100, cpu) == 2
     assert choose_num_kv_splits(64, 8, 100_000, cpu) == 1  # enough programs already
+    assert choose_num_kv_splits(2, 8, 100_000, cpu) == 1  # 16 = 2 per SM: no split
+    assert choose_num_kv_splits(1, 8, 100_000, cpu) == 4
     assert choose_num_kv_splits(1, 1, 1, cpu) == 1
     assert MAX_KV_SPLITS == 64
 

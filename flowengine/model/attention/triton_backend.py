@@ -1,10 +1,12 @@
 """The Triton attention backend for CUDA: the kernels of flowengine.kernels behind the
 `AttentionBackend` interface (backend.py), same semantics as the torch reference.
 
-Per layer and step: `reshape_and_cache` writes the new tokens' K/V, then one
-attention launch covers the batch — the unified paged-attention kernel for anything
-with a prefill chunk, the split-KV (flash-decoding) kernel for decode-only steps whose
-contexts are long enough that splitting them fills more of the GPU. Both read K/V
+Per layer and step: `reshape_and_cache` writes the new tokens' K/V (or, given the
+RoPE tables, `rotary_embedding_and_cache` rotates q and writes the rotated K with V in
+one launch), then one attention launch covers the batch — the unified paged-attention
+kernel for anything with a prefill chunk, the decode kernel (split-KV /
+flash-decoding, one range when the batch alone fills the GPU) for decode-only steps.
+Both read K/V
 through the block tables; neither synchronises with the host, so a decode step can be
 captured in a CUDA graph (fix `num_kv_splits` for that).
 """
@@ -19,21 +21,23 @@ from flowengine.kernels.reshape_and_cache import reshape_and_cache
 from flowengine.kernels.rotary import rotary_embedding_and_cache
 from flowengine.model.attention.metadata import AttentionMetadata
 
-# Below this context length the unified kernel's one program per (request, KV head)
-# finishes a decode step quickly enough that a second (merge) launch does not pay off.
-SPLIT_KV_MIN_SEQ_LEN = 1024
+# Decode-only steps whose attended context is shorter than this are not split (a
+# range is >= MIN_TOKENS_PER_SPLIT = 64 tokens anyway; measured at batch 1 x 1k on an
+# H200: 7.8 µs split against 52 µs unsplit, so splitting pays from short contexts on).
+SPLIT_KV_MIN_SEQ_LEN = 128
 
 
 class TritonAttentionBackend:
     """`AttentionBackend` on Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
     Args:
-        split_kv_min_seq_len: decode-only steps with max_seq_len at or above this use
-            the split-KV kernel (when it would split at all).
+        split_kv_min_seq_len: decode-only steps with max_seq_len at or above this
+            split their contexts (choose_num_kv_splits); shorter ones run the decode
+            kernel with one range.
         num_kv_splits: fixed split count (power of 2, <= MAX_KV_SPLITS) for decode-only
             steps, overriding the choice from batch size and context length; set it when
             capturing CUDA graphs, whose launch shapes must not change between replays.
-            1 always uses the unified kernel.
+            1 never splits.
     """
 
     name = "triton"
@@ -106,17 +110,20 @@ class TritonAttentionBackend:
             if num_real_tokens < q.shape[0]:
                 out[num_real_tokens:].zero_()
 
-        num_splits = 1
         attended = (meta.max_seq_len if sliding_window is None
                     else min(meta.max_seq_len, sliding_window))
         if is_decode_only:
+            # Measured on an H200 (docs/benchmarks.md, issue 14): the decode kernel is as
+            # fast as the unified one or faster at every batch size even unsplit (batch
+            # 512: 524 against 587 µs), and much faster over an fp8 cache.
             if self.num_kv_splits is not None:
                 num_splits = self.num_kv_splits
             elif attended >= self.split_kv_min_seq_len:
                 num_splits = choose_num_kv_splits(
                     meta.num_reqs, kv_cache.shape[3], attended, q.device
                 )
-        if num_splits > 1:
+            else:
+                num_splits = 1
             return decode_attention(
                 q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 max_seq_len=meta.max_seq_len, scale=scale, num_kv_splits=num_splits,
