@@ -116,7 +116,7 @@ def test_sliding_window_and_soft_cap_match_reference(
 # context: most ranges empty).
 @pytest.mark.parametrize(
     ("qpk", "head_dim", "num_kv_splits", "tile_n"),
-    [(1, 128, 1, 16), (2, 64, 16, 64), (4, 128, 32, 32), (8, 64, 1, 64), (8, 128, 8, 16)],
+    [(1, 128, 1, 16), (2, 64, 16, 64), (4, 128, 16, 32), (8, 64, 1, 64), (8, 128, 8, 16)],
 )
 def test_gqa_head_dims_and_launch_configs(
     qpk: int, head_dim: int, num_kv_splits: int, tile_n: int, device: torch.device

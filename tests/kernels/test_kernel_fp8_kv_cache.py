@@ -133,3 +133,17 @@ def test_decode_attention_fp8_cache_widens_to_fp16(
                      num_kv_splits=num_kv_splits, out=out)
     tol = BF16_TOL if query_dtype == torch.bfloat16 else FP16_TOL
     assert_close(out.float(), ref_paged_attention(case).float(), **tol)
+
+
+def test_paged_attention_fp8_cache_bf16_query_mixed_batch(device: torch.device) -> None:
+    """A mixed prefill/decode batch over an E4M3 cache under a bf16 query: the unified
+    kernel computes in fp16 too (runs in the interpreter, whose fp16 tl.dot is right)."""
+    q_lens, seq_lens = [1, 12, 5, 1], [50, 12, 40, 130]
+    case = _as_fp8(make_attention_case(
+        q_lens, seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, device=device,
+    ), torch.bfloat16)
+    out = torch.full_like(case.query, float("nan"))
+    paged_attention(case.query, case.kv_cache, case.query_start_loc, case.seq_lens,
+                    case.block_tables, max_query_len=12, scale=case.scale, out=out)
+    assert_close(out.float(), ref_paged_attention(case).float(), **BF16_TOL)
