@@ -111,47 +111,52 @@ def _runner(config: ModelConfig, pp: PipelineStage | None = None) -> ModelRunner
                        "safetensors", **kwargs)
 
 
-def test_stage_runners_equal_the_whole_model(tiny_llama: str) -> None:
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_stage_runners_equal_the_whole_model(tiny_llama: str, num_stages: int) -> None:
     config = ModelConfig.from_pretrained(tiny_llama, 256)
     whole = _runner(config)
     pipe: deque = deque()
-    stages = [_runner(config, PipedStage(i, 2, start, end, pipe=pipe))
-              for i, (start, end) in enumerate(partition_layers(3, 2))]
+    bounds = partition_layers(3, num_stages)
+    stages = [_runner(config, PipedStage(i, num_stages, start, end, pipe=pipe))
+              for i, (start, end) in enumerate(bounds)]
     # Each stage holds only its part: layers, KV cache, embedding / norm and LM head.
-    names = [{n for n, _ in s.model.named_parameters()} for s in stages]
-    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" not in names[0]
-    assert "model.norm.weight" not in names[0] and "model.norm.weight" in names[1]
-    assert {n.split(".")[2] for n in names[0] if n.startswith("model.layers.")} == {"0", "1"}
-    assert {n.split(".")[2] for n in names[1] if n.startswith("model.layers.")} == {"2"}
-    assert "model.embed_tokens.weight" not in names[1]
-    assert [len(s.kv_caches) for s in stages] == [2, 1] and len(whole.kv_caches) == 3
-    torch.testing.assert_close(stages[1].model.lm_head.weight, whole.model.lm_head.weight,
+    for i, (stage, (start, end)) in enumerate(zip(stages, bounds, strict=True)):
+        names = {n for n, _ in stage.model.named_parameters()}
+        assert {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")} \
+            == set(range(start, end))
+        assert ("model.embed_tokens.weight" in names) == (i == 0)
+        assert ("model.norm.weight" in names) == ("lm_head.weight" in names) \
+            == (i == num_stages - 1)
+        assert len(stage.kv_caches) == end - start
+    assert len(whole.kv_caches) == 3
+    torch.testing.assert_close(stages[-1].model.lm_head.weight, whole.model.lm_head.weight,
                                rtol=0, atol=0)
 
     greedy = SamplingParams(temperature=0, max_tokens=8)
     prompts = {"a": [5, 17, 300, 42, 7, 9, 100, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
                "b": [400, 401, 3]}
     blocks = {"a": [0, 1], "b": [2]}
-    # Step 1: "a" gets a first chunk of 10 tokens, "b" its whole prompt.
+    # Step 1: "a" gets a first chunk of 10 tokens, "b" its whole prompt. The first
+    # stages learn the sampled tokens from the next plan's new_token_ids only.
     plans = [StepPlan(1, [NewRequestData(r, p, len(p), greedy, blocks[r], 0)
                           for r, p in prompts.items()], [], [10, 3])]
     outputs = []
     for step in range(2, 6):
         plan = plans[-1]
         out_whole = whole.execute_model(plan)
-        first = stages[0].execute_model(plan)
-        assert first.logits is None and not pipe == deque()  # hidden states sent on
-        out_last = stages[1].execute_model(plan)
+        for stage in stages[:-1]:
+            assert stage.execute_model(plan).logits is None
+            assert len(pipe) == 1  # its hidden states, sent on to the next stage
+        out_last = stages[-1].execute_model(plan)
         assert not pipe
         assert out_last.req_ids == out_whole.req_ids
         torch.testing.assert_close(out_last.logits, out_whole.logits, rtol=0, atol=0)
         tokens = out_whole.logits.argmax(-1).tolist()
         outputs.append(dict(zip(out_whole.req_ids, tokens, strict=True)))
-        # The runners that sample (whole, last stage) append; the first stage learns
-        # the tokens from the next plan's new_token_ids only.
+        # The runners that sample (whole, last stage) append.
         for rid, tok in outputs[-1].items():
             whole.append_sampled(rid, [tok])
-            stages[1].append_sampled(rid, [tok])
+            stages[-1].append_sampled(rid, [tok])
         cached = []
         for rid, state in whole.requests.items():
             done = state.num_computed_tokens
@@ -163,5 +168,6 @@ def test_stage_runners_equal_the_whole_model(tiny_llama: str) -> None:
     assert [sorted(o) for o in outputs] == [["b"], ["a", "b"], ["a", "b"], ["a", "b"]]
     # Every token but the last sampled one, which only the next plan would carry.
     for rid in prompts:
-        assert stages[0].requests[rid].token_ids == whole.requests[rid].token_ids[:-1]
-        assert stages[1].requests[rid].token_ids == whole.requests[rid].token_ids
+        for stage in stages[:-1]:
+            assert stage.requests[rid].token_ids == whole.requests[rid].token_ids[:-1]
+        assert stages[-1].requests[rid].token_ids == whole.requests[rid].token_ids
