@@ -74,7 +74,8 @@ class EngineArgs:
     # pp_group.py); the scheduler keeps one micro-batch per stage in flight.
     pipeline_parallel_size: int = 1
     # vLLM's --distributed-executor-backend: "mp" (processes on this host, the
-    # default) or "ray" (needs the `ray` extra; not built yet: refused with a hint).
+    # default) or "ray" (the executor ranks as Ray actors on a Ray cluster; needs the
+    # `ray` extra: flowengine/executor/ray_executor.py).
     distributed_executor_backend: str | None = None
     device: Device = "auto"
     enforce_eager: bool = False
@@ -118,8 +119,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self.validate()
         if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1
-                or self.pipeline_parallel_size > 1) and self.placement == "inproc":
-            # One process per rank, one group per replica: always multiproc.
+                or self.pipeline_parallel_size > 1
+                or self.distributed_executor_backend == "ray") and self.placement == "inproc":
+            # One process per rank, one group per replica (Ray: actors under a driver
+            # process): always multiproc.
             object.__setattr__(self, "placement", "multiproc")
 
     @classmethod
@@ -227,8 +230,7 @@ class EngineArgs:
 def validate_executor_backend(backend: str | None) -> None:
     """Check --distributed-executor-backend (vLLM's values "mp", "ray", "uni"; None is
     "mp"). Raises ValueError for an unknown value, ImportError naming the extra to
-    install when "ray" is asked for without Ray, and ValueError for "ray" with Ray
-    installed (the Ray executor is not built yet, issue #18)."""
+    install when "ray" is asked for without Ray."""
     if backend is None or backend in ("mp", "uni"):
         return
     if backend != "ray":
@@ -239,8 +241,6 @@ def validate_executor_backend(backend: str | None) -> None:
     if importlib.util.find_spec("ray") is None:
         raise ImportError("distributed_executor_backend 'ray' needs Ray: "
                           "pip install flowengine[ray]")
-    raise ValueError("distributed_executor_backend 'ray' is not supported yet (issue #18); "
-                     "use 'mp' (processes on this host)")
 
 
 @dataclass(frozen=True)

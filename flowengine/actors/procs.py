@@ -51,7 +51,7 @@ class ProcConfig(msgspec.Struct, frozen=True):
     rank % tensor_parallel_size of pipeline stage rank // tensor_parallel_size.
     """
 
-    role: str  # "engine" | "executor"
+    role: str  # "engine" | "executor" | "ray_driver" (the executor ranks as Ray actors)
     engine_args: EngineArgs
     rings: RingNames
     rank: int = 0
@@ -139,10 +139,12 @@ async def _inline(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-async def executor_main(cfg: ProcConfig) -> None:
+async def executor_main(cfg: ProcConfig, steps: Any = None, results: Any = None) -> None:
     """Executor of one rank (tensor-parallel rank of a pipeline stage; + Sampler on
     tensor-parallel rank 0 of the last stage): steps ring in, results ring out (the
-    sampling rank only, the ring's one writer)."""
+    sampling rank only, the ring's one writer). `steps`/`results`: channels to use
+    instead of the rings (a Ray actor on another node: flowengine/executor/
+    ray_executor.py)."""
     import torch
 
     from flowengine.actors.executor import ExecutorActor
@@ -163,14 +165,16 @@ async def executor_main(cfg: ProcConfig) -> None:
         device = torch.device("cuda", gpu)
     tp, pp = init_parallel(cfg.rank, tp_size, pp_size, cfg.dist_init_method, device,
                            resolved.model_config.num_layers)
-    steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
+    if steps is None:
+        steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
     executor, num_blocks = build_executor(resolved, tp, pp)
     freeze_startup_heap()
     try:
         if not (tp.is_first and pp.is_last):
             await ExecutorActor(executor, steps, None, blocking=_inline).run()
             return
-        results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
+        if results is None:
+            results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
         await results.send_async(ExecutorReady(num_blocks, cfg.rank))
         await ExecutorActor(executor, steps, results, blocking=_inline).run()
     finally:
@@ -189,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     # frontend answers it by draining and sending Shutdown down the rings.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(cfg.rings)
+    if cfg.role == "ray_driver":
+        from flowengine.executor.ray_executor import run_driver
+
+        run_driver(cfg)
+        return 0
     coro = engine_main(cfg) if cfg.role == "engine" else executor_main(cfg)
     with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
         runner.run(coro)

@@ -262,9 +262,14 @@ class Supervisor:
     def _spawn_group(self) -> None:
         num_ranks = self.num_executor_ranks
         roles = [("executor", rank) for rank in range(num_ranks)] + [("engine", 0)]
+        if self.resolved.args.distributed_executor_backend == "ray":
+            # One local driver places every rank as a Ray actor and exits when one
+            # fails (flowengine/executor/ray_executor.py): the group restarts as usual.
+            roles = [("ray_driver", 0), ("engine", 0)]
         env = dict(os.environ)
         # A fresh rendezvous per group: a restarted group must not meet the old one.
         dist_init_method = f"tcp://127.0.0.1:{free_port()}" if num_ranks > 1 else ""
+        # (the Ray driver picks its own rendezvous, on rank 0's node)
         self._procs = []
         for role, rank in roles:
             cfg = ProcConfig(role, self.resolved.args, self.rings, rank, self.generation,
@@ -282,7 +287,8 @@ class Supervisor:
     @property
     def pids(self) -> dict[str, list[int]]:
         """{"engine": [pid], "executor": [pid per rank]} of the current group (global
-        ranks: the stage is rank // tensor_parallel_size)."""
+        ranks: the stage is rank // tensor_parallel_size; the Ray backend: [the
+        driver's pid])."""
         return {"executor": [p.pid for p in self._procs[:-1]], "engine": [self._procs[-1].pid]}
 
     # ------------------------------------------------------------------ watching
