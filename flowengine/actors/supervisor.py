@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ from flowengine.shm import (
     new_run_id,
 )
 from flowengine.shm.segment import WRITE_CURSOR_W
+
+# flowengine/executor/ray_executor.py's LOCAL_PIDS_ENV (that module imports Ray lazily,
+# but not here: the supervisor must not import it without the Ray backend).
+RAY_LOCAL_PIDS_ENV = "FLOWENGINE_RAY_LOCAL_PIDS_FILE"
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +272,8 @@ class Supervisor:
             # fails (flowengine/executor/ray_executor.py): the group restarts as usual.
             roles = [("ray_driver", 0), ("engine", 0)]
         env = dict(os.environ)
+        if roles[0][0] == "ray_driver":
+            env[RAY_LOCAL_PIDS_ENV] = self._ray_pids_file
         # A fresh rendezvous per group: a restarted group must not meet the old one.
         dist_init_method = f"tcp://127.0.0.1:{free_port()}" if num_ranks > 1 else ""
         # (the Ray driver picks its own rendezvous, on rank 0's node)
@@ -423,6 +430,15 @@ class Supervisor:
                 p.send_signal(signal.SIGKILL)
         for p in self._procs:
             p.wait()
+        if self.resolved.args.distributed_executor_backend == "ray":
+            from flowengine.executor.ray_executor import kill_local_ranks
+
+            # The driver's actors on this host read the rings: gone before any reset.
+            kill_local_ranks(self._ray_pids_file)
+
+    @property
+    def _ray_pids_file(self) -> str:
+        return os.path.join(tempfile.gettempdir(), f"fe-{self.run_id}-ray-local-pids")
 
     def begin_stop(self) -> None:
         """The group is about to exit on purpose (Shutdown): stop restarting it."""

@@ -100,8 +100,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    "flight per stage (CPU; implies multiproc)")
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["mp", "ray", "uni"],
-                   help="mp: executor processes on this host (default); ray: not supported "
-                   "yet (needs pip install flowengine[ray])")
+                   help="mp: executor processes on this host (default); ray: executor ranks "
+                   "as Ray actors on the Ray cluster of RAY_ADDRESS or 'auto' (needs pip "
+                   "install flowengine[ray])")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--placement", default="inproc", choices=["inproc", "multiproc"])

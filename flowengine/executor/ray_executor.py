@@ -56,6 +56,11 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_STRATEGY_ENV = "FLOWENGINE_RAY_PLACEMENT_STRATEGY"
 PLACEMENT_TIMEOUT_ENV = "FLOWENGINE_RAY_PLACEMENT_TIMEOUT_S"
+# The supervisor names a file here; the driver lists in it the pids of its actors on
+# this host (they attach to the rings), which the supervisor kills with the group:
+# Ray ends a dead driver's actors only some seconds later, and the new group's ranks
+# must not meet them on the rings.
+LOCAL_PIDS_ENV = "FLOWENGINE_RAY_LOCAL_PIDS_FILE"
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Environment the actors need from ours (Ray workers inherit the raylet's, not ours).
 FORWARDED_ENV_PREFIXES = ("FLOWENGINE_", "HF_", "TRANSFORMERS_", "OMP_", "TOKENIZERS_")
@@ -151,6 +156,10 @@ class RankWorker:
         import ray
 
         return ray.util.get_node_ip_address()
+
+    def where(self) -> tuple[str, int]:
+        """(node IP, pid) of this actor's worker process."""
+        return self.node_ip(), os.getpid()
 
     def free_port(self) -> int:
         """A TCP port free now on this node's address (the group's rendezvous)."""
@@ -312,7 +321,14 @@ async def driver_main(cfg: ProcConfig) -> None:
         ).remote()
         for rank in range(num_ranks)
     ]
-    ips = ray.get([a.node_ip.remote() for a in actors], timeout=timeout_s)
+    ips, pids = zip(*ray.get([a.where.remote() for a in actors], timeout=timeout_s),
+                    strict=True)
+    pids_file = os.environ.get(LOCAL_PIDS_ENV)
+    if pids_file:
+        fd = os.open(pids_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{pid}\n" for ip, pid in zip(ips, pids, strict=True)
+                            if ip == driver_ip))
     init_method = ""
     if num_ranks > 1:
         port = ray.get(actors[0].free_port.remote(), timeout=timeout_s)
@@ -348,6 +364,40 @@ async def driver_main(cfg: ProcConfig) -> None:
                                    f"failed: {fut.exception()}")
             fut.result()  # a relay's error ends the group too
     ray.util.remove_placement_group(pg)
+
+
+def _is_ray_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return cmdline.startswith(b"ray::") and state != b"Z"
+
+
+def kill_local_ranks(pids_file: str, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL the Ray worker processes listed in `pids_file` (the driver's actors on
+    this host; a pid that is no Ray worker any more is left alone), wait up to
+    `timeout_s` until they are gone, remove the file. Returns the pids killed; never
+    raises."""
+    try:
+        with open(pids_file) as f:
+            pids = [int(line) for line in f if line.strip()]
+        os.unlink(pids_file)
+    except (OSError, ValueError):
+        return []
+    killed = [pid for pid in pids if _is_ray_worker(pid)]
+    for pid in killed:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(_is_ray_worker(pid) for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return killed
 
 
 def run_driver(cfg: ProcConfig) -> None:

@@ -127,3 +127,17 @@ def test_placement_one_bundle_per_stage_and_strategy(monkeypatch) -> None:
 def test_interface_of_an_address() -> None:
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("192.0.2.55") is None  # TEST-NET-1: on no interface
+
+
+def test_kill_local_ranks_leaves_a_process_that_is_no_ray_worker(tmp_path) -> None:
+    import os
+
+    from flowengine.actors import supervisor
+    from flowengine.executor import ray_executor
+
+    assert supervisor.RAY_LOCAL_PIDS_ENV == ray_executor.LOCAL_PIDS_ENV
+    pids_file = tmp_path / "pids"
+    pids_file.write_text(f"{os.getpid()}\n")
+    assert ray_executor.kill_local_ranks(str(pids_file), timeout_s=1.0) == []
+    assert not pids_file.exists()
+    assert ray_executor.kill_local_ranks(str(pids_file)) == []  # no file: nothing to do

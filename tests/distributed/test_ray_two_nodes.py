@@ -34,6 +34,7 @@ ENGINE = dict(max_model_len=256, max_num_batched_tokens=32, enable_prefix_cachin
               enable_chunked_prefill=True)
 # The remote stage's actor process: Ray names its worker after the running method.
 ACTOR_TITLE = b"ray::RankWorker"
+LOST_PLACEMENT_TIMEOUT_S = 20
 
 
 def _greedy():
@@ -42,9 +43,9 @@ def _greedy():
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _remote_actor_pids() -> list[int]:
-    """Pids of RankWorker actors in another network namespace than ours (the worker
-    node's; the namespaces share the pid namespace)."""
+def _pids_in_other_netns(title: bytes = ACTOR_TITLE, netns: str | None = None) -> list[int]:
+    """Pids whose command line starts with `title` in another network namespace than
+    ours (the worker node's; the namespaces share the pid namespace), or in `netns`."""
     own = os.readlink("/proc/self/ns/net")
     pids = []
     for entry in os.listdir("/proc"):
@@ -52,18 +53,26 @@ def _remote_actor_pids() -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if not f.read().startswith(ACTOR_TITLE):
+                if not f.read().startswith(title):
                     continue
-            if os.readlink(f"/proc/{entry}/ns/net") != own:
+            ns = os.readlink(f"/proc/{entry}/ns/net")
+            if (ns == netns) if netns else (ns != own):
                 pids.append(int(entry))
         except OSError:
             continue
     return pids
 
 
+def _remote_actor_pids() -> list[int]:
+    return _pids_in_other_netns()
+
+
 def run_in_cluster(model: str, out_path: str) -> None:
     """The program the script runs in the head namespace: PP = 2 over the two nodes,
-    once as is and once with the remote stage killed mid-stream; writes JSON."""
+    once as is, once with the remote stage killed mid-stream, then with the worker
+    node lost for good (every process of its namespace killed): the health check must
+    fail and the driver must give up placing the group. Writes JSON, then exits at
+    once (the lost node's request never finishes; the children exit with us)."""
     from flowengine import LLM
 
     os.environ["FLOWENGINE_RAY_PLACEMENT_STRATEGY"] = "STRICT_SPREAD"
@@ -74,6 +83,7 @@ def run_in_cluster(model: str, out_path: str) -> None:
         first = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
         result["first"] = [list(o.outputs[0].token_ids) for o in first]
         result["remote_pids"] = _remote_actor_pids()
+        remote_ns = os.readlink(f"/proc/{result['remote_pids'][0]}/ns/net")
         base = engine.get_stats().generation_tokens_total
         killed: list[int] = []
 
@@ -95,10 +105,32 @@ def run_in_cluster(model: str, out_path: str) -> None:
         result["second"] = [list(o.outputs[0].token_ids) for o in second]
         result["restarts"] = engine.supervisor.num_restarts
         result["tokens_before_kill"] = base
-    finally:
+        # The worker node never returns: the next driver cannot place the group.
+        os.environ["FLOWENGINE_RAY_PLACEMENT_TIMEOUT_S"] = str(LOST_PLACEMENT_TIMEOUT_S)
+        restarts = engine.supervisor.num_restarts
+        t_lost = time.monotonic()
+        for pid in _pids_in_other_netns(b"", remote_ns):
+            os.kill(pid, signal.SIGKILL)
+        threading.Thread(target=llm.generate, args=([PROMPTS[0]], _greedy()),
+                         kwargs={"use_tqdm": False}, daemon=True).start()
+        reason = None
+        while time.monotonic() - t_lost < 300 and (
+                reason is None or engine.supervisor.num_restarts < restarts + 2):
+            reason = reason or engine.supervisor.unhealthy_reason()
+            if reason and "unhealthy_after_s" not in result:
+                result["unhealthy_after_s"] = time.monotonic() - t_lost
+            time.sleep(0.2)
+        result["unhealthy_reason"] = reason
+        # One restart for the lost node, one more after a driver gave up placing.
+        result["lost_node_restarts"] = engine.supervisor.num_restarts - restarts
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    except BaseException:
         llm.shutdown()
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _skip_reason() -> str | None:
@@ -148,6 +180,13 @@ def test_pp2_across_two_ray_nodes_equals_one_process_and_survives_a_killed_worke
     assert result["killed"] == result["remote_pids"]
     assert result["second"] == reference
     assert result["restarts"] == 1
+    # The lost node: /health fails (the restart counts as a stall) well within the
+    # placement timeout plus the stall limit, and the driver says why it cannot start.
+    assert result["unhealthy_reason"].startswith("restarting for ")
+    assert result["unhealthy_after_s"] < LOST_PLACEMENT_TIMEOUT_S + 60
+    assert result["lost_node_restarts"] >= 2
+    assert (f"was not placed within {LOST_PLACEMENT_TIMEOUT_S} s "
+            "(FLOWENGINE_RAY_PLACEMENT_TIMEOUT_S)") in proc.stderr
 
 
 if __name__ == "__main__":
