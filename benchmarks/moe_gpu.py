@@ -60,7 +60,7 @@ QWEN3_30B_A3B = {
     "use_sliding_window": False,
 }
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
-BUCKETS = (1, 16, 64, 256, 1024, 4096)
+BUCKETS = (1, 16, 64, 256, 1024)
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages)
 CANDIDATES = [
     (16, 64, 64, 4, 3),  # the default
