@@ -4,8 +4,7 @@ dummy packed weights (group size 128, no act-order), bf16 beside it.
     python benchmarks/w4a16_gpu.py --out /tmp/w4a16
 
 a. each projection's GEMM at M = 1 (qkv, o, gate_up, down), W4A16 at the heuristic
-   launch parameters (the one-row GEMV kernel, BLOCK_M 1) and a small sweep of GEMV
-   and 16-row tiles (--quick: GEMV only), and bf16 F.linear; time per call over 8
+   launch parameters and a small sweep, and bf16 F.linear; time per call over 8
    rotating weight copies (more than the 50 MB L2), CUDA events, median of 50;
    roofline = packed bytes (qweight + qzeros + scales) / copy bandwidth.
 b. batch-1 decode of the whole model (32 layers, bf16 LM head, 1k context) through the
@@ -44,8 +43,6 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
 # (BLOCK_N, BLOCK_K, split factor over the one that gives >= 4 programs per SM)
 SWEEP = [(32, 128, 1), (64, 128, 1), (128, 128, 1), (64, 256, 1), (128, 256, 1),
          (64, 128, 2), (128, 128, 2), (64, 128, 0.5)]
-# The one-row GEMV kernel (BLOCK_M 1): (BLOCK_N, BLOCK_K, split factor as above).
-GEMV_SWEEP = [(32, 128, 1), (64, 128, 1), (128, 128, 1), (64, 256, 1), (64, 128, 2)]
 COPIES = 8
 
 
@@ -62,7 +59,7 @@ def _time_ms(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gemm_table(bw_gbs: float, quick: bool = False) -> list[dict]:
+def gemm_table(bw_gbs: float) -> list[dict]:
     rows = []
     dev = torch.device("cuda")
     for name, (k, n) in SHAPES.items():
@@ -80,14 +77,11 @@ def gemm_table(bw_gbs: float, quick: bool = False) -> list[dict]:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         best = None
         configs = [heuristic]
-        sweep = [(1, *c) for c in GEMV_SWEEP] + ([] if quick else [(16, *c) for c in SWEEP])
-        for bm, bn, bk, factor in sweep:
+        for bn, bk, factor in SWEEP:
             split = 1
             while -(-n // bn) * split < 4 * sms and k // (split * 2) >= bk:
                 split *= 2
-            cfg = (bm, bn, bk, max(1, int(split * factor)))
-            if cfg not in configs:
-                configs.append(cfg)
+            configs.append((16, bn, bk, max(1, int(split * factor))))
         for cfg in configs:
             def run(cfg=cfg) -> None:
                 for qw, s, z in layers:
@@ -150,16 +144,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--skip-model", action="store_true")
-    p.add_argument("--quick", action="store_true",
-                   help="GEMM sweep: the heuristic and the GEMV tiles only; decode: 4-bit only")
     ns = p.parse_args(argv)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    rows = gemm_table(bw, ns.quick)
+    rows = gemm_table(bw)
     results: dict = {"gemm": rows}
     if not ns.skip_model:
-        variants = (("4-bit GPTQ", {"quantization_config": GPTQ}), ("bf16", {}))
-        for label, extra in variants[:1] if ns.quick else variants:
+        for label, extra in (("4-bit GPTQ", {"quantization_config": GPTQ}), ("bf16", {})):
             d = tempfile.mkdtemp(prefix="llama31-8b-")
             with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as f:
                 json.dump({**LLAMA_31_8B, **extra}, f)

@@ -18,11 +18,8 @@ multiplies with `tl.dot` (fp32 accumulate). Without g_idx and with
 group_size a multiple of BLOCK_K, a tile lies in one group: one [BLOCK_N] row of scales
 and zeros per step (GROUPED); otherwise (act-order) each k gathers its own group's row.
 Split-K partial sums are added in a fixed order by fp8_linear's reduce kernel, so
-results are deterministic. Decode at batch 1 (M = 1, whole groups) runs a GEMV kernel
-instead, with no `tl.dot` and no padding to 16 rows: each step multiplies the raw
-nibbles by x in float32 and applies zeros and scales once per column and group (the
-weights are then not rounded to x's dtype, only the output is). The GEMM is
-memory-bound on the packed weights there, which is what 4 bits buys.
+results are deterministic. Decode (M = 1) pads M to 16 rows for `tl.dot`: the GEMM is
+memory-bound on the packed weights, which is what 4 bits buys.
 """
 
 from __future__ import annotations
@@ -99,66 +96,18 @@ def _w4a16_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
-@triton.jit
-def _w4a16_gemv_kernel(
-    x_ptr,        # [K] x dtype (one row)
-    qweight_ptr,  # [K / 8, N] int32
-    qzeros_ptr,   # [G, N] uint8
-    scales_ptr,   # [G, N] float
-    bias_ptr,     # [N] (read only when HAS_BIAS)
-    out_ptr,      # [SPLIT_K, N] float32 partials, or [N] x dtype when SPLIT_K == 1
-    out_stride_split: tl.int64,
-    N: tl.constexpr, K: tl.constexpr, GROUP_SIZE: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    # One row (decode at batch 1): no tl.dot and no 16-row padding. Within one group,
-    # sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k), so a step
-    # multiplies raw nibbles by x and applies zero and scale once per column.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
-    offs_kw = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * K_PER_SPLIT
-    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-        rows = k0 // 8 + offs_kw
-        r_valid = rows < K // 8
-        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=r_valid[:, None] & n_valid[None, :], other=0)  # [BK / 8, BN]
-        kk = rows[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BK / 8, 8]: row 8r + i
-        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).to(tl.float32)
-        xq = tl.sum(tl.sum(q * x[:, :, None], axis=1), axis=0)  # [BN]
-        xs = tl.sum(tl.sum(x, axis=1), axis=0)
-        g = k0 // GROUP_SIZE
-        # NOTE: a split's last tiles may start past K: no group row there.
-        g_mask = n_valid & (k0 < K)
-        z = tl.load(qzeros_ptr + g * N + offs_n, mask=g_mask, other=0).to(tl.float32)
-        sc = tl.load(scales_ptr + g * N + offs_n, mask=g_mask, other=0.0).to(tl.float32)
-        acc += sc * (xq - z * xs)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid_k.to(tl.int64) * out_stride_split + offs_n,
-             acc.to(out_ptr.dtype.element_ty), mask=n_valid)
-
-
 _REDUCE_BLOCK = 1024
 
 
 def _config(m: int, n: int, k: int, group_size: int, device: torch.device
             ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for the shape: one row (batch-1 decode)
-    takes the GEMV kernel (BLOCK_M 1); few rows take 16-row tiles; both with enough K
-    slices for ~4 programs per multiprocessor; many rows (prefill) take 64 x 128 tiles
-    and no split."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for the shape: few rows (decode) take 16-row
+    tiles and enough K slices for ~4 programs per multiprocessor; many rows (prefill)
+    take 64 x 128 tiles and no split."""
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else 8)
     block_k = 128 if group_size % 128 == 0 else (64 if group_size % 64 == 0 else 32)
-    if m == 1:
-        block_m, block_n = 1, 64
-    elif m > 32:
+    if m > 32:
         block_m = 64
         block_n = 128
     else:
@@ -186,8 +135,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         group_size: input rows per group (a multiple of 8).
         bias: [N] or None.
         config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) to override the heuristic
-            (benchmarks); BLOCK_K a power of two >= 16; BLOCK_M 1 is the one-row GEMV
-            kernel (taken for M = 1 without act-order, else 16-row tiles).
+            (benchmarks); BLOCK_K a power of two >= 16.
 
     Returns:
         [M, N] in x's dtype: fp32 accumulation, one rounding at the end (the weight tile
@@ -222,40 +170,16 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return out
     block_m, block_n, block_k, split = config or _config(m, n, k, group_size, x.device)
-    grouped = g_idx is None and group_size % block_k == 0
-    if block_m == 1 and not (m == 1 and grouped):
-        block_m = 16  # the GEMV kernel takes one row in whole groups (no act-order)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
                                                 device=x.device)
     has_bias = bias is not None and split == 1
-    if block_m == 1:
-        _w4a16_gemv_kernel[(triton.cdiv(n, block_n), split)](
-            x, qweight, qzeros, scales, bias if has_bias else scales, target,
-            target.stride(0) if split > 1 else 0,
-            N=n, K=k, GROUP_SIZE=group_size, K_PER_SPLIT=k_per_split,
-            BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=has_bias, num_warps=4, num_stages=4,
-        )
-    else:
-        _launch_gemm(x, qweight, qzeros, scales, g_idx, bias if has_bias else scales, target,
-                     m, n, k, group_size, k_per_split, split, block_m, block_n, block_k,
-                     grouped, has_bias)
-    if split > 1:
-        _split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
-            target, bias if bias is not None else target, out, target.stride(0),
-            out.stride(0), N=n, SPLIT_K=split, BLOCK=_REDUCE_BLOCK,
-            HAS_BIAS=bias is not None,
-        )
-    return out
-
-
-def _launch_gemm(x, qweight, qzeros, scales, g_idx, bias_arg, target, m, n, k, group_size,
-                 k_per_split, split, block_m, block_n, block_k, grouped, has_bias) -> None:
+    grouped = g_idx is None and group_size % block_k == 0
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
     _w4a16_gemm_kernel[grid](
         x, qweight, qzeros, scales, g_idx if g_idx is not None else qweight,
-        bias_arg, target,
+        bias if has_bias else scales, target,
         m, x.stride(0), target.stride(0) if split > 1 else 0, target.stride(-2),
         N=n, K=k, GROUP_SIZE=group_size, K_PER_SPLIT=k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -263,6 +187,13 @@ def _launch_gemm(x, qweight, qzeros, scales, g_idx, bias_arg, target, m, n, k, g
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=4,
     )
+    if split > 1:
+        _split_k_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK))](
+            target, bias if bias is not None else target, out, target.stride(0),
+            out.stride(0), N=n, SPLIT_K=split, BLOCK=_REDUCE_BLOCK,
+            HAS_BIAS=bias is not None,
+        )
+    return out
 
 
 def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -19,10 +19,6 @@ W4A16 = [
      {"N": 28672, "K": 4096, "GROUP_SIZE": 128, "K_PER_SPLIT": 4096, "BLOCK_M": 64,
       "BLOCK_N": 128, "BLOCK_K": 128, "HAS_G_IDX": True, "GROUPED": False, "HAS_BIAS": True,
       "DOT_PRECISION": "tf32"}),
-    # batch-1 decode: the one-row GEMV kernel at down_proj's shape
-    ("w4a16", "_w4a16_gemv_kernel",
-     {"N": 4096, "K": 14336, "GROUP_SIZE": 128, "K_PER_SPLIT": 1792, "BLOCK_N": 64,
-      "BLOCK_K": 128, "HAS_BIAS": False}),
 ]
 POINTERS = {"qweight_ptr": "*i32", "qzeros_ptr": "*u8", "scales_ptr": "*fp16",
             "g_idx_ptr": "*i32", "out_ptr": "*fp32"}
