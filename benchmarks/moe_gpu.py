@@ -11,8 +11,10 @@ a. tuning: for Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) and Qwen3-30B-A3B 
    3 x hidden x width x 2 bytes) / copy bandwidth. The best config per bucket is written
    as vLLM's `E=..,N=..,device_name=...json` (kernels/fused_moe.py reads it).
 b. Qwen3-30B-A3B (config.json's architecture fields, 48 layers, dummy weights): one
-   decode step at batch 1 and 64 with 1k context (CUDA-graph replay, LM head, argmax:
-   gpu_bench.device_step_ms) against the roofline of the bytes read: attention and norm
+   decode step at batch 1 and 64 with 1k context, each request on its own token
+   (CUDA-graph replay, LM head, argmax: `decode_step`; gpu_bench.device_step_ms, which
+   feeds one token to every request and so routes them all alike, beside it) against
+   the roofline of the bytes read: attention and norm
    weights, the router, the experts the step's routing activates (counted in one eager
    forward of the same inputs), the LM head, `batch` embedding rows, the KV of the
    context.
@@ -145,11 +147,14 @@ def write_model_dir(path: str, config: dict) -> None:
 
 
 @torch.inference_mode()
-def step_bytes(runner, batch: int, context: int) -> tuple[float, float]:
-    """(bytes one decode step reads, mean distinct experts per layer): every parameter
-    except the expert stacks (only the experts the step's routing picks, found in an
-    eager forward of the same inputs) and the untied embedding (`batch` rows), plus
-    the KV of `context` tokens per request."""
+def decode_step(runner, batch: int, context: int, iters: int = 50) -> dict:
+    """One decode step of `batch` requests with `context` cached tokens each, every
+    request on its own token (so the routing spreads as real traffic's does): median
+    device time of the CUDA-graph replay + LM head + argmax (as gpu_bench.device_step_ms,
+    which feeds one token to all), and the bytes the step must read: every parameter
+    except the expert stacks and the untied embedding, the experts this step's routing
+    picks (counted in an eager forward of the same inputs), `batch` embedding rows, the
+    KV of the context."""
     from flowengine.executor.input_batch import RequestState
     from flowengine.sampling_params import SamplingParams
 
@@ -157,24 +162,45 @@ def step_bytes(runner, batch: int, context: int) -> tuple[float, float]:
     bs = runner.cache_config.block_size
     per_req = context // bs + 1
     vocab = runner.model_config.vocab_size
-    states = [RequestState(f"b{i}", [(1000 + 7 * i) % vocab] * (context + 1), context,
-                           SamplingParams(),
-                           None, list(range(i * per_req, (i + 1) * per_req)), context)
+    states = [RequestState(f"b{i}", [(1000 + 7919 * i) % vocab] * (context + 1), context,
+                           SamplingParams(), None, list(range(i * per_req, (i + 1) * per_req)),
+                           context)
               for i in range(batch)]
-    inputs = runner.input_batch.prepare(states, [1] * batch)
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     picked: list[int] = []
 
     def hook(module, args) -> None:
         _, ids = select_experts(args[1], module.top_k, module.renormalize)
         picked.append(int(ids.unique().numel()))
 
-    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    inputs = runner.input_batch.prepare(states, [1] * batch)
     handles = [m.register_forward_pre_hook(hook) for m in moes]
     try:
         model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata)
     finally:
         for hnd in handles:
             hnd.remove()
+    graphs = getattr(runner, "graphs", None)
+    pad = None if graphs is None else min(s for s in graphs.sizes if s >= batch)
+    inputs = runner.input_batch.prepare(states, [1] * batch, pad_to=pad)
+
+    def step() -> None:
+        if graphs is not None and pad is not None:
+            hidden = graphs.replay(pad)
+        else:
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                           inputs.attn_metadata)
+        model.compute_logits(hidden.index_select(0, inputs.logits_indices)).argmax(-1)
+
+    times = []
+    for i in range(iters + 5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
     total = 0.0
     expert_params = {id(m.w13_weight) for m in moes} | {id(m.w2_weight) for m in moes}
     for name, p in model.named_parameters():
@@ -187,7 +213,8 @@ def step_bytes(runner, batch: int, context: int) -> tuple[float, float]:
     for m, n in zip(moes, picked, strict=True):
         total += n * (m.w13_weight[0].numel() + m.w2_weight[0].numel()) * m.w13_weight.element_size()
     kv = runner.kv_cache_bytes_per_block(runner.model_config, 1, runner.kv_cache_dtype)
-    return total + batch * context * kv, sum(picked) / len(picked)
+    return {"ms": sorted(times)[len(times) // 2], "bytes": total + batch * context * kv,
+            "distinct_experts": sum(picked) / len(picked)}
 
 
 def qwen3_engine(path: str, bw_gbs: float, num_prompts: int, context: int) -> dict:
@@ -204,10 +231,10 @@ def qwen3_engine(path: str, bw_gbs: float, num_prompts: int, context: int) -> di
                            for p in runner.model.parameters()) / 1e9
     print(f"engine up in {out['load_s']:.1f} s, weights {out['weight_gb']:.1f} GB", flush=True)
     for batch in (1, 64):
-        ms = device_step_ms(runner, batch, context)
-        nbytes, distinct = step_bytes(runner, batch, context)
-        out[f"decode_{batch}"] = {"ms": ms, "bytes": nbytes, "distinct_experts": distinct,
-                                  "roofline_ms": nbytes / bw_gbs / 1e6}
+        r = decode_step(runner, batch, context)
+        r["roofline_ms"] = r["bytes"] / bw_gbs / 1e6
+        r["same_token_ms"] = device_step_ms(runner, batch, context)  # gpu_bench's inputs
+        out[f"decode_{batch}"] = r
         print(f"decode batch {batch}: {out[f'decode_{batch}']}", flush=True)
     prompts = random_prompts(num_prompts, 200, QWEN3_30B_A3B["vocab_size"], set(), 0)
     res = run_flowengine(llm, prompts, 200)
@@ -234,12 +261,15 @@ def transformers_offline(path: str, layers: int, num_prompts: int) -> dict:
     prompts = random_prompts(num_prompts, 200, QWEN3_30B_A3B["vocab_size"], set(), 0)
     gen = GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=None,
                            pad_token_id=0, use_cuda_graph=False)
-    with torch.inference_mode():
-        model.generate_batch(prompts[:4], generation_config=gen)  # warm-up
-        start = time.perf_counter()
-        results = model.generate_batch(prompts, generation_config=gen)
-        elapsed = time.perf_counter() - start
+    # NOTE: not under torch.inference_mode(): generate_batch's manager resets its static
+    # tensors in place from its own thread, which inference tensors refuse.
+    model.generate_batch(prompts[:4], generation_config=gen)  # warm-up
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, generation_config=gen)
+    elapsed = time.perf_counter() - start
     n_out = sum(len(r.generated_tokens) for r in results.values())
+    if n_out < num_prompts * 200:
+        raise RuntimeError(f"generate_batch returned {n_out} of {num_prompts * 200} tokens")
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -151,3 +151,17 @@ def test_tuned_config_files_are_read_by_vllms_names(tmp_path, monkeypatch) -> No
     fm.load_configs.cache_clear()
     # off CUDA the files are not consulted
     assert fm.get_config(64, 4, 96, 64, 48, torch.device("cpu")) == fm.default_config(64, 96, 64)
+
+
+def test_shipped_h200_configs_parse(monkeypatch) -> None:
+    # The tuned files in kernels/configs (benchmarks/moe_gpu.py on the H200) for Mixtral
+    # (8 x 14336) and Qwen3-30B-A3B (128 x 768), buckets 1 .. 1024 tokens.
+    from flowengine.kernels import fused_moe as fm
+
+    monkeypatch.delenv("FLOWENGINE_MOE_CONFIG_DIR", raising=False)
+    fm.load_configs.cache_clear()
+    for e, n in ((8, 14336), (128, 768)):
+        configs = fm.load_configs(e, n, "NVIDIA H200")
+        assert configs is not None and sorted(configs) == [1, 16, 64, 256, 1024]
+        assert all(c["BLOCK_SIZE_M"] in (16, 32, 64) for c in configs.values())
+    fm.load_configs.cache_clear()
