@@ -81,6 +81,9 @@ class DecodeCudaGraphs:
         self.sizes = list(sizes)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        # EAGLE-3: the auxiliary layer inputs, captured as outputs too when the model
+        # is set to return them (LlamaModel.aux_hidden_state_layers).
+        self._aux: dict[int, list[torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -119,13 +122,18 @@ class DecodeCudaGraphs:
         meta = dataclasses.replace(inputs.attn_metadata, max_query_len=1,
                                    max_seq_len=self.max_seq_len)
         args = (inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        self.model(*args)  # compiles the Triton kernels outside the capture
+        wants_aux = bool(getattr(self.model.model, "aux_hidden_state_layers", ()))
+        kwargs = {"aux_hidden_states": []} if wants_aux else {}
+        self.model(*args, **kwargs)  # compiles the Triton kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        aux: list[torch.Tensor] = []
         with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model(*args)
+            hidden = self.model(*args, **({"aux_hidden_states": aux} if wants_aux else {}))
         self._graphs[size] = graph
         self._outputs[size] = hidden
+        if wants_aux:
+            self._aux[size] = aux
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on what the input buffers hold now; returns its static
@@ -133,3 +141,8 @@ class DecodeCudaGraphs:
         Raises KeyError for a size not captured."""
         self._graphs[size].replay()
         return self._outputs[size]
+
+    def aux_outputs(self, size: int) -> list[torch.Tensor] | None:
+        """The auxiliary hidden states of the latest replay of `size` (static buffers),
+        or None when the graphs were captured without them."""
+        return self._aux.get(size)

@@ -236,13 +236,15 @@ class CudaModelRunner(ModelRunner):
             # Decode inputs sampled in an earlier step that the host may not know yet.
             inputs.input_ids.index_copy_(
                 0, inputs.gather_dst, self.last_sampled.index_select(0, inputs.gather_src))
+        aux = None
         if pad_to is not None and self.graphs is not None:
             hidden = self.graphs.replay(pad_to)
+            aux = self.graphs.aux_outputs(pad_to)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.attn_metadata)
+            hidden, aux = self.run_model(inputs)
         if self.draft_runner is not None:
-            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
+            # Draft model: its KV in lockstep; EAGLE / Medusa: the step's hidden states.
+            self.draft_runner.forward(inputs, states, hidden, aux)
         self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
         for state, num in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += num

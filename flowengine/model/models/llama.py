@@ -188,15 +188,25 @@ class LlamaModel(nn.Module):
         self.embedding_multiplier = config.embedding_multiplier  # Granite; 1 elsewhere
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(config)
+        # EAGLE-3 (executor/eagle_runner.py): layers whose input the forward can also
+        # return (the residual stream before layer i, i.e. after layer i - 1).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size]."""
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                aux_hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size].
+
+        aux_hidden_states: an optional output; when given, the input of each layer in
+        `aux_hidden_state_layers` ([T, hidden_size], pre-norm) is appended, in order."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux_layers = self.aux_hidden_state_layers if aux_hidden_states is not None else ()
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in aux_layers:
+                aux_hidden_states.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
                                      self.rotary_emb)
         if residual is None:  # no layers
@@ -238,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
             model_config.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                aux_hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One step over a flattened batch.
 
         Args:
@@ -247,11 +258,15 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
                 layer, written in place at attn_metadata.slot_mapping.
             attn_metadata: the step's AttentionMetadata.
+            aux_hidden_states: optional output list (EAGLE-3): gets the pre-norm input of
+                each layer of `model.aux_hidden_state_layers`, [T, hidden_size] each.
 
         Returns:
             [T, hidden_size] final-norm hidden states, model dtype.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        if aux_hidden_states is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, aux_hidden_states)
 
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """The MLP of decoder layer `layer_idx`; None: the dense SwiGLU LlamaMLP. Families
