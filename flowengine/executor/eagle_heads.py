@@ -282,17 +282,15 @@ def load_head_state(module: nn.Module, tensors: dict[str, torch.Tensor], path: s
     the missing tensors, those of the wrong shape, and those the layout has no place
     for (except `ignored`)."""
     used: set[str] = set()
-    missing: list[str] = []
     state = dict(module.named_parameters())
-    state.update(dict(module.named_buffers()))
+    state.update((n, b) for n, b in module.named_buffers() if not n.startswith("rotary_emb."))
+    sources = {name: [rename(p) for p in _checkpoint_parts(name)] for name in state}
+    missing = [p for parts in sources.values() for p in parts if p not in tensors]
+    if missing:
+        raise ValueError(f"{layout} checkpoint {path} lacks tensor(s) {sorted(missing)[:8]}; "
+                         "does speculative_config.method name this checkpoint's kind?")
     for name, target in state.items():
-        if name.startswith("rotary_emb.") or name.endswith(".rotary_emb"):
-            continue
-        parts = [rename(p) for p in _checkpoint_parts(name)]
-        absent = [p for p in parts if p not in tensors]
-        if absent:
-            missing.extend(absent)
-            continue
+        parts = sources[name]
         value = torch.cat([tensors[p] for p in parts], dim=0)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(
@@ -302,9 +300,6 @@ def load_head_state(module: nn.Module, tensors: dict[str, torch.Tensor], path: s
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
         used.update(parts)
-    if missing:
-        raise ValueError(f"{layout} checkpoint {path} lacks tensor(s) {sorted(missing)[:8]}; "
-                         f"is it a {layout} checkpoint (speculative_config.method)?")
     unknown = sorted(n for n in tensors if n not in used and n not in ignored)
     if unknown:
         raise ValueError(f"{layout} checkpoint {path} has tensor(s) the {layout} layout has "
