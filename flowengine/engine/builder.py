@@ -363,6 +363,17 @@ def _attach_draft_runner(resolved: ResolvedEngine, runner: Any, draft_config: An
         dtype=runner.dtype, load_format=args.load_format, seed=args.seed)
 
 
+def _capture_verification_graphs(resolved: ResolvedEngine, runner: Any) -> None:
+    """With speculative decoding on a CUDA runner that captured decode graphs, capture
+    the verification graphs of k + 1 tokens per request too (cuda_graphs.py)."""
+    from flowengine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(resolved.args.speculative_config)
+    capture = getattr(runner, "capture_verification_graphs", None)
+    if spec is not None and capture is not None:
+        capture(spec.num_speculative_tokens)
+
+
 def make_structured_output_manager(resolved: ResolvedEngine):
     """The scheduler's `StructuredOutputManager`: --structured-outputs-backend, the
     model's vocabulary size, and the tokenizer loaded on the first constrained request
@@ -447,6 +458,7 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     if draft_config is not None:
         _attach_draft_runner(resolved, runner, draft_config, spec, cache_config.num_blocks)
+    _capture_verification_graphs(resolved, runner)
     logger.info(
         "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens (KV cache %s)",
         resolved.served_model_names[0],

@@ -7,7 +7,8 @@ steps whose drafts are all rejected, partly accepted or all accepted, so the hea
 KV cache sees rollbacks. After every step the proposed drafts must equal a dense
 re-computation of the head (plain torch, HF-style RoPE and attention over the whole
 verified sequence, from transformers' hidden states of the target), i.e. the paged
-head KV holds exactly the verified positions' values. Loading errors name the missing
+head KV holds exactly the verified positions' values. The CudaModelRunner variant pads
+verification steps as their CUDA graphs do (eagerly on the CPU). Loading errors name the missing
 or unexpected tensor.
 """
 
@@ -200,6 +201,10 @@ def test_eagle_drafts_equal_dense_reference(target, tmp_path, method, runner_cls
     attach_head_runner(runner, method, head_dir, K, num_blocks=40, block_size=BLOCK,
                        max_num_seqs=4)
     assert runner.draft_runner.aux_hidden_state_layers == aux_ids
+    if runner_cls is CudaModelRunner:
+        # Verification steps padded as for their CUDA graphs (here run eagerly): one
+        # request of 4 tokens -> 2 requests x 4 token rows.
+        runner.verify_query_len, runner.verify_batch_sizes = K + 1, [2, 4]
     torch.manual_seed(1)
     prompt = torch.randint(0, VOCAB, (11,)).tolist()
     truth = _greedy(hf, prompt, 24)
@@ -278,3 +283,23 @@ def test_wrong_layouts_name_the_tensor(target, tmp_path) -> None:
         load_medusa_heads(medusa_dir, config, 2, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
         load_medusa_heads(medusa_dir, config, 4, torch.device("cpu"), torch.float32)
+
+
+def test_verification_padding_layout() -> None:
+    """InputBatch.prepare(pad_to=b * (k + 1), pad_reqs_to=b): the rows a verification
+    CUDA graph reads (exact values)."""
+    from flowengine.executor.input_batch import InputBatch, RequestState
+
+    batch = InputBatch(BLOCK, 4, torch.device("cpu"), 16, 4)
+    state = RequestState("a", list(range(7)), 5, SamplingParams(), None, [3, 1], 4)
+    inputs = batch.prepare([state], [3], pad_to=8, pad_reqs_to=2)
+    meta = inputs.attn_metadata
+    assert meta.query_start_loc.tolist() == [0, 3, 3]
+    assert meta.seq_lens.tolist() == [7, 0]
+    assert meta.block_tables.shape == (2, 4) and meta.block_tables[0, :2].tolist() == [3, 1]
+    assert inputs.input_ids.tolist() == [4, 5, 6, 0, 0, 0, 0, 0]
+    assert inputs.positions.tolist() == [4, 5, 6, 0, 0, 0, 0, 0]
+    assert meta.slot_mapping.tolist() == [4, 5, 6, -1, -1, -1, -1, -1]
+    assert inputs.logits_indices.tolist() == [2] and meta.max_query_len == 3
+    with pytest.raises(ValueError, match="pad_reqs_to 0 is below"):
+        batch.prepare([state], [3], pad_to=8, pad_reqs_to=0)
