@@ -735,11 +735,103 @@ static void attend_range_c(const attn_args *a, int64_t w0, int64_t w1)
 }
 
 #if HAVE_X86
-/* The same code, vectorised by the compiler for AVX-512. */
+/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r
+ * (relative error ~2e-7), times 2^n by vscalefps; e^x underflows to 0 below -87. */
+AVX512 static inline __m512 exp_avx512(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Float32 cache, head_dim a multiple of 16 (up to MAX_D): 16 positions at a time,
+ * their scores for the group's query heads first, then one vector exp and one
+ * rescale per chunk (the online softmax by chunks), then the weighted V rows. */
+AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
+{
+    const int64_t G = a->hq / a->hkv, d = a->d, nv = d / 16, bs = a->block_size;
+    const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
+    const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
+    const float *cache = (const float *)a->cache;
+    const int64_t plane = a->num_blocks * bs * a->hkv * d;
+    __m512 acc[MAX_G][MAX_D / 16];
+    float q[MAX_G][MAX_D], mx[MAX_G], den[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = (const float *)a->q + (tok * a->hq + h * G + g) * d;
+        for (int64_t e = 0; e < d; e++)
+            q[g][e] = qg[e] * a->scale;
+        for (int64_t c = 0; c < nv; c++)
+            acc[g][c] = _mm512_setzero_ps();
+        mx[g] = -INFINITY;
+        den[g] = 0.f;
+    }
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    for (int64_t j0 = start; j0 < len; j0 += 16) {
+        const int64_t n = len - j0 < 16 ? len - j0 : 16;
+        const float *rows[16];
+        for (int64_t j = 0; j < n; j++)
+            rows[j] = cache + (((int64_t)bt[(j0 + j) / bs] * bs + (j0 + j) % bs) * a->hkv + h) * d;
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        for (int64_t g = 0; g < G; g++) {
+            float sc[16];
+            for (int64_t j = 0; j < n; j++) {
+                __m512 t = _mm512_mul_ps(_mm512_loadu_ps(q[g]), _mm512_loadu_ps(rows[j]));
+                for (int64_t c = 1; c < nv; c++)
+                    t = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
+                                        _mm512_loadu_ps(rows[j] + 16 * c), t);
+                sc[j] = _mm512_reduce_add_ps(t);
+                if (a->soft_cap > 0.f)
+                    sc[j] = a->soft_cap * tanhf(sc[j] / a->soft_cap);
+            }
+            __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc);
+            float cmax = _mm512_reduce_max_ps(s);
+            float m_new = cmax > mx[g] ? cmax : mx[g];
+            float corr = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
+            __m512 pv = _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            den[g] = den[g] * corr + _mm512_reduce_add_ps(pv);
+            mx[g] = m_new;
+            float pj[16];
+            _mm512_storeu_ps(pj, pv);
+            __m512 vc = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < nv; c++)
+                acc[g][c] = _mm512_mul_ps(acc[g][c], vc);
+            for (int64_t j = 0; j < n; j++) {
+                __m512 pb = _mm512_set1_ps(pj[j]);
+                const float *vr = rows[j] + plane;
+                for (int64_t c = 0; c < nv; c++)
+                    acc[g][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vr + 16 * c), acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = (float *)a->out + (tok * a->hq + h * G + g) * d;
+        __m512 inv = _mm512_set1_ps(den[g] > 0.f ? 1.f / den[g] : 0.f);
+        for (int64_t c = 0; c < nv; c++)
+            _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+/* The same code as attend_one, vectorised by the compiler for AVX-512, or the chunked
+ * body above for float32 caches. */
 AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w1)
 {
-    for (int64_t w = w0; w < w1; w++)
-        attend_one(a, w / a->hkv, w % a->hkv);
+    const int chunked = !a->q_bf16 && !a->kv_bf16 && a->d % 16 == 0;
+    for (int64_t w = w0; w < w1; w++) {
+        if (chunked)
+            attend_one_f32_avx512(a, w / a->hkv, w % a->hkv);
+        else
+            attend_one(a, w / a->hkv, w % a->hkv);
+    }
 }
 #endif
 
