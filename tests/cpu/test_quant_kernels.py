@@ -152,11 +152,13 @@ _TOP = {"q4_0": 127 * 2**16, "q4_1": 127 * 2**16, "q8_0": 2097000}
 
 def _vnni_bound(fmt: str, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Per output [rows, n]: half a quantization step of every block of x times that
-    block's |w|, plus float32 rounding (1e-6 of sum |x| |w|)."""
+    block's |w|, plus float32 rounding: 5e-6 of sum |x| |w|, because the kernel sums
+    d s sum(q A) and the offset term (m or -8 d times sum x) separately, each up to
+    ~2x the magnitude of sum w x (measured: at most 2.6e-6 over 900 random cases)."""
     rows, k = x.shape
     step = x.double().abs().view(rows, k // 32, 32).amax(-1) / _TOP[fmt]  # [rows, nb]
     wabs = ref.double().abs().view(-1, k // 32, 32).sum(-1)  # [n, nb]
-    return 0.5 * step @ wabs.t() + 1e-6 * (x.double().abs() @ ref.double().abs().t())
+    return 0.5 * step @ wabs.t() + 5e-6 * (x.double().abs() @ ref.double().abs().t())
 
 
 @pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in

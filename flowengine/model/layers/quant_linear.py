@@ -52,9 +52,14 @@ _PATH_LOGGED = False
 
 
 def _ops():
+    global _OPS
     from flowengine import _cpu_ops
 
+    _OPS = _cpu_ops
     return _cpu_ops
+
+
+_OPS = None  # the module once imported (a decode step makes ~120 matmul calls)
 
 
 def kernel_paths() -> str:
@@ -207,12 +212,14 @@ class QuantizedWeight:
         else:
             out = torch.empty(m, n, dtype=torch.float32)
             if m:
-                _ops().linear(self._kernel, x2.data_ptr(), m, k, self.qs.data_ptr(),
-                              self.scales.data_ptr(), n, out.data_ptr(),
-                              torch.get_num_threads())
+                ops = _OPS or _ops()
+                ops.linear(self._kernel, x2.data_ptr(), m, k, self.qs.data_ptr(),
+                           self.scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
         if bias is not None:
             out += bias
-        return out.to(x.dtype).view(*lead, n)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out if len(lead) == 1 else out.view(*lead, n)
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix [N, K] float32 (exactly gguf.quants.dequantize's values)."""
