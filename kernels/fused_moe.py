@@ -153,12 +153,12 @@ def _decode_expert_id(topk_ids_ptr, expert_map_ptr, pair, HAS_MAP: tl.constexpr)
 
 @triton.jit
 def _decode_gate_up_kernel(
-    act_ptr,  # [num_pairs, I] x's dtype: silu(gate) * up
+    act_ptr,  # [num_pairs, INTER] x's dtype: silu(gate) * up
     x_ptr,  # [num_tokens, K]
-    w_ptr,  # [num_experts, 2 * I, K]: gate rows then up rows
+    w_ptr,  # [num_experts, 2 * INTER, K]: gate rows then up rows
     topk_ids_ptr,  # [num_pairs] int32/int64
     expert_map_ptr,  # [E] int32/int64 (read when HAS_MAP)
-    I,
+    INTER,
     K,
     x_stride: tl.int64,
     w_stride_e: tl.int64,
@@ -174,12 +174,12 @@ def _decode_gate_up_kernel(
     if expert < 0:  # another rank's expert: the down kernel skips this pair
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < I
+    n_valid = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * x_stride + offs_k
     g_ptrs = (w_ptr + expert * w_stride_e + offs_n[:, None].to(tl.int64) * w_stride_n
               + offs_k[None, :])
-    u_ptrs = g_ptrs + I * w_stride_n
+    u_ptrs = g_ptrs + INTER * w_stride_n
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

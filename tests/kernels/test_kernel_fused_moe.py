@@ -167,28 +167,32 @@ def test_shipped_h200_configs_parse(monkeypatch) -> None:
     fm.load_configs.cache_clear()
 
 
-@pytest.mark.parametrize("k", [1, 2, 8])
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_decode_path_matches_reference_fp32(t, k, device) -> None:
-    # The alignment-free decode path (a GEMV per pair, the k pairs summed in one program):
-    # hidden 40 and width 24 are not multiples of its tiles; 10 experts, so top-8 repeats
-    # none within a token but tokens share experts.
-    from flowengine.kernels.fused_moe import DECODE_MAX_PAIRS
+@pytest.mark.parametrize(("t", "k"), [(1, 1), (1, 2), (1, 8), (2, 8), (5, 2), (8, 1),
+                                    (8, 8)])
+def test_decode_path_matches_reference_fp32(t, k, device, monkeypatch) -> None:
+    # The alignment-free decode path (a GEMV per pair, the k pairs summed in one program),
+    # picked by default at T * k <= DECODE_MAX_PAIRS: hidden 40 and width 24 are not
+    # multiples of its tiles; 10 experts, so tokens share experts.
+    from flowengine.kernels import fused_moe as fm
 
+    calls = []
+    real = fm._fused_moe_decode
+    monkeypatch.setattr(fm, "_fused_moe_decode",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
     e, h, i = 10, 40, 24
-    assert t * k <= DECODE_MAX_PAIRS
+    assert t * k <= fm.DECODE_MAX_PAIRS
     x = torch.randn(t, h, device=device)
     w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
     w2 = torch.randn(e, h, i, device=device) * 0.2
     weights, ids = _routing(t, e, k, device)
-    ref = _reference(x, w13, w2, weights, ids)
-    out = fused_moe(x, w13, w2, weights, ids, decode=True)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert calls == [(t, h)]
     assert out.shape == (t, h) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
-    # the default picks the decode path here; it equals the grouped path's result
-    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), out, atol=0, rtol=0)
-    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, decode=False).double(),
-                               ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), _reference(x, w13, w2, weights, ids),
+                               atol=2e-5, rtol=1e-4)
+    # past the threshold, or with a tile config, the grouped path runs
+    fused_moe(x[:1], w13, w2, weights[:1], ids[:1], config=fm.default_config(1, 2 * i, h))
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(("t", "k"), [(1, 1), (2, 2), (5, 8)])
