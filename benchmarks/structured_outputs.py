@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from flowengine import LLM, SamplingParams, StructuredOutputsParams
+from flowengine.sampling_params import RequestOutputKind
 from flowengine.structured_outputs.backend import GrammarOptions, select_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,15 +143,16 @@ def _params(output_len: int, constrained: bool) -> SamplingParams:
 
 async def run_async_once(engine, prompt: str, batch: int, output_len: int, constrained: bool,
                          masks: list[float]) -> dict[str, float]:
-    """One batch through `AsyncEngine.submit` (two steps in flight): tok/s over the
-    wall time, TPOT from each request's token arrival times."""
+    """One batch through `AsyncEngine.submit` (two steps in flight; DELTA outputs, each
+    with the new tokens only): tok/s over the wall time, TPOT from each request's token
+    arrival times."""
     params = _params(output_len, constrained)
     masks.clear()
     steps_before = engine.core.num_steps
 
     async def one() -> tuple[int, float, float]:
         n, first, last = 0, 0.0, 0.0
-        async for out in engine.submit(prompt, params):
+        async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
             k = len(out.outputs[0].token_ids)
             if k:
                 last = time.perf_counter()
