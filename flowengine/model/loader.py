@@ -14,7 +14,10 @@ See flowengine/model/layers/quant_linear.py.
 
 A 4-bit GPTQ / AWQ checkpoint (`quantization_config` in config.json, on any device)
 loads its projections as packed `Int4Linear` layers, never dequantized whole
-(flowengine/model/int4_loader.py, flowengine/model/layers/int4.py).
+(flowengine/model/int4_loader.py, flowengine/model/layers/int4.py). An FP8 checkpoint
+(compressed-tensors float-quantized, or "quant_method": "fp8") loads its projections as
+`Fp8Linear` layers holding the checkpoint's E4M3 bytes and scales
+(flowengine/model/fp8_loader.py).
 """
 
 from __future__ import annotations
@@ -88,7 +91,9 @@ def load_model(
             "gguf" (CPU): keep the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (load_format
             must resolve to "gguf"); "int8" (CPU): weight-only, quantized after loading;
             "gptq" / "awq": the checkpoint's own 4-bit format (also chosen when unset and
-            config.json has a GPTQ / AWQ quantization_config).
+            config.json has a GPTQ / AWQ quantization_config). An FP8 checkpoint loads
+            as FP8 with quantization unset or "fp8" (with load_format "dummy": random
+            float weights quantized per channel).
 
     Raises:
         ValueError: unknown load_format or quantization, no weight files, checkpoint
