@@ -95,7 +95,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "and executors; requests go to the least loaded one (implies multiproc)",
     )
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages (not supported yet: only 1)")
+                   help="pipeline stages: the decoder layers split into this many "
+                   "executor processes (or tensor-parallel groups), one micro-batch in "
+                   "flight per stage (CPU; implies multiproc)")
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["mp", "ray", "uni"],
                    help="mp: executor processes on this host (default); ray: not supported "
