@@ -66,6 +66,10 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: with tensor_parallel_size N, a mixture-of-experts
+    # layer's experts are placed whole on the ranks (E / N each) instead of each expert's
+    # width being split (flowengine/distributed/expert_parallel.py).
+    enable_expert_parallel: bool = False
     # Engine replicas behind one frontend, each with its own scheduler, KV cache and
     # executors (vLLM's --data-parallel-size; flowengine/engine/dp_router.py).
     data_parallel_size: int = 1

@@ -69,6 +69,11 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     _check_tensor_parallel(args, model_config, device)
+    if args.enable_expert_parallel:
+        from flowengine.distributed.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(model_config.num_experts, args.tensor_parallel_size)
+        model_config = dataclasses.replace(model_config, enable_expert_parallel=True)
     _check_draft_model(args)
     dtype = args.dtype
     if dtype == "auto":

@@ -90,6 +90,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument(
+        "--enable-expert-parallel", "-ep", action="store_true", default=False,
+        help="mixture-of-experts models: place whole experts on the tensor-parallel ranks "
+        "(num_experts / tensor_parallel_size each) instead of splitting every expert")
+    g.add_argument(
         "--data-parallel-size", "-dp", type=int, default=1,
         help="engine replicas behind this server, each with its own scheduler, KV cache "
         "and executors; requests go to the least loaded one (implies multiproc)",

@@ -170,6 +170,10 @@ class ModelConfig:
     # A 4-bit GPTQ / AWQ checkpoint's `quantization_config` (flowengine/model/layers/int4.py),
     # or an FP8 checkpoint's (`Fp8CheckpointConfig`, flowengine/model/fp8_loader.py).
     quantization_config: Any = None
+    # Place whole experts on the tensor-parallel ranks instead of splitting each one
+    # (--enable-expert-parallel, an engine argument: set by engine/builder.py's resolve,
+    # never read from config.json; flowengine/distributed/expert_parallel.py).
+    enable_expert_parallel: bool = False
 
     @property
     def kv_sliding_window(self) -> int | None:

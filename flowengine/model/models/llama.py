@@ -369,6 +369,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
+        # Experts other expert-parallel ranks hold: in the checkpoint, not read here.
+        elsewhere = self.other_ranks_weight_names()
         skipped = getattr(self, "_stage_skipped", ())  # other pipeline stages' tensors
         for hf_name, tensor in weights:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (
@@ -376,6 +378,8 @@ class LlamaForCausalLM(nn.Module):
             ) or (skipped and hf_name.startswith(skipped)):
                 continue
             shards = targets.get(hf_name)
+            if shards is None and hf_name in elsewhere:
+                continue
             if shards is None:
                 unexpected.append(hf_name)
                 continue
@@ -398,6 +402,15 @@ class LlamaForCausalLM(nn.Module):
                 "matches the weights"
             )
         return loaded
+
+    def other_ranks_weight_names(self) -> set[str]:
+        """Checkpoint tensors of experts that other expert-parallel ranks hold (empty
+        without expert parallelism)."""
+        names: set[str] = set()
+        for prefix, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                names |= module.other_ranks_weight_names(prefix)
+        return names
 
     def weight_shards(self) -> list[WeightShard]:
         """Every checkpoint tensor this rank reads, with its slice and destination, in
