@@ -365,7 +365,7 @@ def _check_draft_model(args: EngineArgs) -> None:
     from flowengine.spec_decode.config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(args.speculative_config)
-    if config is None or not config.uses_draft_model:
+    if config is None or not config.uses_model:
         return
     try:
         resolve_model(config.model, download_dir=args.download_dir)
@@ -380,10 +380,12 @@ def _draft_model_config(resolved: ResolvedEngine):
     from flowengine.spec_decode.config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
-    if config is None or not config.uses_draft_model:
+    if config is None or not config.uses_model:
         return None, None
     args = resolved.args
     path = resolve_model(config.model, download_dir=args.download_dir).path
+    if not config.uses_draft_model:  # EAGLE / Medusa heads: their path
+        return path, config
     return ModelConfig.from_pretrained(path, resolved.max_model_len), config
 
 
@@ -392,11 +394,29 @@ def _attach_draft_runner(resolved: ResolvedEngine, runner: Any, draft_config: An
     from flowengine.executor.draft_runner import DraftRunner
 
     args = resolved.args
+    if not spec.uses_draft_model:  # draft_config is the head checkpoint's path
+        from flowengine.executor.eagle_runner import attach_head_runner
+
+        attach_head_runner(runner, spec.method, draft_config, spec.num_speculative_tokens,
+                           num_blocks=num_blocks, block_size=args.block_size,
+                           max_num_seqs=args.max_num_seqs)
+        return
     runner.draft_runner = DraftRunner(
         draft_config, spec.num_speculative_tokens,
         target_vocab_size=resolved.model_config.vocab_size, num_blocks=num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=runner.device,
         dtype=runner.dtype, load_format=args.load_format, seed=args.seed)
+
+
+def _capture_verification_graphs(resolved: ResolvedEngine, runner: Any) -> None:
+    """With speculative decoding on a CUDA runner that captured decode graphs, capture
+    the verification graphs of k + 1 tokens per request too (cuda_graphs.py)."""
+    from flowengine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(resolved.args.speculative_config)
+    capture = getattr(runner, "capture_verification_graphs", None)
+    if spec is not None and capture is not None:
+        capture(spec.num_speculative_tokens)
 
 
 def make_structured_output_manager(resolved: ResolvedEngine):
@@ -442,7 +462,14 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
                                                      kv_dtype, tp.world_size, num_layers)
     draft_config, spec = _draft_model_config(resolved)
-    if draft_config is not None:
+    if draft_config is not None and not spec.uses_draft_model:
+        from flowengine.executor.eagle_runner import head_kv_cache_bytes_per_block
+
+        # An EAGLE head's cache has a block for each of the target's, as a draft's.
+        per_block += head_kv_cache_bytes_per_block(spec.method, draft_config,
+                                                   resolved.model_config, args.block_size,
+                                                   dtype)
+    elif draft_config is not None:
         from flowengine.executor.draft_runner import DraftRunner
 
         # The draft's cache has a block for each of the target's: size them together.
@@ -486,6 +513,7 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     if draft_config is not None:
         _attach_draft_runner(resolved, runner, draft_config, spec, cache_config.num_blocks)
+    _capture_verification_graphs(resolved, runner)
     logger.info(
         "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens (KV cache %s)",
         resolved.served_model_names[0],

@@ -102,7 +102,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        # Speculative decoding's draft model (executor/draft_runner.py), or None.
+        # Speculative decoding's draft model (executor/draft_runner.py), EAGLE / Medusa
+        # heads (executor/eagle_runner.py), or None.
         self.draft_runner = None
         if cache_config is not None:
             self.initialize_kv_cache(cache_config)
@@ -229,14 +230,16 @@ class ModelRunner:
                 f"step {plan.step_id} reaches {inputs.attn_metadata.max_seq_len} tokens in one "
                 f"request, beyond max_model_len {self.model_config.max_model_len}"
             )
-        hidden = self.run_model(inputs)
+        hidden, aux = self.run_model(inputs)
         if not self.pp.is_last:
             # Its hidden states went to the next stage; the last stage samples.
             for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
                 state.num_computed_tokens += num
             return ModelOutput(inputs.sample_req_ids, None)
         if self.draft_runner is not None:
-            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
+            # The draft model's KV in lockstep (draft_runner.py); EAGLE / Medusa keep
+            # the step's hidden states (eagle_runner.py).
+            self.draft_runner.forward(inputs, states, hidden, aux)
         logits_indices, drafts = verification_rows(states, inputs)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         self.collect_prompt_logprobs(states, plan.num_scheduled_tokens, inputs, hidden)
@@ -244,26 +247,33 @@ class ModelRunner:
             state.num_computed_tokens += num
         return ModelOutput(inputs.sample_req_ids, logits, drafts)
 
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """The model's forward over the step's inputs: final-norm hidden states
-        [T, hidden_size]. Under pipeline parallelism this stage's part: the previous
-        stage's [2, T, hidden_size] hidden states and residual received first (unless
-        first), this stage's sent on (unless last, which returns the final hidden
-        states; the others return what they sent). T is the step's token count on
-        every stage, so no shape travels."""
+    def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The target's forward over `inputs`: (final-norm hidden states [T, hidden],
+        and the auxiliary layer inputs EAGLE-3 reads, else None).
+
+        Under pipeline parallelism (which refuses speculative decoding, so no aux) this
+        stage's part: the previous stage's [2, T, hidden_size] hidden states and
+        residual received first (unless first), this stage's sent on (unless last,
+        which returns the final hidden states; the others return what they sent). T is
+        the step's token count on every stage, so no shape travels."""
         pp = self.pp
-        if pp.size == 1:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                              inputs.attn_metadata)
-        intermediate = None
-        if not pp.is_first:
-            shape = (2, inputs.input_ids.shape[0], self.model_config.hidden_size)
-            intermediate = pp.recv_prev(shape, self.dtype, self.device)
-        out = self.model.forward_stage(inputs.input_ids, inputs.positions, self.kv_caches,
-                                       inputs.attn_metadata, intermediate)
-        if not pp.is_last:
-            pp.send_next(out)
-        return out
+        if pp.size > 1:
+            intermediate = None
+            if not pp.is_first:
+                shape = (2, inputs.input_ids.shape[0], self.model_config.hidden_size)
+                intermediate = pp.recv_prev(shape, self.dtype, self.device)
+            out = self.model.forward_stage(inputs.input_ids, inputs.positions,
+                                           self.kv_caches, inputs.attn_metadata, intermediate)
+            if not pp.is_last:
+                pp.send_next(out)
+            return out, None
+        if self.draft_runner is not None and self.draft_runner.aux_hidden_state_layers:
+            aux: list[torch.Tensor] = []
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn_metadata, aux_hidden_states=aux)
+            return hidden, aux
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                          inputs.attn_metadata), None
 
     @torch.inference_mode()
     def execute_pooling(self, plan: StepPlan, pooling_type: str) -> tuple[list[str], torch.Tensor]:

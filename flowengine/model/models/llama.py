@@ -211,16 +211,23 @@ class LlamaModel(nn.Module):
         # The pipeline stage's share (all of the model without pipeline parallelism).
         self.start_layer, self.end_layer = 0, config.num_layers
         self.is_first_stage = self.is_last_stage = True
+        # EAGLE-3 (executor/eagle_runner.py): layers whose input the forward can also
+        # return (the residual stream before layer i, i.e. after layer i - 1).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+                intermediate: torch.Tensor | None = None,
+                aux_hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size].
 
         Pipeline stages: kv_caches holds one tensor per layer of the stage;
         `intermediate` is the previous stage's output (None on the first stage, which
         embeds input_ids); a stage other than the last returns [2, T, hidden_size]:
         the hidden states and the residual stream after its last layer.
+        aux_hidden_states: an optional output; when given, the input of each layer in
+        `aux_hidden_state_layers` ([T, hidden_size], pre-norm) is appended, in order
+        (layer numbers are the whole model's).
         """
         if intermediate is None:
             hidden = self.embed_tokens(input_ids)
@@ -229,8 +236,12 @@ class LlamaModel(nn.Module):
             residual = None
         else:
             hidden, residual = intermediate[0], intermediate[1]
+        aux_layers = self.aux_hidden_state_layers if aux_hidden_states is not None else ()
         layers = itertools.islice(self.layers, self.start_layer, self.end_layer)
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True),
+                                              start=self.start_layer):
+            if i in aux_layers:
+                aux_hidden_states.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
                                      self.rotary_emb)
         if not self.is_last_stage:
@@ -274,7 +285,8 @@ class LlamaForCausalLM(nn.Module):
             model_config.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                aux_hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One step over a flattened batch.
 
         Args:
@@ -283,11 +295,16 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
                 layer, written in place at attn_metadata.slot_mapping.
             attn_metadata: the step's AttentionMetadata.
+            aux_hidden_states: optional output list (EAGLE-3): gets the pre-norm input of
+                each layer of `model.aux_hidden_state_layers`, [T, hidden_size] each.
 
         Returns:
             [T, hidden_size] final-norm hidden states, model dtype.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        if aux_hidden_states is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata,
+                          aux_hidden_states=aux_hidden_states)
 
     def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
