@@ -14,6 +14,12 @@ Then
 The alignment runs in torch with a static upper bound on the padded length
 (T * k + E * (BLOCK_M - 1)), so nothing syncs with the host and a decode step can be
 captured in a CUDA graph; padding blocks and blocks past the end exit at once.
+
+Decode (T * k <= DECODE_MAX_PAIRS): the alignment's ~12 small launches and a grid over
+every expert's padded block cost more than the weights they read, so `_fused_moe_decode`
+skips them: a gate/up GEMV per (pair, I tile) that reads its expert id on the device,
+SiLU-and-mul fused in, then a down GEMV per (token, hidden tile) that sums the token's k
+weighted pairs. Same rounding as the grouped path; two launches, no host sync.
 """
 
 from __future__ import annotations
@@ -139,8 +145,24 @@ def _grouped_gemm_kernel(
 # again; below the threshold that costs less than the ~12 alignment launches and the
 # grouped GEMM's grid over every expert's padded block (H200 timings, docs/benchmarks.md).
 DECODE_MAX_PAIRS = 64
-DECODE_BLOCK_N = 32  # output columns per program (gate/up: I; down: hidden)
+DECODE_BLOCK_N = 32  # output columns per program (gate/up: I; down: hidden), at most
 DECODE_BLOCK_K = 128  # reduction columns per load: 256-byte rows in bf16
+# A GEMV grid below ~2 programs per H200 SM (132) leaves HBM bandwidth unused, so the
+# default halves BLOCK_N (down to 16) until a launch has this many programs.
+DECODE_MIN_PROGRAMS = 256
+
+
+def _decode_block_n(rows: int, n: int, block_n: int | None) -> int:
+    """BLOCK_N of a decode launch with `rows` x cdiv(n, BLOCK_N) programs: `block_n`
+    when given (clamped to tiny n), else DECODE_BLOCK_N halved while the grid has fewer
+    than DECODE_MIN_PROGRAMS programs and BLOCK_N > 16."""
+    cap = max(16, triton.next_power_of_2(n))
+    if block_n is not None:
+        return min(block_n, cap)
+    bn = min(DECODE_BLOCK_N, cap)
+    while bn > 16 and rows * triton.cdiv(n, bn) < DECODE_MIN_PROGRAMS:
+        bn //= 2
+    return bn
 
 
 @triton.jit
@@ -252,11 +274,13 @@ def _decode_down_kernel(
 
 def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      expert_map: torch.Tensor | None, block_n: int, block_k: int
-                      ) -> torch.Tensor:
+                      expert_map: torch.Tensor | None, block_n: int | None = None,
+                      block_k: int = DECODE_BLOCK_K) -> torch.Tensor:
     """The alignment-free decode path of `fused_moe` (same arguments, checked there):
     gate/up GEMVs with SiLU-and-mul per (pair, I tile), then down GEMVs per (token,
-    hidden tile) summing the token's k pairs. Two launches, no host sync."""
+    hidden tile) summing the token's k pairs. Two launches, no host sync. block_n: the
+    output tile of both launches, None: `_decode_block_n`'s default; block_k: the
+    reduction tile (it sets the fp32 summation order)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -264,7 +288,7 @@ def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids.reshape(-1).contiguous()
     emap = expert_map.contiguous() if expert_map is not None else ids
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn_i = min(block_n, max(16, triton.next_power_of_2(inter)))
+    bn_i = _decode_block_n(num_pairs, inter, block_n)
     bk_h = min(block_k, max(16, triton.next_power_of_2(hidden)))
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn_i))](
         act, x, w13, ids, emap, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
@@ -272,7 +296,7 @@ def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_K=bk_h, num_warps=4,
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    bn_h = min(block_n, max(16, triton.next_power_of_2(hidden)))
+    bn_h = _decode_block_n(num_tokens, hidden, block_n)
     bk_i = min(block_k, max(16, triton.next_power_of_2(inter)))
     _decode_down_kernel[(num_tokens, triton.cdiv(hidden, bn_h))](
         out, act, w2, ids, emap, topk_weights.reshape(-1).contiguous(), hidden, inter,
@@ -431,8 +455,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if decode is None:
         decode = config is None and num_pairs <= DECODE_MAX_PAIRS
     if decode:
-        return _fused_moe_decode(x, w13, w2, topk_weights, topk_ids, expert_map,
-                                 DECODE_BLOCK_N, DECODE_BLOCK_K)
+        return _fused_moe_decode(x, w13, w2, topk_weights, topk_ids, expert_map)
     if config is None:
         config = get_config(num_tokens, num_experts, two_i, hidden, two_i // 2, x.device)
     if expert_map is not None:

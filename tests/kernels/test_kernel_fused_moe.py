@@ -241,3 +241,15 @@ def test_decode_path_half_precision_rounds_like_the_grouped_path(dtype, device) 
     if dtype == torch.float16:
         torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids, decode=False),
                                    atol=2e-3, rtol=2e-3)
+
+
+def test_decode_tiles_keep_the_grid_wide() -> None:
+    # BLOCK_N halves (32 -> 16) while a launch would have < 256 programs: Qwen3-30B-A3B at
+    # T = 1 (8 pairs x 768, 1 token x 2048) and Mixtral's down projection (1 x 4096).
+    from flowengine.kernels.fused_moe import DECODE_MIN_PROGRAMS, _decode_block_n
+
+    assert DECODE_MIN_PROGRAMS == 256
+    assert [_decode_block_n(8, 768, None), _decode_block_n(1, 2048, None)] == [16, 16]
+    assert [_decode_block_n(32, 768, None), _decode_block_n(4, 2048, None)] == [32, 32]
+    assert [_decode_block_n(2, 14336, None), _decode_block_n(1, 4096, None)] == [32, 16]
+    assert _decode_block_n(3, 40, 64) == 64 and _decode_block_n(3, 10, 64) == 16
