@@ -432,7 +432,7 @@ def main(argv: list[str]) -> int:
         print(f"transformers generate_batch, {t['layers']} layers, {t['requests']} prompts: "
               f"{t['output_tok_s']:.1f} output tok/s -> {t['output_tok_s_scaled_48']:.1f} "
               "scaled to 48 layers")
-        if q:
+        if q and "offline" in q:
             print(f"ratio flowengine / transformers (scaled): "
                   f"{q['offline']['output_tok_s'] / t['output_tok_s_scaled_48']:.1f}x")
     return 0
