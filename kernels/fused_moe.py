@@ -15,11 +15,11 @@ The alignment runs in torch with a static upper bound on the padded length
 (T * k + E * (BLOCK_M - 1)), so nothing syncs with the host and a decode step can be
 captured in a CUDA graph; padding blocks and blocks past the end exit at once.
 
-Decode (T * k <= DECODE_MAX_PAIRS): the alignment's ~12 small launches and a grid over
-every expert's padded block cost more than the weights they read, so `_fused_moe_decode`
-skips them: a gate/up GEMV per (pair, I tile) that reads its expert id on the device,
-SiLU-and-mul fused in, then a down GEMV per (token, hidden tile) that sums the token's k
-weighted pairs. Same rounding as the grouped path; two launches, no host sync.
+Decode (T * k <= decode_pair_limit(E), at most 64 pairs): the alignment's ~12 small
+launches and a grid over every expert's padded block cost more than the weights they
+read, so `_fused_moe_decode` skips them: a gate/up GEMV per (pair, I tile) that reads
+its expert id on the device, SiLU-and-mul fused in, then a down GEMV per (token, hidden
+tile) that sums the token's k weighted pairs. Same rounding as the grouped path; two launches, no host sync.
 """
 
 from __future__ import annotations
@@ -140,11 +140,23 @@ def _grouped_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
 
 
-# Decode path: at most this many (token, slot) pairs skip the alignment and run as GEMVs.
-# Each pair reads its expert's weights itself, so pairs that share an expert read them
-# again; below the threshold that costs less than the ~12 alignment launches and the
-# grouped GEMM's grid over every expert's padded block (H200 timings, docs/benchmarks.md).
+# Decode path: at most this many (token, slot) pairs skip the alignment and run as GEMVs
+# (`decode_pair_limit`). Each pair reads its expert's weights itself, so pairs that share
+# an expert read them again; the grouped path reads each picked expert once but pays the
+# alignment's ~12 small launches and a grid over every expert's padded block (~0.08 ms a
+# layer on the H200, docs/benchmarks.md).
 DECODE_MAX_PAIRS = 64
+
+
+def decode_pair_limit(num_experts: int) -> int:
+    """The most T * k pairs `fused_moe` sends down the decode path by default:
+    min(DECODE_MAX_PAIRS, num_experts // 2), at least 1. With few experts pairs soon share
+    them (Mixtral, 8 experts: 2 tokens x top-2 already pick ~3.5 distinct of 4 pairs, and
+    each re-read costs a 352 MB expert), so the limit follows the local expert count;
+    Qwen3-30B-A3B (128 experts, top-8) gets 64 pairs = 8 tokens."""
+    return max(1, min(DECODE_MAX_PAIRS, num_experts // 2))
+
+
 DECODE_BLOCK_N = 32  # output columns per program (gate/up: I; down: hidden), at most
 DECODE_BLOCK_K = 128  # reduction columns per load: 256-byte rows in bf16
 # A GEMV grid below ~2 programs per H200 SM (132) leaves HBM bandwidth unused, so the
@@ -418,7 +430,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             `default_config` (`get_config`). Grouped path only.
         decode: True: the alignment-free decode path (a GEMV per (token, slot) pair,
             the k pairs of a token summed in one program); False: the aligned grouped
-            GEMMs; None: decode when T * k <= DECODE_MAX_PAIRS and no `config` is given.
+            GEMMs; None: decode when T * k <= `decode_pair_limit(E_local)` and no
+            `config` is given.
 
     Returns:
         [T, hidden] in x's dtype; fp32 accumulation, intermediates rounded to x's dtype
@@ -453,7 +466,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if not x.is_contiguous():
         x = x.contiguous()
     if decode is None:
-        decode = config is None and num_pairs <= DECODE_MAX_PAIRS
+        decode = config is None and num_pairs <= decode_pair_limit(num_experts)
     if decode:
         return _fused_moe_decode(x, w13, w2, topk_weights, topk_ids, expert_map)
     if config is None:

@@ -171,16 +171,17 @@ def test_shipped_h200_configs_parse(monkeypatch) -> None:
                                     (8, 8)])
 def test_decode_path_matches_reference_fp32(t, k, device, monkeypatch) -> None:
     # The alignment-free decode path (a GEMV per pair, the k pairs summed in one program),
-    # picked by default at T * k <= DECODE_MAX_PAIRS: hidden 40 and width 24 are not
-    # multiples of its tiles; 10 experts, so tokens share experts.
+    # picked by default at T * k <= decode_pair_limit(E): hidden 40 and width 24 are not
+    # multiples of its tiles; 10 experts (128 when T * k > 5, so that the default still
+    # picks it), so tokens share experts.
     from flowengine.kernels import fused_moe as fm
 
     calls = []
     real = fm._fused_moe_decode
     monkeypatch.setattr(fm, "_fused_moe_decode",
                         lambda *a: calls.append(a[0].shape) or real(*a))
-    e, h, i = 10, 40, 24
-    assert t * k <= fm.DECODE_MAX_PAIRS
+    e, h, i = (10 if t * k <= 5 else 128), 40, 24
+    assert t * k <= fm.decode_pair_limit(e)
     x = torch.randn(t, h, device=device)
     w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
     w2 = torch.randn(e, h, i, device=device) * 0.2
@@ -241,6 +242,14 @@ def test_decode_path_half_precision_rounds_like_the_grouped_path(dtype, device) 
     if dtype == torch.float16:
         torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids, decode=False),
                                    atol=2e-3, rtol=2e-3)
+
+
+def test_decode_pair_limit_follows_the_expert_count() -> None:
+    from flowengine.kernels.fused_moe import DECODE_MAX_PAIRS, decode_pair_limit
+
+    assert DECODE_MAX_PAIRS == 64
+    # Qwen3-30B-A3B: 8 tokens x top-8; its expert-parallel half: 4 tokens; Mixtral: 2 x 2
+    assert [decode_pair_limit(e) for e in (128, 64, 8, 3, 1)] == [64, 32, 4, 1, 1]
 
 
 def test_decode_tiles_keep_the_grid_wide() -> None:
