@@ -207,7 +207,8 @@ class AsyncEngine:
             request_logger = RequestLogger(self.args.max_log_len)
         self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len,
                                     request_logger)
-        actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
+        # The tokenizer is a call in each request's path (IngressActor.admit), no task.
+        actors = [self.streamer, self.detokenizer, *engine_actors]
         if not self.args.disable_log_stats:
             from flowengine.engine.stat_logger import StatLoggerActor
 
@@ -284,7 +285,6 @@ class AsyncEngine:
         return requests, inbox, [*self.replica_outputs, *self.replica_watchers]
 
     def _live_requests(self) -> list[Any]:
-        self.detokenizer.drain_control()
         return self.detokenizer.processor.resubmit_requests()
 
     def _resubmit_replica(self, replica: int) -> list[Any]:
@@ -472,29 +472,32 @@ class AsyncEngine:
             self._children.pop(rid, None)
             if not stream.finished:
                 with anyio.CancelScope(shield=True):
-                    await self._abort(rid, children)
+                    await self._abort(rid, children, caller_gone=True)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its stream ends with finish_reason "abort"."""
         children = self._children.get(request_id)
         if children:
-            await self.requests.send_async(AbortRequest(children))
+            await self._abort(request_id, children, caller_gone=False)
 
-    async def _abort(self, request_id: str, children: list[str]) -> None:
-        self.streamer.close(request_id)
-        self.detokenizer.forget(request_id)
+    async def _abort(self, request_id: str, children: list[str], *, caller_gone: bool) -> None:
+        """The one place a request is aborted: the engine frees its children's blocks;
+        caller_gone: its stream is closed and the Detokenizer forgets it now (no output
+        for it is made any more), else its stream ends with the engine's "abort"."""
+        if caller_gone:
+            self.streamer.close(request_id)
+            self.detokenizer.forget(request_id)
         if self._dead is None:
             await self.requests.send_async(AbortRequest(children))
 
     def _abort_orphan(self, child_id: str) -> None:
+        """An output for a stream that is gone (closed between steps): abort it."""
         if self._dead is None:
             asyncio.get_running_loop().create_task(
-                self.requests.send_async(AbortRequest([child_id]))
-            )
+                self._abort(child_id, [child_id], caller_gone=False))
 
     def _resubmit_after_restart(self) -> list[Any]:
         """The engine restarted: recompute every live request from what was delivered."""
-        self.detokenizer.drain_control()
         return self.detokenizer.processor.resubmit_requests()
 
     # ------------------------------------------------------------------ introspection
