@@ -8,6 +8,7 @@ from collections import Counter
 import anyio
 
 from flowengine.actors.base import Channel
+from flowengine.actors.streamer import StreamerActor
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.request_stats import RequestStats
@@ -21,7 +22,7 @@ class DetokenizerActor:
         output_processor: per-request detokenizer and stop-string state.
         outputs: inbox of `EngineOutputs` from the scheduler.
         requests: where stop-string matches go, as `AbortRequest`s (frees blocks).
-        streamer_inbox: where `RequestOutput` deltas go.
+        streamer: where each step's `RequestOutput`s go (`StreamerActor.route`, a call).
 
     `register` and `forget` apply at once: the request path (actors/tokenizer.py) and
     aborts run on this actor's event loop, between its batches, and a request is
@@ -33,13 +34,13 @@ class DetokenizerActor:
         output_processor: OutputProcessor,
         outputs: Channel,
         requests: Channel,
-        streamer_inbox: Channel,
+        streamer: StreamerActor,
         max_model_len: int = 1 << 20,
     ) -> None:
         self.processor = output_processor
         self.outputs = outputs
         self.requests = requests
-        self.streamer_inbox = streamer_inbox
+        self.streamer = streamer
         self.stats = SchedulerStats()
         self.prompt_tokens_total = 0  # every prompt token, cached or computed
         # vLLM's per-request metrics (prompt tokens computed, timings, histograms).
@@ -95,7 +96,7 @@ class DetokenizerActor:
             start = time.perf_counter()
             outs, to_stop = self.processor.process(msg.outputs)
             self.busy_s += time.perf_counter() - start
+            if outs:
+                self.streamer.route(outs)
             if to_stop:
                 await self.requests.send_async(AbortRequest(to_stop))
-            if outs:
-                await self.streamer_inbox.send_async(outs)

@@ -3,9 +3,10 @@
     flowengine bench pipeline --num-streams 1000 --output-len 64
 
 A null executor emits one token per running request per step instantly (no model),
-so the figure is what the actors (ingress, tokenizer, scheduler, executor with its
-resolver, detokenizer, streamer) and 1,000 concurrent `submit()` callers can deliver:
-tokens/s received by the callers, with the busy time of each actor. Placement is
+so the figure is what the pipeline (ingress and tokenizer, called in each caller's
+task; the scheduler actor; the executor actor with its resolver; the detokenizer
+actor, which calls the streamer) and 1,000 concurrent `submit()` callers can deliver:
+tokens/s received by the callers, with the busy time of each stage. Placement is
 inproc: every actor in this one process, sharing its core with the callers.
 """
 

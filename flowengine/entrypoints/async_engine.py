@@ -196,7 +196,7 @@ class AsyncEngine:
             OutputProcessor(self.tokenizer),
             self.outputs,
             self.requests,
-            self.streamer.inbox,
+            self.streamer,
             max_model_len=self.max_model_len,
         )
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
@@ -207,8 +207,9 @@ class AsyncEngine:
             request_logger = RequestLogger(self.args.max_log_len)
         self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len,
                                     request_logger)
-        # The tokenizer is a call in each request's path (IngressActor.admit), no task.
-        actors = [self.streamer, self.detokenizer, *engine_actors]
+        # The tokenizer is a call in each request's path (IngressActor.admit), no task,
+        # as is the Streamer (StreamerActor.route, called by the Detokenizer).
+        actors = [self.detokenizer, *engine_actors]
         if not self.args.disable_log_stats:
             from flowengine.engine.stat_logger import StatLoggerActor
 
