@@ -140,8 +140,13 @@ def _skip_response(reader) -> None:
 
 def test_body_too_large_is_413(http):
     big = {"prompt": "a" * (MAX_BODY_BYTES + 1)}
-    err = assert_error(http.post("/v1/completions", json=big), 413, code="request_too_large")
+    resp = http.post("/v1/completions", json=big)
+    err = assert_error(resp, 413, code="request_too_large")
     assert str(MAX_BODY_BYTES) in err["message"]
+    # The unread rest of the body ends the connection: the answer says so, and the
+    # same keep-alive client's next request goes out on a new one.
+    assert resp.headers["connection"] == "close"
+    assert http.get("/v1/models").status_code == 200
 
     def chunks():  # no Content-Length: the limit applies while reading
         yield b'{"prompt": "'

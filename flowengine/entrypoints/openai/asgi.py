@@ -139,6 +139,10 @@ def _too_large(size: int, max_bytes: int) -> APIError:
         f"the request body has {size} bytes or more, over the limit of {max_bytes}; "
         "send a smaller request or raise --max-request-body-bytes",
         code="request_too_large",
+        # The rest of the body stays unread, so the server closes this connection after
+        # the answer; saying so keeps a keep-alive client from sending its next request
+        # on it (it would see the connection drop without a response).
+        headers={"connection": "close"},
     )
 
 
