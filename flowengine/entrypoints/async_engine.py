@@ -32,7 +32,12 @@ from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
 from flowengine.config import EngineArgs
-from flowengine.engine.gc_utils import freeze_startup_heap, thaw_heap
+from flowengine.engine.gc_utils import (
+    freeze_startup_heap,
+    raise_gen0_threshold,
+    restore_gc_threshold,
+    thaw_heap,
+)
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
@@ -142,6 +147,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._children: dict[str, list[str]] = {}
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._gc_threshold: tuple[int, ...] | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN):
@@ -216,6 +222,9 @@ class AsyncEngine:
             actors.append(StatLoggerActor(self.get_stats))
         self._task = asyncio.get_running_loop().create_task(self._run(actors))
         freeze_startup_heap()
+        # Each step's outputs are allocated and freed within the step: no young
+        # collection in between (gc_utils.raise_gen0_threshold).
+        self._gc_threshold = raise_gen0_threshold(self.args.max_num_seqs)
 
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
         from flowengine.actors.executor import ExecutorActor
@@ -361,6 +370,8 @@ class AsyncEngine:
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self.streamer.fail_all(self._dead)
         thaw_heap()  # the stopped engine's cycles become collectable
+        restore_gc_threshold(self._gc_threshold)
+        self._gc_threshold = None
 
     async def _wait_engine_stopped(self) -> None:
         if self.args.placement == "inproc":
