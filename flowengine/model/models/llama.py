@@ -97,9 +97,17 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.rotate_qk(positions, q, k)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, **self.attn_kwargs)
+        # A backend that fuses RoPE into its KV write takes the tables (one launch less).
+        tables = (rotary.kernel_tables(positions, q)
+                  if getattr(self.attn_backend, "fuses_rotary", False) else None)
+        if tables is None:
+            q, k = rotary.rotate_qk(positions, q, k)
+            attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale,
+                                             **self.attn_kwargs)
+        else:
+            attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale,
+                                             rotary=tables, **self.attn_kwargs)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
 
