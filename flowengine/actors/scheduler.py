@@ -46,7 +46,10 @@ class SchedulerActor:
         results: inbox of `StepResult` from executor rank 0.
         outputs: outbox of `EngineOutputs`.
         max_steps_in_flight: 1 = plan after each result; 2 = overlap, with
-            `scheduler.async_scheduling` turned on (DESIGN.md §5).
+            `scheduler.async_scheduling` turned on (DESIGN.md §5); pipeline
+            parallelism: its size, with async_scheduling False.
+        async_scheduling: plan on placeholder tokens; None: when
+            max_steps_in_flight > 1.
         generation: the engine restart count, stamped on every EngineOutputs.
 
     Raises ValueError when max_steps_in_flight < 1.
@@ -61,6 +64,7 @@ class SchedulerActor:
         outputs: Channel,
         *,
         max_steps_in_flight: int = 1,
+        async_scheduling: bool | None = None,
         generation: int = 0,
     ) -> None:
         self.core = core
@@ -74,7 +78,10 @@ class SchedulerActor:
         self.max_steps_in_flight = max_steps_in_flight
         # Planning on placeholders is what lets decodes overlap; with one step in flight
         # the two modes make the same plans.
-        self.scheduler.async_scheduling = max_steps_in_flight > 1
+        # Pipeline parallelism keeps several steps in flight without it
+        # (async_scheduling=False): each request in one of them at a time.
+        self.scheduler.async_scheduling = (max_steps_in_flight > 1 if async_scheduling is None
+                                           else async_scheduling)
         self.generation = generation
         self.busy_s = 0.0  # time in schedule() and update()
         self._in_flight: deque[StepPlan] = deque()

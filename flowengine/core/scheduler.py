@@ -156,6 +156,12 @@ class Scheduler:
         self.running = state.running
         self.in_flight = state.in_flight
         self.spec = None if proposer is None else SpecDecodeState(proposer, self.max_len)
+        # Pipeline parallelism (set by the engine's builder): the steps in flight are
+        # micro-batches, each of at most 1/num_micro_batches of the running requests, so
+        # decode batches fill every stage; and plans carry the output tokens they
+        # compute (stages other than the last never sample them).
+        self.num_micro_batches = 1
+        self.include_new_token_ids = False
 
     # ------------------------------------------------------------------ life cycle
     def add_request(self, request: Request) -> None:
@@ -278,7 +284,11 @@ class Scheduler:
         budget = draft.token_budget
         spec = self.spec
         index = 0
-        while index < len(running) and budget > 0:
+        # Pipeline micro-batches: requests of an in-flight step are skipped below, so
+        # the next step takes the next share.
+        seats = len(running) if self.num_micro_batches == 1 else \
+            -(-len(running) // self.num_micro_batches)
+        while index < len(running) and budget > 0 and seats > 0:
             request = running[index]
             index += 1
             num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -313,6 +323,7 @@ class Scheduler:
             if drafts:
                 draft.draft_token_ids[request.request_id] = drafts
             budget -= num_new
+            seats -= 1
         draft.token_budget = budget
 
     def _preempt_for(
@@ -398,7 +409,8 @@ class Scheduler:
         # A request whose computed tokens reach its last known or placeholder token
         # samples one token in this step (the executor's rule, see StepPlan).
         plan, scheduled = draft.commit(
-            step_id, finished_req_ids, self.kv_cache_manager.get_block_ids
+            step_id, finished_req_ids, self.kv_cache_manager.get_block_ids,
+            self.include_new_token_ids,
         )
         if scheduled:
             self.in_flight.add(step_id, scheduled)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from flowengine.distributed.pp_group import SINGLE_STAGE, PipelineStage
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
 from flowengine.model.int4_loader import (
@@ -65,6 +66,7 @@ def load_model(
     seed: int = 0,
     tp: TensorParallelGroup = SINGLE_RANK,
     quantization: str | None = None,
+    pp: PipelineStage = SINGLE_STAGE,
 ) -> LlamaForCausalLM:
     """Build the model for `model_config` and load its weights, in eval mode, no grads.
 
@@ -80,6 +82,9 @@ def load_model(
             name, then sliced, so every tensor-parallel size gets the same model).
         dtype: parameter dtype. device: where parameters live.
         attn_backend: defaults to get_attn_backend(device).
+        pp: the pipeline stage; the model keeps only the stage's layers (and the
+            embedding / final norm and LM head on the first / last stage) and reads
+            only their tensors (LlamaForCausalLM.keep_pipeline_stage).
         quantization: None (float weights); "fp8": after loading, every linear layer
             except the LM head becomes an E4M3 `Fp8Linear` (flowengine/model/layers/fp8.py);
             "gguf" (CPU): keep the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (load_format
@@ -106,6 +111,13 @@ def load_model(
         attn_backend = get_attn_backend(device)
     with torch.device("meta"):
         model = model_class(model_config.architecture)(model_config, attn_backend, tp)
+        if pp.size > 1:
+            keep = getattr(model, "keep_pipeline_stage", None)
+            if keep is None:
+                raise ValueError(f"pipeline parallelism is not supported for "
+                                 f"{model_config.architecture} models; serve it with "
+                                 "pipeline_parallel_size 1")
+            keep(pp.start_layer, pp.end_layer, pp.is_first, pp.is_last)
     model = model.to(dtype=dtype)
     fmt = _resolve_format(model_config.model_path, load_format, gguf_file)
     if quantization == "gguf" and fmt != "gguf":

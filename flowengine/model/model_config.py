@@ -169,6 +169,10 @@ class ModelConfig:
     type_vocab_size: int = 0
     # A 4-bit GPTQ / AWQ checkpoint's `quantization_config` (flowengine/model/layers/int4.py).
     quantization_config: Int4QuantConfig | None = None
+    # Place whole experts on the tensor-parallel ranks instead of splitting each one
+    # (--enable-expert-parallel, an engine argument: set by engine/builder.py's resolve,
+    # never read from config.json; flowengine/distributed/expert_parallel.py).
+    enable_expert_parallel: bool = False
 
     @property
     def kv_sliding_window(self) -> int | None:
