@@ -1,38 +1,80 @@
 """Split-KV (flash-decoding) paged attention for decode-only batches.
 
 With one new token per request, the unified kernel has only num_reqs x num_kv_heads
-programs, each walking the whole context: a few long requests leave most SMs idle.
-Here the context is cut into `num_kv_splits` ranges (Dao et al., "Flash-Decoding for
-long-context inference", 2023; the layout of vLLM's `triton_decode_attention.py`,
-our code):
+programs, each walking the whole context: at small batch most SMs idle, and each
+program is latency-bound on a long chain of dependent loads. Here the context is cut
+into `num_kv_splits` ranges (Dao et al., "Flash-Decoding for long-context inference",
+2023; the layout of vLLM's `triton_decode_attention.py`, our code):
 
 * stage 1, grid (num_reqs, num_kv_heads, num_kv_splits): one program attends the
   QPK query heads of one KV head (packed into a >= 16-row tile for `tl.dot`) to one
-  range, and writes the range's normalised partial output and its log-sum-exp;
+  range, and writes the range's normalised partial output and its log-sum-exp; with
+  a single range it writes the final output itself and stage 2 is not launched;
 * stage 2, grid (num_reqs, num_q_heads): merges the ranges, weighting each partial
   output by exp(lse_s - max lse).
 
+The split count comes from batch x KV heads x context (`choose_num_kv_splits`): enough
+programs for PROGRAMS_PER_SM per SM, no range shorter than MIN_TOKENS_PER_SPLIT.
 Ranges are sized in-kernel from each request's seq_len, so one launch shape (and one
 CUDA graph) serves any context lengths; ranges past the context are empty and carry
 lse = -inf.
+
+An E4M3 (fp8) cache is widened to float16, not to the query's bfloat16: Hopper
+converts a pair of E4M3 values to a pair of fp16 in one instruction
+(`cvt.rn.f16x2.e4m3x2`), while E4M3 -> bf16 has no such instruction and costs two
+conversions per element through fp32, enough to make the fp8 cache slower than a bf16
+one. Every E4M3 value is exact in fp16, the query is rounded to fp16 once (bf16's 8
+mantissa bits fit in fp16's 11; magnitudes are clamped to fp16's 65504), and products
+accumulate in fp32 either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import TILE_N
 from .validation import check_attention_inputs, check_tensor
 
-MAX_KV_SPLITS = 32
+MAX_KV_SPLITS = 64
 # A range shorter than this spends more on the merge than it saves.
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 64
+# Programs per SM the split count aims for: several resident programs per SM keep
+# enough loads in flight to hide HBM latency (one per SM leaves it latency-bound).
+PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class DecodeLaunchConfig:
+    """Tile shape and launch parameters of stage 1.
+
+    Attributes:
+        tile_n: K/V positions per loop step (power of 2, >= 16).
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the K/V loads (1: none).
+    """
+
+    tile_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_launch_config(head_dim: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
+    """The stage-1 launch the wrapper uses when none is given, measured on an H200 at
+    Llama-3.1-8B shapes (`benchmarks/decode_attention_bench.py`, docs/benchmarks.md's
+    issue-14 section): for a bf16 cache 32-position tiles on 4 warps (64 for head_dim
+    <= 64); for an E4M3 cache 16-position tiles on 2 warps, 13% faster there than the
+    bf16 choice at batch 256 (more, smaller programs hide the widening better)."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return DecodeLaunchConfig(tile_n=16, num_warps=2, num_stages=2)
+    return DecodeLaunchConfig(tile_n=64 if head_dim <= 64 else 32, num_warps=4, num_stages=2)
 
 
 @triton.jit
 def _decode_attention_stage1_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim], written when NUM_KV_SPLITS == 1
     partial_out_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
     partial_lse_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS] fp32, base-2 log-sum-exp
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
@@ -46,6 +88,8 @@ def _decode_attention_stage1_kernel(
     soft_cap,  # float32, scores -> soft_cap * tanh(scores / soft_cap); if SOFT_CAP
     query_stride_token: tl.int64,
     query_stride_head: tl.int64,
+    out_stride_token: tl.int64,
+    out_stride_head: tl.int64,
     cache_stride_block: tl.int64,
     cache_stride_offset: tl.int64,
     cache_stride_head: tl.int64,
@@ -59,6 +103,7 @@ def _decode_attention_stage1_kernel(
     TILE_N: tl.constexpr,  # K/V positions per loop step
     NUM_KV_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+    WIDEN_FP16: tl.constexpr,  # E4M3 cache, 16-bit query: compute in fp16 (module doc)
     SLIDING: tl.constexpr,  # attend to the last sliding_window positions only
     SOFT_CAP: tl.constexpr,  # attention logit soft-capping (Gemma 2)
 ):
@@ -94,12 +139,15 @@ def _decode_attention_stage1_kernel(
         mask=h_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if WIDEN_FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM_PADDED], dtype=tl.float32)
     block_table_row = block_tables_ptr + req.to(tl.int64) * block_table_stride
+    kv_head_off = kv_head.to(tl.int64) * cache_stride_head
     for tile_start in range(split_start, split_end, TILE_N):
         kv_pos = tile_start + offs_n
         kv_valid = kv_pos < split_end
@@ -110,18 +158,18 @@ def _decode_attention_stage1_kernel(
         kv_offs = (
             block_id * cache_stride_block
             + (kv_pos % BLOCK_SIZE).to(tl.int64) * cache_stride_offset
-            + kv_head * cache_stride_head
+            + kv_head_off
         )
         k = tl.load(  # [HEAD_DIM_PADDED, TILE_N]
             key_cache_ptr + kv_offs[None, :] + offs_d[:, None],
             mask=d_valid[:, None] & kv_valid[None, :],
             other=0.0,
-        ).to(query_ptr.dtype.element_ty)  # an fp8 cache is widened here
+        ).to(q.dtype)  # an fp8 cache is widened here (to fp16 when WIDEN_FP16)
         v = tl.load(  # [TILE_N, HEAD_DIM_PADDED]
             value_cache_ptr + kv_offs[:, None] + offs_d[None, :],
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
-        ).to(query_ptr.dtype.element_ty)
+        ).to(q.dtype)
         if SOFT_CAP:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
             # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
@@ -139,15 +187,25 @@ def _decode_attention_stage1_kernel(
 
     # An empty range leaves l_i = 0: lse = -inf and a zero output, ignored by stage 2.
     has_mass = l_i > 0.0
-    lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
     acc = acc / tl.where(has_mass, l_i, 1.0)[:, None]
-    row = (req * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + split
-    tl.store(partial_lse_ptr + row, lse, mask=h_valid)
-    tl.store(
-        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        acc,
-        mask=h_valid[:, None] & d_valid[None, :],
-    )
+    if NUM_KV_SPLITS == 1:  # the whole context: this is the output, no merge needed
+        tl.store(
+            out_ptr
+            + token.to(tl.int64) * out_stride_token
+            + head[:, None].to(tl.int64) * out_stride_head
+            + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=h_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
+        row = (req * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + split
+        tl.store(partial_lse_ptr + row, lse, mask=h_valid)
+        tl.store(
+            partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=h_valid[:, None] & d_valid[None, :],
+        )
 
 
 @triton.jit
@@ -193,17 +251,24 @@ def _decode_attention_stage2_kernel(
 def choose_num_kv_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Power-of-two split count: enough programs for 2 per SM of a CUDA `device` (132
-    SMs on an H100/H200; 8 assumed elsewhere, i.e. the CPU interpreter), but no range
-    shorter than MIN_TOKENS_PER_SPLIT tokens and at most MAX_KV_SPLITS ranges."""
+    """Power-of-two split count from batch x KV heads x context.
+
+    One range when num_reqs x num_kv_heads alone gives 2 programs per SM of a CUDA
+    `device` (132 SMs on an H100/H200; 8 assumed elsewhere, i.e. the CPU
+    interpreter): measured, a merge never paid off there (batch 64 x 8 KV heads: 82 µs
+    unsplit, 88-94 µs split). Else enough ranges for PROGRAMS_PER_SM programs per SM,
+    none shorter than MIN_TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS; rounded down
+    to a power of 2 (a count past both limits would only add merge work).
+    """
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         num_sms = 8
-    want = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
+    if num_reqs * num_kv_heads >= 2 * num_sms:
+        return 1
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_reqs * num_kv_heads))
     by_len = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     splits = max(1, min(want, by_len, MAX_KV_SPLITS))
-    # Round down: a split count past both limits would only add merge work.
     return 1 << (splits.bit_length() - 1)
 
 
@@ -220,13 +285,15 @@ def decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    launch_config: DecodeLaunchConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged context, split-KV.
 
     Args:
         query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16.
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], `query`'s dtype
-            or float8_e4m3fn (widened as it is read), holding the new tokens' K/V already.
+            or float8_e4m3fn (widened as it is read: to float16 for a 16-bit query, see
+            the module docstring), holding the new tokens' K/V already.
         query_start_loc: [num_reqs + 1] int32; every request has exactly one new token
             (or none: an empty padding request, skipped). Longer chunks are not checked
             on the device (that would sync); use paged_attention for them.
@@ -235,18 +302,22 @@ def decode_attention(
         max_seq_len: largest seq_lens value (host int), sizes the default split count.
         scale: softmax scale, usually head_dim ** -0.5.
         num_kv_splits: ranges per context, a power of 2 <= MAX_KV_SPLITS; None picks
-            choose_num_kv_splits(). Fix it when capturing a CUDA graph.
+            choose_num_kv_splits(). Fix it when capturing a CUDA graph. 1 runs one
+            launch that writes the output directly.
         out: optional [num_tokens, num_q_heads, head_dim] output.
         sliding_window: the new token sees only the last sliding_window positions
             (itself included), which the splits divide; None: the whole context.
         logits_soft_cap: scores become cap * tanh(scores / cap) (Gemma 2); None: off.
+        launch_config: stage-1 tile and launch parameters (benchmarks sweep them);
+            None: default_launch_config().
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype (`out` when given).
 
     Raises:
         ValueError: inputs disagree, num_kv_splits is not a power of 2 in
-            [1, MAX_KV_SPLITS], or a sliding window / soft cap that is not positive.
+            [1, MAX_KV_SPLITS], a sliding window / soft cap that is not positive, or a
+            launch_config whose tile_n is not a power of 2 >= 16.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -270,20 +341,28 @@ def decode_attention(
         raise ValueError(
             f"num_kv_splits must be a power of 2 in [1, {MAX_KV_SPLITS}], got {num_kv_splits}"
         )
+    cfg = launch_config or default_launch_config(head_dim, kv_cache.dtype)
+    if cfg.tile_n < 16 or cfg.tile_n & (cfg.tile_n - 1):
+        raise ValueError(f"launch_config.tile_n must be a power of 2 >= 16, got {cfg.tile_n}")
     if query.shape[0] == 0 or num_reqs == 0:
         return out
 
     qpk = num_q_heads // num_kv_heads
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    partial_out = torch.empty(
-        (num_reqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32,
-        device=query.device,
-    )
-    partial_lse = torch.empty(
-        (num_reqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=query.device
-    )
+    if num_kv_splits == 1:  # stage 1 writes `out`; the partial buffers are not read
+        partial_out = partial_lse = out
+    else:
+        partial_out = torch.empty(
+            (num_reqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32,
+            device=query.device,
+        )
+        partial_lse = torch.empty(
+            (num_reqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=query.device
+        )
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    widen_fp16 = kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32
     _decode_attention_stage1_kernel[(num_reqs, num_kv_heads, num_kv_splits)](
+        out,
         partial_out,
         partial_lse,
         query,
@@ -297,6 +376,8 @@ def decode_attention(
         logits_soft_cap or 0.0,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -307,12 +388,17 @@ def decode_attention(
         HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=max(16, triton.next_power_of_2(qpk)),
-        TILE_N=TILE_N,
+        TILE_N=cfg.tile_n,
         NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        WIDEN_FP16=widen_fp16,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
+    if num_kv_splits == 1:
+        return out
     _decode_attention_stage2_kernel[(num_reqs, num_q_heads)](
         out,
         partial_out,

@@ -12,7 +12,9 @@ with the tokens into one `[BLOCK_M, head_dim]` tile, row `r` = (token `r // QPK`
 `r % QPK`), so each K/V tile is loaded once for all of them and `tl.dot` runs on a
 tile of at least 16 rows (tensor cores) even for decode. Softmax is the online
 (streaming) softmax of FlashAttention (Dao et al. 2022, arXiv:2205.14135) in fp32,
-base 2 so the exponentials are `exp2`.
+base 2 so the exponentials are `exp2`. An E4M3 (fp8) cache under a 16-bit query is
+widened to float16 and the tile math runs in fp16 (one conversion instruction per pair
+of values on Hopper; decode_attention.py's docstring gives the reasoning).
 
 Grid without a host sync: request `i` is given the q-block indices
 `[query_start_loc[i] // BLOCK_Q + i, query_start_loc[i + 1] // BLOCK_Q + i + 1)`, a
@@ -89,6 +91,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # packed rows, >= BLOCK_Q * QPK, power of 2
     TILE_N: tl.constexpr,  # K/V positions per loop step, power of 2
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
+    WIDEN_FP16: tl.constexpr,  # E4M3 cache, 16-bit query: compute in fp16 (module doc)
     SLIDING: tl.constexpr,  # sliding-window attention (Mistral, Gemma local layers)
     SOFT_CAP: tl.constexpr,  # attention logit soft-capping (Gemma 2)
 ):
@@ -122,6 +125,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if WIDEN_FP16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     q_pos = prefix_len + q_idx  # absolute position; sees K/V positions <= q_pos
 
     # Causality bounds the K/V range by the last new token of this q-block.
@@ -156,12 +161,12 @@ def _paged_attention_kernel(
             key_cache_ptr + kv_offs[None, :] + offs_d[:, None],
             mask=d_valid[:, None] & kv_valid[None, :],
             other=0.0,
-        ).to(query_ptr.dtype.element_ty)  # an fp8 cache is widened here
+        ).to(q.dtype)  # an fp8 cache is widened here (to fp16 when WIDEN_FP16)
         v = tl.load(  # [TILE_N, HEAD_DIM_PADDED]
             value_cache_ptr + kv_offs[:, None] + offs_d[None, :],
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
-        ).to(query_ptr.dtype.element_ty)
+        ).to(q.dtype)
         if SOFT_CAP:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
             # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
@@ -288,6 +293,7 @@ def paged_attention(
         BLOCK_M=block_m,
         TILE_N=TILE_N,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        WIDEN_FP16=kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
     )

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .validation import FLOAT_DTYPES, FP8_E4M3_MAX, INDEX_DTYPES, KV_CACHE_DTYPES, check_tensor
 
 
 @triton.jit
@@ -143,4 +143,169 @@ def rotary_embedding(
         NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HALF=half,
         HALF_PADDED=triton.next_power_of_2(half),
+    )
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_dim], rotated in place
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim], read only
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim], read only
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64, -1: padding (no cache write)
+    positions_ptr,  # [num_tokens] int64/int32
+    cos_ptr,  # [max_position, head_dim // 2] fp32
+    sin_ptr,  # [max_position, head_dim // 2] fp32
+    query_stride_token: tl.int64,
+    query_stride_head: tl.int64,
+    key_stride_token: tl.int64,
+    key_stride_head: tl.int64,
+    value_stride_token: tl.int64,
+    value_stride_head: tl.int64,
+    cache_stride_block: tl.int64,
+    cache_stride_offset: tl.int64,
+    cache_stride_head: tl.int64,
+    rope_stride: tl.int64,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_Q_HEADS_PADDED: tl.constexpr,
+    NUM_KV_HEADS_PADDED: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_PADDED: tl.constexpr,  # power of 2
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
+    FP8_MAX: tl.constexpr,  # > 0: the cache is E4M3; clamp to +-FP8_MAX before the cast
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PADDED)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_ptr + pos * rope_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * rope_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate_heads(
+        query_ptr, query_stride_token, query_stride_head, token, cos, sin,
+        NUM_Q_HEADS, NUM_Q_HEADS_PADDED, HALF, HALF_PADDED,
+    )
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, NUM_KV_HEADS_PADDED)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & d_mask[None, :]
+    k_ptrs = key_ptr + token * key_stride_token + offs_h[:, None] * key_stride_head + offs_d[None, :]
+    k1 = tl.load(k_ptrs, mask=mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Round to the activation dtype first, as rotary_embedding followed by
+    # reshape_and_cache would store it: the cached key is the same bits either way.
+    out1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(key_ptr.dtype.element_ty)
+    out2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(key_ptr.dtype.element_ty)
+    v_ptrs = (value_ptr + token * value_stride_token + offs_h[:, None] * value_stride_head
+              + offs_d[None, :])
+    v1 = tl.load(v_ptrs, mask=mask, other=0.0)
+    v2 = tl.load(v_ptrs + HALF, mask=mask, other=0.0)
+    if FP8_MAX > 0:
+        # E4M3 has no infinity: clamp, as reshape_and_cache does.
+        out1 = tl.minimum(tl.maximum(out1.to(tl.float32), -FP8_MAX), FP8_MAX)
+        out2 = tl.minimum(tl.maximum(out2.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -FP8_MAX), FP8_MAX)
+    # NOTE: int64: block * cache_stride_block passes 2**31 elements in a large pool.
+    cache_offs = ((slot // BLOCK_SIZE) * cache_stride_block
+                  + (slot % BLOCK_SIZE) * cache_stride_offset
+                  + offs_h[:, None] * cache_stride_head + offs_d[None, :])
+    cache_ty = key_cache_ptr.dtype.element_ty
+    tl.store(key_cache_ptr + cache_offs, out1.to(cache_ty), mask=mask)
+    tl.store(key_cache_ptr + cache_offs + HALF, out2.to(cache_ty), mask=mask)
+    tl.store(value_cache_ptr + cache_offs, v1.to(cache_ty), mask=mask)
+    tl.store(value_cache_ptr + cache_offs + HALF, v2.to(cache_ty), mask=mask)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """rotary_embedding + reshape_and_cache in one launch: rotate `query` in place, and
+    write the rotated keys and the values into `kv_cache` at `slot_mapping`.
+
+    The cache ends up bit for bit as `rotary_embedding(positions, query, key, ...)`
+    followed by `reshape_and_cache(key, value, kv_cache, slot_mapping)` leaves it
+    (the rotated key is rounded to key's dtype before the cache cast); `key` itself is
+    not modified (nothing reads it after the write, and skipping the store saves a
+    pass over it).
+
+    Args:
+        positions: [num_tokens] int64/int32, each < max_position (not checked on the
+            device: that would sync).
+        query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16, any token
+            and head strides with a contiguous last dimension.
+        key, value: [num_tokens, num_kv_heads, head_dim], query's dtype, any strides
+            with a contiguous last dimension (views of a fused QKV output).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], float32/float16/
+            bfloat16 or float8_e4m3fn (clamped to +-448, scale 1.0).
+        slot_mapping: [num_tokens] int64 (int32 accepted), -1 skips the token's write
+            (its query is still rotated).
+        cos_cache, sin_cache: [max_position, head_dim // 2] float32.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree, or head_dim is odd.
+    """
+    dev = query.device
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), device=dev)
+    check_tensor("value", value, ndim=3, dtypes=(query.dtype,), device=dev)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=KV_CACHE_DTYPES, device=dev)
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("cos_cache", cos_cache, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("sin_cache", sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if head_dim % 2 or key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} must share num_tokens "
+            "and an even head_dim"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match "
+            f"[2, num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+        )
+    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"positions ({positions.shape[0]}) and slot_mapping ({slot_mapping.shape[0]}) "
+            f"must have one entry per token ({num_tokens})"
+        )
+    half = head_dim // 2
+    if cos_cache.shape[1] != half or sin_cache.shape != cos_cache.shape:
+        raise ValueError(
+            f"cos_cache {tuple(cos_cache.shape)} and sin_cache {tuple(sin_cache.shape)} "
+            f"must both be [max_position, {half}]"
+        )
+    if cos_cache.stride(0) != sin_cache.stride(0):
+        raise ValueError("cos_cache and sin_cache must have the same row stride")
+    if num_tokens == 0:
+        return
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _rotary_and_cache_kernel[(num_tokens,)](
+        query, key, value, key_cache, value_cache, slot_mapping, positions,
+        cos_cache, sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        cos_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_Q_HEADS_PADDED=triton.next_power_of_2(num_q_heads),
+        NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HALF=half,
+        HALF_PADDED=triton.next_power_of_2(half),
+        BLOCK_SIZE=kv_cache.shape[2],
+        FP8_MAX=FP8_E4M3_MAX if kv_cache.dtype == torch.float8_e4m3fn else 0.0,
     )

@@ -266,3 +266,55 @@ def test_silu_and_mul_bf16() -> None:
     out = torch.full((1024, intermediate), float("nan"), device=CUDA, dtype=torch.bfloat16)
     silu_and_mul(x, out=out)
     assert_close(out, ref_silu_and_mul(x), **BF16_TOL)
+
+
+# Issue 14, item 3: decode attention from batch 1 to 512, bf16 and E4M3 caches, GQA 1-8,
+# head_dim 64 / 128, every split count the wrapper can pick (1: stage 1 writes out).
+@pytest.mark.parametrize(
+    ("batch", "qpk", "head_dim", "fp8", "num_kv_splits"),
+    [(1, 4, 128, False, 64), (1, 4, 128, True, 32), (16, 1, 128, False, None),
+     (64, 8, 64, True, None), (256, 4, 128, True, 1), (512, 2, 64, False, 1),
+     (8, 8, 128, True, 8)],
+)
+def test_decode_attention_shapes(batch: int, qpk: int, head_dim: int, fp8: bool,
+                                 num_kv_splits: int | None) -> None:
+    seq_lens = [_randint(1, 2048) for _ in range(batch - 1)] + [2048]
+    case = make_attention_case(
+        [1] * batch, seq_lens, num_q_heads=NUM_KV_HEADS * qpk, num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim, block_size=BLOCK_SIZE, dtype=torch.bfloat16, device=CUDA,
+    )
+    if fp8:  # the reference reads the same E4M3 values, widened exactly
+        case.kv_cache = case.kv_cache.to(torch.float8_e4m3fn)
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(
+        case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+        max_seq_len=2048, scale=case.scale, num_kv_splits=num_kv_splits, out=out,
+    )
+    assert_close(out, ref_paged_attention(case), **BF16_ATTN_TOL)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rotary_and_cache_equals_separate_kernels(fp8: bool) -> None:
+    """Fused rotary + KV write at Llama-3-8B shapes: q and the cache bytes equal those
+    of rotary_embedding followed by reshape_and_cache."""
+    from flowengine.kernels.rotary import rotary_embedding_and_cache
+
+    num_tokens, num_blocks = 512, 64
+    cos, sin = build_rope_cache(HEAD_DIM, 8192, 500000.0, device=CUDA)
+    qkv = torch.randn(num_tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=CUDA,
+                      dtype=torch.bfloat16) * 4
+    q_end, k_end = NUM_Q_HEADS * HEAD_DIM, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM
+    q = qkv[:, :q_end].view(num_tokens, NUM_Q_HEADS, HEAD_DIM)
+    k = qkv[:, q_end:k_end].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, k_end:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    positions = torch.randint(0, 8192, (num_tokens,), device=CUDA)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=CUDA)[:num_tokens]
+    slots[::7] = -1
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=CUDA).to(dtype)
+    want_cache, want_q, want_k = cache.clone(), q.clone(), k.clone()
+    rotary_embedding(positions, want_q, want_k, cos, sin)
+    reshape_and_cache(want_k, v, want_cache, slots)
+    rotary_embedding_and_cache(positions, q, k, v, cache, slots, cos, sin)
+    assert torch.equal(q, want_q)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))

@@ -20,15 +20,15 @@ LLAMA_ATTN = {"HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "BLOCK_SIZE": 16, "TILE_N
               "DOT_PRECISION": "tf32"}
 KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("paged_attention", "_paged_attention_kernel",
-     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "SLIDING": False,
-      "SOFT_CAP": False}),
+     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "WIDEN_FP16": False,
+      "SLIDING": False, "SOFT_CAP": False}),
     ("paged_attention", "_paged_attention_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 64, "HEAD_DIM_PADDED": 64, "QPK": 3, "BLOCK_Q": 5,
-      "BLOCK_M": 16, "SLIDING": False, "SOFT_CAP": False}),
+      "BLOCK_M": 16, "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
     # Gemma 2 9B: head_dim 256, QPK 2, sliding window and soft-capping on.
     ("paged_attention", "_paged_attention_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "QPK": 2, "BLOCK_Q": 32,
-      "BLOCK_M": 64, "SLIDING": True, "SOFT_CAP": True}),
+      "BLOCK_M": 64, "WIDEN_FP16": False, "SLIDING": True, "SOFT_CAP": True}),
     # Fused MoE grouped GEMMs at Qwen3-30B-A3B's shapes (gate/up, then down).
     ("fused_moe", "_grouped_gemm_kernel",
      {"TOP_K": 8, "A_BY_TOKEN": True, "MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64,
@@ -36,12 +36,18 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("fused_moe", "_grouped_gemm_kernel",
      {"TOP_K": 8, "A_BY_TOKEN": False, "MUL_WEIGHT": True, "BLOCK_M": 16, "BLOCK_N": 64,
       "BLOCK_K": 64, "DOT_PRECISION": "tf32"}),
+    # Its decode path (T * k <= 64 pairs): gate/up GEMV with expert_map, down GEMV.
+    ("fused_moe", "_decode_gate_up_kernel",
+     {"TOP_K": 8, "HAS_MAP": True, "BLOCK_N": 16, "BLOCK_K": 128}),
+    ("fused_moe", "_decode_down_kernel",
+     {"TOP_K": 8, "HAS_MAP": False, "BLOCK_N": 32, "BLOCK_K": 128}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16,
-      "SLIDING": False, "SOFT_CAP": False}),
+      "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "NUM_Q_HEADS": 16, "QPK": 2,
-      "BLOCK_H": 16, "NUM_KV_SPLITS": 8, "SLIDING": True, "SOFT_CAP": True}),
+      "BLOCK_H": 16, "NUM_KV_SPLITS": 8, "WIDEN_FP16": False, "SLIDING": True,
+      "SOFT_CAP": True}),
     ("decode_attention", "_decode_attention_stage2_kernel",
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "NUM_KV_SPLITS": 16}),
     ("reshape_and_cache", "_reshape_and_cache_kernel",
@@ -51,6 +57,10 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("rotary", "_rotary_kernel",
      {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "NUM_Q_HEADS_PADDED": 32,
       "NUM_KV_HEADS_PADDED": 8, "HALF": 64, "HALF_PADDED": 64}),
+    ("rotary", "_rotary_and_cache_kernel",
+     {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "NUM_Q_HEADS_PADDED": 32,
+      "NUM_KV_HEADS_PADDED": 8, "HALF": 64, "HALF_PADDED": 64, "BLOCK_SIZE": 16,
+      "FP8_MAX": 0.0}),
     ("activation", "_silu_and_mul_kernel", {"INTERMEDIATE_SIZE": 14336, "BLOCK": 1024}),
     # --quantization fp8 at Llama-3-8B's down_proj shape (K 14336).
     ("fp8_linear", "_per_token_quant_kernel",
@@ -67,8 +77,21 @@ FP8_KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("reshape_and_cache", "_reshape_and_cache_kernel",
      {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_KV_HEADS_PADDED": 8,
       "HEAD_DIM_PADDED": 128, "FP8_MAX": 448.0}),
-    KERNELS[0],
-    KERNELS[5],
+    ("rotary", "_rotary_and_cache_kernel",
+     {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "NUM_Q_HEADS_PADDED": 32,
+      "NUM_KV_HEADS_PADDED": 8, "HALF": 64, "HALF_PADDED": 64, "BLOCK_SIZE": 16,
+      "FP8_MAX": 448.0}),
+    ("paged_attention", "_paged_attention_kernel",
+     {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "WIDEN_FP16": True,
+      "SLIDING": False, "SOFT_CAP": False}),
+    # Decode over an E4M3 cache: widened to fp16 (module docstring), one split (the
+    # output written by stage 1) and 16.
+    ("decode_attention", "_decode_attention_stage1_kernel",
+     {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 1,
+      "WIDEN_FP16": True, "SLIDING": False, "SOFT_CAP": False}),
+    ("decode_attention", "_decode_attention_stage1_kernel",
+     {**LLAMA_ATTN, "TILE_N": 64, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16,
+      "NUM_KV_SPLITS": 16, "WIDEN_FP16": True, "SLIDING": False, "SOFT_CAP": False}),
 ]
 # Pointer arguments that are not activations/caches (those are bf16).
 POINTER_TYPES = {
@@ -77,10 +100,11 @@ POINTER_TYPES = {
     "sin_ptr": "*fp32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
     "sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64", "topk_weights_ptr": "*fp32",
     "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "weight_ptr": "*fp8e4nv", "weight_scale_ptr": "*fp32",
-    "partial_ptr": "*fp32",
+    "partial_ptr": "*fp32", "topk_ids_ptr": "*i64", "expert_map_ptr": "*i32",
 }
 SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32",
-                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32"}
+                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32",
+                "INTER": "i32"}
 
 
 def compile_all() -> None:

@@ -8,6 +8,7 @@ from kernel_refs import assert_close, make_attention_case, ref_paged_attention
 
 from flowengine.kernels.decode_attention import (
     MAX_KV_SPLITS,
+    DecodeLaunchConfig,
     choose_num_kv_splits,
     decode_attention,
 )
@@ -60,13 +61,17 @@ def test_fp16_empty_padding_request_and_default_splits(device: torch.device) -> 
 
 
 def test_choose_num_kv_splits() -> None:
-    cpu = torch.device("cpu")  # 8 "SMs" assumed: 16 programs wanted
-    assert choose_num_kv_splits(1, 1, 100_000, cpu) == 16
-    assert choose_num_kv_splits(1, 2, 100_000, cpu) == 8
-    assert choose_num_kv_splits(1, 1, 600, cpu) == 2  # >= 256 tokens per range
+    cpu = torch.device("cpu")  # 8 "SMs" assumed: 4 x 8 = 32 programs wanted
+    assert choose_num_kv_splits(1, 1, 100_000, cpu) == 32
+    assert choose_num_kv_splits(1, 2, 100_000, cpu) == 16
+    assert choose_num_kv_splits(3, 1, 100_000, cpu) == 8  # 11 wanted, rounded down
+    assert choose_num_kv_splits(1, 1, 600, cpu) == 8  # ranges of >= 64 tokens: 10 -> 8
+    assert choose_num_kv_splits(1, 1, 100, cpu) == 2
     assert choose_num_kv_splits(64, 8, 100_000, cpu) == 1  # enough programs already
+    assert choose_num_kv_splits(2, 8, 100_000, cpu) == 1  # 16 = 2 per SM: no split
+    assert choose_num_kv_splits(1, 8, 100_000, cpu) == 4
     assert choose_num_kv_splits(1, 1, 1, cpu) == 1
-    assert MAX_KV_SPLITS >= 16
+    assert MAX_KV_SPLITS == 64
 
 
 def test_rejects_bad_split_count(device: torch.device) -> None:
@@ -104,3 +109,57 @@ def test_sliding_window_and_soft_cap_match_reference(
     expected = ref_paged_attention(case, sliding_window=window, soft_cap=soft_cap)
     assert_close(out, expected, **FP32_TOL)
     assert not torch.allclose(expected, ref_paged_attention(case), atol=1e-3)
+
+
+# GQA ratios 1-8 and head_dim 64 / 128 with every stage-1 tile shape, one split (stage 1
+# writes the output, no merge launch) and many (more splits than tiles in the longest
+# context: most ranges empty).
+@pytest.mark.parametrize(
+    ("qpk", "head_dim", "num_kv_splits", "tile_n"),
+    [(1, 128, 1, 16), (2, 64, 16, 64), (4, 128, 16, 32), (8, 64, 1, 64), (8, 128, 8, 16)],
+)
+def test_gqa_head_dims_and_launch_configs(
+    qpk: int, head_dim: int, num_kv_splits: int, tile_n: int, device: torch.device
+) -> None:
+    seq_lens = [int(torch.randint(100, 200, ()).item()), 1, 33]
+    case = make_attention_case(
+        [1] * 3, seq_lens, num_q_heads=2 * qpk, num_kv_heads=2, head_dim=head_dim,
+        block_size=16, dtype=torch.float32, device=device,
+    )
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(
+        case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+        max_seq_len=max(seq_lens), scale=case.scale, num_kv_splits=num_kv_splits, out=out,
+        launch_config=DecodeLaunchConfig(tile_n=tile_n, num_warps=4, num_stages=1),
+    )
+    assert_close(out, ref_paged_attention(case), **FP32_TOL)
+
+
+def test_single_split_skips_padding_request(device: torch.device) -> None:
+    """num_kv_splits=1 writes from stage 1: an empty request (CUDA-graph padding) must
+    still write nothing."""
+    case = make_attention_case(
+        [1, 1], [70, 9], num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
+        dtype=torch.float16, num_padding_tokens=1, device=device,
+    )
+    qsl = torch.cat([case.query_start_loc, case.query_start_loc[-1:]])
+    seq_lens = torch.cat([case.seq_lens, torch.tensor([5], dtype=torch.int32, device=device)])
+    block_tables = torch.cat([case.block_tables, case.block_tables[:1]])
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(case.query, case.kv_cache, qsl, seq_lens, block_tables, max_seq_len=70,
+                     scale=case.scale, num_kv_splits=1, out=out)
+    assert_close(out[:2], ref_paged_attention(case), **FP16_TOL)
+    assert out[2:].isnan().all(), "the padding row must be left untouched"
+
+
+def test_rejects_bad_tile(device: torch.device) -> None:
+    case = make_attention_case(
+        [1], [4], num_q_heads=2, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float32, device=device,
+    )
+    with pytest.raises(ValueError, match="tile_n"):
+        decode_attention(
+            case.query, case.kv_cache, case.query_start_loc, case.seq_lens,
+            case.block_tables, max_seq_len=4, scale=1.0,
+            launch_config=DecodeLaunchConfig(tile_n=24),
+        )

@@ -110,3 +110,40 @@ def test_decode_attention_reads_fp8_cache(query_dtype: torch.dtype, tol: dict,
                      case.block_tables, max_seq_len=max(seq_lens), scale=case.scale,
                      num_kv_splits=4, out=out)
     assert_close(out.float(), ref_paged_attention(case).float(), **tol)
+
+
+@pytest.mark.parametrize(("query_dtype", "num_kv_splits", "head_dim"),
+                         [(torch.bfloat16, 1, 128), (torch.bfloat16, 8, 64),
+                          (torch.float16, 1, 64)])
+def test_decode_attention_fp8_cache_widens_to_fp16(
+    query_dtype: torch.dtype, num_kv_splits: int, head_dim: int, device: torch.device
+) -> None:
+    """A 16-bit query over an E4M3 cache computes in fp16 (every E4M3 value is exact
+    there; decode_attention's module docstring): bf16 queries included, which the
+    interpreter can run because its fp16 tl.dot is right. Tolerance: fp16 rounding of
+    P before P @ V and of the bf16/fp16 output (2**-8 relative for bf16)."""
+    seq_lens = [int(torch.randint(100, 200, ()).item()), 3, 16]
+    case = _as_fp8(make_attention_case(
+        [1] * 3, seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16,
+        dtype=torch.float32, device=device,
+    ), query_dtype)
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(case.query, case.kv_cache, case.query_start_loc, case.seq_lens,
+                     case.block_tables, max_seq_len=max(seq_lens), scale=case.scale,
+                     num_kv_splits=num_kv_splits, out=out)
+    tol = BF16_TOL if query_dtype == torch.bfloat16 else FP16_TOL
+    assert_close(out.float(), ref_paged_attention(case).float(), **tol)
+
+
+def test_paged_attention_fp8_cache_bf16_query_mixed_batch(device: torch.device) -> None:
+    """A mixed prefill/decode batch over an E4M3 cache under a bf16 query: the unified
+    kernel computes in fp16 too (runs in the interpreter, whose fp16 tl.dot is right)."""
+    q_lens, seq_lens = [1, 12, 5, 1], [50, 12, 40, 130]
+    case = _as_fp8(make_attention_case(
+        q_lens, seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, device=device,
+    ), torch.bfloat16)
+    out = torch.full_like(case.query, float("nan"))
+    paged_attention(case.query, case.kv_cache, case.query_start_loc, case.seq_lens,
+                    case.block_tables, max_query_len=12, scale=case.scale, out=out)
+    assert_close(out.float(), ref_paged_attention(case).float(), **BF16_TOL)

@@ -7,8 +7,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from flowengine.kernels.reshape_and_cache import reshape_and_cache
 from flowengine.kernels.rope_cache import build_rope_cache, compute_inv_freq
-from flowengine.kernels.rotary import rotary_embedding
+from flowengine.kernels.rotary import rotary_embedding, rotary_embedding_and_cache
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -94,3 +95,60 @@ def test_rotary_reads_strided_cos_sin_views(device: torch.device) -> None:
     rotary_embedding(positions, q, k, table[:, 0, : head_dim // 2], table[:, 1, : head_dim // 2])
     assert_close(q, expected_q, rtol=1e-5, atol=1e-5)
     assert_close(k, expected_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_rotary_and_cache_equals_rotary_then_write(
+    cache_dtype: torch.dtype | None, device: torch.device
+) -> None:
+    """The fused kernel leaves q and the cache bit for bit as rotary_embedding followed
+    by reshape_and_cache do (fp32 activations; an E4M3 cache written from values E4M3
+    holds exactly only through the interpreter's rounding, see test_kernel_fp8_kv_cache,
+    so there values are pre-rounded to E4M3 and rotated by position 0: cos 1, sin 0),
+    leaves k as it was and skips slot -1."""
+    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 6, 2, 64, 16, 5
+    cos, sin = build_rope_cache(head_dim, 2048, 500000.0, LLAMA3_SCALING, device=device)
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, device=device)
+    if cache_dtype is not None:
+        qkv = qkv.to(cache_dtype).float()
+    q_end, k_end = num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
+    q = qkv[:, :q_end].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    positions = (torch.zeros(num_tokens, dtype=torch.int64, device=device)
+                 if cache_dtype is not None
+                 else torch.randint(0, 2048, (num_tokens,), device=device))
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots[3] = -1
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.full(shape, float("nan"), device=device).to(cache_dtype or torch.float32)
+    want_cache = cache.clone()
+    want_q, want_k = q.clone(), k.clone()
+    k_before = k.clone()
+
+    rotary_embedding(positions, want_q, want_k, cos, sin)
+    reshape_and_cache(want_k, v, want_cache, slots)
+    rotary_embedding_and_cache(positions, q, k, v, cache, slots, cos, sin)
+
+    assert torch.equal(q, want_q)
+    assert torch.equal(k, k_before), "the key is read, not rotated in place"
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    written = slots >= 0
+    flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim).float()
+    rotated_k = ref_rotary(k_before, positions, cos, sin)
+    assert_close(flat[0, slots[written]], rotated_k[written], rtol=1e-5, atol=1e-5)
+    assert torch.equal(flat[1, slots[written]], v[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    untouched[slots[written]] = False
+    assert flat[:, untouched].isnan().all()
+
+
+def test_rotary_and_cache_rejects_mismatched_cache(device: torch.device) -> None:
+    cos, sin = build_rope_cache(32, 16, 10000.0, device=device)
+    q = torch.randn(2, 4, 32, device=device)
+    k = torch.randn(2, 2, 32, device=device)
+    cache = torch.zeros(2, 3, 16, 1, 32, device=device)  # one KV head, not two
+    slots = torch.tensor([0, 1], device=device)
+    positions = torch.tensor([0, 1], device=device)
+    with pytest.raises(ValueError, match="kv_cache shape"):
+        rotary_embedding_and_cache(positions, q, k, k.clone(), cache, slots, cos, sin)

@@ -82,8 +82,10 @@ def test_decode_only_path_choice(
     )
     min_len = 512 if use_split_kv else 4096
     _check_forward(case, TritonAttentionBackend(split_kv_min_seq_len=min_len))
-    # 3 requests x 1 KV head on 8 assumed SMs: 6 programs wanted, 600 tokens allow 2.
-    assert calls == ([2] if use_split_kv else [])
+    # 3 requests x 1 KV head on 8 assumed SMs: 4 x 8 / 3 -> 11 splits wanted, 600
+    # tokens allow 10 ranges of >= 64; rounded down to a power of 2.
+    # Unsplit, decode-only steps still run the decode kernel (one range).
+    assert calls == ([8] if use_split_kv else [1])
 
 
 def test_fixed_split_count_for_cuda_graphs(device: torch.device) -> None:
@@ -106,3 +108,29 @@ def test_sliding_window_and_soft_cap_on_both_paths(decode_only: bool, device) ->
     )
     backend = TritonAttentionBackend(split_kv_min_seq_len=32)
     _check_forward(case, backend, sliding_window=48, logits_soft_cap=2.0)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_fused_rotary_equals_rotated_inputs(decode_only: bool, device: torch.device) -> None:
+    """forward(rotary=tables) on unrotated q/k gives the same cache and output, bit for
+    bit, as rotary_embedding first and forward() on the rotated q/k."""
+    from flowengine.kernels.rope_cache import build_rope_cache
+    from flowengine.kernels.rotary import rotary_embedding
+
+    q_lens = [1, 1] if decode_only else [1, 7]
+    case = make_attention_case(
+        q_lens, [90, 30], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float32, num_padding_tokens=1, fill_new_tokens=False, device=device,
+    )
+    cos, sin = build_rope_cache(32, 128, 10000.0, device=device)
+    positions = torch.randint(0, 128, (case.query.shape[0],), device=device)
+    backend = TritonAttentionBackend(split_kv_min_seq_len=64)
+    q_rot, k_rot = case.query.clone(), case.key.clone()
+    rotary_embedding(positions, q_rot, k_rot, cos, sin)
+    want_cache = case.kv_cache.clone()
+    want = backend.forward(q_rot, k_rot, case.value, want_cache, _metadata(case), case.scale)
+    got = backend.forward(case.query, case.key, case.value, case.kv_cache, _metadata(case),
+                          case.scale, rotary=(positions, cos, sin))
+    assert torch.equal(case.query, q_rot), "q is rotated in place"
+    torch.testing.assert_close(case.kv_cache, want_cache, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got, want)

@@ -1,10 +1,12 @@
 """The Triton attention backend for CUDA: the kernels of flowengine.kernels behind the
 `AttentionBackend` interface (backend.py), same semantics as the torch reference.
 
-Per layer and step: `reshape_and_cache` writes the new tokens' K/V, then one
-attention launch covers the batch — the unified paged-attention kernel for anything
-with a prefill chunk, the split-KV (flash-decoding) kernel for decode-only steps whose
-contexts are long enough that splitting them fills more of the GPU. Both read K/V
+Per layer and step: `reshape_and_cache` writes the new tokens' K/V (or, given the
+RoPE tables, `rotary_embedding_and_cache` rotates q and writes the rotated K with V in
+one launch), then one attention launch covers the batch — the unified paged-attention
+kernel for anything with a prefill chunk, the decode kernel (split-KV /
+flash-decoding, one range when the batch alone fills the GPU) for decode-only steps.
+Both read K/V
 through the block tables; neither synchronises with the host, so a decode step can be
 captured in a CUDA graph (fix `num_kv_splits` for that).
 """
@@ -16,26 +18,31 @@ import torch
 from flowengine.kernels.decode_attention import choose_num_kv_splits, decode_attention
 from flowengine.kernels.paged_attention import paged_attention
 from flowengine.kernels.reshape_and_cache import reshape_and_cache
+from flowengine.kernels.rotary import rotary_embedding_and_cache
 from flowengine.model.attention.metadata import AttentionMetadata
 
-# Below this context length the unified kernel's one program per (request, KV head)
-# finishes a decode step quickly enough that a second (merge) launch does not pay off.
-SPLIT_KV_MIN_SEQ_LEN = 1024
+# Decode-only steps whose attended context is shorter than this are not split (a
+# range is >= MIN_TOKENS_PER_SPLIT = 64 tokens anyway; measured at batch 1 x 1k on an
+# H200: 7.8 µs split against 52 µs unsplit, so splitting pays from short contexts on).
+SPLIT_KV_MIN_SEQ_LEN = 128
 
 
 class TritonAttentionBackend:
     """`AttentionBackend` on Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
     Args:
-        split_kv_min_seq_len: decode-only steps with max_seq_len at or above this use
-            the split-KV kernel (when it would split at all).
+        split_kv_min_seq_len: decode-only steps with max_seq_len at or above this
+            split their contexts (choose_num_kv_splits); shorter ones run the decode
+            kernel with one range.
         num_kv_splits: fixed split count (power of 2, <= MAX_KV_SPLITS) for decode-only
             steps, overriding the choice from batch size and context length; set it when
             capturing CUDA graphs, whose launch shapes must not change between replays.
-            1 always uses the unified kernel.
+            1 never splits.
     """
 
     name = "triton"
+    # forward() takes `rotary=` and applies RoPE in the same launch as the KV write.
+    fuses_rotary = True
 
     def __init__(
         self,
@@ -58,6 +65,7 @@ class TritonAttentionBackend:
         out: torch.Tensor | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend.
 
@@ -72,6 +80,10 @@ class TritonAttentionBackend:
             sliding_window, logits_soft_cap: as the torch backend (a token at position p
                 sees p - sliding_window < j <= p; scores soft-capped); both kernels take
                 them, and a window bounds the context that decides the split count.
+            rotary: (positions [T] int64, cos [max_position, head_dim // 2] float32,
+                sin likewise) when q and k are not rotated yet: one kernel rotates q in
+                place and writes the rotated k with v into the cache (k itself is left
+                as it is); None: q and k come rotated.
 
         Returns:
             [T, num_heads, head_dim] in q's dtype; rows of padding tokens (beyond
@@ -80,7 +92,12 @@ class TritonAttentionBackend:
         Raises:
             ValueError: shapes, dtypes or devices disagree (from the kernel wrappers).
         """
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if rotary is None:
+            reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        else:
+            positions, cos, sin = rotary
+            rotary_embedding_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping,
+                                       cos, sin)
         is_decode_only = meta.max_query_len == 1
         if out is None:
             out = torch.empty_like(q)
@@ -93,17 +110,20 @@ class TritonAttentionBackend:
             if num_real_tokens < q.shape[0]:
                 out[num_real_tokens:].zero_()
 
-        num_splits = 1
         attended = (meta.max_seq_len if sliding_window is None
                     else min(meta.max_seq_len, sliding_window))
         if is_decode_only:
+            # Measured on an H200 (docs/benchmarks.md, issue 14): the decode kernel is as
+            # fast as the unified one or faster at every batch size even unsplit (batch
+            # 512: 524 against 587 µs), and much faster over an fp8 cache.
             if self.num_kv_splits is not None:
                 num_splits = self.num_kv_splits
             elif attended >= self.split_kv_min_seq_len:
                 num_splits = choose_num_kv_splits(
                     meta.num_reqs, kv_cache.shape[3], attended, q.device
                 )
-        if num_splits > 1:
+            else:
+                num_splits = 1
             return decode_attention(
                 q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 max_seq_len=meta.max_seq_len, scale=scale, num_kv_splits=num_splits,

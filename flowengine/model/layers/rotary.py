@@ -155,6 +155,20 @@ class RotaryEmbedding(nn.Module):
                 return fused
         return self._rotate(positions, q), self._rotate(positions, k)
 
+    def kernel_tables(self, positions: torch.Tensor, q: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(table rows [T], cos [rows, head_dim // 2], sin likewise) for a kernel that
+        applies this RoPE itself (the Triton backend's fused rotary + KV write), or
+        None where only `rotate_qk` applies (not CUDA, or partial rotary).
+
+        positions: [T] int64; q: the queries to be rotated (their device decides).
+        """
+        if not q.is_cuda or self.rotary_dim != self.head_dim:
+            return None
+        half = self.head_dim // 2
+        return (self._table_positions(positions), self.cos_sin_cache[:, 0, :half],
+                self.cos_sin_cache[:, 1, :half])
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions: [T] int64; x: [T, num_heads, head_dim] (may be a strided view)
         -> rotated [T, num_heads, head_dim], x's dtype, contiguous."""
