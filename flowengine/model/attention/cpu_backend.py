@@ -118,7 +118,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         once per step (kept on `meta`, which all layers share) and the KV write is one
         C call, so a layer costs two C calls instead of ~15 torch operators."""
         plan = _decode_plan(meta, q)
-        if (plan is None or not (q.is_contiguous() and q.dtype in _DTYPES)
+        if (plan is None or plan[0].shape[0] != q.shape[0]  # a caller with other rows
+                or not (q.is_contiguous() and q.dtype in _DTYPES)
                 or kv_cache.dtype not in _DTYPES or q.shape[2] > _MAX_HEAD_DIM
                 or q.shape[1] // kv_cache.shape[3] > _MAX_GROUP
                 or not cpu_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)):
