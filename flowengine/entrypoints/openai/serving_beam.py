@@ -11,11 +11,18 @@ usage if asked, then `[DONE]`. Fields that would change the output of a sampled
 request but that beam search cannot honour (stop strings, logprobs, structured
 outputs, penalties, ...) are refused with a 400 naming the field, as is a width over
 `--max-n` or one whose 2W log-probabilities per step exceed `--max-logprobs`.
+
+A search passes the server's admission as every other request does: its first step
+holds a seat of `--max-queue-len` until its first output, so a full queue answers 429
+`queue_full`. Its latency metrics: TTFT when the first step's token is sampled, one
+inter-token latency per later step (every beam gains one token per step), end-to-end
+when the search is done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,9 +33,11 @@ from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import Response, StreamingResponse, json_response
 from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.errors import APIError, bad_request
-from flowengine.entrypoints.openai.generation import engine_error
+from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from flowengine.sampling_params import SamplingParams
+from flowengine.metrics import ServingMetrics
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 # (field, is it set) pairs of fields beam search cannot honour.
 _NOT_WITH_BEAMS = (
@@ -104,13 +113,89 @@ def beam_params(
     return beam, req.n, unset
 
 
+class _AdmittedEngine:
+    """The engine as one search sees it: the first `submit` (the prompt's step) passes
+    `admission` and holds its seat until that step's first output, as `EngineStream`
+    does for other requests; a step ends when its last concurrent submit ends, which
+    observes TTFT (the first step) or one inter-token latency (later steps). Every
+    other attribute is the engine's."""
+
+    def __init__(self, engine: Any, admission: Admission, metrics: ServingMetrics) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._metrics = metrics
+        self._num_submits = 0
+        self._num_running = 0
+        self.arrival_s = time.monotonic()
+        self._last_step_end_s: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str | None = None, *,
+               priority: int = 0, output_kind: RequestOutputKind | None = None,
+               ) -> AsyncIterator[RequestOutput]:
+        self._num_submits += 1
+        return self._step(self._num_submits == 1, prompt, params, request_id, priority,
+                          output_kind)
+
+    async def _step(self, is_first: bool, prompt: Any, params: SamplingParams,
+                    request_id: str | None, priority: int,
+                    output_kind: RequestOutputKind | None) -> AsyncIterator[RequestOutput]:
+        pending = False
+        if is_first:
+            self._admission.enter()  # APIError(429) when the server's queue is full
+            pending = True
+        self._num_running += 1
+        finished = False
+        try:
+            outputs = self._engine.submit(prompt, params, request_id, priority=priority,
+                                          output_kind=output_kind)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    if pending:
+                        pending = False
+                        self._admission.leave()
+                    finished = finished or out.finished
+                    yield out
+        finally:
+            if pending:
+                self._admission.leave()
+            self._num_running -= 1
+            if finished and self._num_running == 0:
+                self._step_done()
+
+    def _step_done(self) -> None:
+        now = time.monotonic()
+        if self._last_step_end_s is None:
+            self._metrics.observe_ttft(now - self.arrival_s)
+        else:
+            self._metrics.observe_itl(now - self._last_step_end_s)
+        self._last_step_end_s = now
+
+
 async def _search(ctx: ServingContext, prompt: Any, beam: BeamSearchParams, fit: bool,
                   priority: int) -> tuple[BeamSearchOutput, int]:
+    engine = _AdmittedEngine(ctx.engine, ctx.admission, ctx.metrics)
     try:
-        return await beam_search(ctx.engine, prompt, beam, priority=priority,
-                                 fit_max_tokens=fit)
+        result = await beam_search(engine, prompt, beam, priority=priority,
+                                   fit_max_tokens=fit)
     except Exception as err:
         raise engine_error(err) from None
+    ctx.metrics.observe_e2e(time.monotonic() - engine.arrival_s)
+    return result
+
+
+async def _search_all(ctx: ServingContext, prompts: list[Any], beam: BeamSearchParams,
+                      fit: bool, priority: int) -> list[tuple[BeamSearchOutput, int]]:
+    """Every prompt's search at once; the first failure cancels the others (their
+    step requests are aborted) and is raised."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(_search(ctx, p, beam, fit, priority)) for p in prompts]
+    except* Exception as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def beam_completion(
@@ -121,8 +206,7 @@ async def beam_completion(
     sequence j of prompt i, best first). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
     start = time.monotonic()
-    results = await asyncio.gather(
-        *(_search(ctx, p, beam, fit, req.priority) for p in prompts))
+    results = await _search_all(ctx, prompts, beam, fit, req.priority)
     choices = [
         {"index": i * n + j, "text": seq.text, "logprobs": None,
          "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
