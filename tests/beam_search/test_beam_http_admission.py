@@ -79,3 +79,19 @@ def test_beam_search_feeds_the_latency_metrics():
         before, "time_to_first_token_seconds") == 1
     assert _count(after, "inter_token_latency_seconds") - _count(
         before, "inter_token_latency_seconds") == 2
+
+
+def test_max_tokens_over_the_context_is_lowered_as_for_sampling():
+    # max_model_len 12, prompt "abc" (3 byte tokens): 9 tokens of room per beam, as a
+    # sampled request with the same max_tokens gets; neither is refused.
+    engine = FakeEngine(max_model_len=12)
+    with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=60) as http:
+        for max_tokens in (10**12, 9, None):
+            body = {**BEAM, "max_tokens": max_tokens}
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            choices = resp.json()["choices"]
+            assert [c["finish_reason"] for c in choices] == ["length", "length"]
+            assert resp.json()["usage"]["completion_tokens"] == 2 * 9
+        sampled = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 10**12})
+        assert sampled.json()["usage"]["completion_tokens"] == 9

@@ -61,8 +61,8 @@ def beam_params(
     ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest,
     params: SamplingParams,
 ) -> tuple[BeamSearchParams, int, bool]:
-    """(BeamSearchParams, number of sequences to return, max_tokens unset) of a
-    use_beam_search request; `params` are its already checked SamplingParams.
+    """(BeamSearchParams, number of sequences to return, fit max_tokens to the
+    context the prompt leaves: always) of a use_beam_search request; `params` are its already checked SamplingParams.
     Raises APIError(400) naming the field."""
     for name, is_set in _NOT_WITH_BEAMS:
         if is_set(req):
@@ -97,11 +97,14 @@ def beam_params(
             f"{width_field}={width} beams need the top {needed} log-probabilities per step, "
             f"over this server's limit of {ctx.limits.max_logprobs} (--max-logprobs); "
             f"ask for at most {ctx.limits.max_logprobs // 2} beams", width_field)
-    unset = params.max_tokens is None
+    # As for a sampled request (vLLM's get_max_tokens): max_tokens unset or over the
+    # context the prompt leaves is lowered to that context, not refused.
+    max_model_len = ctx.engine.max_model_len
     try:
         beam = BeamSearchParams(
             beam_width=width,
-            max_tokens=ctx.engine.max_model_len if unset else params.max_tokens,
+            max_tokens=(max_model_len if params.max_tokens is None
+                        else min(params.max_tokens, max_model_len)),
             ignore_eos=req.ignore_eos,
             temperature=params.temperature,
             length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
@@ -110,7 +113,7 @@ def beam_params(
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
-    return beam, req.n, unset
+    return beam, req.n, True
 
 
 class _AdmittedEngine:
