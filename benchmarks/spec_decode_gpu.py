@@ -4,15 +4,22 @@ step, at Llama-3.1-8B shapes with random (load_format="dummy") bf16 weights (iss
 
     python benchmarks/spec_decode_gpu.py [--k 4] [--batch-sizes 1 64] [--context 1024]
 
-Device time only (CUDA events around the forward, LM head and argmax on prepared
-inputs; median of 50 after 5 warm-ups), `batch` requests of `context` cached tokens
-over distinct KV blocks. Plain decode: the runner's captured CUDA graph (as the engine
-runs it) and eager. Verification: eager (as the engine runs a plan with drafts today)
-and as a CUDA graph captured here on the same prepared inputs (what capturing
-verification sizes in the engine would give). The ratio verification / plain decode
-bounds the speedup of any proposer: accepting a tokens per step on average gives at
-most (1 + a) / ratio. Prints a markdown table last, with the command and the GPU.
---model DIR: another config.json; --device cpu and a small model debug the script.
+`batch` requests of `context` cached tokens over distinct KV blocks, median of 50 after
+5 warm-ups. Two views of each step, both on the runner's own code:
+
+- device: CUDA events around the forward, LM head and argmax on prepared inputs. Plain
+  decode: the runner's captured decode graph, and eager. Verification: the runner's
+  verification graph (`CudaModelRunner.capture_verification_graphs`, what the engine
+  replays for a plan with drafts), and eager (the fallback for shapes without a graph);
+- engine step: wall clock of what `CudaModelRunner._forward` does for the step after
+  `update_states` (InputBatch.prepare with the runner's padding, one host-to-device
+  copy, graph replay), then the LM head over the sampling / verification rows and the
+  argmax, until the ids are on the host.
+
+The ratio verification / plain decode bounds the speedup of any proposer: accepting a
+tokens per step on average gives at most (1 + a) / ratio. Prints a markdown table
+last, with the command and the GPU. --model DIR: another config.json; --device cpu and
+a small model debug the script.
 """
 
 from __future__ import annotations
@@ -67,16 +74,21 @@ def states_for(batch: int, context: int, num_new: int, block_size: int) -> list[
 @torch.inference_mode()
 def measure(runner: CudaModelRunner, batch: int, context: int, k: int,
             iters: int = 50) -> dict[str, float]:
+    from flowengine.executor.cuda_graphs import padded_batch_size
+
     model = runner.model
     device = runner.device
     bs = runner.cache_config.block_size
     out: dict[str, float] = {}
     for name, num_new in (("decode", 1), ("verify", k + 1)):
         states = states_for(batch, context, num_new, bs)
-        pad = None
-        if num_new == 1 and runner.graphs is not None:
-            pad = min(s for s in runner.graphs.sizes if s >= batch)
-        inputs = runner.input_batch.prepare(states, [num_new] * batch, pad_to=pad)
+        graphs, sizes = ((runner.graphs, runner.decode_batch_sizes) if num_new == 1
+                         else (runner.verify_graphs, runner.verify_batch_sizes))
+        size = padded_batch_size(batch, sizes) if graphs is not None else None
+        kwargs = {} if size is None else (
+            {"pad_to": size} if num_new == 1 else {"pad_to": size * num_new,
+                                                   "pad_reqs_to": size})
+        inputs = runner.input_batch.prepare(states, [num_new] * batch, **kwargs)
         rows = torch.tensor([i * num_new + j for i in range(batch) for j in range(num_new)],
                             dtype=torch.int64, device=device)
 
@@ -86,27 +98,39 @@ def measure(runner: CudaModelRunner, batch: int, context: int, k: int,
             model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
 
         out[f"{name}_eager"] = timed_ms(eager, device, iters)
-        if name == "decode" and pad is not None:
-            graphs = runner.graphs
+        if size is None:
+            continue
 
-            def replay(graphs=graphs, pad=pad, rows=rows) -> None:
-                hidden = graphs.replay(pad)
-                model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
+        def replay(graphs=graphs, size=size, rows=rows) -> None:
+            hidden = graphs.replay(size)
+            model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
 
-            out["decode_graph"] = timed_ms(replay, device, iters)
-        if name == "verify" and device.type == "cuda":
-            try:
-                eager()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
-                                   inputs.attn_metadata)
-                    model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
-                out["verify_graph"] = timed_ms(graph.replay, device, iters)
-            except Exception as exc:  # a kernel that syncs with the host cannot be captured
-                print(f"verification graph capture failed at batch {batch}: {exc}")
+        out[f"{name}_graph"] = timed_ms(replay, device, iters)
+
+        def engine_step(states=states, graphs=graphs, size=size, kwargs=kwargs,
+                        num_new=num_new) -> None:
+            runner.input_batch.prepare(states, [num_new] * batch, **kwargs)
+            hidden = graphs.replay(size)
+            index = torch.tensor([i * num_new + j for i in range(batch)
+                                  for j in range(num_new)], dtype=torch.int64)
+            index = index.to(device, non_blocking=True)
+            model.compute_logits(hidden.index_select(0, index)).argmax(-1).tolist()
+
+        out[f"{name}_engine"] = wall_ms(engine_step, device, iters)
     return out
+
+
+def wall_ms(fn, device: torch.device, iters: int = 50, warmup: int = 5) -> float:
+    """Median wall-clock ms of fn() (which ends with a host read), after warm-ups."""
+    times = []
+    for i in range(iters + warmup):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str]) -> int:
@@ -131,21 +155,23 @@ def main(argv: list[str]) -> int:
                              max_num_batched_tokens=max_batch * (ns.k + 1),
                              max_num_seqs=max_batch)
     runner.capture_cuda_graphs()
+    runner.capture_verification_graphs(ns.k)
     results = {b: measure(runner, b, ns.context, ns.k, ns.iters) for b in ns.batch_sizes}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print()
     print("    python benchmarks/spec_decode_gpu.py " + shlex.join(argv))
     print(f"{gpu}, torch {torch.__version__}, context {ns.context}, k = {ns.k}")
     print()
-    print("| batch | decode, graph (ms) | decode, eager (ms) | verify k+1, eager (ms) | "
-          "verify k+1, graph (ms) | verify graph / decode graph | verify eager / decode graph |")
-    print("|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    print("| batch | decode graph (ms) | verify graph (ms) | verify / decode, device | "
+          "decode engine step (ms) | verify engine step (ms) | verify / decode, engine step "
+          "| decode eager (ms) | verify eager (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, r in results.items():
-        base = r.get("decode_graph", r["decode_eager"])
-        vg = r.get("verify_graph")
-        print(f"| {b} | {r.get('decode_graph', float('nan')):.2f} | {r['decode_eager']:.2f} | "
-              f"{r['verify_eager']:.2f} | {'—' if vg is None else f'{vg:.2f}'} | "
-              f"{'—' if vg is None else f'{vg / base:.2f}x'} | {r['verify_eager'] / base:.2f}x |")
+        dg, vg = r.get("decode_graph", nan), r.get("verify_graph", nan)
+        de, ve = r.get("decode_engine", nan), r.get("verify_engine", nan)
+        print(f"| {b} | {dg:.2f} | {vg:.2f} | {vg / dg:.2f}x | {de:.2f} | {ve:.2f} | "
+              f"{ve / de:.2f}x | {r['decode_eager']:.2f} | {r['verify_eager']:.2f} |")
     return 0
 
 

@@ -66,17 +66,23 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: with tensor_parallel_size N, a mixture-of-experts
+    # layer's experts are placed whole on the ranks (E / N each) instead of each expert's
+    # width being split (flowengine/distributed/expert_parallel.py).
+    enable_expert_parallel: bool = False
     # Engine replicas behind one frontend, each with its own scheduler, KV cache and
     # executors (vLLM's --data-parallel-size; flowengine/engine/dp_router.py).
     data_parallel_size: int = 1
-    # vLLM's --pipeline-parallel-size: not built yet (issue #18); > 1 is refused.
+    # vLLM's --pipeline-parallel-size: the decoder layers split into this many stages,
+    # one executor process (or tensor-parallel group) each (flowengine/distributed/
+    # pp_group.py); the scheduler keeps one micro-batch per stage in flight.
     pipeline_parallel_size: int = 1
     # vLLM's --distributed-executor-backend: "mp" (processes on this host, the
     # default) or "ray" (needs the `ray` extra; not built yet: refused with a hint).
     distributed_executor_backend: str | None = None
     device: Device = "auto"
     enforce_eager: bool = False
-    placement: Placement = "inproc"  # tensor/data_parallel_size > 1 always run "multiproc"
+    placement: Placement = "inproc"  # tensor/data/pipeline_parallel_size > 1 run "multiproc"
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
@@ -115,8 +121,8 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.validate()
-        if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1) \
-                and self.placement == "inproc":
+        if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+                or self.pipeline_parallel_size > 1) and self.placement == "inproc":
             # One process per rank, one group per replica: always multiproc.
             object.__setattr__(self, "placement", "multiproc")
 
@@ -169,10 +175,14 @@ class EngineArgs:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallelism "
-                "is not supported yet (issue #18); use tensor_parallel_size or "
-                "data_parallel_size")
+            pp = self.pipeline_parallel_size
+            if self.async_scheduling:
+                raise ValueError(
+                    f"pipeline_parallel_size {pp} keeps {pp} steps in flight, one per stage, "
+                    "without placeholder tokens; turn async_scheduling off")
+            if self.speculative_config is not None:
+                raise ValueError(f"speculative_config needs pipeline_parallel_size 1 (the "
+                                 f"draft verification runs on one rank), got {pp}")
         validate_executor_backend(self.distributed_executor_backend)
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")

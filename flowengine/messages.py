@@ -72,12 +72,17 @@ class CachedRequestData(_Msg):
     drafts (num_scheduled_tokens = 1 + len(draft_token_ids)), verifies them and
     returns the accepted ones plus one token sampled after them (vLLM's
     `scheduled_spec_decode_tokens`).
+    new_token_ids: pipeline parallelism (vLLM's `new_token_ids` of the same struct):
+    the request's tokens at positions max(num_computed_tokens, num_prompt_tokens) up
+    to the end of this step's tokens, i.e. the output tokens it computes, which the
+    last stage sampled and the other stages never saw; empty otherwise.
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     draft_token_ids: list[int] = []
+    new_token_ids: list[int] = []
 
 
 class StepPlan(_Msg, tag=True):

@@ -18,6 +18,11 @@ captured in a CUDA graph; padding blocks and blocks past the end exit at once.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -32,30 +37,41 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the T * k (token, slot) pairs by expert, each group padded to block_m rows.
 
-    topk_ids: [T, k] int32/int64 in [0, num_experts). Returns (sorted_ids
-    [T * k + E * (block_m - 1)] int64: flat pair index t * k + j, grouped by expert in
-    ascending order (pairs of one expert in index order), T * k marking padding;
-    block_experts [len(sorted_ids) // block_m rounded up] int64: the expert of each
-    block_m-row block, -1 for blocks past the last group). No host sync.
+    topk_ids: [T, k] int32/int64 in [0, num_experts), or -1 for a pair this rank does
+    not compute (its expert lives on another expert-parallel rank). Returns (sorted_ids
+    [T * k + E * (block_m - 1), rounded up to block_m] int64: flat pair index t * k + j,
+    grouped by expert in ascending order (pairs of one expert in index order), T * k
+    marking padding; -1 pairs appear nowhere; block_experts [len(sorted_ids) // block_m]
+    int64: the expert of each block_m-row block, -1 for blocks past the last group).
+    No host sync.
     """
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     device = flat.device
     max_rows = num_pairs + num_experts * (block_m - 1)
     num_blocks = triton.cdiv(max_rows, block_m)
+    # Pairs of no local expert (-1) go to an extra bucket E that gets no rows.
+    key = torch.where(flat >= 0, flat, num_experts)
     # NOTE: not torch.bincount, which reads the largest id on the host (a sync that
     # breaks CUDA-graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    padded_start = padded_end - padded
+    # Row of each bucket's first pair; bucket E's pairs land on a scratch row past the end.
+    padded_start = torch.cat([padded_end - padded,
+                              torch.full((1,), num_blocks * block_m, device=device,
+                                         dtype=torch.int64)])
     group_start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
+    order = torch.argsort(key, stable=True)
+    expert_of = key[order]
     rank = torch.arange(num_pairs, device=device) - group_start[expert_of]
-    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
-    sorted_ids[padded_start[expert_of] + rank] = order
+    dest = torch.where(expert_of < num_experts, padded_start[expert_of] + rank,
+                       num_blocks * block_m)
+    sorted_ids = torch.full((num_blocks * block_m + 1,), num_pairs, dtype=torch.int64,
+                            device=device)
+    sorted_ids[dest] = order
+    sorted_ids = sorted_ids[:num_blocks * block_m]
     block_row = torch.arange(num_blocks, device=device) * block_m
     block_experts = torch.searchsorted(padded_end, block_row, right=True)
     block_experts = torch.where(block_row < padded_end[-1], block_experts, -1)
@@ -118,35 +134,116 @@ def _grouped_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
 
 
+# Tile configuration of one launch: vLLM's fused-MoE config keys.
+MoeConfig = dict[str, int]
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def default_config(num_tokens: int, n: int, k: int) -> MoeConfig:
+    """The tiles used when no tuned file covers the shape: 16 rows per block (a decode
+    batch rarely gives an expert more), 64 x 64 weight tiles, Triton's default warps and
+    stages. `n`, `k` clamp the tiles for tiny test shapes."""
+    del num_tokens
+    return {"BLOCK_SIZE_M": BLOCK_M,
+            "BLOCK_SIZE_N": 64 if n >= 64 else max(16, triton.next_power_of_2(n)),
+            "BLOCK_SIZE_K": 64 if k >= 64 else max(16, triton.next_power_of_2(k)),
+            "num_warps": 4, "num_stages": 3}
+
+
+def config_file_name(num_experts: int, intermediate: int, device_name: str,
+                     dtype: str | None = None) -> str:
+    """vLLM's fused-MoE config file name: `E=<experts>,N=<intermediate per rank>,
+    device_name=<torch.cuda.get_device_name() with spaces as _>[,dtype=<dtype>].json`."""
+    name = f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')}"
+    return name + (f",dtype={dtype}" if dtype else "") + ".json"
+
+
+@functools.lru_cache(maxsize=64)
+def load_configs(num_experts: int, intermediate: int, device_name: str,
+                 dtype: str | None = None) -> dict[int, MoeConfig] | None:
+    """The tuned configs for a shape from kernels/configs/ (or $FLOWENGINE_MOE_CONFIG_DIR),
+    {num_tokens: config}, or None when no file exists. A file that does not parse, or an
+    entry without the tile keys, raises ValueError naming the file (a broken tuning run
+    should not fall back silently)."""
+    folder = Path(os.environ.get("FLOWENGINE_MOE_CONFIG_DIR") or CONFIG_DIR)
+    path = folder / config_file_name(num_experts, intermediate, device_name, dtype)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        configs = {int(m): {key: int(cfg[key]) for key in _CONFIG_KEYS}
+                   for m, cfg in raw.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"fused-MoE config {path} is not a {{num_tokens: {{"
+                         f"{', '.join(_CONFIG_KEYS)}}}}} JSON object: {exc}") from exc
+    for m, cfg in configs.items():
+        for key in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
+            if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
+                raise ValueError(f"fused-MoE config {path}, num_tokens {m}: {key} must be a "
+                                 f"power of two >= 16, got {cfg[key]}")
+    return configs or None
+
+
+_CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
+
+
+def get_config(num_tokens: int, num_experts: int, n: int, k: int, intermediate: int,
+               device: torch.device, dtype: str | None = None) -> MoeConfig:
+    """The tuned config whose num_tokens key is nearest `num_tokens` (vLLM's rule), else
+    `default_config`. Tiles wider than a tiny test shape are clamped to it."""
+    configs = None
+    if device.type == "cuda":
+        configs = load_configs(num_experts, intermediate, torch.cuda.get_device_name(device),
+                               dtype)
+    if not configs:
+        return default_config(num_tokens, n, k)
+    cfg = dict(configs[min(configs, key=lambda m: abs(m - num_tokens))])
+    return cfg
+
+
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,
                   block_experts: torch.Tensor, num_pairs: int, top_k: int, a_by_token: bool,
-                  topk_weights: torch.Tensor | None) -> torch.Tensor:
+                  topk_weights: torch.Tensor | None, config: MoeConfig,
+                  zero_fill: bool) -> torch.Tensor:
     n, k = w.shape[1], w.shape[2]
-    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    # Rows of pairs no local expert computes (expert parallelism) stay zero.
+    alloc = torch.zeros if zero_fill else torch.empty
+    out = alloc(num_pairs, n, dtype=a.dtype, device=a.device)
+    block_n = min(config["BLOCK_SIZE_N"], max(16, triton.next_power_of_2(n)))
+    block_k = min(config["BLOCK_SIZE_K"], max(16, triton.next_power_of_2(k)))
+    block_m = config["BLOCK_SIZE_M"]
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         out, a, w, sorted_ids, block_experts,
         topk_weights if topk_weights is not None else out,  # unused without MUL_WEIGHT
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, A_BY_TOKEN=a_by_token, MUL_WEIGHT=topk_weights is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_map: torch.Tensor | None = None, config: MoeConfig | None = None,
+              ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * W2[e] silu_and_mul(W13[e] x[t]), e = topk_ids[t, j].
 
     Args:
         x: [T, hidden] float32/float16/bfloat16.
-        w13: [E, 2 * I, hidden], x's dtype (gate rows then up rows per expert).
-        w2: [E, hidden, I], x's dtype.
+        w13: [E_local, 2 * I, hidden], x's dtype (gate rows then up rows per expert).
+        w2: [E_local, hidden, I], x's dtype.
         topk_weights: [T, k] float32 routing weights.
         topk_ids: [T, k] int32/int64 experts in [0, E) (not checked on the device).
+        expert_map: expert parallelism: [E] int32, global expert id -> local index in
+            [0, E_local) or -1 for an expert of another rank (whose pairs add nothing
+            here); None: all E experts are local (E_local = E).
+        config: tile sizes (BLOCK_SIZE_M/N/K, num_warps, num_stages); None: the tuned
+            file in kernels/configs/ for (E_local, I, this GPU), nearest T, else
+            `default_config` (`get_config`).
 
     Returns:
         [T, hidden] in x's dtype; fp32 accumulation, intermediates rounded to x's dtype
@@ -161,6 +258,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     check_tensor("topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
                  device=x.device)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=(torch.int32, torch.int64),
+                     device=x.device)
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     if (w13.shape[2] != hidden or two_i % 2 or w2.shape != (num_experts, hidden, two_i // 2)
@@ -177,10 +277,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(x)
     if not x.is_contiguous():
         x = x.contiguous()
-    sorted_ids, block_experts = moe_align_block_size(topk_ids, num_experts, BLOCK_M)
-    gate_up = _grouped_gemm(x, w13, sorted_ids, block_experts, num_pairs, top_k, True, None)
+    if config is None:
+        config = get_config(num_tokens, num_experts, two_i, hidden, two_i // 2, x.device)
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids.long()]
+    sorted_ids, block_experts = moe_align_block_size(topk_ids, num_experts,
+                                                     config["BLOCK_SIZE_M"])
+    gate_up = _grouped_gemm(x, w13, sorted_ids, block_experts, num_pairs, top_k, True, None,
+                            config, zero_fill=False)
     act = silu_and_mul(gate_up)
     down = _grouped_gemm(act, w2, sorted_ids, block_experts, num_pairs, top_k, False,
-                         topk_weights.reshape(-1).contiguous())
+                         topk_weights.reshape(-1).contiguous(), config,
+                         zero_fill=expert_map is not None)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
-

@@ -87,12 +87,14 @@ def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _source_files() -> set[str]:
     """Paths every wheel must hold, as installed: flowengine/**.py and kernels/**.py
-    (as flowengine/kernels/**.py)."""
+    (as flowengine/kernels/**.py), and the fused-MoE tile configs kernels/configs/*.json
+    (without them an installed engine silently runs the default tiles)."""
     files = set()
     for path in (ROOT / "flowengine").rglob("*.py"):
         files.add(path.relative_to(ROOT).as_posix())
-    for path in (ROOT / "kernels").rglob("*.py"):
-        files.add("flowengine/kernels/" + path.relative_to(ROOT / "kernels").as_posix())
+    kernels = ROOT / "kernels"
+    for path in [*kernels.rglob("*.py"), *(kernels / "configs").glob("*.json")]:
+        files.add("flowengine/kernels/" + path.relative_to(kernels).as_posix())
     return files
 
 

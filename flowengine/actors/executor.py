@@ -90,7 +90,10 @@ class ExecutorActor:
         self.results = results
         self._blocking = blocking
         self._wait = wait
-        self._tensor_parallel = executor.runner.tp.world_size > 1
+        # Ranks that must stay in step (tensor- or pipeline-parallel peers).
+        pp = getattr(executor.runner, "pp", None)
+        self._tensor_parallel = (executor.runner.tp.world_size > 1
+                                 or (pp is not None and pp.size > 1))
         self._launch_inline = bool(getattr(executor, "launches_on_device", False))
         self.busy_s = 0.0  # time launching steps (forward + sampling on the CPU)
         self.resolve_s = 0.0  # time resolving handles (waits for the device included)

@@ -46,7 +46,9 @@ class ProcConfig(msgspec.Struct, frozen=True):
     ready_timeout_s: how long the engine waits for its executor's ExecutorReady (the
     supervisor's FLOWENGINE_ENGINE_READY_TIMEOUT_S) before it exits with an error.
     dp_rank: the data-parallel replica; its executors drive GPUs
-    dp_rank * tensor_parallel_size + rank.
+    dp_rank * tensor_parallel_size * pipeline_parallel_size + rank.
+    rank: the executor's global rank in its group: tensor-parallel rank
+    rank % tensor_parallel_size of pipeline stage rank // tensor_parallel_size.
     """
 
     role: str  # "engine" | "executor"
@@ -115,9 +117,13 @@ async def engine_main(cfg: ProcConfig) -> None:
     if not isinstance(ready, ExecutorReady):
         raise RuntimeError(f"expected ExecutorReady from rank 0, got {type(ready).__name__}")
     scheduler = build_scheduler(resolved, ready.num_kv_blocks)
+    pp = cfg.engine_args.pipeline_parallel_size
     actor = SchedulerActor(
         EngineCore(scheduler, None, resolved.max_model_len), requests, steps, results, outputs,
-        max_steps_in_flight=2 if cfg.engine_args.async_scheduling else 1,
+        # Pipeline parallelism: one micro-batch in flight per stage (vLLM's), each
+        # request in one of them at a time (no placeholders: async scheduling is off).
+        max_steps_in_flight=pp if pp > 1 else 2 if cfg.engine_args.async_scheduling else 1,
+        async_scheduling=cfg.engine_args.async_scheduling and pp == 1,
         generation=cfg.generation,
     )
     freeze_startup_heap()
@@ -134,38 +140,41 @@ async def _inline(fn: Any, *args: Any) -> Any:
 
 
 async def executor_main(cfg: ProcConfig) -> None:
-    """Executor of one tensor-parallel rank (+ Sampler on rank 0): steps ring in,
-    results ring out (rank 0 only, the ring's one writer)."""
+    """Executor of one rank (tensor-parallel rank of a pipeline stage; + Sampler on
+    tensor-parallel rank 0 of the last stage): steps ring in, results ring out (the
+    sampling rank only, the ring's one writer)."""
     import torch
 
     from flowengine.actors.executor import ExecutorActor
-    from flowengine.distributed.tp_group import init_tensor_parallel
+    from flowengine.distributed.tp_group import init_parallel
     from flowengine.engine.builder import build_executor, resolve
     from flowengine.messages import ExecutorReady, ResultsMsg, StepsMsg
     from flowengine.shm import Channel, RingReader, RingWriter
 
     resolved = resolve(cfg.engine_args)
-    world_size = cfg.engine_args.tensor_parallel_size
+    tp_size = cfg.engine_args.tensor_parallel_size
+    pp_size = cfg.engine_args.pipeline_parallel_size
     # CPU threads: build_executor sets them (flowengine/executor/cpu_threads.py).
     device = torch.device(resolved.device)
     if device.type == "cuda":
-        # Rank r of replica d drives GPU d * tp + r; "cuda" means it below.
-        gpu = cfg.dp_rank * world_size + cfg.rank
+        # Rank r of replica d drives GPU d * tp * pp + r; "cuda" means it below.
+        gpu = cfg.dp_rank * tp_size * pp_size + cfg.rank
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
-    tp = init_tensor_parallel(cfg.rank, world_size, cfg.dist_init_method, device)
+    tp, pp = init_parallel(cfg.rank, tp_size, pp_size, cfg.dist_init_method, device,
+                           resolved.model_config.num_layers)
     steps = Channel(RingReader.attach(cfg.rings.steps, reader_index=cfg.rank), StepsMsg)
-    executor, num_blocks = build_executor(resolved, tp)
+    executor, num_blocks = build_executor(resolved, tp, pp)
     freeze_startup_heap()
     try:
-        if not tp.is_first:
+        if not (tp.is_first and pp.is_last):
             await ExecutorActor(executor, steps, None, blocking=_inline).run()
             return
         results = Channel(RingWriter.attach(cfg.rings.results), ResultsMsg)
         await results.send_async(ExecutorReady(num_blocks, cfg.rank))
         await ExecutorActor(executor, steps, results, blocking=_inline).run()
     finally:
-        if tp.world_size > 1:
+        if tp.world_size * pp.size > 1:
             torch.distributed.destroy_process_group()
 
 

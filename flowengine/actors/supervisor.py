@@ -2,8 +2,8 @@
 
 It lives in the frontend process and owns the four ring segments (created 0600 under a
 random run id, unlinked on exit; stale ones of crashed runs removed at start). The
-engine process and the executor processes (one per tensor-parallel rank) form one
-group: when any of them dies, the whole group is restarted, and every request in
+engine process and the executor processes (one per tensor-parallel rank of each
+pipeline stage) form one group: when any of them dies, the whole group is restarted, and every request in
 flight is recomputed from its prompt plus the tokens already delivered, so callers see
 a delay, not an error, and no token twice.
 
@@ -165,7 +165,8 @@ class Supervisor:
             the row).
         limits: time limits (default: from the environment, `SupervisorLimits`).
         dp_rank: the data-parallel replica this group serves (its executors drive
-            GPUs dp_rank * tensor_parallel_size + rank); 0 without data parallelism.
+            GPUs dp_rank * tensor_parallel_size * pipeline_parallel_size + rank); 0
+            without data parallelism.
     """
 
     def __init__(
@@ -208,11 +209,11 @@ class Supervisor:
         """
         cleanup_stale()
         self.run_id = new_run_id()
-        tp = self.resolved.args.tensor_parallel_size
+        num_ranks = self.num_executor_ranks
         self._segments = {
             "requests": create_ring("requests", RING_BYTES["requests"], run_id=self.run_id),
             "outputs": create_ring("outputs", RING_BYTES["outputs"], run_id=self.run_id),
-            "steps": create_broadcast_ring("steps", tp, RING_BYTES["steps"], run_id=self.run_id),
+            "steps": create_broadcast_ring("steps", num_ranks, RING_BYTES["steps"], run_id=self.run_id),
             "results": create_ring("results", RING_BYTES["results"], run_id=self.run_id),
         }
         self.rings = RingNames(**{k: v.name for k, v in self._segments.items()})
@@ -252,12 +253,18 @@ class Supervisor:
                 f"{self.limits.ready_timeout_s:g} s; raise FLOWENGINE_ENGINE_READY_TIMEOUT_S "
                 "if loading the model takes longer")
 
+    @property
+    def num_executor_ranks(self) -> int:
+        """Executor processes of the group: tensor_parallel_size per pipeline stage."""
+        args = self.resolved.args
+        return args.tensor_parallel_size * args.pipeline_parallel_size
+
     def _spawn_group(self) -> None:
-        tp = self.resolved.args.tensor_parallel_size
-        roles = [("executor", rank) for rank in range(tp)] + [("engine", 0)]
+        num_ranks = self.num_executor_ranks
+        roles = [("executor", rank) for rank in range(num_ranks)] + [("engine", 0)]
         env = dict(os.environ)
         # A fresh rendezvous per group: a restarted group must not meet the old one.
-        dist_init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else ""
+        dist_init_method = f"tcp://127.0.0.1:{free_port()}" if num_ranks > 1 else ""
         self._procs = []
         for role, rank in roles:
             cfg = ProcConfig(role, self.resolved.args, self.rings, rank, self.generation,
@@ -274,7 +281,8 @@ class Supervisor:
 
     @property
     def pids(self) -> dict[str, list[int]]:
-        """{"engine": [pid], "executor": [pid per rank]} of the current group."""
+        """{"engine": [pid], "executor": [pid per rank]} of the current group (global
+        ranks: the stage is rank // tensor_parallel_size)."""
         return {"executor": [p.pid for p in self._procs[:-1]], "engine": [self._procs[-1].pid]}
 
     # ------------------------------------------------------------------ watching

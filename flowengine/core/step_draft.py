@@ -20,6 +20,8 @@ NO_NEW_BLOCKS: tuple[KVCacheBlock, ...] = ()
 # extend their own block tables from them). Sharing saves a list per request per step
 # that the garbage collector would track while the plan is in flight.
 _NO_NEW_BLOCK_IDS: list[int] = []
+# The same for `new_token_ids` of a step that computes no output token (a prompt chunk).
+_NO_TOKEN_IDS: list[int] = []
 
 
 @dataclass(slots=True)
@@ -80,11 +82,14 @@ class StepDraft:
         step_id: int,
         finished_req_ids: list[str],
         get_block_ids: Callable[[str], list[int]],
+        with_new_token_ids: bool = False,
     ) -> tuple[StepPlan, dict[str, ScheduledRequest]]:
         """Build the `StepPlan` and advance each scheduled request's `num_computed_tokens`.
 
         The plan carries the counts from before the step: new requests in full (their
-        whole block table from `get_block_ids`), cached ones as deltas. Returns the plan
+        whole block table from `get_block_ids`), cached ones as deltas, with the output
+        tokens each computes when `with_new_token_ids` (pipeline parallelism:
+        `CachedRequestData.new_token_ids`). Returns the plan
         and the in-flight record of each scheduled request (`ScheduledRequest`); one
         pass over the requests does both, since this runs for every running request on
         every step.
@@ -122,7 +127,14 @@ class StepDraft:
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             new_block_ids = [b.block_id for b in new_blocks] if new_blocks else _NO_NEW_BLOCK_IDS
-            if drafts and req_id in drafts:
+            if with_new_token_ids:
+                num_prompt = request.num_prompt_tokens
+                end = num_computed + num_tokens - num_prompt  # < 0: a prompt chunk
+                new_token_ids = (request.output_token_ids[max(num_computed - num_prompt, 0):end]
+                                 if end > 0 else _NO_TOKEN_IDS)
+                cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed,
+                                                     drafts.get(req_id, _NO_TOKEN_IDS), new_token_ids))
+            elif drafts and req_id in drafts:
                 cached_reqs.append(
                     CachedRequestData(req_id, new_block_ids, num_computed, drafts[req_id]))
             else:

@@ -16,9 +16,18 @@ has one path for both cases.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from flowengine.distributed.pp_group import (
+    PP_LAYER_PARTITION_ENV,
+    SINGLE_STAGE,
+    PipelineStage,
+    partition_layers,
+)
 
 # A collective that waits longer than this means a peer is gone (the supervisor kills
 # and restarts the group long before): fail rather than hang forever.
@@ -32,10 +41,16 @@ class TensorParallelGroup:
     Attributes:
         rank: this process's rank, 0 <= rank < world_size; rank 0 samples.
         world_size: the tensor-parallel size N.
+        group: the `torch.distributed` process group of this stage's ranks under
+            pipeline parallelism (None: the default group, every rank).
+        first_rank: the global rank of this group's rank 0 (collectives name their
+            root by global rank).
     """
 
     rank: int = 0
     world_size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+    first_rank: int = 0
 
     @property
     def is_first(self) -> bool:
@@ -64,7 +79,7 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it (any shape, any float dtype)."""
         if self.world_size > 1:
-            torch.distributed.all_reduce(tensor)
+            torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
     def all_reduce_min(self, value: int, device: torch.device) -> int:
@@ -72,7 +87,7 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -83,14 +98,14 @@ class TensorParallelGroup:
         tensor = tensor.contiguous()
         parts = ([torch.empty_like(tensor) for _ in range(self.world_size)]
                  if self.is_first else None)
-        torch.distributed.gather(tensor, parts, dst=0)
+        torch.distributed.gather(tensor, parts, dst=self.first_rank, group=self.group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` on every rank, in place (others pass a buffer of the same
         shape and dtype); returns it."""
         if self.world_size > 1:
-            torch.distributed.broadcast(tensor, src=0)
+            torch.distributed.broadcast(tensor, src=self.first_rank, group=self.group)
         return tensor
 
 
@@ -117,6 +132,41 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     torch.distributed.init_process_group(backend, init_method=init_method, rank=rank,
                                          world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     return TensorParallelGroup(rank, world_size)
+
+
+def init_parallel(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int,
+                  init_method: str, device: torch.device, num_layers: int
+                  ) -> tuple[TensorParallelGroup, PipelineStage]:
+    """Join the executor group as global `rank` of tensor_parallel_size *
+    pipeline_parallel_size ranks (flowengine/distributed/pp_group.py gives the order)
+    and return this rank's tensor-parallel group and pipeline stage.
+
+    Every rank creates every stage's tensor-parallel subgroup, in stage order
+    (`torch.distributed.new_group` is collective over all ranks).
+
+    Raises ValueError: rank outside the group, or layers that cannot be split
+    (`partition_layers`).
+    """
+    tp_size, pp_size = tensor_parallel_size, pipeline_parallel_size
+    if pp_size == 1:
+        return init_tensor_parallel(rank, tp_size, init_method, device), SINGLE_STAGE
+    world_size = tp_size * pp_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside an executor group of {world_size} "
+                         f"({tp_size} tensor-parallel x {pp_size} pipeline ranks)")
+    bounds = partition_layers(num_layers, pp_size, os.environ.get(PP_LAYER_PARTITION_ENV))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank,
+                                         world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    stage_rank, tp_rank = divmod(rank, tp_size)
+    tp = TensorParallelGroup(tp_rank, tp_size)
+    if tp_size > 1:
+        groups = [torch.distributed.new_group(list(range(s * tp_size, (s + 1) * tp_size)),
+                                              timeout=COLLECTIVE_TIMEOUT)
+                  for s in range(pp_size)]
+        tp = TensorParallelGroup(tp_rank, tp_size, groups[stage_rank], stage_rank * tp_size)
+    start, end = bounds[stage_rank]
+    return tp, PipelineStage(stage_rank, pp_size, start, end, tp_rank, tp_size)
 
 
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int,

@@ -69,6 +69,11 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     _check_tensor_parallel(args, model_config, device)
+    if args.enable_expert_parallel:
+        from flowengine.distributed.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(model_config.num_experts, args.tensor_parallel_size)
+        model_config = dataclasses.replace(model_config, enable_expert_parallel=True)
     _check_draft_model(args)
     dtype = args.dtype
     if dtype == "auto":
@@ -162,18 +167,32 @@ def encoder_num_blocks(resolved: ResolvedEngine) -> int:
 
 
 def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> None:
+    from flowengine.distributed.pp_group import check_pipeline_parallel
     from flowengine.distributed.tp_group import check_tensor_parallel
 
-    tp = args.tensor_parallel_size
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     check_tensor_parallel(model_config.num_heads, model_config.num_kv_heads,
                           model_config.intermediate_size, tp)
-    if device == "cuda" and tp > 1:
+    if pp > 1:
+        if model_config.is_encoder_only:
+            raise ValueError(f"pipeline_parallel_size {pp}: {model_config.architecture} is "
+                             "an encoder (pooling runner); serve it with "
+                             "pipeline_parallel_size 1")
+        check_pipeline_parallel(model_config.num_layers, pp)
+        _check_stages_supported(model_config)
+        if device == "cuda":
+            # The stages' send/recv pick NCCL there (pp_group.py), but the CUDA runner's
+            # graphs, memory profile and on-device sampling have no stage path yet.
+            raise ValueError(f"pipeline_parallel_size {pp} runs on the CPU only so far "
+                             "(device='cpu'); on CUDA use tensor_parallel_size or "
+                             "data_parallel_size")
+    if device == "cuda" and tp * pp > 1:
         import torch
 
-        if torch.cuda.device_count() < tp:
+        if torch.cuda.device_count() < tp * pp:
             raise ValueError(
-                f"tensor_parallel_size {tp} needs {tp} GPUs, but torch sees "
-                f"{torch.cuda.device_count()}; lower tensor_parallel_size"
+                f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} "
+                f"GPUs, but torch sees {torch.cuda.device_count()}; lower them"
             )
     _check_data_parallel(args.data_parallel_size, tp, device)
 
@@ -197,6 +216,24 @@ def _check_data_parallel(dp: int, tp: int, device: str) -> None:
             raise ValueError(
                 f"data_parallel_size {dp} needs at least {dp} CPU cores (one per replica), "
                 f"but {available_cpus()} are available; lower data_parallel_size")
+
+
+def _check_stages_supported(model_config: Any) -> None:
+    """Raise ValueError at start-up (not in the executor processes) for a model family
+    whose decoder cannot be split into pipeline stages: the model is built on the
+    meta device (no memory) and asked to keep a stage."""
+    import torch
+
+    from flowengine.model.models import model_class
+
+    with torch.device("meta"):
+        model = model_class(model_config.architecture)(model_config, None)
+        keep = getattr(model, "keep_pipeline_stage", None)
+        if keep is None:
+            raise ValueError(f"pipeline parallelism is not supported for "
+                             f"{model_config.architecture} models; serve it with "
+                             "pipeline_parallel_size 1")
+        keep(0, 1, True, False)  # raises ValueError naming the architecture
 
 
 def num_kv_blocks_for(resolved: ResolvedEngine, bytes_per_block: int) -> int:
@@ -275,6 +312,8 @@ def _build_cuda_runner(resolved: ResolvedEngine, bytes_per_block: int,
         num_blocks = num_kv_blocks_from_profile(profile, args.gpu_memory_utilization,
                                                 bytes_per_block)
         num_blocks = runner.tp.all_reduce_min(num_blocks, runner.device)
+    # Every stage's block tables are the same: the smallest count of any rank.
+    num_blocks = runner.pp.all_reduce_min(num_blocks, runner.device)
     fit_max_model_len(resolved, num_blocks, log=False)  # before allocating anything
     cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
     runner.initialize_kv_cache(cache_config)
@@ -299,7 +338,7 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
     from flowengine.core.scheduler import Scheduler
 
     args = resolved.args
-    return Scheduler(
+    scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=resolved.max_num_batched_tokens,
@@ -313,6 +352,12 @@ def build_scheduler(resolved: ResolvedEngine, num_blocks: int):
         structured_output_manager=make_structured_output_manager(resolved),
         proposer=make_proposer(resolved),
     )
+    if args.pipeline_parallel_size > 1:
+        # One micro-batch per stage in flight; the stages before the last learn the
+        # sampled tokens from the plans (Scheduler.num_micro_batches).
+        scheduler.num_micro_batches = args.pipeline_parallel_size
+        scheduler.include_new_token_ids = True
+    return scheduler
 
 
 def make_proposer(resolved: ResolvedEngine):
@@ -342,7 +387,7 @@ def _check_draft_model(args: EngineArgs) -> None:
     from flowengine.spec_decode.config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(args.speculative_config)
-    if config is None or not config.uses_draft_model:
+    if config is None or not config.uses_model:
         return
     try:
         resolve_model(config.model, download_dir=args.download_dir)
@@ -357,10 +402,12 @@ def _draft_model_config(resolved: ResolvedEngine):
     from flowengine.spec_decode.config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(resolved.args.speculative_config)
-    if config is None or not config.uses_draft_model:
+    if config is None or not config.uses_model:
         return None, None
     args = resolved.args
     path = resolve_model(config.model, download_dir=args.download_dir).path
+    if not config.uses_draft_model:  # EAGLE / Medusa heads: their path
+        return path, config
     return ModelConfig.from_pretrained(path, resolved.max_model_len), config
 
 
@@ -369,11 +416,29 @@ def _attach_draft_runner(resolved: ResolvedEngine, runner: Any, draft_config: An
     from flowengine.executor.draft_runner import DraftRunner
 
     args = resolved.args
+    if not spec.uses_draft_model:  # draft_config is the head checkpoint's path
+        from flowengine.executor.eagle_runner import attach_head_runner
+
+        attach_head_runner(runner, spec.method, draft_config, spec.num_speculative_tokens,
+                           num_blocks=num_blocks, block_size=args.block_size,
+                           max_num_seqs=args.max_num_seqs)
+        return
     runner.draft_runner = DraftRunner(
         draft_config, spec.num_speculative_tokens,
         target_vocab_size=resolved.model_config.vocab_size, num_blocks=num_blocks,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, device=runner.device,
         dtype=runner.dtype, load_format=args.load_format, seed=args.seed)
+
+
+def _capture_verification_graphs(resolved: ResolvedEngine, runner: Any) -> None:
+    """With speculative decoding on a CUDA runner that captured decode graphs, capture
+    the verification graphs of k + 1 tokens per request too (cuda_graphs.py)."""
+    from flowengine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(resolved.args.speculative_config)
+    capture = getattr(runner, "capture_verification_graphs", None)
+    if spec is not None and capture is not None:
+        capture(spec.num_speculative_tokens)
 
 
 def make_structured_output_manager(resolved: ResolvedEngine):
@@ -391,15 +456,20 @@ def make_structured_output_manager(resolved: ResolvedEngine):
     )
 
 
-def build_executor(resolved: ResolvedEngine, tp: Any = None):
+def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
     """Load weights and allocate the KV cache; return (`Executor`, number of KV blocks).
 
     tp: this process's TensorParallelGroup (executor processes under tensor
     parallelism); None for a single rank. The runner then holds this rank's shard.
+    pp: this process's PipelineStage (flowengine/distributed/pp_group.py); None for
+    the whole model. The runner then holds the stage's layers, and every stage gets
+    the smallest number of KV blocks any rank's budget holds (block tables are the
+    same on all stages).
     Raises ValueError when the KV budget cannot hold one max_model_len request.
     """
     import torch
 
+    from flowengine.distributed.pp_group import SINGLE_STAGE
     from flowengine.distributed.tp_group import SINGLE_RANK
     from flowengine.executor.executor import Executor
     from flowengine.executor.model_runner import ModelRunner
@@ -408,11 +478,20 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     torch.manual_seed(args.seed)
     dtype = getattr(torch, resolved.dtype)
     tp = SINGLE_RANK if tp is None else tp
+    pp = SINGLE_STAGE if pp is None else pp
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    num_layers = len(pp.layer_range(resolved.model_config.num_layers))
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
-                                                     kv_dtype, tp.world_size)
+                                                     kv_dtype, tp.world_size, num_layers)
     draft_config, spec = _draft_model_config(resolved)
-    if draft_config is not None:
+    if draft_config is not None and not spec.uses_draft_model:
+        from flowengine.executor.eagle_runner import head_kv_cache_bytes_per_block
+
+        # An EAGLE head's cache has a block for each of the target's, as a draft's.
+        per_block += head_kv_cache_bytes_per_block(spec.method, draft_config,
+                                                   resolved.model_config, args.block_size,
+                                                   dtype)
+    elif draft_config is not None:
         from flowengine.executor.draft_runner import DraftRunner
 
         # The draft's cache has a block for each of the target's: size them together.
@@ -428,13 +507,15 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
         tp=tp,
         quantization=args.quantization,
         kv_cache_dtype=kv_dtype,
+        pp=pp,
     )
     if resolved.device == "cpu":
         from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
 
         # A multiproc placement leaves a core to the engine and frontend processes;
         # data-parallel replicas share the rest with each other.
-        setup_cpu_threads(args.cpu_threads, tp.world_size * args.data_parallel_size,
+        setup_cpu_threads(args.cpu_threads,
+                          tp.world_size * pp.size * args.data_parallel_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
         if dtype == torch.bfloat16:
             log_bf16_path()
@@ -445,7 +526,8 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     elif resolved.device == "cuda":
         runner, cache_config = _build_cuda_runner(resolved, per_block, runner_kwargs)
     else:
-        num_blocks = num_kv_blocks_for(resolved, per_block)
+        num_blocks = pp.all_reduce_min(num_kv_blocks_for(resolved, per_block),
+                                       torch.device(resolved.device))
         cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
     # Before the first step, in the process that allocated the cache: a max_model_len
@@ -453,6 +535,7 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None):
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)
     if draft_config is not None:
         _attach_draft_runner(resolved, runner, draft_config, spec, cache_config.num_blocks)
+    _capture_verification_graphs(resolved, runner)
     logger.info(
         "executor ready: %s on %s (%s%s), %d KV blocks of %d tokens (KV cache %s)",
         resolved.served_model_names[0],

@@ -90,12 +90,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument(
+        "--enable-expert-parallel", "-ep", action="store_true", default=False,
+        help="mixture-of-experts models: place whole experts on the tensor-parallel ranks "
+        "(num_experts / tensor_parallel_size each) instead of splitting every expert")
+    g.add_argument(
         "--data-parallel-size", "-dp", type=int, default=1,
         help="engine replicas behind this server, each with its own scheduler, KV cache "
         "and executors; requests go to the least loaded one (implies multiproc)",
     )
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages (not supported yet: only 1)")
+                   help="pipeline stages: the decoder layers split into this many "
+                   "executor processes (or tensor-parallel groups), one micro-batch in "
+                   "flight per stage (CPU; implies multiproc)")
     g.add_argument("--distributed-executor-backend", default=None,
                    choices=["mp", "ray", "uni"],
                    help="mp: executor processes on this host (default); ray: not supported "

@@ -9,6 +9,11 @@ is padded up to the nearest captured size with empty requests (seq_len 0, no tok
 and padding tokens of slot -1, which every kernel skips. Prefill or mixed steps and
 batches above the largest size run eagerly.
 
+Speculative decoding adds verification graphs (`tokens_per_req` = k + 1): a step whose
+requests each compute at most k + 1 tokens (the last known token and its drafts) is
+padded to b requests and b * (k + 1) tokens for the nearest captured b, so drafts are
+verified by a replay instead of an eager forward.
+
 The split-KV decode kernel's split count is a launch parameter, so it is fixed per
 captured size (from the size and max_model_len) while capturing.
 """
@@ -65,10 +70,16 @@ class DecodeCudaGraphs:
             size while capturing, then restored.
         max_seq_len: longest context a step can have (max_model_len); picks split counts.
         sizes: ascending batch sizes to capture.
+        tokens_per_req: 1 for decode graphs; k + 1 for the verification graphs of
+            speculative decoding: a graph of size b then holds b * (k + 1) token rows
+            over b request rows, and replays any step of at most b requests with at most
+            k + 1 tokens each (the unified attention kernel reads each request's query
+            length from query_start_loc; its tile shape is fixed by max_query_len).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], input_batch: InputBatch,
-                 attn_backend: object, max_seq_len: int, sizes: Sequence[int]) -> None:
+                 attn_backend: object, max_seq_len: int, sizes: Sequence[int],
+                 tokens_per_req: int = 1) -> None:
         if not sizes or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"capture sizes must be ascending and distinct, got {list(sizes)}")
         if input_batch.growable:
@@ -79,8 +90,12 @@ class DecodeCudaGraphs:
         self.attn_backend = attn_backend
         self.max_seq_len = max_seq_len
         self.sizes = list(sizes)
+        self.tokens_per_req = tokens_per_req
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        # EAGLE-3: the auxiliary layer inputs, captured as outputs too when the model
+        # is set to return them (LlamaModel.aux_hidden_state_layers).
+        self._aux: dict[int, list[torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -102,34 +117,51 @@ class DecodeCudaGraphs:
                     self._capture_one(size, pool)
                 except Exception as exc:
                     raise RuntimeError(
-                        f"CUDA graph capture failed for decode batch size {size}: {exc}; "
-                        "run with enforce_eager=True to serve without graphs"
+                        f"CUDA graph capture failed for {self._kind} batch size {size}: "
+                        f"{exc}; run with enforce_eager=True to serve without graphs"
                     ) from exc
         finally:
             self.attn_backend.num_kv_splits = saved_splits
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
-        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
-                    len(self.sizes), self.sizes[0], self.sizes[-1],
+        logger.info("captured %d %s CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
+                    len(self.sizes), self._kind, self.sizes[0], self.sizes[-1],
                     time.perf_counter() - start, used / 2**20)
+
+    @property
+    def _kind(self) -> str:
+        return "decode" if self.tokens_per_req == 1 else "verification"
 
     def _capture_one(self, size: int, pool: tuple[int, int]) -> None:
         # An all-padding batch: kernels launch with the graph's shapes and exit early.
-        inputs = self.input_batch.prepare([], [], pad_to=size)
-        meta = dataclasses.replace(inputs.attn_metadata, max_query_len=1,
+        # (Verification graphs: the attention output is zeroed whole on each replay,
+        # since the padding count the backend reads on the host is 0 at capture.)
+        q = self.tokens_per_req
+        inputs = self.input_batch.prepare([], [], pad_to=size * q, pad_reqs_to=size)
+        meta = dataclasses.replace(inputs.attn_metadata, max_query_len=q,
                                    max_seq_len=self.max_seq_len)
         args = (inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        self.model(*args)  # compiles the Triton kernels outside the capture
+        wants_aux = bool(getattr(self.model.model, "aux_hidden_state_layers", ()))
+        kwargs = {"aux_hidden_states": []} if wants_aux else {}
+        self.model(*args, **kwargs)  # compiles the Triton kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        aux: list[torch.Tensor] = []
         with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model(*args)
+            hidden = self.model(*args, **({"aux_hidden_states": aux} if wants_aux else {}))
         self._graphs[size] = graph
         self._outputs[size] = hidden
+        if wants_aux:
+            self._aux[size] = aux
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on what the input buffers hold now; returns its static
-        [size, hidden_size] output (overwritten by the next replay of this size).
+        [size * tokens_per_req, hidden_size] output (overwritten by the next replay of this size).
         Raises KeyError for a size not captured."""
         self._graphs[size].replay()
         return self._outputs[size]
+
+    def aux_outputs(self, size: int) -> list[torch.Tensor] | None:
+        """The auxiliary hidden states of the latest replay of `size` (static buffers),
+        or None when the graphs were captured without them."""
+        return self._aux.get(size)

@@ -94,6 +94,10 @@ class CudaModelRunner(ModelRunner):
             captured graph sizes; empty: no padding). May be set on a runner without
             graphs, e.g. to exercise padding eagerly on the CPU.
         graphs: the captured DecodeCudaGraphs, or None.
+        verify_query_len, verify_batch_sizes, verify_graphs: the same for verification
+            steps of speculative decoding (`capture_verification_graphs`): a step with
+            more than one and at most verify_query_len tokens per request is padded to
+            the nearest size (requests) x verify_query_len (tokens).
         last_sampled: [num_slots] int64 device tensor, each request's latest sampled id.
     """
 
@@ -121,6 +125,11 @@ class CudaModelRunner(ModelRunner):
                                                capture_sizes)
         self.decode_batch_sizes: list[int] = []
         self.graphs: DecodeCudaGraphs | None = None
+        # Speculative decoding: steps of at most verify_query_len tokens per request are
+        # padded to verify_batch_sizes (requests) and replay verify_graphs when captured.
+        self.verify_query_len = 0
+        self.verify_batch_sizes: list[int] = []
+        self.verify_graphs: DecodeCudaGraphs | None = None
         self._pending: list[PendingStep] = []
         # launch() and a PendingStep's result() may run in different threads (the
         # Executor actor's launcher and resolver): both change request states under this lock.
@@ -182,6 +191,26 @@ class CudaModelRunner(ModelRunner):
         self.graphs = graphs
         self.decode_batch_sizes = list(self.capture_sizes)
 
+    def capture_verification_graphs(self, num_speculative_tokens: int) -> None:
+        """Capture verification graphs of k + 1 tokens per request for the decode graph
+        sizes whose token count fits max_num_batched_tokens (speculative decoding; call
+        after the proposer is attached, so EAGLE-3's auxiliary outputs are captured
+        too). Does nothing without decode graphs. Raises RuntimeError when a capture
+        fails."""
+        if self.graphs is None:
+            return
+        q = num_speculative_tokens + 1
+        sizes = [b for b in self.capture_sizes if b * q <= self.input_batch.max_num_tokens]
+        if not sizes:
+            return
+        backend = self.model.model.layers[0].self_attn.attn_backend
+        graphs = DecodeCudaGraphs(self.model, self.kv_caches, self.input_batch, backend,
+                                  self.model_config.max_model_len, sizes, tokens_per_req=q)
+        graphs.capture()
+        self.verify_graphs = graphs
+        self.verify_query_len = q
+        self.verify_batch_sizes = sizes
+
     # ------------------------------------------------------------------ token slots
     def _grow_slots(self, num_slots: int) -> None:
         old = self.last_sampled
@@ -223,10 +252,19 @@ class CudaModelRunner(ModelRunner):
             )
         if not states:
             return states, None, None
-        pad_to = None
-        if self.decode_batch_sizes and max(num_scheduled) == 1:
+        pad_to = pad_reqs_to = graphs = None
+        longest = max(num_scheduled)
+        if self.decode_batch_sizes and longest == 1:
             pad_to = padded_batch_size(len(states), self.decode_batch_sizes)
-        inputs = self.input_batch.prepare(states, num_scheduled, pad_to=pad_to)
+            graphs = self.graphs
+        elif self.verify_batch_sizes and 1 < longest <= self.verify_query_len:
+            # A verification step (drafts): b requests -> b * (k + 1) token rows.
+            pad_reqs_to = padded_batch_size(len(states), self.verify_batch_sizes)
+            if pad_reqs_to is not None:
+                pad_to = pad_reqs_to * self.verify_query_len
+                graphs = self.verify_graphs
+        extra = {} if pad_reqs_to is None else {"pad_reqs_to": pad_reqs_to}
+        inputs = self.input_batch.prepare(states, num_scheduled, pad_to=pad_to, **extra)
         if inputs.attn_metadata.max_seq_len > self.model_config.max_model_len:
             raise ValueError(
                 f"step {plan.step_id} reaches {inputs.attn_metadata.max_seq_len} tokens in one "
@@ -236,13 +274,16 @@ class CudaModelRunner(ModelRunner):
             # Decode inputs sampled in an earlier step that the host may not know yet.
             inputs.input_ids.index_copy_(
                 0, inputs.gather_dst, self.last_sampled.index_select(0, inputs.gather_src))
-        if pad_to is not None and self.graphs is not None:
-            hidden = self.graphs.replay(pad_to)
+        aux = None
+        if pad_to is not None and graphs is not None:
+            size = pad_to if pad_reqs_to is None else pad_reqs_to
+            hidden = graphs.replay(size)
+            aux = graphs.aux_outputs(size)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.attn_metadata)
+            hidden, aux = self.run_model(inputs)
         if self.draft_runner is not None:
-            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
+            # Draft model: its KV in lockstep; EAGLE / Medusa: the step's hidden states.
+            self.draft_runner.forward(inputs, states, hidden, aux)
         self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
         for state, num in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += num

@@ -77,9 +77,15 @@ class DraftRunner:
         return (2 * model_config.num_layers * block_size * model_config.num_kv_heads
                 * model_config.head_dim * itemsize)
 
+    # The draft model reads no hidden states of the target.
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> None:
-        """Write the draft's KV for the target's step (lockstep, step 1 above)."""
+    def forward(self, inputs: StepInputs, states: list[RequestState] | None = None,
+                hidden: torch.Tensor | None = None,
+                aux: list[torch.Tensor] | None = None) -> None:
+        """Write the draft's KV for the target's step (lockstep, step 1 above); the
+        target's states and hidden states (the proposer interface) are not needed."""
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
 
     @torch.inference_mode()

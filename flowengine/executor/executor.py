@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flowengine.distributed.pp_group import SINGLE_STAGE
 from flowengine.executor.model_runner import ModelOutput, ModelRunner
 from flowengine.executor.spec_verify import accept, row_states
 from flowengine.messages import GrammarOutput, SampledTokens, StepPlan, StepResult
@@ -86,6 +87,8 @@ class Executor:
         self.runner = runner
         self.sampler = sampler if sampler is not None else Sampler()
         self.pooler_config = pooler_config
+        # The runner's pipeline stage (runners that stand in for one in tests have none).
+        self.stage = getattr(runner, "pp", SINGLE_STAGE)
 
     @property
     def launches_on_device(self) -> bool:
@@ -95,7 +98,8 @@ class Executor:
         step on the host (CPU runners, tensor-parallel rank 0)."""
         return (getattr(self.runner, "launch", None) is not None and self.pooler_config is None
                 and self.runner.draft_runner is None
-                and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda")
+                and self.runner.tp.world_size == 1 and self.runner.device.type == "cuda"
+                and self.stage.size == 1)
 
     def execute_model(self, plan: StepPlan) -> StepResult:
         """Forward and sample one step (the in-process engine's path)."""
@@ -126,7 +130,7 @@ class Executor:
     def _samples_on_device(self, plan: StepPlan) -> bool:
         return (getattr(self.runner, "launch", None) is not None
                 and self.runner.tp.world_size == 1 and not has_drafts(plan)
-                and self.runner.draft_runner is None)
+                and self.runner.draft_runner is None and self.stage.size == 1)
 
     def launch_forward(self, plan: StepPlan) -> Any:
         """The first half of a step: apply the plan and run the forward (on the device:
@@ -165,13 +169,19 @@ class Executor:
                 StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}"))
 
     def follow(self, plan: StepPlan) -> bool:
-        """The step of a tensor-parallel rank other than 0: the same forward as rank 0,
-        then the ids rank 0 sampled (`receive_sampled`). Returns False when rank 0
-        failed to sample the step. Raises as execute_model."""
+        """The step of every rank but the sampling one (tensor-parallel rank 0 of the
+        last pipeline stage): the same forward as that rank, then, on the last stage,
+        the ids it sampled (`receive_sampled`). A pipeline stage before the last only
+        runs its layers and sends its hidden states on (the next plans carry the
+        sampled ids, `CachedRequestData.new_token_ids`). Returns False when the
+        sampling rank failed to sample the step. Raises as execute_model."""
         if self.pooler_config is not None:  # rank 0 pools and reports; nothing to share
             self.runner.execute_pooling(plan, self.pooler_config.pooling_type)
             return True
-        return self.receive_sampled(plan, self.runner.execute_model(plan))
+        output = self.runner.execute_model(plan)
+        if not self.stage.is_last:
+            return True
+        return self.receive_sampled(plan, output)
 
     def pool(self, plan: StepPlan) -> StepResult:
         """The pooling runner's step: each scheduled request's whole prompt is computed

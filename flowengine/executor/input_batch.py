@@ -162,13 +162,15 @@ class InputBatch:
         return self.buffers.np
 
     def prepare(self, states: list[RequestState], num_scheduled: list[int], *,
-                pad_to: int | None = None) -> StepInputs:
+                pad_to: int | None = None, pad_reqs_to: int | None = None) -> StepInputs:
         """Flatten one step: request i computes tokens
         token_ids[num_computed_tokens : num_computed_tokens + num_scheduled[i]].
 
         pad_to: pad tokens and requests to this count (CUDA-graph batch sizes):
             padding requests are empty (seq_len 0), padding tokens belong to no request
             and have slot -1, and the block table keeps its full width.
+        pad_reqs_to: with pad_to, pad the requests to this count instead (CUDA graphs of
+            verification steps: pad_to tokens over pad_reqs_to requests).
 
         Raises ValueError when a request lacks the tokens or KV blocks it is scheduled
         for, when a placeholder other than a request's latest would be computed, or
@@ -182,6 +184,11 @@ class InputBatch:
                 raise ValueError(f"pad_to {pad_to} is below the step's {num_tokens} tokens "
                                  f"and {num_reqs} requests")
             rows = padded_tokens = pad_to
+            if pad_reqs_to is not None:
+                if pad_reqs_to < num_reqs:
+                    raise ValueError(f"pad_reqs_to {pad_reqs_to} is below the step's "
+                                     f"{num_reqs} requests")
+                rows = pad_reqs_to
         if padded_tokens > self.max_num_tokens or rows > self.max_num_reqs:
             if not self.growable:
                 raise ValueError(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flowengine.config import CacheConfig
+from flowengine.distributed.pp_group import SINGLE_STAGE, PipelineStage
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.executor.input_batch import InputBatch, RequestState, StepInputs
 from flowengine.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
@@ -29,7 +30,8 @@ class ModelOutput:
 
     req_ids: the requests whose scheduled tokens reach their last known token (partial
     prefill chunks are absent), in batch order. logits: [len(req_ids), vocab] float32;
-    None on tensor-parallel ranks other than 0 (rank 0 gathers the vocabulary slices).
+    None on tensor-parallel ranks other than 0 (rank 0 gathers the vocabulary slices)
+    and on pipeline stages other than the last.
     draft_token_ids: speculative decoding: each request's draft tokens (None when no
     request of the step has any); logits then has 1 + len(drafts) rows per request, in
     order (spec_verify.py).
@@ -57,6 +59,9 @@ class ModelRunner:
         tp: the tensor-parallel group; the runner holds this rank's shard of the
             weights and its num_kv_heads / N heads of the KV cache.
         quantization: as `load_model` (None, "gguf", "int8"; CPU only).
+        pp: the pipeline stage; the runner holds the stage's layers and their KV cache
+            only, receives the previous stage's hidden states and sends its own to the
+            next (`run_model`); only the last stage computes logits.
     """
 
     def __init__(
@@ -75,9 +80,11 @@ class ModelRunner:
         tp: TensorParallelGroup = SINGLE_RANK,
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        pp: PipelineStage = SINGLE_STAGE,
     ) -> None:
         self.model_config = model_config
         self.tp = tp
+        self.pp = pp
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -90,19 +97,20 @@ class ModelRunner:
             )
         self.model = load_model(model_config, load_format, dtype, self.device,
                                 gguf_file=gguf_file, attn_backend=attn_backend, seed=seed,
-                                tp=tp, quantization=quantization)
+                                tp=tp, quantization=quantization, pp=pp)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        # Speculative decoding's draft model (executor/draft_runner.py), or None.
+        # Speculative decoding's draft model (executor/draft_runner.py), EAGLE / Medusa
+        # heads (executor/eagle_runner.py), or None.
         self.draft_runner = None
         if cache_config is not None:
             self.initialize_kv_cache(cache_config)
 
     def initialize_kv_cache(self, cache_config: CacheConfig) -> None:
         """Allocate the KV cache (one zeroed [2, num_blocks, block_size, num_kv_heads / N,
-        head_dim] tensor per layer, in kv_cache_dtype: the model dtype, or float8_e4m3fn
+        head_dim] tensor per layer of the pipeline stage, in kv_cache_dtype: the model dtype, or float8_e4m3fn
         for --kv-cache-dtype fp8) and the input buffers."""
         self.cache_config = cache_config
         model_config = self.model_config
@@ -116,7 +124,7 @@ class ModelRunner:
                  model_config.num_kv_heads // self.tp.world_size, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(model_config.num_layers)]
+                          for _ in self.pp.layer_range(model_config.num_layers)]
         self.input_batch = self._make_input_batch(cache_config.block_size)
 
     def _make_input_batch(self, block_size: int) -> InputBatch:
@@ -126,12 +134,15 @@ class ModelRunner:
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
-                                 dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+                                 dtype: torch.dtype, tensor_parallel_size: int = 1,
+                                 num_layers: int | None = None) -> int:
         """Bytes one KV block takes over all layers (K and V) on one rank (which holds
-        num_kv_heads / tensor_parallel_size heads), to size num_blocks."""
+        num_kv_heads / tensor_parallel_size heads, and under pipeline parallelism
+        `num_layers` of the model's layers), to size num_blocks."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         num_kv_heads = model_config.num_kv_heads // tensor_parallel_size
-        return (2 * model_config.num_layers * block_size * num_kv_heads
+        num_layers = model_config.num_layers if num_layers is None else num_layers
+        return (2 * num_layers * block_size * num_kv_heads
                 * model_config.head_dim * itemsize)
 
     def get_request_state(self, req_id: str) -> RequestState:
@@ -184,6 +195,12 @@ class ModelRunner:
                     "executor does not hold; it must first arrive in new_reqs"
                 )
             state.block_ids.extend(cached.new_block_ids)
+            if cached.new_token_ids:
+                # Pipeline parallelism: the tokens the last stage sampled, from the
+                # step's first output position on (CachedRequestData); idempotent on
+                # the stage that sampled them.
+                start = max(cached.num_computed_tokens, state.num_prompt_tokens)
+                state.token_ids[start:start + len(cached.new_token_ids)] = cached.new_token_ids
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.draft_token_ids:
                 # Computed after the last known token, replaced by apply_verified.
@@ -213,16 +230,50 @@ class ModelRunner:
                 f"step {plan.step_id} reaches {inputs.attn_metadata.max_seq_len} tokens in one "
                 f"request, beyond max_model_len {self.model_config.max_model_len}"
             )
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata)
+        hidden, aux = self.run_model(inputs)
+        if not self.pp.is_last:
+            # Its hidden states went to the next stage; the last stage samples.
+            for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
+                state.num_computed_tokens += num
+            return ModelOutput(inputs.sample_req_ids, None)
         if self.draft_runner is not None:
-            self.draft_runner.forward(inputs)  # its KV in lockstep (draft_runner.py)
+            # The draft model's KV in lockstep (draft_runner.py); EAGLE / Medusa keep
+            # the step's hidden states (eagle_runner.py).
+            self.draft_runner.forward(inputs, states, hidden, aux)
         logits_indices, drafts = verification_rows(states, inputs)
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         self.collect_prompt_logprobs(states, plan.num_scheduled_tokens, inputs, hidden)
         for state, num in zip(states, plan.num_scheduled_tokens, strict=True):
             state.num_computed_tokens += num
         return ModelOutput(inputs.sample_req_ids, logits, drafts)
+
+    def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The target's forward over `inputs`: (final-norm hidden states [T, hidden],
+        and the auxiliary layer inputs EAGLE-3 reads, else None).
+
+        Under pipeline parallelism (which refuses speculative decoding, so no aux) this
+        stage's part: the previous stage's [2, T, hidden_size] hidden states and
+        residual received first (unless first), this stage's sent on (unless last,
+        which returns the final hidden states; the others return what they sent). T is
+        the step's token count on every stage, so no shape travels."""
+        pp = self.pp
+        if pp.size > 1:
+            intermediate = None
+            if not pp.is_first:
+                shape = (2, inputs.input_ids.shape[0], self.model_config.hidden_size)
+                intermediate = pp.recv_prev(shape, self.dtype, self.device)
+            out = self.model.forward_stage(inputs.input_ids, inputs.positions,
+                                           self.kv_caches, inputs.attn_metadata, intermediate)
+            if not pp.is_last:
+                pp.send_next(out)
+            return out, None
+        if self.draft_runner is not None and self.draft_runner.aux_hidden_state_layers:
+            aux: list[torch.Tensor] = []
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn_metadata, aux_hidden_states=aux)
+            return hidden, aux
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                          inputs.attn_metadata), None
 
     @torch.inference_mode()
     def execute_pooling(self, plan: StepPlan, pooling_type: str) -> tuple[list[str], torch.Tensor]:

@@ -7,7 +7,11 @@ Accepted keys (vLLM's `SpeculativeConfig`, same meaning):
 - `num_speculative_tokens` (k): draft tokens proposed per request per step, >= 1;
 - `prompt_lookup_min` / `prompt_lookup_max` (ngram): the shortest and longest suffix
   n-gram matched; vLLM's defaults: both 5 when neither is given, else the one given;
-- `model`: the draft model's directory or hub id (draft_model).
+- `model`: the draft model's directory or hub id (draft_model), or the head
+  checkpoint's: "eagle" (EAGLE-1/2 head on the target's final hidden states),
+  "eagle3" (EAGLE-3 head on three of the target's layers), "medusa" (Medusa heads,
+  a top-1 chain: num_speculative_tokens <= the checkpoint's heads). See
+  flowengine/executor/eagle_heads.py for the layouts.
 
 Pure Python: this module must not import torch.
 """
@@ -18,10 +22,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+# The methods whose "model" is a head reading the target's hidden states.
+HEAD_METHODS = ("eagle", "eagle3", "medusa")
 # Methods vLLM knows that FlowEngine does not build (yet): refused by name.
-_UNSUPPORTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp",
-                "ngram_gpu", "suffix")
+_UNSUPPORTED = ("mlp_speculator", "deepseek_mtp", "mtp", "ngram_gpu", "suffix")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "model"}
 # The n-gram lengths vLLM picks when the config gives neither bound.
@@ -103,17 +108,23 @@ class SpeculativeConfig:
         if lo is not None or hi is not None:
             raise ValueError("speculative_config: prompt_lookup_min/max apply to method "
                              '"ngram" only')
+        what = "draft model's" if method == "draft_model" else f"{method} head checkpoint's"
         if model is None:
-            raise ValueError('speculative_config: method "draft_model" needs "model", the '
-                             "draft model's directory or hub id")
+            raise ValueError(f'speculative_config: method "{method}" needs "model", the '
+                             f"{what} directory or hub id")
         if not isinstance(model, str) or not model:
             raise ValueError('speculative_config: "model" must be a non-empty string (the '
-                             f"draft model's directory or hub id), got {model!r}")
-        return cls("draft_model", k, model=model)
+                             f"{what} directory or hub id), got {model!r}")
+        return cls(method, k, model=model)
 
     @property
     def uses_draft_model(self) -> bool:
         return self.method == "draft_model"
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether `model` names a checkpoint (a draft model or EAGLE / Medusa heads)."""
+        return self.method != "ngram"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object this config parses from (for logs and child processes)."""

@@ -30,12 +30,14 @@ def test_cli_flags_reach_engine_args() -> None:
     assert engine_args_from(parser.parse_args(["-dp", "2"])).data_parallel_size == 2
 
 
-def test_pipeline_parallel_is_refused_clearly() -> None:
+def test_pipeline_parallel_size_is_validated() -> None:
     assert EngineArgs(pipeline_parallel_size=1).pipeline_parallel_size == 1
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported yet"):
-        EngineArgs(pipeline_parallel_size=2)
+    assert EngineArgs(pipeline_parallel_size=2).placement == "multiproc"
     with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
         EngineArgs(pipeline_parallel_size=0)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args(["-pp", "2"])).pipeline_parallel_size == 2
 
 
 def test_executor_backend_values() -> None:

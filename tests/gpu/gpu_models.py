@@ -24,10 +24,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from flowengine.engine.engine_core import EngineCore
@@ -54,6 +58,36 @@ FAMILIES: dict[str, PretrainedConfig] = {
                          rms_norm_eps=1e-6),
 }
 
+# The mixture-of-experts families at their real models' full widths (hidden size, heads,
+# experts, expert width, top-k), 2 decoder layers, a 32000-token vocabulary
+# (tests/gpu/test_families_gpu.py).
+_MOE_COMMON = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, tie_word_embeddings=False,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                   max_position_embeddings=32768)
+MOE_FAMILIES: dict[str, PretrainedConfig] = {
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral": MixtralConfig(**_MOE_COMMON, hidden_size=4096, intermediate_size=14336,
+                             num_attention_heads=32, num_key_value_heads=8,
+                             num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+                             sliding_window=None),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 experts top-4 unnormalised, shared expert 5632 wide.
+    "qwen2-moe": Qwen2MoeConfig(**_MOE_COMMON, hidden_size=2048, intermediate_size=5632,
+                                moe_intermediate_size=1408,
+                                shared_expert_intermediate_size=5632,
+                                num_attention_heads=16, num_key_value_heads=16,
+                                num_experts=60, num_experts_per_tok=4, norm_topk_prob=False),
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-moe": Qwen3MoeConfig(**_MOE_COMMON, hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_attention_heads=32,
+                                num_key_value_heads=4, head_dim=128, num_experts=128,
+                                num_experts_per_tok=8, norm_topk_prob=True,
+                                rms_norm_eps=1e-6, rope_theta=1e6),
+    # allenai/OLMoE-1B-7B-0924
+    "olmoe": OlmoeConfig(**_MOE_COMMON, hidden_size=2048, intermediate_size=1024,
+                         num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                         num_experts_per_tok=8, norm_topk_prob=False),
+}
+
 
 def write_trivial_tokenizer(path: str, vocab_size: int) -> None:
     """A word-level fast tokenizer with one token "<i>" per id (LLM needs a tokenizer;
@@ -66,7 +100,8 @@ def write_trivial_tokenizer(path: str, vocab_size: int) -> None:
 
 def save_model(family: str, path: str, seed: int, device: str = "cpu",
                embed_std: float = EMBED_STD, **overrides: object) -> None:
-    """Save a bf16 random-weight model of `family` (safetensors) plus a tokenizer.
+    """Save a bf16 random-weight model of `family` (FAMILIES or MOE_FAMILIES; safetensors)
+    plus a tokenizer.
 
     overrides: config fields to change (e.g. Llama-3.1-8B sizes); device: where the
     float32 weights are initialized (an 8B model initializes in seconds on a GPU);
@@ -74,7 +109,8 @@ def save_model(family: str, path: str, seed: int, device: str = "cpu",
     the residual stream per layer and need a larger one for the same margins).
     """
     torch.manual_seed(seed)
-    config = FAMILIES[family].__class__(**{**FAMILIES[family].to_dict(), **overrides})
+    base = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
+    config = base.__class__(**{**base.to_dict(), **overrides})
     vocab_size = config.vocab_size
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -2,7 +2,9 @@
 torch reference (flowengine/model/layers/moe.py's fused_moe_torch) run in float32 on
 the same bf16 weights: Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) and Qwen3-30B-A3B
 (128 experts, 2048 -> 768, top-8), decode- and prefill-sized batches; plus a replay
-from a CUDA graph with new routing (the alignment never syncs with the host)."""
+from a CUDA graph with new routing (the alignment never syncs with the host); and
+expert parallelism's two halves (expert_map) summing to the whole. The tuned tile
+files in kernels/configs/ apply at these shapes."""
 
 from __future__ import annotations
 
@@ -61,3 +63,25 @@ def test_cuda_graph_replay_with_new_routing() -> None:
         graph.replay()
         ref = fused_moe_torch(x.float(), w13.float(), w2.float(), new_w, new_ids)
         assert (out.float() - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_expert_parallel_halves_sum_to_the_whole(model: str) -> None:
+    # --enable-expert-parallel at TP 2: each rank's kernel call with its half of the
+    # experts and expert_map (-1 for the other half) adds up to the unsplit layer.
+    torch.manual_seed(7)
+    e, k, h, i = SHAPES[model]
+    w13, w2 = _weights(e, h, i)
+    x = torch.randn(64, h, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(64, e, device="cuda"), k, True)
+    half = e // 2
+    parts = []
+    for rank in range(2):
+        emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+        emap[rank * half:(rank + 1) * half] = torch.arange(half, dtype=torch.int32,
+                                                           device="cuda")
+        sl = slice(rank * half, (rank + 1) * half)
+        parts.append(fused_moe(x, w13[sl].contiguous(), w2[sl].contiguous(), weights, ids,
+                               expert_map=emap).float())
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    assert (parts[0] + parts[1] - ref).norm() / ref.norm() < 2e-2

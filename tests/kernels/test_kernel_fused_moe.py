@@ -79,3 +79,89 @@ def test_bad_shapes_are_refused(device) -> None:
         fused_moe(x, w13, w2, weights, ids)
     assert torch.equal(fused_moe(x[:0], w13, torch.randn(2, 16, 16, device=device),
                                  weights[:0], ids[:0]), x[:0])
+
+
+def test_alignment_leaves_out_other_ranks_pairs() -> None:
+    ids = torch.tensor([[1, -1], [-1, 0], [1, 0]])  # pairs 0..5 -> 1, x, x, 0, 1, 0
+    sorted_ids, block_experts = moe_align_block_size(ids, 2, 4)
+    pad = 6
+    # bound 6 + 2 * 3 = 12 rows: expert 0's pairs, padding, expert 1's, padding, unused
+    assert sorted_ids.tolist() == [3, 5, pad, pad, 0, 4, pad, pad, pad, pad, pad, pad]
+    assert block_experts.tolist() == [0, 1, -1]
+
+
+def test_expert_parallel_ranks_sum_to_the_whole_layer(device) -> None:
+    # Expert parallelism: 8 experts on 2 ranks of 4; each rank's output counts only the
+    # pairs of its experts (expert_map -1 for the others), and the two add up to all.
+    t, e, k, h, i = 9, 8, 3, 32, 16
+    x = torch.randn(t, h, device=device)
+    w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
+    w2 = torch.randn(e, h, i, device=device) * 0.2
+    weights, ids = _routing(t, e, k, device)
+    ids[0] = torch.tensor([0, 1, 2])  # token 0 entirely on rank 0: zero on rank 1
+    parts = []
+    for rank in range(2):
+        emap = torch.full((e,), -1, dtype=torch.int32, device=device)
+        emap[4 * rank:4 * rank + 4] = torch.arange(4, dtype=torch.int32, device=device)
+        parts.append(fused_moe(x, w13[4 * rank:4 * rank + 4], w2[4 * rank:4 * rank + 4],
+                               weights, ids, expert_map=emap))
+    assert torch.equal(parts[1][0], torch.zeros(h, device=device))
+    torch.testing.assert_close((parts[0] + parts[1]).double(),
+                               _reference(x, w13, w2, weights, ids), atol=2e-5, rtol=1e-4)
+
+
+def test_tile_config_override_gives_the_same_result(device) -> None:
+    t, e, k, h, i = 40, 4, 2, 64, 48
+    x = torch.randn(t, h, device=device)
+    w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
+    w2 = torch.randn(e, h, i, device=device) * 0.2
+    weights, ids = _routing(t, e, k, device)
+    ref = _reference(x, w13, w2, weights, ids)
+    for cfg in ({"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 16, "num_warps": 4,
+                 "num_stages": 2},
+                {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 32, "num_warps": 8,
+                 "num_stages": 3}):
+        out = fused_moe(x, w13, w2, weights, ids, config=cfg)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_tuned_config_files_are_read_by_vllms_names(tmp_path, monkeypatch) -> None:
+    import json
+
+    from flowengine.kernels import fused_moe as fm
+
+    assert fm.config_file_name(128, 768, "NVIDIA H200") == \
+        "E=128,N=768,device_name=NVIDIA_H200.json"
+    assert fm.config_file_name(8, 7168, "NVIDIA H200", "fp8_w8a8") == \
+        "E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
+    monkeypatch.setenv("FLOWENGINE_MOE_CONFIG_DIR", str(tmp_path))
+    fm.load_configs.cache_clear()
+    tiles = {"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 256,
+                   "num_warps": 4, "num_stages": 4},
+             "64": {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64,
+                    "num_warps": 8, "num_stages": 3, "GROUP_SIZE_M": 1}}
+    (tmp_path / "E=4,N=48,device_name=Fake_GPU.json").write_text(json.dumps(tiles))
+    configs = fm.load_configs(4, 48, "Fake GPU")
+    assert configs == {1: tiles["1"], 64: {k: v for k, v in tiles["64"].items()
+                                           if k != "GROUP_SIZE_M"}}
+    assert fm.load_configs(4, 96, "Fake GPU") is None  # no file: the default tiles
+    (tmp_path / "E=4,N=50,device_name=Fake_GPU.json").write_text('{"1": {"BLOCK_SIZE_M": 24}}')
+    with pytest.raises(ValueError, match="E=4,N=50,device_name=Fake_GPU.json"):
+        fm.load_configs(4, 50, "Fake GPU")
+    fm.load_configs.cache_clear()
+    # off CUDA the files are not consulted
+    assert fm.get_config(64, 4, 96, 64, 48, torch.device("cpu")) == fm.default_config(64, 96, 64)
+
+
+def test_shipped_h200_configs_parse(monkeypatch) -> None:
+    # The tuned files in kernels/configs (benchmarks/moe_gpu.py on the H200) for Mixtral
+    # (8 x 14336) and Qwen3-30B-A3B (128 x 768), buckets 1 .. 1024 tokens.
+    from flowengine.kernels import fused_moe as fm
+
+    monkeypatch.delenv("FLOWENGINE_MOE_CONFIG_DIR", raising=False)
+    fm.load_configs.cache_clear()
+    for e, n in ((8, 14336), (128, 768)):
+        configs = fm.load_configs(e, n, "NVIDIA H200")
+        assert configs is not None and sorted(configs) == [1, 16, 64, 256, 1024]
+        assert all(c["BLOCK_SIZE_M"] in (16, 32, 64) for c in configs.values())
+    fm.load_configs.cache_clear()

@@ -35,7 +35,7 @@ def test_draft_model_is_implied_by_model() -> None:
       "prompt_lookup_max": 3}, r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(3\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
      "prompt_lookup_min must be an integer >= 1"),
-    ({"method": "medusa", "model": "/m", "num_speculative_tokens": 2}, "not supported"),
+    ({"method": "mlp_speculator", "model": "/m", "num_speculative_tokens": 2}, "not supported"),
     ({"method": "magic", "num_speculative_tokens": 2}, "method must be one of"),
     ({"num_speculative_tokens": 2}, 'needs "method"'),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 1}, "unknown key"),
@@ -69,3 +69,16 @@ def test_cli_flag() -> None:
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--speculative-config", "[3]"])
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_head_methods_take_a_model(method) -> None:
+    c = SpeculativeConfig.parse({"method": method, "model": "/h", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == (method, "/h", 3)
+    assert c.uses_model and not c.uses_draft_model
+    assert c.to_dict() == {"method": method, "model": "/h", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match=f'method "{method}" needs "model"'):
+        SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="prompt_lookup_min/max apply to method"):
+        SpeculativeConfig.parse({"method": method, "model": "/h", "num_speculative_tokens": 3,
+                                 "prompt_lookup_min": 2})

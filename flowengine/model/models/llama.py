@@ -15,6 +15,7 @@ float32 outputs match transformers' to rounding.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -178,8 +179,19 @@ class LlamaDecoderLayer(nn.Module):
         return hidden, residual
 
 
+class PPMissingLayer(nn.Identity):
+    """The place of a module another pipeline stage holds (vLLM's name): no weights, so
+    the layer indices and parameter names of the stage's own modules stay those of the
+    checkpoint."""
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm; one RoPE table shared by all layers."""
+    """Embedding, decoder layers, final norm; one RoPE table shared by all layers.
+
+    Under pipeline parallelism (`LlamaForCausalLM.keep_pipeline_stage`) it holds only
+    layers [start_layer, end_layer), the embedding on the first stage (and the last,
+    for tied embeddings) and the final norm on the last.
+    """
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
                  tp: TensorParallelGroup = SINGLE_RANK,
@@ -196,17 +208,44 @@ class LlamaModel(nn.Module):
         self.embedding_multiplier = config.embedding_multiplier  # Granite; 1 elsewhere
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(config)
+        # The pipeline stage's share (all of the model without pipeline parallelism).
+        self.start_layer, self.end_layer = 0, config.num_layers
+        self.is_first_stage = self.is_last_stage = True
+        # EAGLE-3 (executor/eagle_runner.py): layers whose input the forward can also
+        # return (the residual stream before layer i, i.e. after layer i - 1).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size]."""
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                intermediate: torch.Tensor | None = None,
+                aux_hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden_size].
+
+        Pipeline stages: kv_caches holds one tensor per layer of the stage;
+        `intermediate` is the previous stage's output (None on the first stage, which
+        embeds input_ids); a stage other than the last returns [2, T, hidden_size]:
+        the hidden states and the residual stream after its last layer.
+        aux_hidden_states: an optional output; when given, the input of each layer in
+        `aux_hidden_state_layers` ([T, hidden_size], pre-norm) is appended, in order
+        (layer numbers are the whole model's).
+        """
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
+            residual = None
+        else:
+            hidden, residual = intermediate[0], intermediate[1]
+        aux_layers = self.aux_hidden_state_layers if aux_hidden_states is not None else ()
+        layers = itertools.islice(self.layers, self.start_layer, self.end_layer)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True),
+                                              start=self.start_layer):
+            if i in aux_layers:
+                aux_hidden_states.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta,
                                      self.rotary_emb)
+        if not self.is_last_stage:
+            return torch.stack((hidden, residual))
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
@@ -246,7 +285,8 @@ class LlamaForCausalLM(nn.Module):
             model_config.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                aux_hidden_states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One step over a flattened batch.
 
         Args:
@@ -255,11 +295,62 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per
                 layer, written in place at attn_metadata.slot_mapping.
             attn_metadata: the step's AttentionMetadata.
+            aux_hidden_states: optional output list (EAGLE-3): gets the pre-norm input of
+                each layer of `model.aux_hidden_state_layers`, [T, hidden_size] each.
 
         Returns:
             [T, hidden_size] final-norm hidden states, model dtype.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        if aux_hidden_states is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata,
+                          aux_hidden_states=aux_hidden_states)
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                      intermediate: torch.Tensor | None) -> torch.Tensor:
+        """One pipeline stage's part of `forward`: from the previous stage's
+        [2, T, hidden_size] hidden states and residual (None on the first stage), to
+        the same for the next stage, or, on the last stage, the final-norm hidden
+        states [T, hidden_size]. kv_caches: one tensor per layer of the stage."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+
+    def keep_pipeline_stage(self, start_layer: int, end_layer: int, is_first: bool,
+                            is_last: bool) -> None:
+        """Drop what other pipeline stages hold, before weights are materialized (on
+        the meta device): decoder layers outside [start_layer, end_layer), the
+        embedding unless first (or last with tied embeddings: the LM head reads it),
+        the final norm and LM head unless last. Their checkpoint tensors are then
+        skipped by `load_weights`.
+
+        Raises ValueError for a model family whose decoder is not LlamaModel's.
+        """
+        model = self.model
+        if type(model) is not LlamaModel:
+            raise ValueError(f"pipeline parallelism is not supported for "
+                             f"{self.config.architecture} models yet; serve it with "
+                             "pipeline_parallel_size 1")
+        for i in range(len(model.layers)):
+            if not start_layer <= i < end_layer:
+                model.layers[i] = PPMissingLayer()
+        if not is_first and not (is_last and self.lm_head is None):
+            model.embed_tokens = PPMissingLayer()
+        if not is_last:
+            model.norm = PPMissingLayer()
+            self.lm_head = PPMissingLayer()
+        model.start_layer, model.end_layer = start_layer, end_layer
+        model.is_first_stage, model.is_last_stage = is_first, is_last
+        self._stage_skipped = self._missing_prefixes()
+
+    def _missing_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint name prefixes of the modules `keep_pipeline_stage` dropped."""
+        prefixes = [f"model.layers.{i}." for i, layer in enumerate(self.model.layers)
+                    if isinstance(layer, PPMissingLayer)]
+        if isinstance(self.model.embed_tokens, PPMissingLayer):
+            prefixes.append("model.embed_tokens.")
+        if isinstance(self.model.norm, PPMissingLayer):
+            prefixes += ["model.norm.", "lm_head."]
+        return tuple(prefixes)
 
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """The MLP of decoder layer `layer_idx`; None: the dense SwiGLU LlamaMLP. Families
@@ -295,12 +386,17 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
+        # Experts other expert-parallel ranks hold: in the checkpoint, not read here.
+        elsewhere = self.other_ranks_weight_names()
+        skipped = getattr(self, "_stage_skipped", ())  # other pipeline stages' tensors
         for hf_name, tensor in weights:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (
                 hf_name == "lm_head.weight" and self.lm_head is None
-            ):
+            ) or (skipped and hf_name.startswith(skipped)):
                 continue
             shards = targets.get(hf_name)
+            if shards is None and hf_name in elsewhere:
+                continue
             if shards is None:
                 unexpected.append(hf_name)
                 continue
@@ -323,6 +419,15 @@ class LlamaForCausalLM(nn.Module):
                 "matches the weights"
             )
         return loaded
+
+    def other_ranks_weight_names(self) -> set[str]:
+        """Checkpoint tensors of experts that other expert-parallel ranks hold (empty
+        without expert parallelism)."""
+        names: set[str] = set()
+        for prefix, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                names |= module.other_ranks_weight_names(prefix)
+        return names
 
     def weight_shards(self) -> list[WeightShard]:
         """Every checkpoint tensor this rank reads, with its slice and destination, in

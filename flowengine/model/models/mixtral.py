@@ -23,4 +23,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
         c = self.config
         return SparseMoeBlock(FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
                                        c.moe_intermediate_size, True, self.tp,
-                                       checkpoint_names=("w1", "w3", "w2")))
+                                       checkpoint_names=("w1", "w3", "w2"),
+                                       expert_parallel=c.enable_expert_parallel))

@@ -23,4 +23,5 @@ class OlmoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config
         return SparseMoeBlock(FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
-                                       c.moe_intermediate_size, c.norm_topk_prob, self.tp))
+                                       c.moe_intermediate_size, c.norm_topk_prob, self.tp,
+                                       expert_parallel=c.enable_expert_parallel))

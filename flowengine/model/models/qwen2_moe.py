@@ -26,5 +26,6 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         shared = (LlamaMLP(c, self.tp, c.shared_expert_intermediate_size)
                   if c.shared_expert_intermediate_size else None)
         experts = FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
-                           c.moe_intermediate_size, c.norm_topk_prob, self.tp)
+                           c.moe_intermediate_size, c.norm_topk_prob, self.tp,
+                           expert_parallel=c.enable_expert_parallel)
         return SparseMoeBlock(experts, shared)

@@ -20,4 +20,5 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if not c.is_moe_layer(layer_idx):
             return None
         return SparseMoeBlock(FusedMoE(c.num_experts, c.num_experts_per_tok, c.hidden_size,
-                                       c.moe_intermediate_size, c.norm_topk_prob, self.tp))
+                                       c.moe_intermediate_size, c.norm_topk_prob, self.tp,
+                                       expert_parallel=c.enable_expert_parallel))

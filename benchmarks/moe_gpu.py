@@ -1,0 +1,372 @@
+"""Mixture-of-experts on the H200 (issue 15): fused-MoE tile tuning, and Qwen3-30B-A3B
+shapes with dummy bf16 weights (about 61 GB) through the engine.
+
+    python benchmarks/moe_gpu.py --out OUT [--write-configs kernels/configs]
+
+a. tuning: for Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) and Qwen3-30B-A3B (128
+   experts, 2048 -> 768, top-8), every candidate tile config at each num_tokens bucket:
+   the whole fused_moe (alignment, both grouped GEMMs, SiLU-and-mul, the top-k sum)
+   captured in a CUDA graph, median of 20 replays (CUDA events) over random routing;
+   beside it the roofline of the expert weights the routing touches (distinct experts x
+   3 x hidden x width x 2 bytes) / copy bandwidth. The best config per bucket is written
+   as vLLM's `E=..,N=..,device_name=...json` (kernels/fused_moe.py reads it).
+b. Qwen3-30B-A3B (config.json's architecture fields, 48 layers, dummy weights): one
+   decode step at batch 1 and 64 with 1k context, each request on its own token
+   (CUDA-graph replay, LM head, argmax: `decode_step`; gpu_bench.device_step_ms, which
+   feeds one token to every request and so routes them all alike, beside it) against
+   the roofline of the bytes read: attention and norm
+   weights, the router, the experts the step's routing activates (counted in one eager
+   forward of the same inputs), the LM head, `batch` embedding rows, the KV of the
+   context.
+c. offline: 1000 prompts x 200 random tokens, 200 output tokens each (ignore_eos),
+   `LLM.generate`, output tok/s; then transformers' `generate_batch` (continuous
+   batching, paged attention) on random weights of the same config with
+   --hf-layers decoder layers (61 GB twice does not fit beside the engine's KV cache,
+   and one transformers layer at a time is what bounds it) and --hf-prompts prompts,
+   its output tok/s scaled by hf_layers / 48 (the embedding and LM head are not scaled,
+   which flatters transformers).
+The table comes last; JSON in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_bench import copy_bandwidth_gbs, device_step_ms  # noqa: E402
+
+from flowengine.kernels.fused_moe import config_file_name, default_config, fused_moe  # noqa: E402
+from flowengine.model.layers.moe import FusedMoE, select_experts  # noqa: E402
+
+# Qwen/Qwen3-30B-A3B's config.json, architecture fields only.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645, "sliding_window": None,
+    "use_sliding_window": False,
+}
+SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
+BUCKETS = (1, 16, 64, 256, 1024)
+# (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages)
+CANDIDATES = [
+    (16, 64, 64, 4, 3),  # the default
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3),
+    (32, 64, 64, 4, 3), (32, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+]
+KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages")
+
+
+def _graph_ms(fn, replays: int = 20) -> float:
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for i in range(replays + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def tune(bw_gbs: float, buckets: tuple[int, ...]) -> tuple[list[dict], dict[str, dict]]:
+    rows, files = [], {}
+    for model, (e, k, h, i) in SHAPES.items():
+        torch.manual_seed(0)
+        w13 = (torch.randn(e, 2 * i, h, device="cuda") * h ** -0.5).bfloat16()
+        w2 = (torch.randn(e, h, i, device="cuda") * i ** -0.5).bfloat16()
+        best: dict[str, dict] = {}
+        for m in buckets:
+            x = torch.randn(m, h, device="cuda").bfloat16()
+            weights, ids = select_experts(torch.randn(m, e, device="cuda"), k, True)
+            ref = fused_moe(x, w13, w2, weights, ids, config=default_config(m, 2 * i, h))
+            distinct = int(ids.unique().numel())
+            roof = distinct * 3 * h * i * 2 / bw_gbs / 1e6
+            results = []
+            for cand in CANDIDATES:
+                cfg = dict(zip(KEYS, cand, strict=True))
+                try:
+                    out = fused_moe(x, w13, w2, weights, ids, config=cfg)
+                    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                    if not err < 1e-2:
+                        raise RuntimeError(f"disagrees with the default tiles: {err:.2e}")
+                    ms = _graph_ms(functools.partial(fused_moe, x, w13, w2, weights, ids,
+                                                     config=cfg))
+                except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
+                    print(f"{model} M={m} {cand}: {type(exc).__name__}: {str(exc)[:100]}",
+                          flush=True)
+                    continue
+                results.append((ms, cand))
+                rows.append({"model": model, "M": m, "config": list(cand), "ms": ms,
+                             "roofline_ms": roof, "distinct_experts": distinct})
+            results.sort()
+            default_ms = next(ms for ms, c in results if c == CANDIDATES[0])
+            best[str(m)] = dict(zip(KEYS, results[0][1], strict=True))
+            print(f"{model} M={m}: best {results[0][1]} {results[0][0]:.4f} ms, default "
+                  f"{default_ms:.4f} ms, roofline {roof:.4f} ms ({distinct} experts)",
+                  flush=True)
+        files[config_file_name(e, i, torch.cuda.get_device_name())] = best
+        del w13, w2
+        torch.cuda.empty_cache()
+    return rows, files
+
+
+def write_model_dir(path: str, config: dict) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    vocab = {f"<{i}>": i for i in range(config["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>").save_pretrained(path)
+
+
+@torch.inference_mode()
+def decode_step(runner, batch: int, context: int, iters: int = 50) -> dict:
+    """One decode step of `batch` requests with `context` cached tokens each, every
+    request on its own token (so the routing spreads as real traffic's does): median
+    device time of the CUDA-graph replay + LM head + argmax (as gpu_bench.device_step_ms,
+    which feeds one token to all), and the bytes the step must read: every parameter
+    except the expert stacks and the untied embedding, the experts this step's routing
+    picks (counted in an eager forward of the same inputs), `batch` embedding rows, the
+    KV of the context."""
+    from flowengine.executor.input_batch import RequestState
+    from flowengine.sampling_params import SamplingParams
+
+    model = runner.model
+    bs = runner.cache_config.block_size
+    per_req = context // bs + 1
+    vocab = runner.model_config.vocab_size
+    states = [RequestState(f"b{i}", [(1000 + 7919 * i) % vocab] * (context + 1), context,
+                           SamplingParams(), None, list(range(i * per_req, (i + 1) * per_req)),
+                           context)
+              for i in range(batch)]
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    picked: list[int] = []
+
+    def hook(module, args) -> None:
+        _, ids = select_experts(args[1], module.top_k, module.renormalize)
+        picked.append(int(ids.unique().numel()))
+
+    inputs = runner.input_batch.prepare(states, [1] * batch)
+    handles = [m.register_forward_pre_hook(hook) for m in moes]
+    try:
+        model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata)
+    finally:
+        for hnd in handles:
+            hnd.remove()
+    graphs = getattr(runner, "graphs", None)
+    pad = None if graphs is None else min(s for s in graphs.sizes if s >= batch)
+    inputs = runner.input_batch.prepare(states, [1] * batch, pad_to=pad)
+
+    def step() -> None:
+        if graphs is not None and pad is not None:
+            hidden = graphs.replay(pad)
+        else:
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                           inputs.attn_metadata)
+        model.compute_logits(hidden.index_select(0, inputs.logits_indices)).argmax(-1)
+
+    times = []
+    for i in range(iters + 5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    total = 0.0
+    expert_params = {id(m.w13_weight) for m in moes} | {id(m.w2_weight) for m in moes}
+    for name, p in model.named_parameters():
+        if id(p) in expert_params:
+            continue
+        if name == "model.embed_tokens.weight" and model.lm_head is not None:
+            total += batch * p[0].numel() * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    for m, n in zip(moes, picked, strict=True):
+        total += n * (m.w13_weight[0].numel() + m.w2_weight[0].numel()) * m.w13_weight.element_size()
+    kv = runner.kv_cache_bytes_per_block(runner.model_config, 1, runner.kv_cache_dtype)
+    return {"ms": sorted(times)[len(times) // 2], "bytes": total + batch * context * kv,
+            "distinct_experts": sum(picked) / len(picked)}
+
+
+def qwen3_engine(path: str, bw_gbs: float, num_prompts: int, context: int) -> dict:
+    from flowengine import LLM
+    from flowengine.bench.throughput import random_prompts, run_flowengine
+
+    out: dict = {}
+    t0 = time.perf_counter()
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+    out["load_s"] = time.perf_counter() - t0
+    runner = llm.engine.executor.runner
+    out["weight_gb"] = sum(p.numel() * p.element_size()
+                           for p in runner.model.parameters()) / 1e9
+    print(f"engine up in {out['load_s']:.1f} s, weights {out['weight_gb']:.1f} GB", flush=True)
+    for batch in (1, 64):
+        r = decode_step(runner, batch, context)
+        r["roofline_ms"] = r["bytes"] / bw_gbs / 1e6
+        r["same_token_ms"] = device_step_ms(runner, batch, context)  # gpu_bench's inputs
+        out[f"decode_{batch}"] = r
+        print(f"decode batch {batch}: {out[f'decode_{batch}']}", flush=True)
+    prompts = random_prompts(num_prompts, 200, QWEN3_30B_A3B["vocab_size"], set(), 0)
+    res = run_flowengine(llm, prompts, 200)
+    out["offline"] = {"requests": res.num_requests,
+                      "elapsed_s": res.elapsed_s, "output_tokens": res.output_tokens,
+                      "output_tok_s": res.output_tokens / res.elapsed_s}
+    print(f"flowengine offline: {out['offline']}", flush=True)
+    llm.shutdown()
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def transformers_offline(path: str, layers: int, num_prompts: int) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from flowengine.bench.throughput import random_prompts
+
+    config = AutoConfig.from_pretrained(path, num_hidden_layers=layers)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation="paged|sdpa").eval()
+    prompts = random_prompts(num_prompts, 200, QWEN3_30B_A3B["vocab_size"], set(), 0)
+    gen = GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, use_cuda_graph=False)
+    # NOTE: not under torch.inference_mode(): generate_batch's manager resets its static
+    # tensors in place from its own thread, which inference tensors refuse.
+    model.generate_batch(prompts[:4], generation_config=gen)  # warm-up
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, generation_config=gen)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(r.generated_tokens) for r in results.values())
+    if n_out < num_prompts * 200:
+        raise RuntimeError(f"generate_batch returned {n_out} of {num_prompts * 200} tokens")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    rate = n_out / elapsed
+    return {"layers": layers, "requests": num_prompts, "elapsed_s": elapsed,
+            "output_tokens": n_out, "output_tok_s": rate,
+            "output_tok_s_scaled_48": rate * layers / QWEN3_30B_A3B["num_hidden_layers"]}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--write-configs", default=None, help="folder for the tuned JSON files")
+    p.add_argument("--skip-tune", action="store_true")
+    p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--hf-layers", type=int, default=4)
+    p.add_argument("--hf-prompts", type=int, default=200)
+    ns = p.parse_args(argv)
+    os.makedirs(ns.out, exist_ok=True)
+    bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    meta = {"command": shlex.join([sys.executable, *sys.argv]),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "copy_bandwidth_gbs": bw}
+    results: dict = {}
+
+    def save() -> None:
+        with open(os.path.join(ns.out, "moe_gpu.json"), "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+    if not ns.skip_tune:
+        rows, files = tune(bw, BUCKETS)
+        results["tuning"] = rows
+        for folder in filter(None, (ns.write_configs, os.path.join(ns.out, "configs"))):
+            os.makedirs(folder, exist_ok=True)
+            for name, cfgs in files.items():
+                with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                    json.dump(cfgs, f, indent=4)
+                    f.write("\n")
+        save()
+    path = tempfile.mkdtemp(prefix="qwen3-30b-a3b-")
+    if not ns.skip_model:
+        write_model_dir(path, QWEN3_30B_A3B)
+        results["qwen3"] = qwen3_engine(path, bw, ns.num_prompts, ns.context)
+        save()
+    if not ns.skip_hf:
+        if not os.path.exists(os.path.join(path, "config.json")):
+            write_model_dir(path, QWEN3_30B_A3B)
+        try:
+            results["transformers"] = transformers_offline(path, ns.hf_layers, ns.hf_prompts)
+        except Exception as exc:  # noqa: BLE001 - report, keep the other numbers
+            results["transformers"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        print(f"transformers: {results['transformers']}", flush=True)
+        save()
+
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, {meta['date']}, copy {bw:.0f} GB/s")
+    print(f"command: {meta['command']}\n")
+    if "tuning" in results:
+        print("| shape | M | default ms | tuned ms | tuned config (BM,BN,BK,warps,stages) | "
+              "roofline ms |")
+        print("|---|---|---|---|---|---|")
+        for model in SHAPES:
+            for m in BUCKETS:
+                rs = [r for r in results["tuning"] if r["model"] == model and r["M"] == m]
+                if not rs:
+                    continue
+                d = next((r for r in rs if r["config"] == list(CANDIDATES[0])), None)
+                b = min(rs, key=lambda r: r["ms"])
+                print(f"| {model} | {m} | {d['ms'] if d else float('nan'):.4f} | "
+                      f"{b['ms']:.4f} | {tuple(b['config'])} | {b['roofline_ms']:.4f} |")
+    q = results.get("qwen3")
+    if q:
+        print("\n| Qwen3-30B-A3B dummy bf16 | GB read | ms | roofline ms | x roofline |")
+        print("|---|---|---|---|---|")
+        for batch in (1, 64):
+            r = q[f"decode_{batch}"]
+            print(f"| decode batch {batch}, {ns.context} ctx ({r['distinct_experts']:.1f} "
+                  f"experts/layer) | {r['bytes'] / 1e9:.2f} | {r['ms']:.3f} | "
+                  f"{r['roofline_ms']:.3f} | {r['ms'] / r['roofline_ms']:.2f} |")
+        o = q["offline"]
+        print(f"\nflowengine offline {ns.num_prompts} x 200/200: {o['output_tok_s']:.1f} "
+              f"output tok/s ({o['elapsed_s']:.1f} s)")
+    t = results.get("transformers")
+    if t and "error" not in t:
+        print(f"transformers generate_batch, {t['layers']} layers, {t['requests']} prompts: "
+              f"{t['output_tok_s']:.1f} output tok/s -> {t['output_tok_s_scaled_48']:.1f} "
+              "scaled to 48 layers")
+        if q:
+            print(f"ratio flowengine / transformers (scaled): "
+                  f"{q['offline']['output_tok_s'] / t['output_tok_s_scaled_48']:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
