@@ -1,5 +1,6 @@
-"""`use_beam_search` over HTTP passes the same admission (`--max-queue-len`) and feeds
-the same latency metrics as every other request (the fake engine: no model)."""
+"""`use_beam_search` over HTTP passes the same admission (`--max-queue-len`) and its
+step requests feed the same latency metrics as every other request (the fake engine:
+no model)."""
 
 from __future__ import annotations
 
@@ -71,15 +72,11 @@ def test_beam_search_feeds_the_latency_metrics():
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 2 * 3
         after = http.get("/metrics").text
-    # One request: one TTFT (the first step) and one end-to-end latency; max_tokens=3
-    # steps, each later step one inter-token latency.
-    assert _count(after, "e2e_request_latency_seconds") - _count(
-        before, "e2e_request_latency_seconds") == 1
-    assert _count(after, "time_to_first_token_seconds") - _count(
-        before, "time_to_first_token_seconds") == 1
-    assert _count(after, "inter_token_latency_seconds") - _count(
-        before, "inter_token_latency_seconds") == 2
-
+    # Each step is an engine request (as vLLM's beam search over generate): the first
+    # step, then 2 beams x 2 more steps (max_tokens=3): 5 requests, each with one TTFT
+    # and one end-to-end latency, as any engine request.
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds"):
+        assert _count(after, name) - _count(before, name) == 1 + 2 * 2, name
 
 def test_max_tokens_over_the_context_is_lowered_as_for_sampling():
     # max_model_len 12, prompt "abc" (3 byte tokens): 9 tokens of room per beam, as a

@@ -14,9 +14,8 @@ outputs, penalties, ...) are refused with a 400 naming the field, as is a width 
 
 A search passes the server's admission as every other request does: its first step
 holds a seat of `--max-queue-len` until its first output, so a full queue answers 429
-`queue_full`. Its latency metrics: TTFT when the first step's token is sampled, one
-inter-token latency per later step (every beam gains one token per step), end-to-end
-when the search is done.
+`queue_full`. Each step request is an engine request, so the latency histograms count
+it as any other (vLLM's beam search over `generate` does the same).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from flowengine.entrypoints.openai.context import ServingContext, log_request, u
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from flowengine.metrics import ServingMetrics
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -119,18 +117,14 @@ def beam_params(
 class _AdmittedEngine:
     """The engine as one search sees it: the first `submit` (the prompt's step) passes
     `admission` and holds its seat until that step's first output, as `EngineStream`
-    does for other requests; a step ends when its last concurrent submit ends, which
-    observes TTFT (the first step) or one inter-token latency (later steps). Every
-    other attribute is the engine's."""
+    does for other requests. Every other attribute is the engine's (each step request
+    is an engine request, so the frontend's RequestStats count its latencies, as
+    vLLM's beam search over `generate`)."""
 
-    def __init__(self, engine: Any, admission: Admission, metrics: ServingMetrics) -> None:
+    def __init__(self, engine: Any, admission: Admission) -> None:
         self._engine = engine
         self._admission = admission
-        self._metrics = metrics
         self._num_submits = 0
-        self._num_running = 0
-        self.arrival_s = time.monotonic()
-        self._last_step_end_s: float | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -149,8 +143,6 @@ class _AdmittedEngine:
         if is_first:
             self._admission.enter()  # APIError(429) when the server's queue is full
             pending = True
-        self._num_running += 1
-        finished = False
         try:
             outputs = self._engine.submit(prompt, params, request_id, priority=priority,
                                           output_kind=output_kind)
@@ -159,34 +151,20 @@ class _AdmittedEngine:
                     if pending:
                         pending = False
                         self._admission.leave()
-                    finished = finished or out.finished
                     yield out
         finally:
             if pending:
                 self._admission.leave()
-            self._num_running -= 1
-            if finished and self._num_running == 0:
-                self._step_done()
-
-    def _step_done(self) -> None:
-        now = time.monotonic()
-        if self._last_step_end_s is None:
-            self._metrics.observe_ttft(now - self.arrival_s)
-        else:
-            self._metrics.observe_itl(now - self._last_step_end_s)
-        self._last_step_end_s = now
 
 
 async def _search(ctx: ServingContext, prompt: Any, beam: BeamSearchParams, fit: bool,
                   priority: int) -> tuple[BeamSearchOutput, int]:
-    engine = _AdmittedEngine(ctx.engine, ctx.admission, ctx.metrics)
+    engine = _AdmittedEngine(ctx.engine, ctx.admission)
     try:
-        result = await beam_search(engine, prompt, beam, priority=priority,
-                                   fit_max_tokens=fit)
+        return await beam_search(engine, prompt, beam, priority=priority,
+                                 fit_max_tokens=fit)
     except Exception as err:
         raise engine_error(err) from None
-    ctx.metrics.observe_e2e(time.monotonic() - engine.arrival_s)
-    return result
 
 
 async def _search_all(ctx: ServingContext, prompts: list[Any], beam: BeamSearchParams,
