@@ -246,7 +246,10 @@ class Scheduler:
 
     @property
     def num_total_blocks(self) -> int:
-        return self.kv_cache_manager.num_blocks
+        """KV blocks requests can hold: the cache's blocks less a window's null block
+        (which is never free), so `num_total_blocks - num_free_blocks` is what requests
+        hold and the KV-cache fit and usage see the real capacity."""
+        return self.kv_cache_manager.num_usable_blocks
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -148,6 +148,10 @@ class AsyncEngine:
         self._children: dict[str, list[str]] = {}
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._gc_threshold: tuple[int, ...] | None = None
+        # KV blocks the engine reported at start-up (the smallest replica's under data
+        # parallelism): what get_stats() says before the first stats message arrives,
+        # so the server's default --max-queue-len sees the real count.
+        self._startup_num_kv_blocks = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN):
@@ -308,6 +312,7 @@ class AsyncEngine:
 
         from flowengine.engine.builder import fit_max_model_len
 
+        self._startup_num_kv_blocks = num_kv_blocks
         max_model_len = fit_max_model_len(self.resolved, num_kv_blocks)
         if max_model_len != self.resolved.max_model_len:
             self.resolved = replace(self.resolved, max_model_len=max_model_len)
@@ -551,12 +556,16 @@ class AsyncEngine:
         if replicas is not None:
             return self._data_parallel_stats(replicas)
         st = self.detokenizer.stats
+        if st.num_total_blocks:
+            num_total_blocks, num_free_blocks = st.num_total_blocks, st.num_free_blocks
+        else:  # no stats message yet: the start-up count, all free
+            num_total_blocks = num_free_blocks = self._startup_num_kv_blocks
         return EngineStats(
             num_running=st.num_running,
             num_waiting=st.num_waiting,
             kv_cache_usage=st.kv_cache_usage,
-            num_free_blocks=st.num_free_blocks,
-            num_total_blocks=st.num_total_blocks,
+            num_free_blocks=num_free_blocks,
+            num_total_blocks=num_total_blocks,
             # vLLM's meaning: prefill tokens computed (prefix-cache hits excluded).
             prompt_tokens_total=self.detokenizer.request_stats.prompt_tokens_computed_total,
             generation_tokens_total=self.detokenizer.generation_tokens_total,
@@ -570,7 +579,7 @@ class AsyncEngine:
                 st.spec_decode_num_accepted_tokens_per_pos),
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
             histograms=self.detokenizer.request_stats.snapshot(),
-            cache_config=self._cache_config(st.num_total_blocks),
+            cache_config=self._cache_config(num_total_blocks),
         )
 
     def _data_parallel_stats(self, replicas: list[Any]) -> EngineStats:
