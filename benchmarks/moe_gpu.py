@@ -25,6 +25,10 @@ c. offline: 1000 prompts x 200 random tokens, 200 output tokens each (ignore_eos
    and one transformers layer at a time is what bounds it) and --hf-prompts prompts,
    its output tok/s scaled by hf_layers / 48 (the embedding and LM head are not scaled,
    which flatters transformers).
+d. decode path (--decode-compare): one fused_moe layer at T = 1, 4, 8, 16 for both shapes,
+   the aligned grouped path (tuned tiles) against the alignment-free decode path
+   (kernels/fused_moe.py `_fused_moe_decode`) at a few (BLOCK_N, BLOCK_K) tiles, CUDA-graph
+   medians as in a., beside the roofline of the experts the routing touches.
 The table comes last; JSON in --out.
 """
 
@@ -46,6 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_bench import copy_bandwidth_gbs, device_step_ms  # noqa: E402
 
+from flowengine.kernels import fused_moe as fused_moe_module  # noqa: E402
 from flowengine.kernels.fused_moe import config_file_name, default_config, fused_moe  # noqa: E402
 from flowengine.model.layers.moe import FusedMoE, select_experts  # noqa: E402
 
@@ -133,6 +138,42 @@ def tune(bw_gbs: float, buckets: tuple[int, ...]) -> tuple[list[dict], dict[str,
     return rows, files
 
 
+DECODE_TOKENS = (1, 4, 8, 16)
+DECODE_TILES = ((16, 128), (32, 128), (32, 256), (64, 64), (64, 128))  # (BLOCK_N, BLOCK_K)
+
+
+def decode_compare(bw_gbs: float) -> list[dict]:
+    """Grouped vs decode path of one MoE layer (section d. of the module docstring)."""
+    rows = []
+    for model, (e, k, h, i) in SHAPES.items():
+        torch.manual_seed(1)
+        w13 = (torch.randn(e, 2 * i, h, device="cuda") * h ** -0.5).bfloat16()
+        w2 = (torch.randn(e, h, i, device="cuda") * i ** -0.5).bfloat16()
+        for m in DECODE_TOKENS:
+            x = torch.randn(m, h, device="cuda").bfloat16()
+            weights, ids = select_experts(torch.randn(m, e, device="cuda"), k, True)
+            distinct = int(ids.unique().numel())
+            roof = distinct * 3 * h * i * 2 / bw_gbs / 1e6
+            ref = fused_moe(x, w13, w2, weights, ids, decode=False).float()
+            row = {"model": model, "T": m, "distinct_experts": distinct, "roofline_ms": roof,
+                   "grouped_ms": _graph_ms(functools.partial(
+                       fused_moe, x, w13, w2, weights, ids, decode=False)), "decode": {}}
+            for bn, bk in DECODE_TILES:
+                fn = functools.partial(fused_moe_module._fused_moe_decode, x, w13, w2,
+                                       weights, ids, None, bn, bk)
+                err = float((fn().float() - ref).norm() / ref.norm())
+                if not err < 1e-2:
+                    raise RuntimeError(f"{model} T={m} decode {bn}x{bk} disagrees: {err:.2e}")
+                row["decode"][f"{bn}x{bk}"] = _graph_ms(fn)
+            row["default_ms"] = _graph_ms(functools.partial(fused_moe, x, w13, w2, weights,
+                                                            ids))
+            rows.append(row)
+            print(f"decode-compare {row}", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return rows
+
+
 def write_model_dir(path: str, config: dict) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -217,7 +258,8 @@ def decode_step(runner, batch: int, context: int, iters: int = 50) -> dict:
             "distinct_experts": sum(picked) / len(picked)}
 
 
-def qwen3_engine(path: str, bw_gbs: float, num_prompts: int, context: int) -> dict:
+def qwen3_engine(path: str, bw_gbs: float, num_prompts: int, context: int,
+                 batches: tuple[int, ...] = (1, 64), offline: bool = True) -> dict:
     from flowengine import LLM
     from flowengine.bench.throughput import random_prompts, run_flowengine
 
@@ -230,12 +272,15 @@ def qwen3_engine(path: str, bw_gbs: float, num_prompts: int, context: int) -> di
     out["weight_gb"] = sum(p.numel() * p.element_size()
                            for p in runner.model.parameters()) / 1e9
     print(f"engine up in {out['load_s']:.1f} s, weights {out['weight_gb']:.1f} GB", flush=True)
-    for batch in (1, 64):
+    for batch in batches:
         r = decode_step(runner, batch, context)
         r["roofline_ms"] = r["bytes"] / bw_gbs / 1e6
         r["same_token_ms"] = device_step_ms(runner, batch, context)  # gpu_bench's inputs
         out[f"decode_{batch}"] = r
         print(f"decode batch {batch}: {out[f'decode_{batch}']}", flush=True)
+    if not offline:
+        llm.shutdown()
+        return out
     prompts = random_prompts(num_prompts, 200, QWEN3_30B_A3B["vocab_size"], set(), 0)
     res = run_flowengine(llm, prompts, 200)
     out["offline"] = {"requests": res.num_requests,
@@ -279,6 +324,17 @@ def transformers_offline(path: str, layers: int, num_prompts: int) -> dict:
             "output_tok_s_scaled_48": rate * layers / QWEN3_30B_A3B["num_hidden_layers"]}
 
 
+def print_decode_compare(rows: list[dict]) -> None:
+    tiles = [f"{bn}x{bk}" for bn, bk in DECODE_TILES]
+    print("\n| shape | T | experts | grouped ms | " + " | ".join(f"decode {t} ms" for t in tiles)
+          + " | fused_moe default ms | roofline ms |")
+    print("|---" * (6 + len(tiles)) + "|")
+    for r in rows:
+        print(f"| {r['model']} | {r['T']} | {r['distinct_experts']} | {r['grouped_ms']:.4f} | "
+              + " | ".join(f"{r['decode'][t]:.4f}" for t in tiles)
+              + f" | {r['default_ms']:.4f} | {r['roofline_ms']:.4f} |", flush=True)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -291,6 +347,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--hf-layers", type=int, default=4)
     p.add_argument("--hf-prompts", type=int, default=200)
+    p.add_argument("--decode-compare", action="store_true",
+                   help="time the grouped vs the decode fused-MoE path (section d.)")
+    p.add_argument("--decode-batches", default="1,64",
+                   help="comma-separated decode batch sizes of section b.")
+    p.add_argument("--skip-offline", action="store_true", help="section b. without c.")
     ns = p.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     bw = copy_bandwidth_gbs()
@@ -315,10 +376,16 @@ def main(argv: list[str]) -> int:
                     json.dump(cfgs, f, indent=4)
                     f.write("\n")
         save()
+    if ns.decode_compare:
+        results["decode_compare"] = decode_compare(bw)
+        save()
+        print_decode_compare(results["decode_compare"])
+    batches = tuple(int(b) for b in ns.decode_batches.split(","))
     path = tempfile.mkdtemp(prefix="qwen3-30b-a3b-")
     if not ns.skip_model:
         write_model_dir(path, QWEN3_30B_A3B)
-        results["qwen3"] = qwen3_engine(path, bw, ns.num_prompts, ns.context)
+        results["qwen3"] = qwen3_engine(path, bw, ns.num_prompts, ns.context, batches,
+                                        not ns.skip_offline)
         save()
     if not ns.skip_hf:
         if not os.path.exists(os.path.join(path, "config.json")):
@@ -345,15 +412,18 @@ def main(argv: list[str]) -> int:
                 b = min(rs, key=lambda r: r["ms"])
                 print(f"| {model} | {m} | {d['ms'] if d else float('nan'):.4f} | "
                       f"{b['ms']:.4f} | {tuple(b['config'])} | {b['roofline_ms']:.4f} |")
+    if "decode_compare" in results:
+        print_decode_compare(results["decode_compare"])
     q = results.get("qwen3")
     if q:
         print("\n| Qwen3-30B-A3B dummy bf16 | GB read | ms | roofline ms | x roofline |")
         print("|---|---|---|---|---|")
-        for batch in (1, 64):
+        for batch in batches:
             r = q[f"decode_{batch}"]
             print(f"| decode batch {batch}, {ns.context} ctx ({r['distinct_experts']:.1f} "
                   f"experts/layer) | {r['bytes'] / 1e9:.2f} | {r['ms']:.3f} | "
                   f"{r['roofline_ms']:.3f} | {r['ms'] / r['roofline_ms']:.2f} |")
+    if q and "offline" in q:
         o = q["offline"]
         print(f"\nflowengine offline {ns.num_prompts} x 200/200: {o['output_tok_s']:.1f} "
               f"output tok/s ({o['elapsed_s']:.1f} s)")
@@ -362,7 +432,7 @@ def main(argv: list[str]) -> int:
         print(f"transformers generate_batch, {t['layers']} layers, {t['requests']} prompts: "
               f"{t['output_tok_s']:.1f} output tok/s -> {t['output_tok_s_scaled_48']:.1f} "
               "scaled to 48 layers")
-        if q:
+        if q and "offline" in q:
             print(f"ratio flowengine / transformers (scaled): "
                   f"{q['offline']['output_tok_s'] / t['output_tok_s_scaled_48']:.1f}x")
     return 0

@@ -22,6 +22,14 @@ scheduler spent filling bitmasks, per step. Then the compile time of each of the
 schemas of tests/data/json_schemas.json on a fresh backend (no cache), xgrammar or
 llguidance as "auto" picks. Prints markdown tables last, with the load average.
 
+--fill-only measures the scheduler's per-step grammar work alone, on the host: N
+requests under the JSON schema above (xgrammar), each step's bitmask filled for all N
+rows and one allowed token (random) accepted per row, for 48 steps; "row by row" is
+the fill before the batched one (one xgrammar call per row into a fresh tensor, as
+bytes), checked equal to the batched fill at every step; median ms per step.
+
+    python benchmarks/structured_outputs.py --fill-only [--rows 32 128] [--threads 1 2]
+
 --write-model-dir DIR writes the H200 benchmark's model: Llama-3.1-8B's shapes with
 SmolLM2's vocabulary (49,152 tokens) and its tokenizer files and chat template, no
 weights (run it with --load-format dummy: random bf16 weights built on the device).
@@ -40,6 +48,7 @@ import time
 from pathlib import Path
 
 from flowengine import LLM, SamplingParams, StructuredOutputsParams
+from flowengine.sampling_params import RequestOutputKind
 from flowengine.structured_outputs.backend import GrammarOptions, select_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,15 +143,16 @@ def _params(output_len: int, constrained: bool) -> SamplingParams:
 
 async def run_async_once(engine, prompt: str, batch: int, output_len: int, constrained: bool,
                          masks: list[float]) -> dict[str, float]:
-    """One batch through `AsyncEngine.submit` (two steps in flight): tok/s over the
-    wall time, TPOT from each request's token arrival times."""
+    """One batch through `AsyncEngine.submit` (two steps in flight; DELTA outputs, each
+    with the new tokens only): tok/s over the wall time, TPOT from each request's token
+    arrival times."""
     params = _params(output_len, constrained)
     masks.clear()
     steps_before = engine.core.num_steps
 
     async def one() -> tuple[int, float, float]:
         n, first, last = 0, 0.0, 0.0
-        async for out in engine.submit(prompt, params):
+        async for out in engine.submit(prompt, params, output_kind=RequestOutputKind.DELTA):
             k = len(out.outputs[0].token_ids)
             if k:
                 last = time.perf_counter()
@@ -182,6 +192,104 @@ def compile_times(tokenizer, vocab_size: int) -> list[tuple[str, str, float]]:
     return rows
 
 
+def _fill_row_by_row(manager, request_ids: list[str]) -> bytes:
+    """The fill before the batched one: a fresh tensor, one xgrammar call per row (its
+    Python wrapper converts the tensor each time), then bytes."""
+    import torch
+
+    bitmask = torch.full((len(request_ids), manager.num_words), -1, dtype=torch.int32)
+    for row, rid in enumerate(request_ids):
+        manager._matchers[rid]._m.fill_next_token_bitmask(bitmask, row)
+    return bitmask.numpy().tobytes()
+
+
+def fill_benchmark(tokenizer, vocab_size: int, rows_list: list[int], threads_list: list[int],
+                   num_steps: int = 48) -> list[tuple[int, str, float, float]]:
+    """(rows, variant, fill ms/step, accept ms/step) medians; see the module docstring."""
+    import random
+
+    import numpy as np
+
+    from flowengine.request import Request
+    from flowengine.structured_outputs.manager import StructuredOutputManager
+
+    out = []
+    rng = random.Random(0)
+    for num_rows in rows_list:
+        managers = {t: StructuredOutputManager("xgrammar", vocab_size=vocab_size,
+                                               tokenizer=tokenizer, fill_threads=t)
+                    for t in threads_list}
+        ids = [f"r{i}" for i in range(num_rows)]
+        for manager in managers.values():
+            for rid in ids:
+                req = Request(rid, [1], SamplingParams(
+                    max_tokens=num_steps, structured_outputs=StructuredOutputsParams(
+                        json=SCHEMA)), eos_token_id=tokenizer.eos_token_id,
+                    max_tokens=num_steps)
+                manager.add_request(req)
+                while manager.poll(req) == "compiling":
+                    manager.wait_for_compiles(5.0)
+        times: dict[str, list[float]] = {}
+        accepts: list[float] = []
+        accepts_before: list[float] = []
+        for _ in range(num_steps):
+            first = next(iter(managers.values()))
+            t = time.perf_counter()
+            reference = _fill_row_by_row(first, ids)
+            times.setdefault("row by row", []).append(time.perf_counter() - t)
+            for threads, manager in managers.items():
+                t = time.perf_counter()
+                got = manager.fill_bitmask(ids)
+                times.setdefault(f"batched, {threads} thread(s)", []).append(
+                    time.perf_counter() - t)
+                assert got == reference, "batched fill differs from row by row"
+            words = np.frombuffer(reference, dtype=np.uint32).reshape(num_rows, -1)
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little").reshape(num_rows, -1)
+            tokens = [rng.choice(np.flatnonzero(bits[i, :vocab_size]).tolist())
+                      for i in range(num_rows)]
+            for i, manager in enumerate(managers.values()):
+                t = time.perf_counter()
+                if i == 0:  # the accepts before: xgrammar's wrapper, is_terminated first
+                    for rid, tok in zip(ids, tokens, strict=True):
+                        matcher = manager._matchers[rid]._m
+                        assert not matcher.is_terminated() and matcher.accept_token(tok)
+                    accepts_before.append(time.perf_counter() - t)
+                    manager._dirty.update(ids)
+                    continue
+                for rid, tok in zip(ids, tokens, strict=True):
+                    assert manager.accept_tokens(rid, [tok])
+                accepts.append(time.perf_counter() - t)
+        for variant, ts in times.items():
+            before = variant == "row by row"
+            out.append((num_rows, variant, 1e3 * statistics.median(ts),
+                        1e3 * statistics.median(accepts_before if before else accepts)))
+        for manager in managers.values():
+            manager.shutdown()
+    return out
+
+
+def _main_fill(args) -> None:
+    from flowengine.config import EngineArgs
+    from flowengine.engine.builder import resolve
+    from flowengine.model.model_config import ModelConfig
+    from flowengine.tokenize.tokenizer import load_tokenizer
+
+    path = args.model or resolve(EngineArgs()).model_path
+    tokenizer = load_tokenizer(path)
+    vocab_size = ModelConfig.from_pretrained(path).vocab_size
+    load_before = os.getloadavg()
+    rows = fill_benchmark(tokenizer, vocab_size, args.rows, args.threads)
+    load_after = os.getloadavg()
+    print(f"\ncommand: python benchmarks/structured_outputs.py {' '.join(sys.argv[1:])}\n"
+          f"host bitmask work per step, JSON schema, xgrammar; load average before "
+          f"{load_before[0]:.2f}, after {load_after[0]:.2f} ({os.cpu_count()} CPUs); "
+          "medians of 48 steps\n")
+    print("| rows | fill (and accept) | fill ms/step | accept ms/step |")
+    print("|---|---|---|---|")
+    for num_rows, variant, fill_ms, accept_ms in rows:
+        print(f"| {num_rows} | {variant} | {fill_ms:.3f} | {accept_ms:.3f} |")
+
+
 def _timed_fill(manager, masks: list[float]) -> None:
     fill = manager.fill_bitmask
 
@@ -206,9 +314,18 @@ def main() -> None:
                         help="AsyncEngine in-process with two steps in flight")
     parser.add_argument("--write-model-dir", default=None, metavar="DIR")
     parser.add_argument("--json-out", default=None, help="write the raw runs here")
+    parser.add_argument("--no-compile-times", action="store_true",
+                        help="skip the 30 schemas' compile times after the runs")
+    parser.add_argument("--fill-only", action="store_true",
+                        help="time the host's per-step bitmask fill and accepts alone")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     if args.write_model_dir is not None:
         write_model_dir(args.write_model_dir)
+        return
+    if args.fill_only:
+        _main_fill(args)
         return
     if args.async_scheduling:
         asyncio.run(_main(args))
@@ -278,7 +395,7 @@ async def _main(args) -> None:
 
 def _report(args, results, load_before, load_after, tokenizer, vocab_size: int,
             engine_name: str) -> None:
-    rows = compile_times(tokenizer, vocab_size)
+    rows = [] if args.no_compile_times else compile_times(tokenizer, vocab_size)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "runs": {f"{b}-{'json' if c else 'free'}": r

@@ -29,6 +29,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -281,6 +282,180 @@ AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_
 }
 #endif
 
+
+/* ------------------------------------------------------------------ AVX512-VNNI bodies
+ *
+ * Integer dot products as llama.cpp computes them, at float32's accuracy. Each 32-value
+ * block b of an activation row is quantized to integers A = round(x / s_b) with
+ * s_b = max|x| / TOP, so |x - s_b A| <= s_b / 2: relative to the block's largest value
+ * 1 / (2 TOP), 6e-8 for Q4 (TOP = 127 * 2^16) and 2.4e-7 for Q8_0 (TOP = 2^21), close
+ * to float32's own 6e-8 (two int8 levels, TOP = 127 * 2^8, were measured at 1e-3 on
+ * the greedy test's logprobs; three levels at 1.8e-5, float32's order-of-sums noise).
+ * A is split into three signed bytes, A = 2^16 h + 2^8 m + l, and vpdpbusd (unsigned
+ * byte x signed byte, four products summed into each int32 lane) gives
+ *     I = ((dot(q, h) << 8) + dot(q, m)) << 8) + dot(q, l) = sum q A   exactly
+ * (no lane overflows: |I| <= 4 * 15 * TOP for Q4, 4 * 255 * 2^21 < 2^31 for Q8_0).
+ * Then per block   sum w x = d s_b I + m sum x   (Q4_1; Q4_0: d (s_b I - 8 sum x);
+ * Q8_0: d s_b (I - 128 sum A), its int8 weights offset by 128 to be unsigned), where
+ * the float sum of x is exact float32 and I is converted once per lane.
+ *
+ * Layouts, per activation row and pair p of blocks (2p, 2p + 1), 64 values:
+ *   Q4: [x_2p[0..15], x_2p+1[0..15], x_2p[16..31], x_2p+1[16..31]] (the order of a
+ *       pair's 32 weight bytes' low nibbles, then their high nibbles);
+ *   Q8: [x_2p[0..31], x_2p+1[0..31]] (the weight bytes' order).
+ * An odd last block pairs with a zero block (its weights loaded under a mask).
+ *
+ * Per pair and activation row: 3 vpdpbusd, 2 shifts, 1 convert, 2 FMA/mul, where the
+ * float32 kernel needs 12 instructions per block to dequantize and multiply. The
+ * unpacking of the weights is shared by the rows, the products are not, so the float
+ * kernel's cost per extra row is lower: VNNI runs batches of up to VNNI_MAX_ROWS.
+ */
+#define VNNI_MAX_ROWS 3
+#if HAVE_X86
+#define TOP_Q4 8323072.f /* 127 * 2^16 */
+#define TOP_Q8 2097000.f /* < 2^21: 4 * 255 * |A| fits an int32 lane */
+
+typedef struct {
+    int64_t npair, nxs; /* pairs per row; floats of xs per row (multiple of 16) */
+    int8_t *bytes;      /* [M][npair][3][64]: h, m, l */
+    float *s;           /* [M][npair][16]: the activation scale of each int32 lane */
+    int32_t *corr;      /* Q8_0: [M][npair][16]: 128 * sum of A over each lane's 4 values */
+    float *xs;          /* [M][nxs]: multiplied with the weight row's float scales */
+} vnni_act;
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+/* Quantize activation row x[K] into row r of `a` (buffers zeroed by the caller). */
+VNNI static void vnni_prepare_row(int fmt, const float *x, int64_t K, vnni_act *a, int64_t r)
+{
+    const int64_t nb = K / QK;
+    const float top = fmt == FMT_Q8_0 ? TOP_Q8 : TOP_Q4;
+    int8_t *bytes = a->bytes + r * a->npair * 192;
+    float *s = a->s + r * a->npair * 16, *xs = a->xs + r * a->nxs;
+        for (int64_t b = 0; b < nb; b++) {
+        const int64_t p = b / 2, half = b % 2;
+        __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        float inv = amax > 0.f ? top / amax : 0.f, scale = amax / top;
+        float xsum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+        __m512 vinv = _mm512_set1_ps(inv);
+        for (int part = 0; part < 2; part++) {
+            __m512i A = _mm512_cvtps_epi32(_mm512_mul_ps(part ? x1 : x0, vinv));
+            /* balanced bytes: l = low byte as int8, then m, then h */
+            __m512i A1 = _mm512_srai_epi32(
+                _mm512_sub_epi32(A, _mm512_srai_epi32(_mm512_slli_epi32(A, 24), 24)), 8);
+            __m512i H = _mm512_srai_epi32(
+                _mm512_sub_epi32(A1, _mm512_srai_epi32(_mm512_slli_epi32(A1, 24), 24)), 8);
+            int64_t pos = fmt == FMT_Q8_0 ? half * 32 + part * 16 : part * 32 + half * 16;
+            int8_t *dst = bytes + p * 192 + pos;
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(H));
+            _mm_storeu_si128((__m128i *)(dst + 64), _mm512_cvtepi32_epi8(A1));
+            _mm_storeu_si128((__m128i *)(dst + 128), _mm512_cvtepi32_epi8(A));
+        }
+        __mmask16 lanes = fmt == FMT_Q8_0 ? (__mmask16)(0x00ff << (8 * half))
+                                          : (__mmask16)(0x0f0f << (4 * half));
+        _mm512_mask_storeu_ps(s + p * 16, lanes, _mm512_set1_ps(scale));
+        if (fmt == FMT_Q4_1) { /* scales interleaved (d, m): m's term */
+            xs[2 * b + 1] = xsum;
+        } else if (fmt == FMT_Q4_0) {
+            xs[b] = -8.f * xsum;
+        }
+    }
+    if (fmt == FMT_Q8_0) { /* corr = 128 * (2^16 sum h + 2^8 sum m + sum l) per lane */
+        const __m512i ones = _mm512_set1_epi8(1);
+        int32_t *corr = a->corr + r * a->npair * 16;
+        for (int64_t p = 0; p < a->npair; p++) {
+            const int8_t *bp = bytes + p * 192;
+            __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
+                                            _mm512_loadu_si512(bp));
+            c = _mm512_dpbusd_epi32(_mm512_slli_epi32(c, 8), ones, _mm512_loadu_si512(bp + 64));
+            c = _mm512_dpbusd_epi32(_mm512_slli_epi32(c, 8), ones, _mm512_loadu_si512(bp + 128));
+            _mm512_storeu_si512(corr + p * 16, _mm512_slli_epi32(c, 7));
+        }
+    }
+}
+
+/* I = sum q A per lane for weights w (unsigned bytes) and one activation pair. */
+#define VNNI_DOT(w, bp)                                                                   \
+    _mm512_dpbusd_epi32(                                                                  \
+        _mm512_slli_epi32(_mm512_dpbusd_epi32(                                            \
+                              _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), \
+                                                                    (w),                   \
+                                                                    _mm512_loadu_si512(bp)), \
+                                                8),                                       \
+                              (w), _mm512_loadu_si512((bp) + 64)),                        \
+                          8),                                                             \
+        (w), _mm512_loadu_si512((bp) + 128))
+
+/* Weight rows n0..n1 against R activation rows (R a constant after inlining). */
+VNNI static inline __attribute__((always_inline)) void
+vnni_rows(int fmt, const vnni_act *a, int R, int64_t K, const uint8_t *qs, const uint16_t *sc,
+          int64_t n0, int64_t n1, float *out, int64_t N)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    const int64_t npair = a->npair, full = nb / 2;
+    /* the row's float scales, zero-padded: one 16-float load per pair and for xs */
+    float scf[a->nxs + 32];
+    memset(scf, 0, sizeof(scf));
+    /* lane -> scale index within the 16 floats loaded at the pair's first scale */
+    const __m512i idx = fmt == FMT_Q8_0
+        ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+        : fmt == FMT_Q4_1 ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
+                          : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const int64_t sstep = fmt == FMT_Q4_1 ? 4 : 2; /* scale floats per pair */
+    const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *rq = qs + n * qrow;
+        row_scales_avx512(sc + n * srow, srow, scf);
+        __m512 acc[VNNI_MAX_ROWS];
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < npair; p++) {
+            __m512i w;
+            if (fmt == FMT_Q8_0) {
+                w = p < full ? _mm512_loadu_si512(rq + 64 * p)
+                             : _mm512_maskz_loadu_epi8(0xffffffffull, rq + 64 * p);
+                w = _mm512_xor_si512(w, flip); /* q + 128: unsigned */
+            } else {
+                __m256i raw = p < full ? _mm256_loadu_si256((const __m256i *)(rq + 32 * p))
+                                       : _mm256_maskz_loadu_epi8(0xffff, rq + 32 * p);
+                w = _mm512_broadcast_i64x4(raw);
+                /* upper 256 bits: the high nibbles */
+                w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xffff0000u, w, 4), nib);
+            }
+            __m512 d = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(scf + sstep * p));
+            for (int r = 0; r < R; r++) {
+                const int8_t *bp = a->bytes + (r * npair + p) * 192;
+                __m512i i = VNNI_DOT(w, bp);
+                if (fmt == FMT_Q8_0)
+                    i = _mm512_sub_epi32(i, _mm512_loadu_si512(a->corr + (r * npair + p) * 16));
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(i),
+                                         _mm512_loadu_ps(a->s + (r * npair + p) * 16));
+                acc[r] = _mm512_fmadd_ps(f, d, acc[r]);
+            }
+        }
+        if (fmt != FMT_Q8_0) /* the m (Q4_1) or -8 d (Q4_0) terms: xs . scales */
+            for (int64_t j = 0; j < a->nxs; j += 16)
+                for (int r = 0; r < R; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scf + j),
+                                             _mm512_loadu_ps(a->xs + r * a->nxs + j), acc[r]);
+        for (int r = 0; r < R; r++)
+            out[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+VNNI static void vnni_rows_any(int fmt, const vnni_act *a, int64_t M, int64_t K,
+                               const uint8_t *qs, const uint16_t *sc, int64_t n0, int64_t n1,
+                               float *out, int64_t N)
+{
+    switch (M) { /* R constant in each copy: the accumulators stay in registers */
+    case 1: vnni_rows(fmt, a, 1, K, qs, sc, n0, n1, out, N); break;
+    case 2: vnni_rows(fmt, a, 2, K, qs, sc, n0, n1, out, N); break;
+    default: vnni_rows(fmt, a, 3, K, qs, sc, n0, n1, out, N); break;
+    }
+}
+#endif
+
 static int use_avx512(void)
 {
 #if HAVE_X86
@@ -291,6 +466,19 @@ static int use_avx512(void)
                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
                  __builtin_cpu_supports("f16c") && !getenv("FLOWENGINE_CPU_NO_AVX512");
     }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+static int use_vnni(void)
+{
+#if HAVE_X86
+    static int cached = -1;
+    if (cached < 0)
+        cached = use_avx512() && __builtin_cpu_supports("avx512vnni") &&
+                 !getenv("FLOWENGINE_CPU_NO_VNNI");
     return cached;
 #else
     return 0;
@@ -339,7 +527,30 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
     int64_t units = (N + 15) / 16;
     if (nth > units)
         nth = (int)(units > 0 ? units : 1);
+    int vnni = M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
+#if HAVE_X86
+    vnni_act act;
+    void *buf = NULL;
+    if (vnni) {
+        const int64_t nb = K / QK, srow = sc_row_halves(fmt, K);
+        act.npair = (nb + 1) / 2;
+        act.nxs = (srow + 15) / 16 * 16;
+        size_t per_row = (size_t)act.npair * (192 + 64 + 64) + (size_t)act.nxs * 4;
+        buf = calloc((size_t)M, per_row);
+        if (buf == NULL)
+            return PyErr_NoMemory();
+        act.s = (float *)buf;
+        act.corr = (int32_t *)(act.s + M * act.npair * 16);
+        act.xs = (float *)(act.corr + M * act.npair * 16);
+        act.bytes = (int8_t *)(act.xs + M * act.nxs);
+    }
+#endif
     Py_BEGIN_ALLOW_THREADS
+#if HAVE_X86
+    if (vnni)
+        for (int64_t r = 0; r < M; r++)
+            vnni_prepare_row(fmt, x + r * K, K, &act, r);
+#endif
 #pragma omp parallel num_threads(nth)
     {
         int tid = 0, t = 1;
@@ -350,13 +561,18 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
         int64_t n0, n1;
         thread_range(N, tid, t, &n0, &n1);
 #if HAVE_X86
-        if (avx)
+        if (vnni)
+            vnni_rows_any(fmt, &act, M, K, qs, sc, n0, n1, out, N);
+        else if (avx)
             linear_rows_avx512(fmt, x, M, K, qs, sc, n0, n1, out, N);
         else
 #endif
             linear_rows_c(fmt, x, M, K, qs, sc, n0, n1, out, N);
     }
     Py_END_ALLOW_THREADS
+#if HAVE_X86
+    free(buf);
+#endif
     (void)avx;
     Py_RETURN_NONE;
 }
@@ -519,11 +735,103 @@ static void attend_range_c(const attn_args *a, int64_t w0, int64_t w1)
 }
 
 #if HAVE_X86
-/* The same code, vectorised by the compiler for AVX-512. */
+/* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r
+ * (relative error ~2e-7), times 2^n by vscalefps; e^x underflows to 0 below -87. */
+AVX512 static inline __m512 exp_avx512(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Float32 cache, head_dim a multiple of 16 (up to MAX_D): 16 positions at a time,
+ * their scores for the group's query heads first, then one vector exp and one
+ * rescale per chunk (the online softmax by chunks), then the weighted V rows. */
+AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
+{
+    const int64_t G = a->hq / a->hkv, d = a->d, nv = d / 16, bs = a->block_size;
+    const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
+    const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
+    const float *cache = (const float *)a->cache;
+    const int64_t plane = a->num_blocks * bs * a->hkv * d;
+    __m512 acc[MAX_G][MAX_D / 16];
+    float q[MAX_G][MAX_D], mx[MAX_G], den[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = (const float *)a->q + (tok * a->hq + h * G + g) * d;
+        for (int64_t e = 0; e < d; e++)
+            q[g][e] = qg[e] * a->scale;
+        for (int64_t c = 0; c < nv; c++)
+            acc[g][c] = _mm512_setzero_ps();
+        mx[g] = -INFINITY;
+        den[g] = 0.f;
+    }
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    for (int64_t j0 = start; j0 < len; j0 += 16) {
+        const int64_t n = len - j0 < 16 ? len - j0 : 16;
+        const float *rows[16];
+        for (int64_t j = 0; j < n; j++)
+            rows[j] = cache + (((int64_t)bt[(j0 + j) / bs] * bs + (j0 + j) % bs) * a->hkv + h) * d;
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        for (int64_t g = 0; g < G; g++) {
+            float sc[16];
+            for (int64_t j = 0; j < n; j++) {
+                __m512 t = _mm512_mul_ps(_mm512_loadu_ps(q[g]), _mm512_loadu_ps(rows[j]));
+                for (int64_t c = 1; c < nv; c++)
+                    t = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
+                                        _mm512_loadu_ps(rows[j] + 16 * c), t);
+                sc[j] = _mm512_reduce_add_ps(t);
+                if (a->soft_cap > 0.f)
+                    sc[j] = a->soft_cap * tanhf(sc[j] / a->soft_cap);
+            }
+            __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc);
+            float cmax = _mm512_reduce_max_ps(s);
+            float m_new = cmax > mx[g] ? cmax : mx[g];
+            float corr = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
+            __m512 pv = _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            den[g] = den[g] * corr + _mm512_reduce_add_ps(pv);
+            mx[g] = m_new;
+            float pj[16];
+            _mm512_storeu_ps(pj, pv);
+            __m512 vc = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < nv; c++)
+                acc[g][c] = _mm512_mul_ps(acc[g][c], vc);
+            for (int64_t j = 0; j < n; j++) {
+                __m512 pb = _mm512_set1_ps(pj[j]);
+                const float *vr = rows[j] + plane;
+                for (int64_t c = 0; c < nv; c++)
+                    acc[g][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vr + 16 * c), acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = (float *)a->out + (tok * a->hq + h * G + g) * d;
+        __m512 inv = _mm512_set1_ps(den[g] > 0.f ? 1.f / den[g] : 0.f);
+        for (int64_t c = 0; c < nv; c++)
+            _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+/* The same code as attend_one, vectorised by the compiler for AVX-512, or the chunked
+ * body above for float32 caches. */
 AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w1)
 {
-    for (int64_t w = w0; w < w1; w++)
-        attend_one(a, w / a->hkv, w % a->hkv);
+    const int chunked = !a->q_bf16 && !a->kv_bf16 && a->d % 16 == 0;
+    for (int64_t w = w0; w < w1; w++) {
+        if (chunked)
+            attend_one_f32_avx512(a, w / a->hkv, w % a->hkv);
+        else
+            attend_one(a, w / a->hkv, w % a->hkv);
+    }
 }
 #endif
 
@@ -585,9 +893,124 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ small per-layer ops
+ *
+ * The host work between a decode step's matmuls, one C call each instead of 5-10 torch
+ * operators (each a few microseconds of dispatch at these sizes: [1, 576]). float32
+ * only; the Python side (flowengine/model/layers/cpu_kernels.py) checks the inputs.
+ */
+
+/* rms_norm(x, res, w, eps, T, H, out, res_out): rows of x [T, H] (plus res when res is
+ * not 0; the sum goes to res_out) -> out = w * (y / sqrt(mean(y^2) + eps)), as
+ * transformers' LlamaRMSNorm in float32 (sum of squares in another order). */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args)
+{
+    unsigned long long xp, rp, wp, op, rop;
+    double eps;
+    long long T, H;
+    if (!PyArg_ParseTuple(args, "KKKdLLKK", &xp, &rp, &wp, &eps, &T, &H, &op, &rop))
+        return NULL;
+    const float *x = (const float *)(uintptr_t)xp, *res = (const float *)(uintptr_t)rp;
+    const float *w = (const float *)(uintptr_t)wp;
+    float *out = (float *)(uintptr_t)op, *res_out = (float *)(uintptr_t)rop;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float *orow = out + t * H;
+        if (res != NULL) {
+            float *rr = res_out + t * H;
+            const float *ri = res + t * H;
+            for (int64_t i = 0; i < H; i++)
+                rr[i] = xr[i] + ri[i];
+            xr = rr;
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++)
+            ss += xr[i] * xr[i];
+        float inv = 1.f / sqrtf(ss / (float)H + (float)eps);
+        for (int64_t i = 0; i < H; i++)
+            orow[i] = w[i] * (xr[i] * inv);
+    }
+    Py_RETURN_NONE;
+}
+
+/* rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): out [T, heads, D]
+ * (contiguous) = x * cos + rotate_half(x) * sin, table [*, 2, D] (cos, sin rows),
+ * x's rows at x + t * x_tok_stride + h * D (a view of the fused qkv output). */
+static PyObject *py_rope_neox(PyObject *self, PyObject *args)
+{
+    unsigned long long pp, xp, tp, op;
+    long long T, xs, heads, D, rows;
+    if (!PyArg_ParseTuple(args, "KLKLLLKLK", &pp, &T, &xp, &xs, &heads, &D, &tp, &rows, &op))
+        return NULL;
+    const int64_t *pos = (const int64_t *)(uintptr_t)pp;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= rows) {
+            PyErr_Format(PyExc_IndexError, "rotary position %lld outside the table's %lld rows",
+                         (long long)pos[t], rows);
+            return NULL;
+        }
+    const float *x = (const float *)(uintptr_t)xp, *table = (const float *)(uintptr_t)tp;
+    float *out = (float *)(uintptr_t)op;
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = table + pos[t] * 2 * D, *sn = c + D;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + t * xs + h * D;
+            float *o = out + (t * heads + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = xr[i] * c[i] + (-xr[i + half]) * sn[i];
+                o[i + half] = xr[i + half] * c[i + half] + xr[i] * sn[i + half];
+            }
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* write_kv(k, k_tok_stride, v, v_tok_stride, T, row_elems, elem_size, slots, cache,
+ * plane_elems): K/V rows of T tokens ([Hkv * D] values each, `elem_size` bytes per
+ * value, the cache's dtype) into cache slots (slot -1: padding, skipped); V's plane
+ * starts plane_elems values after K's. */
+static PyObject *py_write_kv(PyObject *self, PyObject *args)
+{
+    unsigned long long kp, vp, sp, cp;
+    long long ks, vs, T, row, esz, plane;
+    if (!PyArg_ParseTuple(args, "KLKLLLLKKL", &kp, &ks, &vp, &vs, &T, &row, &esz, &sp, &cp,
+                          &plane))
+        return NULL;
+    const char *k = (const char *)(uintptr_t)kp, *v = (const char *)(uintptr_t)vp;
+    const int64_t *slots = (const int64_t *)(uintptr_t)sp;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= plane / row) {
+            PyErr_Format(PyExc_IndexError, "KV slot %lld outside the cache's %lld",
+                         (long long)slots[t], plane / row);
+            return NULL;
+        }
+    char *cache = (char *)(uintptr_t)cp;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy(cache + slots[t] * row * esz, k + t * ks * esz, (size_t)(row * esz));
+        memcpy(cache + (plane + slots[t] * row) * esz, v + t * vs * esz, (size_t)(row * esz));
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_avx512(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(use_avx512());
+}
+
+/* The body a matmul of `rows` activation rows runs: "avx512-vnni" (integer dot
+ * products over three int8 levels of the activations), "avx512" (float32) or "c". */
+static PyObject *py_linear_path(PyObject *self, PyObject *args)
+{
+    long long rows;
+    if (!PyArg_ParseTuple(args, "L", &rows))
+        return NULL;
+    if (rows >= 1 && rows <= VNNI_MAX_ROWS && use_vnni())
+        return PyUnicode_FromString("avx512-vnni");
+    return PyUnicode_FromString(use_avx512() ? "avx512" : "c");
 }
 
 static PyMethodDef methods[] = {
@@ -599,6 +1022,14 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention", py_paged_decode_attention, METH_VARARGS,
      "Decode attention over the paged KV cache (see _cpu_ops.c)."},
     {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},
+    {"rms_norm", py_rms_norm, METH_VARARGS,
+     "rms_norm(x, res, w, eps, T, H, out, res_out): (residual add and) RMSNorm, float32."},
+    {"rope_neox", py_rope_neox, METH_VARARGS,
+     "rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): rotary."},
+    {"write_kv", py_write_kv, METH_VARARGS,
+     "write_kv(k, ks, v, vs, T, row, elem_size, slots, cache, plane): K/V rows to slots."},
+    {"linear_path", py_linear_path, METH_VARARGS,
+     "linear_path(rows): the body a matmul of that many activation rows runs."},
     {NULL, NULL, 0, NULL},
 };
 

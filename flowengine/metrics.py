@@ -6,8 +6,11 @@ over by renaming. Two sources feed them:
 
 - gauges and counters are read from `EngineClient.get_stats()` when Prometheus
   scrapes (a custom collector), so they are exact engine totals, never sampled;
-- latency histograms (TTFT, inter-token latency, end-to-end latency) are observed by
-  the server per request, which is where a client's latency is seen.
+- histograms, the latency ones (TTFT, inter-token latency, end-to-end latency)
+  included, are cumulative snapshots in `EngineStats.histograms`, filled by the
+  frontend's `RequestStats` (flowengine/engine/request_stats.py) as each engine output
+  arrives, whatever output kind the route asked for (a non-streaming route asks for
+  one FINAL_ONLY output and still gets its TTFT and inter-token gaps counted).
 
 Each `ServingMetrics` owns its own `CollectorRegistry` (several servers, e.g. in tests,
 can live in one process). All metrics carry vLLM's labels `model_name` and `engine`
@@ -15,8 +18,7 @@ can live in one process). All metrics carry vLLM's labels `model_name` and `engi
 and counters, generation tokens and `cache_config_info` come once per replica, while
 what the frontend observes per request, prompt tokens, `request_success` and the
 histograms, stays one series under engine "0"; `cache_config_info` carries `engine` and
-its config keys); the per-request histograms of vLLM v1 (`request_*`,
-`iteration_tokens_total`) come from `flowengine/engine/request_stats.py`.
+its config keys).
 
 `prompt_tokens_total` counts prefill tokens computed, as vLLM does: prefix-cache hits
 are not counted.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -37,6 +39,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from flowengine.engine.protocol import EngineStats
+
+# Bucket edges in seconds, vLLM v1's; RequestStats fills these histograms.
+from flowengine.engine.request_stats import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
+
+__all__ = ["E2E_BUCKETS_S", "ITL_BUCKETS_S", "TTFT_BUCKETS_S", "ServingMetrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +63,10 @@ HISTOGRAM_DOCS = {
     "per request.",
     "request_params_n": "Histogram of the n request parameter.",
     "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "time_to_first_token_seconds": "Time to first token, seconds.",
+    "inter_token_latency_seconds": "Time between output deltas, seconds.",
+    "e2e_request_latency_seconds": "End-to-end request latency, seconds.",
 }
-
-# Bucket edges in seconds, vLLM v1's.
-TTFT_BUCKETS_S = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-ITL_BUCKETS_S = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-E2E_BUCKETS_S = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-
 
 def _spec_decode_metrics(stats: EngineStats, labels: list[str], values: list[str]
                          ) -> Iterator[Metric]:
@@ -183,7 +178,7 @@ def _le(bound: float) -> str:
 
 
 class ServingMetrics:
-    """The metrics of one server: engine snapshot collector plus latency histograms.
+    """The metrics of one server: the engine's snapshot, collected per scrape.
 
     Args:
         get_stats: returns the engine's current `EngineStats` (called per scrape).
@@ -195,31 +190,6 @@ class ServingMetrics:
     def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name))
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, ["model_name", "engine"], buckets=buckets,
-                registry=self.registry,
-            ).labels(model_name, ENGINE_INDEX)
-
-        self._ttft = histogram(
-            "time_to_first_token_seconds", "Time to first token, seconds.", TTFT_BUCKETS_S
-        )
-        self._itl = histogram(
-            "inter_token_latency_seconds", "Time between output deltas, seconds.", ITL_BUCKETS_S
-        )
-        self._e2e = histogram(
-            "e2e_request_latency_seconds", "End-to-end request latency, seconds.", E2E_BUCKETS_S
-        )
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
-
-    def observe_itl(self, seconds: float) -> None:
-        self._itl.observe(seconds)
-
-    def observe_e2e(self, seconds: float) -> None:
-        self._e2e.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (format 0.0.4)."""

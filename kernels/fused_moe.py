@@ -14,6 +14,12 @@ Then
 The alignment runs in torch with a static upper bound on the padded length
 (T * k + E * (BLOCK_M - 1)), so nothing syncs with the host and a decode step can be
 captured in a CUDA graph; padding blocks and blocks past the end exit at once.
+
+Decode (T * k <= decode_pair_limit(E), at most 64 pairs): the alignment's ~12 small
+launches and a grid over every expert's padded block cost more than the weights they
+read, so `_fused_moe_decode` skips them: a gate/up GEMV per (pair, I tile) that reads
+its expert id on the device, SiLU-and-mul fused in, then a down GEMV per (token, hidden
+tile) that sums the token's k weighted pairs. Same rounding as the grouped path; two launches, no host sync.
 """
 
 from __future__ import annotations
@@ -134,6 +140,184 @@ def _grouped_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
 
 
+# Decode path: at most this many (token, slot) pairs skip the alignment and run as GEMVs
+# (`decode_pair_limit`). Each pair reads its expert's weights itself, so pairs that share
+# an expert read them again; the grouped path reads each picked expert once but pays the
+# alignment's ~12 small launches and a grid over every expert's padded block (~0.08 ms a
+# layer on the H200, docs/benchmarks.md).
+DECODE_MAX_PAIRS = 64
+
+
+def decode_pair_limit(num_experts: int) -> int:
+    """The most T * k pairs `fused_moe` sends down the decode path by default:
+    min(DECODE_MAX_PAIRS, num_experts // 2), at least 1. With few experts pairs soon share
+    them (Mixtral, 8 experts: 2 tokens x top-2 already pick ~3.5 distinct of 4 pairs, and
+    each re-read costs a 352 MB expert), so the limit follows the local expert count;
+    Qwen3-30B-A3B (128 experts, top-8) gets 64 pairs = 8 tokens."""
+    return max(1, min(DECODE_MAX_PAIRS, num_experts // 2))
+
+
+DECODE_BLOCK_N = 32  # output columns per program (gate/up: I; down: hidden), at most
+DECODE_BLOCK_K = 128  # reduction columns per load: 256-byte rows in bf16
+# A GEMV grid below ~2 programs per H200 SM (132) leaves HBM bandwidth unused, so the
+# default halves BLOCK_N (down to 16) until a launch has this many programs.
+DECODE_MIN_PROGRAMS = 256
+
+
+def _decode_block_n(rows: int, n: int, block_n: int | None) -> int:
+    """BLOCK_N of a decode launch with `rows` x cdiv(n, BLOCK_N) programs: `block_n`
+    when given (clamped to tiny n), else DECODE_BLOCK_N halved while the grid has fewer
+    than DECODE_MIN_PROGRAMS programs and BLOCK_N > 16."""
+    cap = max(16, triton.next_power_of_2(n))
+    if block_n is not None:
+        return min(block_n, cap)
+    bn = min(DECODE_BLOCK_N, cap)
+    while bn > 16 and rows * triton.cdiv(n, bn) < DECODE_MIN_PROGRAMS:
+        bn //= 2
+    return bn
+
+
+@triton.jit
+def _decode_expert_id(topk_ids_ptr, expert_map_ptr, pair, HAS_MAP: tl.constexpr):
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(expert_map_ptr + expert).to(tl.int64)
+    return expert
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    act_ptr,  # [num_pairs, INTER] x's dtype: silu(gate) * up
+    x_ptr,  # [num_tokens, K]
+    w_ptr,  # [num_experts, 2 * INTER, K]: gate rows then up rows
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    expert_map_ptr,  # [E] int32/int64 (read when HAS_MAP)
+    INTER,
+    K,
+    x_stride: tl.int64,
+    w_stride_e: tl.int64,
+    w_stride_n: tl.int64,
+    act_stride: tl.int64,
+    TOP_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    expert = _decode_expert_id(topk_ids_ptr, expert_map_ptr, pair, HAS_MAP)
+    if expert < 0:  # another rank's expert: the down kernel skips this pair
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * x_stride + offs_k
+    g_ptrs = (w_ptr + expert * w_stride_e + offs_n[:, None].to(tl.int64) * w_stride_n
+              + offs_k[None, :])
+    u_ptrs = g_ptrs + INTER * w_stride_n
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k + k0 < K
+        xv = tl.load(x_ptrs, mask=k_valid, other=0.0).to(tl.float32)
+        wmask = n_valid[:, None] & k_valid[None, :]
+        g = tl.load(g_ptrs, mask=wmask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=wmask, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * xv[None, :], axis=1)
+        acc_u += tl.sum(u * xv[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # Round gate and up to x's dtype first, as the unfused gate_up tensor would be.
+    dtype = act_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(act_ptr + pair.to(tl.int64) * act_stride + offs_n, act.to(dtype), mask=n_valid)
+
+
+@triton.jit
+def _decode_down_kernel(
+    out_ptr,  # [num_tokens, N] x's dtype
+    act_ptr,  # [num_pairs, K]
+    w_ptr,  # [num_experts, N, K]
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    expert_map_ptr,  # [E] (read when HAS_MAP)
+    topk_weights_ptr,  # [num_pairs] float32
+    N,
+    K,
+    act_stride: tl.int64,
+    w_stride_e: tl.int64,
+    w_stride_n: tl.int64,
+    out_stride: tl.int64,
+    TOP_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One program: one token's BLOCK_N hidden columns, summed over its TOP_K pairs.
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = _decode_expert_id(topk_ids_ptr, expert_map_ptr, pair, HAS_MAP)
+        if expert >= 0:
+            a_ptrs = act_ptr + pair.to(tl.int64) * act_stride + offs_k
+            w_ptrs = (w_ptr + expert * w_stride_e + offs_n[:, None].to(tl.int64) * w_stride_n
+                      + offs_k[None, :])
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_valid = offs_k + k0 < K
+                a = tl.load(a_ptrs, mask=k_valid, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], axis=1)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            weight = tl.load(topk_weights_ptr + pair)
+            # Each pair's weighted row rounded to x's dtype, as the grouped path stores it.
+            total += (acc * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * out_stride + offs_n, total.to(dtype),
+             mask=n_valid)
+
+
+def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      expert_map: torch.Tensor | None, block_n: int | None = None,
+                      block_k: int = DECODE_BLOCK_K) -> torch.Tensor:
+    """The alignment-free decode path of `fused_moe` (same arguments, checked there):
+    gate/up GEMVs with SiLU-and-mul per (pair, I tile), then down GEMVs per (token,
+    hidden tile) summing the token's k pairs. Two launches, no host sync. block_n: the
+    output tile of both launches, None: `_decode_block_n`'s default; block_k: the
+    reduction tile (it sets the fp32 summation order)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    inter = w2.shape[2]
+    ids = topk_ids.reshape(-1).contiguous()
+    emap = expert_map.contiguous() if expert_map is not None else ids
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    bn_i = _decode_block_n(num_pairs, inter, block_n)
+    bk_h = min(block_k, max(16, triton.next_power_of_2(hidden)))
+    _decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn_i))](
+        act, x, w13, ids, emap, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None, BLOCK_N=bn_i,
+        BLOCK_K=bk_h, num_warps=4,
+    )
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    bn_h = _decode_block_n(num_tokens, hidden, block_n)
+    bk_i = min(block_k, max(16, triton.next_power_of_2(inter)))
+    _decode_down_kernel[(num_tokens, triton.cdiv(hidden, bn_h))](
+        out, act, w2, ids, emap, topk_weights.reshape(-1).contiguous(), hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
+        HAS_MAP=expert_map is not None, BLOCK_N=bn_h, BLOCK_K=bk_i, num_warps=4,
+    )
+    return out
+
+
 # Tile configuration of one launch: vLLM's fused-MoE config keys.
 MoeConfig = dict[str, int]
 
@@ -229,7 +413,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               expert_map: torch.Tensor | None = None, config: MoeConfig | None = None,
-              ) -> torch.Tensor:
+              decode: bool | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * W2[e] silu_and_mul(W13[e] x[t]), e = topk_ids[t, j].
 
     Args:
@@ -243,7 +427,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             here); None: all E experts are local (E_local = E).
         config: tile sizes (BLOCK_SIZE_M/N/K, num_warps, num_stages); None: the tuned
             file in kernels/configs/ for (E_local, I, this GPU), nearest T, else
-            `default_config` (`get_config`).
+            `default_config` (`get_config`). Grouped path only.
+        decode: True: the alignment-free decode path (a GEMV per (token, slot) pair,
+            the k pairs of a token summed in one program); False: the aligned grouped
+            GEMMs; None: decode when T * k <= `decode_pair_limit(E_local)` and no
+            `config` is given.
 
     Returns:
         [T, hidden] in x's dtype; fp32 accumulation, intermediates rounded to x's dtype
@@ -277,6 +465,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return torch.zeros_like(x)
     if not x.is_contiguous():
         x = x.contiguous()
+    if decode is None:
+        decode = config is None and num_pairs <= decode_pair_limit(num_experts)
+    if decode:
+        return _fused_moe_decode(x, w13, w2, topk_weights, topk_ids, expert_map)
     if config is None:
         config = get_config(num_tokens, num_experts, two_i, hidden, two_i // 2, x.device)
     if expert_map is not None:

@@ -8,11 +8,11 @@ from collections import Counter
 import anyio
 
 from flowengine.actors.base import Channel
+from flowengine.actors.streamer import StreamerActor
 from flowengine.engine.input_processor import ProcessedPrompt
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.request_stats import RequestStats
 from flowengine.messages import AbortRequest, EngineOutputs, SchedulerStats
-from flowengine.shm.inproc import InprocChannel
 
 
 class DetokenizerActor:
@@ -22,10 +22,11 @@ class DetokenizerActor:
         output_processor: per-request detokenizer and stop-string state.
         outputs: inbox of `EngineOutputs` from the scheduler.
         requests: where stop-string matches go, as `AbortRequest`s (frees blocks).
-        streamer_inbox: where `RequestOutput` deltas go.
+        streamer: where each step's `RequestOutput`s go (`StreamerActor.route`, a call).
 
-    Registration (`register`) goes through an in-process inbox that is drained before
-    each batch of engine outputs, so a request is always known before its first token.
+    `register` and `forget` apply at once: the request path (actors/tokenizer.py) and
+    aborts run on this actor's event loop, between its batches, and a request is
+    registered before its `NewRequest`s are sent, so it is known before its first token.
     """
 
     def __init__(
@@ -33,14 +34,13 @@ class DetokenizerActor:
         output_processor: OutputProcessor,
         outputs: Channel,
         requests: Channel,
-        streamer_inbox: Channel,
+        streamer: StreamerActor,
         max_model_len: int = 1 << 20,
     ) -> None:
         self.processor = output_processor
         self.outputs = outputs
         self.requests = requests
-        self.streamer_inbox = streamer_inbox
-        self.control = InprocChannel()
+        self.streamer = streamer
         self.stats = SchedulerStats()
         self.prompt_tokens_total = 0  # every prompt token, cached or computed
         # vLLM's per-request metrics (prompt tokens computed, timings, histograms).
@@ -60,34 +60,25 @@ class DetokenizerActor:
         self._generation_ready = anyio.Event()
         return self._generation_ready
 
-    def drain_control(self) -> None:
-        """Apply pending registrations now (before a resubmission after a restart)."""
-        self._drain_control()
-
     def register(self, processed: ProcessedPrompt) -> None:
-        self.control.send(("add", processed))
+        """Know a request from now on (its outputs, its statistics).
+
+        Raises ValueError for a request id already in use."""
+        self.processor.add_request(processed)
+        self.prompt_tokens_total += len(processed.prompt_token_ids)
+        params = processed.sampling_params
+        self.request_stats.add_request(
+            [c.request_id for c in processed.children], len(processed.prompt_token_ids),
+            params.n, params.max_tokens, processed.children[0].arrival_time,
+        )
 
     def forget(self, request_id: str) -> None:
-        self.control.send(("abort", request_id))
-
-    def _drain_control(self) -> None:
-        while (item := self.control.try_recv()) is not None:
-            op, arg = item
-            if op == "add":
-                self.processor.add_request(arg)
-                self.prompt_tokens_total += len(arg.prompt_token_ids)
-                params = arg.sampling_params
-                self.request_stats.add_request(
-                    [c.request_id for c in arg.children], len(arg.prompt_token_ids),
-                    params.n, params.max_tokens, arg.children[0].arrival_time,
-                )
-            else:
-                self.request_stats.forget(self.processor.abort(arg))
+        """Drop a request whose caller is gone (no-op for an unknown id)."""
+        self.request_stats.forget(self.processor.abort(request_id))
 
     async def run(self) -> None:
         while True:
             msg: EngineOutputs = await self.outputs.recv_async()
-            self._drain_control()
             if msg.generation != self.generation:
                 continue  # from an engine that was replaced; its requests are recomputed
             if self._generation_ready is not None:
@@ -105,7 +96,7 @@ class DetokenizerActor:
             start = time.perf_counter()
             outs, to_stop = self.processor.process(msg.outputs)
             self.busy_s += time.perf_counter() - start
+            if outs:
+                self.streamer.route(outs)
             if to_stop:
                 await self.requests.send_async(AbortRequest(to_stop))
-            if outs:
-                await self.streamer_inbox.send_async(outs)

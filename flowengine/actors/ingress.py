@@ -1,8 +1,12 @@
-"""Ingress actor: admission limits and request ids (DESIGN.md §1)."""
+"""Ingress: admission limits and request ids, then the Tokenizer call (DESIGN.md §1).
+
+`admit` runs in the caller's task: it opens the caller's stream, tokenizes, registers
+and sends the request (actors/tokenizer.py) and returns; no other task is involved
+until the engine's first output.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -13,7 +17,7 @@ from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class IngressActor:
-    """Admits a request: checks the queue limit, opens its stream, hands it on.
+    """Admits a request: checks the queue limit, opens its stream, tokenizes and sends it.
 
     Args:
         max_queue_len: most requests in flight (running + waiting) before new ones
@@ -55,14 +59,11 @@ class IngressActor:
         # known here: AsyncEngine.submit resolves it before admission).
         stream = self.streamer.open(rid, isinstance(params, SamplingParams)
                                     and params.output_kind == RequestOutputKind.DELTA)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self.tokenizer.inbox.send_async(TokenizeJob(rid, prompt, params, priority, future,
-                                                           pooling_params))
         try:
-            processed = await future
+            processed = await self.tokenizer.submit(
+                TokenizeJob(rid, prompt, params, priority, pooling_params))
         except BaseException:
             self.streamer.close(rid)
-            future.cancel()
             raise
         if self.request_logger is not None:
             self.request_logger.log_inputs(rid, processed)

@@ -6,9 +6,11 @@ in-process `LLM` steps: requests-channel messages go to `core.handle`, plans com
 `max_steps_in_flight=2` it turns on the scheduler's async scheduling and plans step N+1
 while step N executes, decodes included: the executor keeps step N's sampled tokens on
 its side, so step N+1 needs no round trip through this actor (the executor contract is
-in `StepPlan`'s docstring). A plan whose constrained requests sample on placeholder
-tokens goes out without its grammar bitmask; the bitmask (`GrammarOutput`) follows on
-the steps channel as soon as the result before it was applied, ahead of the next plan.
+in `StepPlan`'s docstring). A plan with constrained sampling rows goes out without
+its grammar bitmask (`Scheduler.defer_grammar_bitmask`); the bitmask (`GrammarOutput`)
+follows on the steps channel ahead of the next plan: filled right after the plan was
+sent (the executor launches the forward meanwhile), or, when those requests sample on
+placeholder tokens, as soon as the result before it was applied.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ class SchedulerActor:
         # (async_scheduling=False): each request in one of them at a time.
         self.scheduler.async_scheduling = (max_steps_in_flight > 1 if async_scheduling is None
                                            else async_scheduling)
+        # Plans with constrained rows go out without their bitmask, filled while the
+        # executor launches the forward (sent right after the plan, see _loop). Not
+        # under pipeline parallelism (several steps in flight without async
+        # scheduling): its stages take whole plans.
+        self.scheduler.defer_grammar_bitmask = not (
+            max_steps_in_flight > 1 and not self.scheduler.async_scheduling)
         self.generation = generation
         self.busy_s = 0.0  # time in schedule() and update()
         self._in_flight: deque[StepPlan] = deque()
@@ -116,6 +124,16 @@ class SchedulerActor:
                     break  # nothing to run; its finished ids go with the next plan
                 await self.steps.send_async(plan)
                 self._in_flight.append(plan)
+                if plan.pending_structured_output_tokens:
+                    # Let the executor launch the forward first (in-process it is a task
+                    # of this loop, woken by the send), then fill the bitmask while the
+                    # device runs it; the bitmask follows before the next plan.
+                    await anyio.sleep(0)
+                    start = time.perf_counter()
+                    grammar_outputs = core.fill_grammar_bitmasks()
+                    self.busy_s += time.perf_counter() - start
+                    for grammar_output in grammar_outputs:
+                        await self.steps.send_async(grammar_output)
             if not self._in_flight:
                 # Unfinished requests but nothing schedulable: wait for news, or, while
                 # grammars compile (in worker threads), look again soon.

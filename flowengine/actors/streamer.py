@@ -1,4 +1,9 @@
-"""Streamer actor: routes each `RequestOutput` to its caller's stream (DESIGN.md §1)."""
+"""Streamer: routes each `RequestOutput` to its caller's stream (DESIGN.md §1).
+
+Not a task of its own: the Detokenizer calls `route` with each step's outputs, so an
+output goes from the output processor into its caller's stream with no queue between
+(and the caller's task is woken once per step at most).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import time
 from collections.abc import Callable
 
 from flowengine.outputs import RequestOutput
-from flowengine.shm.inproc import InprocChannel
 
 
 class RequestStream:
@@ -75,7 +79,7 @@ class RequestStream:
 
 
 class StreamerActor:
-    """Owns the per-request streams.
+    """Owns the per-request streams; `route` hands each output to its caller.
 
     Args:
         on_orphan: called with a request id whose caller is gone (the stream was
@@ -83,7 +87,6 @@ class StreamerActor:
     """
 
     def __init__(self, on_orphan: Callable[[str], None] | None = None) -> None:
-        self.inbox = InprocChannel()
         self._streams: dict[str, RequestStream] = {}
         self._on_orphan = on_orphan
         self.busy_s = 0.0  # time spent routing (for `flowengine bench pipeline`)
@@ -107,14 +110,12 @@ class StreamerActor:
     def __len__(self) -> int:
         return len(self._streams)
 
-    async def run(self) -> None:
-        while True:
-            outputs: list[RequestOutput] = await self.inbox.recv_async()
-            start = time.perf_counter()
-            self._route(outputs)
-            self.busy_s += time.perf_counter() - start
-
-    def _route(self, outputs: list[RequestOutput]) -> None:
+    def route(self, outputs: list[RequestOutput]) -> None:
+        """Put each output into its caller's stream (the one object the output
+        processor made, not re-wrapped); a finished one closes the stream. An output
+        whose stream is gone (the caller left) and that is not finished is reported to
+        `on_orphan`, so the engine stops the request."""
+        start = time.perf_counter()
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)
@@ -125,3 +126,4 @@ class StreamerActor:
             stream.put(out)
             if out.finished:
                 del streams[out.request_id]
+        self.busy_s += time.perf_counter() - start

@@ -1,32 +1,36 @@
-"""Tokenizer actor: chat template, encode, length checks, fan-out of `n` (DESIGN.md §1).
+"""Tokenizer: chat template, encode, length checks, fan-out of `n` (DESIGN.md §1).
 
-Requests come in with a future; the actor answers it with the `ProcessedPrompt` or
-the validation error, registers the request with the Detokenizer, and only then
-sends the `NewRequest`s to the engine.
+A call in the caller's own task (`IngressActor.admit` → `TokenizerActor.submit`), not
+an actor with an inbox: a request is tokenized, registered once with the Detokenizer's
+output processor and sent to the engine before `admit` returns, with no future to
+answer and no task switch in between (vLLM's `AsyncLLM.add_request` does the same).
+Registration happens before the `NewRequest`s are sent, and both run on the event
+loop that also runs the Detokenizer, so a request is always known before its first
+output arrives.
 
 NOTE: whatever goes wrong with one request (a validation error, MemoryError from an
 absurd `n`, a message the ring cannot encode such as an int above 2**64-1) fails that
-request only, with the error raised to its caller; the actor keeps serving. Only the
-engine's channel being closed (the engine is gone) ends the actor.
+request only, with the error raised to its caller, and leaves nothing behind (what
+was registered is forgotten, children already sent are aborted).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 
 from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
-from flowengine.engine.input_processor import InputProcessor
+from flowengine.engine.input_processor import InputProcessor, ProcessedPrompt
+from flowengine.engine.protocol import EngineDeadError
 from flowengine.messages import AbortRequest
 from flowengine.sampling_params import SamplingParams
 from flowengine.shm.errors import ChannelClosedError
-from flowengine.shm.inproc import InprocChannel
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,6 @@ class TokenizeJob:
     prompt: Any
     params: SamplingParams | None  # None: the model's defaults
     priority: int
-    future: asyncio.Future
     pooling_params: Any = None  # an embedding request (PoolingParams)
 
 
@@ -48,73 +51,84 @@ def is_conversation(prompt: Any) -> bool:
 
 
 class TokenizerActor:
+    """The frontend's tokenizer stage, called in each request's path.
+
+    Args:
+        input_processor: tokenizes and validates (engine/input_processor.py).
+        detokenizer: where a request is registered before it is sent.
+        requests: the engine's requests channel (ring **requests**, or the DP router).
+    """
+
     def __init__(
         self,
         input_processor: InputProcessor,
-        detokenizer: DetokenizerActor,
-        requests: Channel,
+        detokenizer: DetokenizerActor | None,
+        requests: Channel | None,
     ) -> None:
         self.input_processor = input_processor
         self.detokenizer = detokenizer
         self.requests = requests
-        self.inbox = InprocChannel()
         self.busy_s = 0.0  # time tokenizing and validating
 
-    async def run(self) -> None:
-        while True:
-            job: TokenizeJob = await self.inbox.recv_async()
-            if job.future.cancelled():
-                continue
-            start = time.perf_counter()
-            try:
-                processed = self._process(job)
-            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
-                if not isinstance(exc, (ValueError, TypeError)):
-                    # Not a validation error: worth a log line (type only, no prompt text).
-                    logger.warning("request %s failed in the tokenizer: %s",
-                                   job.request_id, type(exc).__name__)
-                _fail(job, exc)
-                continue
-            finally:
-                self.busy_s += time.perf_counter() - start
-            self.detokenizer.register(processed)
-            error = await self._send(processed)
-            if error is not None:
-                _fail(job, error)
-                continue
-            if not job.future.done():  # the caller may have gone meanwhile
-                job.future.set_result(processed)
+    async def submit(self, job: TokenizeJob) -> ProcessedPrompt:
+        """Tokenize and validate `job`, register it with the Detokenizer and send its
+        `NewRequest`s to the engine. Returns the `ProcessedPrompt`.
 
-    async def _send(self, processed: Any) -> Exception | None:
-        """Send the request's children to the engine; on failure undo what was sent and
-        return the error for the caller (None on success).
-
-        Raises ChannelClosedError (the engine's channel is closed: nothing can be sent).
+        Raises ValueError/TypeError for bad input (nothing registered or sent), any
+        other exception of the input processor (logged by type only, no prompt text),
+        EngineDeadError when the engine's channel is closed. Cancelled while sending:
+        what was registered is forgotten and the children already sent are aborted.
         """
+        start = time.perf_counter()
+        try:
+            processed = self._process(job)
+        except Exception as exc:
+            if not isinstance(exc, (ValueError, TypeError)):
+                # Not a validation error: worth a log line (type only, no prompt text).
+                logger.warning("request %s failed in the tokenizer: %s",
+                               job.request_id, type(exc).__name__)
+            raise
+        finally:
+            self.busy_s += time.perf_counter() - start
+        assert self.detokenizer is not None and self.requests is not None
+        self.detokenizer.register(processed)
+        await self._send(processed)
+        return processed
+
+    async def _send(self, processed: ProcessedPrompt) -> None:
+        """Send the request's children to the engine; on failure undo what was sent and
+        raise the error for the caller."""
         num_sent = 0
         try:
             for child in processed.children:
                 await self.requests.send_async(child)
                 num_sent += 1
-            return None
-        except ChannelClosedError:
-            raise
-        except Exception as exc:  # noqa: BLE001
+            return
+        except BaseException as exc:
             error = exc
-        # Encoding failed before anything of that child was written (Channel encodes
+        # Encoding fails before anything of that child is written (Channel encodes
         # first), so the ring holds whole messages only: abort the children already
         # sent and forget the request, so it leaves no trace in either process.
         self.detokenizer.forget(processed.request_id)
-        if num_sent:
+        closed = isinstance(error, ChannelClosedError)
+        if num_sent and not closed:
             sent = [c.request_id for c in processed.children[:num_sent]]
-            await self.requests.send_async(AbortRequest(sent))
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.requests.send_async(AbortRequest(sent))
+                except ChannelClosedError:
+                    closed = True
+        if not isinstance(error, Exception):
+            raise error  # cancelled: the caller is gone
+        if closed:
+            raise EngineDeadError("the engine's request channel is closed") from error
         logger.warning("request %s could not be sent to the engine: %s",
                        processed.request_id, type(error).__name__)
         if isinstance(error, (OverflowError, msgspec.EncodeError)):
-            return ValueError(f"the request cannot be encoded for the engine: {error}")
-        return error
+            raise ValueError(f"the request cannot be encoded for the engine: {error}") from error
+        raise error
 
-    def _process(self, job: TokenizeJob):
+    def _process(self, job: TokenizeJob) -> ProcessedPrompt:
         ip = self.input_processor
         prompt = job.prompt
         # No SamplingParams given: the model's defaults (generation_config.json).
@@ -134,8 +148,3 @@ class TokenizerActor:
             return ip.process(job.request_id, text, params, priority=job.priority,
                               prompt_token_ids=ids, cache_salt=prompt.get("cache_salt"))
         return ip.process(job.request_id, prompt, params, priority=job.priority)
-
-
-def _fail(job: TokenizeJob, exc: BaseException) -> None:
-    if not job.future.done():
-        job.future.set_exception(exc)

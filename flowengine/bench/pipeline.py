@@ -3,9 +3,10 @@
     flowengine bench pipeline --num-streams 1000 --output-len 64
 
 A null executor emits one token per running request per step instantly (no model),
-so the figure is what the actors (ingress, tokenizer, scheduler, executor with its
-resolver, detokenizer, streamer) and 1,000 concurrent `submit()` callers can deliver:
-tokens/s received by the callers, with the busy time of each actor. Placement is
+so the figure is what the pipeline (ingress and tokenizer, called in each caller's
+task; the scheduler actor; the executor actor with its resolver; the detokenizer
+actor, which calls the streamer) and 1,000 concurrent `submit()` callers can deliver:
+tokens/s received by the callers, with the busy time of each stage. Placement is
 inproc: every actor in this one process, sharing its core with the callers.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import shlex
 import time
 from typing import Any
@@ -104,9 +106,25 @@ async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> 
             consumer_s += time.perf_counter() - t
         return n
 
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(one() for _ in range(num_streams)))
-    elapsed = time.perf_counter() - start
+    gc_runs = [0, 0.0]  # collections during the run, seconds in them
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_runs[0] += 1
+            gc_runs[1] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        counts = await asyncio.gather(*(one() for _ in range(num_streams)))
+    finally:
+        gc.callbacks.remove(on_gc)
+    # CPU time of the process over the run: on a loaded machine it varies less than
+    # the wall time (which includes time other processes hold the cores).
+    elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     busy = {name: a.busy_s for name, a in engine.engine_actors.items()}
     busy["executor (resolver)"] = engine.engine_actors["executor"].resolve_s
     busy["tokenizer"] = engine.tokenizer_actor.busy_s
@@ -114,7 +132,8 @@ async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> 
     busy["streamer"] = engine.streamer.busy_s
     busy["callers (async for)"] = consumer_s
     await engine.shutdown(drain_timeout_s=5)
-    return {"tokens": sum(counts), "elapsed_s": elapsed, "busy_s": busy}
+    return {"tokens": sum(counts), "elapsed_s": elapsed, "busy_s": busy, "cpu_s": cpu_s,
+            "gc_collections": gc_runs[0], "gc_s": gc_runs[1]}
 
 
 def main(argv: list[str]) -> int:
@@ -135,9 +154,12 @@ def main(argv: list[str]) -> int:
     tok_s = res["tokens"] / res["elapsed_s"]
     print(f"\ncommand: flowengine bench pipeline {shlex.join(argv)}")
     print(f"{ns.num_streams} concurrent submit() streams x {ns.output_len} tokens, null model\n")
-    print("| tokens delivered | elapsed s | tokens/s |")
-    print("|---|---|---|")
-    print(f"| {res['tokens']} | {res['elapsed_s']:.2f} | {tok_s:,.0f} |")
+    print("| tokens delivered | elapsed s | tokens/s | process CPU us per token | "
+          "GC collections (s) |")
+    print("|---|---|---|---|---|")
+    print(f"| {res['tokens']} | {res['elapsed_s']:.2f} | {tok_s:,.0f} | "
+          f"{1e6 * res['cpu_s'] / max(res['tokens'], 1):.1f} | "
+          f"{res['gc_collections']} ({res['gc_s']:.3f}) |")
     print("\n| actor | busy s | share of wall | us per token |")
     print("|---|---|---|---|")
     for name, b in res["busy_s"].items():

@@ -45,8 +45,13 @@ forward while N's token travels back; `update_from_output` of N advances the mat
 and then fills N+1's bitmask, which the driver takes with `take_grammar_outputs()` and
 sends (a `GrammarOutput`) before the next plan, and the executor samples N+1 with it
 (vLLM's async scheduling with structured outputs). A constrained request thus decodes
-in every step in both modes. Otherwise the bitmask travels in the plan itself. A
-token the grammar refuses fails the request.
+in every step in both modes. Otherwise the bitmask travels in the plan itself, unless
+`defer_grammar_bitmask` is set (drivers that launch a forward before sampling it):
+then every plan with constrained rows goes out pending, and the driver calls
+`fill_grammar_bitmasks()` right after sending or launching it, so the mask is filled
+while the device runs the forward (vLLM v1's execute_model, grammar bitmask,
+sample_tokens), then sends the `GrammarOutput`. A token the grammar refuses fails the
+request.
 
 Speculative decoding (`proposer`, core/spec_tokens.py): a decoding request may be
 scheduled for its last token plus draft tokens, all in the token budget and with KV
@@ -109,6 +114,10 @@ class Scheduler:
         structured_output_manager: compiles grammars and keeps the matchers of
             constrained requests (a `StructuredOutputManager`); None refuses requests
             with structured_outputs.
+        defer_grammar_bitmask: send every plan with constrained sampling rows
+            without its bitmask (pending_structured_output_tokens) and fill it in
+            `fill_grammar_bitmasks()`, which the driver calls once the plan's forward is
+            launched (module docstring). May be changed between steps.
         proposer: speculative decoding's draft-token proposer (the n-gram proposer of
             flowengine/spec_decode); None: no speculation.
 
@@ -133,6 +142,7 @@ class Scheduler:
         async_scheduling: bool = False,
         structured_output_manager: Any = None,
         proposer: DraftProposer | None = None,
+        defer_grammar_bitmask: bool = False,
     ) -> None:
         self.state = state = SchedulerState(scheduler_config, cache_config, hash_seed=hash_seed)
         self.async_scheduling = async_scheduling
@@ -140,9 +150,11 @@ class Scheduler:
         # Deltas made while planning (a request whose grammar failed to compile); the
         # engine core takes them after each schedule().
         self.pending_deltas: list[RequestDelta] = []
+        self.defer_grammar_bitmask = defer_grammar_bitmask
         # Plans sent with pending_structured_output_tokens, oldest first: (step id, the
-        # constrained requests that sample in it); and their bitmasks once filled.
-        self._deferred_bitmasks: deque[tuple[int, list[Request]]] = deque()
+        # constrained requests that sample in it, whether their matchers held every
+        # earlier token when it was planned); and their bitmasks once filled.
+        self._deferred_bitmasks: deque[tuple[int, list[Request], bool]] = deque()
         self._grammar_outputs: list[GrammarOutput] = []
         # The state's long-lived parts, bound once: the planning loops read them on
         # every step.
@@ -234,7 +246,10 @@ class Scheduler:
 
     @property
     def num_total_blocks(self) -> int:
-        return self.kv_cache_manager.num_blocks
+        """KV blocks requests can hold: the cache's blocks less a window's null block
+        (which is never free), so `num_total_blocks - num_free_blocks` is what requests
+        hold and the KV-cache fit and usage see the real capacity."""
+        return self.kv_cache_manager.num_usable_blocks
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -432,9 +447,11 @@ class Scheduler:
             return
         num_placeholders = self.in_flight.num_placeholders
         # The plan's own token counts once: more means an earlier step's is pending.
-        if any(num_placeholders(record.request) > 1 for record in records):
+        waits = any(num_placeholders(record.request) > 1 for record in records)
+        if waits or self.defer_grammar_bitmask:
             plan.pending_structured_output_tokens = True
-            self._deferred_bitmasks.append((plan.step_id, [r.request for r in records]))
+            self._deferred_bitmasks.append(
+                (plan.step_id, [r.request for r in records], not waits))
             return
         req_ids = [record.request.request_id for record in records]
         plan.structured_output_req_ids = req_ids
@@ -447,13 +464,23 @@ class Scheduler:
         outputs, self._grammar_outputs = self._grammar_outputs, []
         return outputs
 
+    def fill_grammar_bitmasks(self) -> list[GrammarOutput]:
+        """Fill the bitmasks of the pending plans that can be filled now (a plan
+        deferred by `defer_grammar_bitmask` at once; one waiting for an earlier step's
+        tokens once that step was applied), in plan order, and return every filled one
+        (`take_grammar_outputs`). Call right after launching a plan's forward."""
+        if self._deferred_bitmasks:
+            self._fill_deferred_bitmasks()
+        return self.take_grammar_outputs()
+
     def _fill_deferred_bitmasks(self) -> None:
-        """Fill the bitmask of each pending plan whose earlier steps are all applied:
-        its requests' matchers now hold every token before the one it samples."""
+        """Fill the bitmask of each pending plan whose requests' matchers hold every
+        token before the one it samples (ready when planned, or all earlier steps
+        applied), oldest first: GrammarOutputs go out in plan order."""
         deferred = self._deferred_bitmasks
         oldest = self.in_flight.oldest_step_id
-        while deferred and (oldest is None or deferred[0][0] <= oldest):
-            step_id, requests = deferred.popleft()
+        while deferred and (deferred[0][2] or oldest is None or deferred[0][0] <= oldest):
+            step_id, requests, _ = deferred.popleft()
             grammars = self.structured_outputs
             live = self.requests
             # Finished (or failed, aborted) since the plan: no row, its token is dropped.

@@ -139,7 +139,7 @@ class SchedulerState:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            num_total_blocks=self.kv_cache_manager.num_blocks,
+            num_total_blocks=self.kv_cache_manager.num_usable_blocks,  # no null block
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries_total=stats.num_queried_tokens,
             prefix_cache_hits_total=stats.num_hit_tokens,

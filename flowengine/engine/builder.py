@@ -194,6 +194,28 @@ def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> 
                 f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} "
                 f"GPUs, but torch sees {torch.cuda.device_count()}; lower them"
             )
+    _check_data_parallel(args.data_parallel_size, tp, device)
+
+
+def _check_data_parallel(dp: int, tp: int, device: str) -> None:
+    """Refuse more replicas than the host can run, before any process starts: on CUDA
+    each replica takes its own `tp` GPUs; on CPU each needs at least one core."""
+    if dp <= 1:
+        return
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < dp * tp:
+            raise ValueError(
+                f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} GPUs, "
+                f"but torch sees {torch.cuda.device_count()}; lower data_parallel_size")
+    else:
+        from flowengine.executor.cpu_threads import available_cpus
+
+        if available_cpus() < dp:
+            raise ValueError(
+                f"data_parallel_size {dp} needs at least {dp} CPU cores (one per replica), "
+                f"but {available_cpus()} are available; lower data_parallel_size")
 
 
 def _check_stages_supported(model_config: Any) -> None:

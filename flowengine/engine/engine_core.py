@@ -57,6 +57,13 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
+        # A step with constrained rows runs forward, then the grammar bitmask fill (on
+        # the host while the device computes), then sampling, where the executor can
+        # split a step so (`Scheduler.defer_grammar_bitmask`).
+        self._split_steps = (hasattr(executor, "launch_forward")
+                             and hasattr(executor, "launch_sampling"))
+        if self._split_steps:
+            scheduler.defer_grammar_bitmask = True
         self.num_steps = 0
         # Deltas produced outside a step (aborts, rejected requests), delivered first
         # by the next update() or take_outputs().
@@ -131,7 +138,10 @@ class EngineCore:
             raise RuntimeError("this EngineCore has no executor: its steps run remotely")
         start = time.perf_counter()
         try:
-            result = self.executor.execute_model(plan)
+            if plan.pending_structured_output_tokens:
+                result = self._execute_split(plan)
+            else:
+                result = self.executor.execute_model(plan)
         except Exception as exc:  # surfaced to each caller of this step
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
             result = StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}")
@@ -143,6 +153,24 @@ class EngineCore:
             1e3 * (time.perf_counter() - start),
         )
         return result
+
+    def _execute_split(self, plan: StepPlan) -> StepResult:
+        """A plan sent without its grammar bitmask: launch the forward, fill the bitmask
+        while the device runs it, then sample with it."""
+        forward = self.executor.launch_forward(plan)
+        grammar = None
+        for output in self.fill_grammar_bitmasks():
+            if output.step_id == plan.step_id:
+                grammar = output
+        if grammar is None:
+            raise RuntimeError(f"step {plan.step_id}: its grammar bitmask was not filled")
+        return self.executor.launch_sampling(forward, grammar).result()
+
+    def fill_grammar_bitmasks(self) -> list[GrammarOutput]:
+        """Fill the bitmasks of pending plans that can be filled now
+        (`Scheduler.fill_grammar_bitmasks`): a driver calls it right after sending or
+        launching a plan, and sends the outputs to the executors before the next plan."""
+        return self.scheduler.fill_grammar_bitmasks()
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
         """Apply a step's result (`Scheduler.update_from_output`, same rules and

@@ -12,6 +12,12 @@ registers and every engine output; `/metrics` reads cumulative histograms from i
   the request's first token arrives (vLLM's `prompt_tokens_total`).
 - iteration tokens: per engine step, prompt tokens computed by requests whose first
   token came in that step plus every generated token of the step.
+- time to first token: first token - arrival; inter-token latency: one observation per
+  engine step that brings a request tokens after its first, the time since its
+  previous ones; end-to-end latency: finish - arrival, for every finished request.
+  They are taken here, where each engine output arrives, whatever output kind the
+  caller asked for (a FINAL_ONLY caller sees one output), as vLLM's output processor
+  does (`vllm/v1/engine/output_processor.py`, IterationStats).
 
 Times are `time.monotonic()` seconds; "first scheduled" comes from the engine process
 (`RequestDelta.scheduled_ts`), which shares the host's monotonic clock.
@@ -32,6 +38,15 @@ TPOT_BUCKETS_S = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS_S = REQUEST_LATENCY_BUCKETS_S
 # vLLM's build_cudagraph_buckets with enforce_eager (a fixed list).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
@@ -105,7 +120,8 @@ class RequestStats:
         "request_queue_time_seconds", "request_prefill_time_seconds",
         "request_decode_time_seconds", "request_inference_time_seconds",
         "request_time_per_output_token_seconds", "request_params_n",
-        "request_params_max_tokens",
+        "request_params_max_tokens", "time_to_first_token_seconds",
+        "inter_token_latency_seconds", "e2e_request_latency_seconds",
     )  # fmt: skip
 
     def __init__(self, max_model_len: int) -> None:
@@ -122,7 +138,12 @@ class RequestStats:
             "request_time_per_output_token_seconds": HistogramData(TPOT_BUCKETS_S),
             "request_params_n": HistogramData(PARAMS_N_BUCKETS),
             "request_params_max_tokens": HistogramData(tokens),
+            "time_to_first_token_seconds": HistogramData(TTFT_BUCKETS_S),
+            "inter_token_latency_seconds": HistogramData(ITL_BUCKETS_S),
+            "e2e_request_latency_seconds": HistogramData(E2E_BUCKETS_S),
         }
+        self._ttft = self.histograms["time_to_first_token_seconds"]
+        self._itl = self.histograms["inter_token_latency_seconds"]
         self.prompt_tokens_computed_total = 0
         self.prompt_tokens_cached_total = 0
         self._live: dict[str, _Timing] = {}
@@ -146,6 +167,7 @@ class RequestStats:
         now = time.monotonic() if now_s is None else now_s
         iteration_tokens = 0
         live = self._live
+        ttft, itl = self._ttft, self._itl
         for d in deltas:
             t = live.get(d.req_id)
             if t is None:
@@ -160,16 +182,20 @@ class RequestStats:
                     self.prompt_tokens_cached_total += d.num_cached_tokens
                     iteration_tokens += computed
                     t.first_token_s = now
+                    ttft.observe(max(now - t.arrival_s, 0.0))
+                else:
+                    itl.observe(now - t.last_token_s)
                 t.num_generation_tokens += num_new
                 t.last_token_s = now
                 iteration_tokens += num_new
             if d.finish_reason is not None:
-                self._finish(live.pop(d.req_id))
+                self._finish(live.pop(d.req_id), now)
         if iteration_tokens:
             self.histograms["iteration_tokens_total"].observe(iteration_tokens)
 
-    def _finish(self, t: _Timing) -> None:
+    def _finish(self, t: _Timing, now: float) -> None:
         h = self.histograms
+        h["e2e_request_latency_seconds"].observe(max(now - t.arrival_s, 0.0))
         h["request_prompt_tokens"].observe(t.num_prompt_tokens)
         h["request_generation_tokens"].observe(t.num_generation_tokens)
         h["request_params_max_tokens"].observe(t.max_tokens)

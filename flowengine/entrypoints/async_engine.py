@@ -32,7 +32,12 @@ from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
 from flowengine.config import EngineArgs
-from flowengine.engine.gc_utils import freeze_startup_heap, thaw_heap
+from flowengine.engine.gc_utils import (
+    freeze_startup_heap,
+    raise_gen0_threshold,
+    restore_gc_threshold,
+    thaw_heap,
+)
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.engine.protocol import EngineDeadError, EngineStats
 from flowengine.messages import AbortRequest, Shutdown
@@ -142,6 +147,11 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._children: dict[str, list[str]] = {}
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._gc_threshold: tuple[int, ...] | None = None
+        # KV blocks the engine reported at start-up (the smallest replica's under data
+        # parallelism): what get_stats() says before the first stats message arrives,
+        # so the server's default --max-queue-len sees the real count.
+        self._startup_num_kv_blocks = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN):
@@ -196,7 +206,7 @@ class AsyncEngine:
             OutputProcessor(self.tokenizer),
             self.outputs,
             self.requests,
-            self.streamer.inbox,
+            self.streamer,
             max_model_len=self.max_model_len,
         )
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
@@ -207,13 +217,18 @@ class AsyncEngine:
             request_logger = RequestLogger(self.args.max_log_len)
         self.ingress = IngressActor(self.tokenizer_actor, self.streamer, self.max_queue_len,
                                     request_logger)
-        actors = [self.streamer, self.detokenizer, self.tokenizer_actor, *engine_actors]
+        # The tokenizer is a call in each request's path (IngressActor.admit), no task,
+        # as is the Streamer (StreamerActor.route, called by the Detokenizer).
+        actors = [self.detokenizer, *engine_actors]
         if not self.args.disable_log_stats:
             from flowengine.engine.stat_logger import StatLoggerActor
 
             actors.append(StatLoggerActor(self.get_stats))
         self._task = asyncio.get_running_loop().create_task(self._run(actors))
         freeze_startup_heap()
+        # Each step's outputs are allocated and freed within the step: no young
+        # collection in between (gc_utils.raise_gen0_threshold).
+        self._gc_threshold = raise_gen0_threshold(self.args.max_num_seqs)
 
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
         from flowengine.actors.executor import ExecutorActor
@@ -284,7 +299,6 @@ class AsyncEngine:
         return requests, inbox, [*self.replica_outputs, *self.replica_watchers]
 
     def _live_requests(self) -> list[Any]:
-        self.detokenizer.drain_control()
         return self.detokenizer.processor.resubmit_requests()
 
     def _resubmit_replica(self, replica: int) -> list[Any]:
@@ -298,6 +312,7 @@ class AsyncEngine:
 
         from flowengine.engine.builder import fit_max_model_len
 
+        self._startup_num_kv_blocks = num_kv_blocks
         max_model_len = fit_max_model_len(self.resolved, num_kv_blocks)
         if max_model_len != self.resolved.max_model_len:
             self.resolved = replace(self.resolved, max_model_len=max_model_len)
@@ -360,6 +375,8 @@ class AsyncEngine:
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self.streamer.fail_all(self._dead)
         thaw_heap()  # the stopped engine's cycles become collectable
+        restore_gc_threshold(self._gc_threshold)
+        self._gc_threshold = None
 
     async def _wait_engine_stopped(self) -> None:
         if self.args.placement == "inproc":
@@ -472,29 +489,32 @@ class AsyncEngine:
             self._children.pop(rid, None)
             if not stream.finished:
                 with anyio.CancelScope(shield=True):
-                    await self._abort(rid, children)
+                    await self._abort(rid, children, caller_gone=True)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its stream ends with finish_reason "abort"."""
         children = self._children.get(request_id)
         if children:
-            await self.requests.send_async(AbortRequest(children))
+            await self._abort(request_id, children, caller_gone=False)
 
-    async def _abort(self, request_id: str, children: list[str]) -> None:
-        self.streamer.close(request_id)
-        self.detokenizer.forget(request_id)
+    async def _abort(self, request_id: str, children: list[str], *, caller_gone: bool) -> None:
+        """The one place a request is aborted: the engine frees its children's blocks;
+        caller_gone: its stream is closed and the Detokenizer forgets it now (no output
+        for it is made any more), else its stream ends with the engine's "abort"."""
+        if caller_gone:
+            self.streamer.close(request_id)
+            self.detokenizer.forget(request_id)
         if self._dead is None:
             await self.requests.send_async(AbortRequest(children))
 
     def _abort_orphan(self, child_id: str) -> None:
+        """An output for a stream that is gone (closed between steps): abort it."""
         if self._dead is None:
             asyncio.get_running_loop().create_task(
-                self.requests.send_async(AbortRequest([child_id]))
-            )
+                self._abort(child_id, [child_id], caller_gone=False))
 
     def _resubmit_after_restart(self) -> list[Any]:
         """The engine restarted: recompute every live request from what was delivered."""
-        self.detokenizer.drain_control()
         return self.detokenizer.processor.resubmit_requests()
 
     # ------------------------------------------------------------------ introspection
@@ -536,12 +556,16 @@ class AsyncEngine:
         if replicas is not None:
             return self._data_parallel_stats(replicas)
         st = self.detokenizer.stats
+        if st.num_total_blocks:
+            num_total_blocks, num_free_blocks = st.num_total_blocks, st.num_free_blocks
+        else:  # no stats message yet: the start-up count, all free
+            num_total_blocks = num_free_blocks = self._startup_num_kv_blocks
         return EngineStats(
             num_running=st.num_running,
             num_waiting=st.num_waiting,
             kv_cache_usage=st.kv_cache_usage,
-            num_free_blocks=st.num_free_blocks,
-            num_total_blocks=st.num_total_blocks,
+            num_free_blocks=num_free_blocks,
+            num_total_blocks=num_total_blocks,
             # vLLM's meaning: prefill tokens computed (prefix-cache hits excluded).
             prompt_tokens_total=self.detokenizer.request_stats.prompt_tokens_computed_total,
             generation_tokens_total=self.detokenizer.generation_tokens_total,
@@ -555,7 +579,7 @@ class AsyncEngine:
                 st.spec_decode_num_accepted_tokens_per_pos),
             finished_by_reason=dict(self.detokenizer.finished_by_reason),
             histograms=self.detokenizer.request_stats.snapshot(),
-            cache_config=self._cache_config(st.num_total_blocks),
+            cache_config=self._cache_config(num_total_blocks),
         )
 
     def _data_parallel_stats(self, replicas: list[Any]) -> EngineStats:

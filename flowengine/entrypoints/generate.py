@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     try:
         return _run(ns, p)
-    except (ValueError, TypeError, OSError, KeyError) as exc:
+    except (ValueError, TypeError, OSError, KeyError, ImportError) as exc:
         # Bad input (a prompt file, sampling or engine arguments): the message says what
         # to change; a traceback would only hide it.
         p.exit(2, f"{p.prog}: error: {exc}\n")

@@ -14,7 +14,10 @@ See flowengine/model/layers/quant_linear.py.
 
 A 4-bit GPTQ / AWQ checkpoint (`quantization_config` in config.json, on any device)
 loads its projections as packed `Int4Linear` layers, never dequantized whole
-(flowengine/model/int4_loader.py, flowengine/model/layers/int4.py).
+(flowengine/model/int4_loader.py, flowengine/model/layers/int4.py). An FP8 checkpoint
+(compressed-tensors float-quantized, or "quant_method": "fp8") loads its projections as
+`Fp8Linear` layers holding the checkpoint's E4M3 bytes and scales
+(flowengine/model/fp8_loader.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import torch
 from flowengine.distributed.pp_group import SINGLE_STAGE, PipelineStage
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend, get_attn_backend
+from flowengine.model.fp8_loader import Fp8Plan, checkpoint_fp8_config, place_fp8, swap_fp8_layers
+from flowengine.model.fp8_loader import expected_names as fp8_expected_names
 from flowengine.model.int4_loader import (
     Int4Plan,
     checkpoint_names,
@@ -41,6 +46,7 @@ from flowengine.model.int4_loader import (
     swap_int4_layers,
 )
 from flowengine.model.int4_loader import expected_names as int4_expected_names
+from flowengine.model.layers.fp8 import fp8_supported
 from flowengine.model.layers.int4 import Int4QuantConfig
 from flowengine.model.layers.linear import QuantizableWeight
 from flowengine.model.layers.quant_linear import PackedTensor
@@ -90,7 +96,9 @@ def load_model(
             "gguf" (CPU): keep the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (load_format
             must resolve to "gguf"); "int8" (CPU): weight-only, quantized after loading;
             "gptq" / "awq": the checkpoint's own 4-bit format (also chosen when unset and
-            config.json has a GPTQ / AWQ quantization_config).
+            config.json has a GPTQ / AWQ quantization_config). An FP8 checkpoint loads
+            as FP8 with quantization unset or "fp8" (with load_format "dummy": random
+            float weights quantized per channel).
 
     Raises:
         ValueError: unknown load_format or quantization, no weight files, checkpoint
@@ -103,7 +111,11 @@ def load_model(
     if quantization not in (None, "fp8", "gguf", "int8", "gptq", "awq"):
         raise ValueError(f"unknown quantization {quantization!r}; supported: 'fp8', 'gguf', "
                          "'int8', 'gptq', 'awq'")
-    int4 = _int4_config(model_config, quantization)
+    fp8_ckpt = checkpoint_fp8_config(model_config)
+    if fp8_ckpt is not None and quantization not in (None, "fp8"):
+        raise ValueError(f"{model_config.model_path} is an FP8 checkpoint ({fp8_ckpt.method}); "
+                         f"leave quantization unset (or 'fp8'), not {quantization!r}")
+    int4 = None if fp8_ckpt is not None else _int4_config(model_config, quantization)
     if quantization in ("gguf", "int8") and device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only; on "
                          f"{device.type} leave it unset (the weights are dequantized)")
@@ -133,7 +145,17 @@ def load_model(
         names = set() if fmt == "dummy" else checkpoint_names(
             safetensors_files(model_config.model_path))
         int4_plan = swap_int4_layers(model, int4, dtype, None if fmt == "dummy" else names, tp)
-    expected = model.expected_weight_names() | int4_expected_names(int4_plan, int4)
+    fp8_plan: Fp8Plan = {}
+    if fp8_ckpt is not None and fmt != "dummy":
+        if fmt != "safetensors":
+            raise ValueError(f"FP8 checkpoints load from safetensors, not {fmt!r}")
+        if not fp8_supported(device):
+            raise ValueError(f"this FP8 checkpoint needs FP8 GEMMs (CUDA compute capability "
+                             f">= 8.9, or the CPU's float32 reference); {device} has none")
+        fp8_plan = swap_fp8_layers(model, fp8_ckpt, dtype, checkpoint_names(
+            safetensors_files(model_config.model_path)), device)
+    expected = (model.expected_weight_names() | int4_expected_names(int4_plan, int4)
+                | fp8_expected_names(fp8_plan, fp8_ckpt))
     packed: dict[str, list[tuple[QuantizableWeight, WeightShard]]] = {}
     if quantization == "gguf":
         gguf_file = gguf_file or _single_gguf(model_config.model_path)
@@ -153,6 +175,9 @@ def load_model(
             placed_int4: set[str] = set()
             if int4 is not None:
                 weights = place_int4(weights, int4_plan, int4, names, placed_int4)
+            if fp8_plan:
+                assert fp8_ckpt is not None
+                weights = place_fp8(weights, fp8_plan, fp8_ckpt, placed_int4)
         else:
             from flowengine.model.gguf_loader import iter_gguf_tensors
 
@@ -174,7 +199,9 @@ def load_model(
     if int4 is not None:
         finalize_int4(model)
     model.requires_grad_(False)
-    if quantization == "fp8":
+    if quantization == "fp8" or (fp8_ckpt is not None and fmt == "dummy"):
+        # (An FP8 checkpoint's config with dummy weights, for benchmarks: random float
+        # weights quantized per output channel.)
         from flowengine.model.layers.fp8 import quantize_model_fp8_
 
         quantize_model_fp8_(model, device)

@@ -167,8 +167,9 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # BERT (encoder-only): token type embeddings; `rms_norm_eps` holds its layer_norm_eps.
     type_vocab_size: int = 0
-    # A 4-bit GPTQ / AWQ checkpoint's `quantization_config` (flowengine/model/layers/int4.py).
-    quantization_config: Int4QuantConfig | None = None
+    # A 4-bit GPTQ / AWQ checkpoint's `quantization_config` (flowengine/model/layers/int4.py),
+    # or an FP8 checkpoint's (`Fp8CheckpointConfig`, flowengine/model/fp8_loader.py).
+    quantization_config: Any = None
     # Place whole experts on the tensor-parallel ranks instead of splitting each one
     # (--enable-expert-parallel, an engine argument: set by engine/builder.py's resolve,
     # never read from config.json; flowengine/distributed/expert_parallel.py).
@@ -304,14 +305,19 @@ class ModelConfig:
         )
 
 
-def _quantization_config(hf_config: Any) -> Int4QuantConfig | None:
-    """config.json's `quantization_config` (GPTQ / AWQ), or None for a float checkpoint.
+def _quantization_config(hf_config: Any) -> Any:
+    """config.json's `quantization_config`: an `Int4QuantConfig` (GPTQ / AWQ), an
+    `Fp8CheckpointConfig` (compressed-tensors / fp8), or None for a float checkpoint.
     Raises ValueError for a quantization FlowEngine cannot load (Int4QuantConfig.from_hf)."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
     if not isinstance(qc, dict):
         qc = qc.to_dict()
+    from flowengine.model.fp8_loader import Fp8CheckpointConfig, is_fp8_quant_method
+
+    if is_fp8_quant_method(qc):  # FP8 weights (flowengine/model/fp8_loader.py)
+        return Fp8CheckpointConfig.from_hf(qc)
     return Int4QuantConfig.from_hf(qc)
 
 

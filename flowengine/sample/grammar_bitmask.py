@@ -11,9 +11,16 @@ sets the disallowed logits to -inf. No host sync: the row indices come from the 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
+# Pinned host buffers for the bitmask's host-to-device copy, reused round robin per
+# device; each with the event of its last copy (a buffer is rewritten only once the
+# copy out of it is done). Three: up to two steps are in flight.
+_NUM_STAGING = 3
+_STAGING: dict[torch.device, list[list]] = {}
+_STAGING_NEXT: dict[torch.device, int] = {}
 
 
 def _shifts(device: torch.device) -> torch.Tensor:
@@ -31,21 +38,45 @@ def bitmask_to_device(data: bytes, num_rows: int, device: torch.device) -> torch
     if num_rows <= 0 or len(data) % (4 * num_rows):
         raise ValueError(f"a grammar bitmask of {len(data)} bytes does not split into "
                          f"{num_rows} rows of int32 words")
-    words = torch.frombuffer(bytearray(data), dtype=torch.int32).view(num_rows, -1)
     if device.type == "cpu":
-        return words
-    host = torch.empty(words.shape, dtype=torch.int32, pin_memory=True)
-    host.copy_(words)
-    return host.to(device, non_blocking=True)
+        return torch.frombuffer(bytearray(data), dtype=torch.int32).view(num_rows, -1)
+    host = _staging_buffer(device, len(data))
+    host.numpy()[:] = np.frombuffer(data, dtype=np.uint8)  # the one host copy
+    words = host.view(torch.int32).view(num_rows, -1).to(device, non_blocking=True)
+    _record_copy(device)
+    return words
+
+
+def _staging_buffer(device: torch.device, num_bytes: int) -> torch.Tensor:
+    """The next pinned staging buffer of `device` as [num_bytes] uint8, once the copy
+    last made from it is done (grown to fit)."""
+    ring = _STAGING.setdefault(device, [[None, None] for _ in range(_NUM_STAGING)])
+    index = _STAGING_NEXT.get(device, 0)
+    entry = ring[index]
+    if entry[1] is not None:
+        entry[1].synchronize()  # normally long done: the copy of two steps ago
+    if entry[0] is None or entry[0].numel() < num_bytes:
+        entry[0] = torch.empty(max(num_bytes, 2 * (0 if entry[0] is None else entry[0].numel())),
+                               dtype=torch.uint8, pin_memory=True)
+    return entry[0][:num_bytes]
+
+
+def _record_copy(device: torch.device) -> None:
+    index = _STAGING_NEXT.get(device, 0)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    _STAGING[device][index][1] = event
+    _STAGING_NEXT[device] = (index + 1) % _NUM_STAGING
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                        rows: torch.Tensor) -> None:
+                        rows: torch.Tensor | None) -> None:
     """Set `logits[rows[k], t] = -inf` for every token t not allowed by `bitmask[k]`.
 
     logits: [R, V] float, modified in place. bitmask: [K, W] int32 on the same device,
     W * 32 >= V (bits past V are ignored; tokens past W * 32 are disallowed).
-    rows: [K] int64, distinct row indices into logits.
+    rows: [K] int64, distinct row indices into logits; None: row k is logits row k,
+    K = R (no gather).
     """
     num_rows, num_words = bitmask.shape
     vocab_size = logits.shape[1]
@@ -57,6 +88,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         pad = torch.zeros(num_rows, vocab_size - num_words * 32, dtype=torch.bool,
                           device=logits.device)
         allowed = torch.cat([allowed, pad], dim=1)
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
     sub = logits.index_select(0, rows)
     sub.masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, rows, sub)
@@ -79,6 +113,9 @@ def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
     mask_rows = [k for k, _ in pairs]
     if len(mask_rows) != len(structured_req_ids):
         bitmask = bitmask[torch.tensor(mask_rows, dtype=torch.int64, device=logits.device)]
+    if len(pairs) == logits.shape[0] and all(k == r for k, r in pairs):
+        apply_token_bitmask(logits, bitmask, None)  # every row constrained, in order
+        return
     rows = torch.tensor([r for _, r in pairs], dtype=torch.int64,
                         pin_memory=logits.device.type == "cuda")
     apply_token_bitmask(logits, bitmask, rows.to(logits.device, non_blocking=True))

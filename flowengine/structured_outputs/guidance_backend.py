@@ -45,6 +45,18 @@ class GuidanceMatcher:
 
         fill_next_token_bitmask(self._m, bitmask, row)
 
+    @staticmethod
+    def batch_fill_bitmask(matchers: list[GuidanceMatcher], bitmask: torch.Tensor,
+                           rows: list[int], threads: int) -> None:
+        """`fill_bitmask(bitmask, rows[i])` of each of `matchers` in one call, on
+        `threads` of llguidance's threads (outside the GIL). `bitmask`: [R, W] int32,
+        contiguous, CPU."""
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(_executor(threads),
+                                    [(m._m, row) for m, row in zip(matchers, rows, strict=True)],
+                                    bitmask)
+
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
@@ -53,6 +65,19 @@ class GuidanceMatcher:
 
     def reset(self) -> None:
         self._m.reset()
+
+
+_EXECUTORS: dict[int, Any] = {}
+
+
+def _executor(threads: int) -> Any:
+    """llguidance's `LLExecutor` with `threads` threads (one per thread count)."""
+    executor = _EXECUTORS.get(threads)
+    if executor is None:
+        import llguidance
+
+        executor = _EXECUTORS[threads] = llguidance.LLExecutor(num_threads=threads)
+    return executor
 
 
 class GuidanceGrammar:

@@ -16,11 +16,18 @@ rows while the executor runs the current step.
   the tokens the request already has (an engine restart resubmits the delivered
   tokens) are replayed into it first. Preemption keeps the matcher: recompute rebuilds
   KV, not the output.
+- Bitmask rows live in one persistent buffer, a row ("slot") per matcher, refilled
+  only when the matcher changed since its last fill (a token accepted; a matcher past
+  its end keeps its stop-token row). The rows of a step are filled in one batched call
+  per backend (xgrammar's `BatchGrammarMatcher`, llguidance's `LLExecutor`), outside
+  the GIL, on `fill_threads` threads once a step has `PARALLEL_FILL_ROWS` rows to fill
+  (one thread below: waking threads costs more than a few rows take).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -28,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import numpy as np
 import torch
 
 from flowengine.request import Request
@@ -46,11 +54,20 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 512
+# Rows to fill in one step from which the batched fill uses `fill_threads` threads.
+PARALLEL_FILL_ROWS = 64
 
 
-def _bit(i: int) -> int:
-    """Bit i of an int32 word, as a signed int32 value (bit 31 is the sign)."""
-    return (1 << i) - (1 << 32) if i == 31 else 1 << i
+def default_fill_threads() -> int:
+    """Threads for a large step's bitmask fill: FLOWENGINE_GRAMMAR_FILL_THREADS, else a
+    quarter of the CPUs, 1 to 4 (the engine's other threads keep the rest)."""
+    env = os.environ.get("FLOWENGINE_GRAMMAR_FILL_THREADS")
+    if env:
+        value = int(env)
+        if value < 1:
+            raise ValueError(f"FLOWENGINE_GRAMMAR_FILL_THREADS must be >= 1, got {env!r}")
+        return value
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 class StructuredOutputManager:
@@ -63,13 +80,15 @@ class StructuredOutputManager:
         tokenizer_loader: returns the Hugging Face tokenizer (called once, in a
             worker thread); or pass `tokenizer` directly.
         compile_threads: worker threads for compiling.
+        fill_threads: threads of a step's batched bitmask fill from PARALLEL_FILL_ROWS
+            rows on (default `default_fill_threads()`).
 
-    Raises ValueError for an unknown backend name.
+    Raises ValueError for an unknown backend name or fill_threads < 1.
     """
 
     def __init__(self, backend: str = "auto", *, vocab_size: int,
                  tokenizer_loader: Callable[[], Any] | None = None, tokenizer: Any = None,
-                 compile_threads: int = 2) -> None:
+                 compile_threads: int = 2, fill_threads: int | None = None) -> None:
         if backend not in BACKEND_NAMES:
             raise ValueError(f"structured_outputs_backend must be one of {BACKEND_NAMES}, "
                              f"got {backend!r}")
@@ -87,7 +106,19 @@ class StructuredOutputManager:
         self._pending: dict[str, Future[CompiledGrammar]] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
         self._stop_ids: dict[str, list[int]] = {}
+        # Requests whose matcher accepted a stop token (terminated; xgrammar's only way).
+        self._ended: set[str] = set()
         self.num_compiled = 0  # grammars compiled (cache misses) since start
+        self.fill_threads = default_fill_threads() if fill_threads is None else fill_threads
+        if self.fill_threads < 1:
+            raise ValueError(f"fill_threads must be >= 1, got {fill_threads}")
+        # Bitmask rows: slot per matcher; `_dirty` = matchers changed since their fill.
+        self._row_bytes = 4 * self.num_words
+        self._rows = torch.zeros((0, self.num_words), dtype=torch.int32)
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
+        self._dirty: set[str] = set()
+        self.num_rows_filled = 0  # rows computed by a matcher (not reused) since start
 
     # ------------------------------------------------------------------ backends
     def _get_backend(self, name: str, eos_token_id: int | None) -> StructuredOutputBackend:
@@ -177,7 +208,20 @@ class StructuredOutputManager:
                         "not match its grammar")
         self._matchers[req_id] = matcher
         self._stop_ids[req_id] = stop_ids
+        if matcher.is_terminated():
+            self._ended.add(req_id)
+        self._assign_slot(req_id)
         return None
+
+    def _assign_slot(self, req_id: str) -> None:
+        if not self._free_slots:
+            old = self._rows
+            capacity = max(16, 2 * old.shape[0])
+            self._rows = torch.zeros((capacity, self.num_words), dtype=torch.int32)
+            self._rows[:old.shape[0]] = old
+            self._free_slots = list(range(capacity - 1, old.shape[0] - 1, -1))
+        self._slots[req_id] = self._free_slots.pop()
+        self._dirty.add(req_id)
 
     @property
     def num_compiling(self) -> int:
@@ -193,41 +237,101 @@ class StructuredOutputManager:
 
     def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Advance the request's matcher; False if a token was refused (True for an
-        unconstrained request)."""
+        unconstrained request). A matcher past its end (ignore_eos keeps a finished
+        output going) takes only its stop tokens."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return True
+        self._dirty.add(request_id)
+        stop_ids = self._stop_ids[request_id]
+        # xgrammar ends only on a stop token: is_terminated() needs asking only then
+        # (one C++ call less per token; the scheduler makes one per request per step).
+        cheap = getattr(matcher, "terminates_on_stop_token_only", False) and stop_ids
+        ended = self._ended
         for token_id in token_ids:
-            if matcher.is_terminated():
-                # Past the end (ignore_eos keeps a finished output going): only stop tokens.
-                if token_id not in self._stop_ids[request_id]:
+            if request_id in ended:
+                if token_id not in stop_ids:
+                    return False
+            elif not cheap and matcher.is_terminated():
+                ended.add(request_id)
+                if token_id not in stop_ids:
                     return False
             elif not matcher.accept_token(token_id):
                 return False
+            elif cheap and token_id in stop_ids and matcher.is_terminated():
+                ended.add(request_id)
         return True
+
+    def accept_tokens_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> list[bool]:
+        """`accept_tokens` of each (request_id, token_ids), in order (one call per step
+        from the scheduler)."""
+        accept = self.accept_tokens
+        return [accept(request_id, token_ids) for request_id, token_ids in items]
 
     def remove(self, request_id: str) -> None:
         """Forget a finished request (its compiled grammar stays cached)."""
         self._pending.pop(request_id, None)
         self._matchers.pop(request_id, None)
         self._stop_ids.pop(request_id, None)
+        self._ended.discard(request_id)
+        self._dirty.discard(request_id)
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     # ------------------------------------------------------------------ bitmask
     def fill_bitmask(self, request_ids: Sequence[str]) -> bytes:
         """The next-token bitmask of `request_ids` (each with a matcher), one row each in
         order: [len(request_ids), num_words] int32, little-endian, as bytes (the form
-        it travels in a StepPlan). A terminated matcher allows only its stop tokens."""
-        bitmask = torch.full((len(request_ids), self.num_words), -1, dtype=torch.int32)
-        for row, req_id in enumerate(request_ids):
-            matcher = self._matchers[req_id]
-            if matcher.is_terminated():
-                bitmask[row] = 0
-                for t in self._stop_ids[req_id]:
-                    if t < self.vocab_size:
-                        bitmask[row, t // 32] |= _bit(t % 32)
-            else:
-                matcher.fill_bitmask(bitmask, row)
-        return bitmask.numpy().tobytes()
+        it travels in a StepPlan). A terminated matcher allows only its stop tokens.
+
+        Only rows whose matcher changed since its last fill are computed (one batched
+        call per backend, GIL released); the others are reused from the buffer."""
+        slots = self._slots
+        dirty = self._dirty
+        rows = self._rows
+        stale = [rid for rid in request_ids if rid in dirty]
+        if stale:
+            batches: dict[Any, tuple[list[Any], list[int]]] = {}
+            ended = self._ended
+            for rid in stale:
+                slot = slots[rid]
+                matcher = self._matchers[rid]
+                if rid in ended or (not getattr(matcher, "terminates_on_stop_token_only", False)
+                                    and matcher.is_terminated()):
+                    ended.add(rid)
+                    self._write_stop_row(slot, self._stop_ids[rid])
+                    continue
+                batch_fill = getattr(matcher, "batch_fill_bitmask", None)
+                if batch_fill is None:
+                    matcher.fill_bitmask(rows, slot)
+                    continue
+                group = batches.setdefault(batch_fill, ([], []))
+                group[0].append(matcher)
+                group[1].append(slot)
+            threads = self.fill_threads if len(stale) >= PARALLEL_FILL_ROWS else 1
+            for batch_fill, (matchers, batch_slots) in batches.items():
+                if len(matchers) == 1:
+                    matchers[0].fill_bitmask(rows, batch_slots[0])
+                else:
+                    batch_fill(matchers, rows, batch_slots, threads)
+            dirty.difference_update(stale)
+            self.num_rows_filled += len(stale)
+        data = memoryview(rows.numpy()).cast("B")
+        size = self._row_bytes
+        first = slots[request_ids[0]] if request_ids else 0
+        # One copy out of the buffer: a slice when the rows are consecutive slots.
+        if all(slots[rid] == first + i for i, rid in enumerate(request_ids)):
+            return bytes(data[first * size:(first + len(request_ids)) * size])
+        return b"".join([data[slots[rid] * size:(slots[rid] + 1) * size]
+                         for rid in request_ids])
+
+    def _write_stop_row(self, slot: int, stop_ids: list[int]) -> None:
+        row = self._rows[slot].numpy().view(np.uint32)
+        row[:] = 0
+        for t in stop_ids:
+            if t < self.vocab_size:
+                row[t // 32] |= np.uint32(1 << (t % 32))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

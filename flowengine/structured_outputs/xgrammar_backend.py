@@ -22,27 +22,63 @@ from flowengine.structured_outputs.backend import (
 
 
 class XgrammarMatcher:
-    """A `GrammarMatcher` over `xgrammar.GrammarMatcher`."""
+    """A `GrammarMatcher` over `xgrammar.GrammarMatcher`.
 
-    __slots__ = ("_m",)
+    Calls go to the matcher's C++ handle directly: the Python wrapper adds a frame per
+    call, and the scheduler makes one accept call per constrained request per step.
+    """
+
+    __slots__ = ("_m", "_h")
+
+    # xgrammar terminates only by accepting a stop token (terminate_without_stop_token
+    # is False), so a caller may skip is_terminated() after any other token.
+    terminates_on_stop_token_only = True
 
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
+        self._h = matcher._handle
 
     def accept_token(self, token_id: int) -> bool:
-        return bool(self._m.accept_token(token_id))
+        return bool(self._h.accept_token(token_id, False))
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
+        self._h.fill_next_token_bitmask(bitmask, row, False)
+
+    @staticmethod
+    def batch_fill_bitmask(matchers: list[XgrammarMatcher], bitmask: torch.Tensor,
+                           rows: list[int], threads: int) -> None:
+        """`fill_bitmask(bitmask, rows[i])` of each of `matchers`, in one call: xgrammar
+        converts the tensor once (a row-by-row call converts it per row, most of a
+        row's cost) and fills outside the GIL, on `threads` threads."""
+        _batch_matcher(threads).batch_fill_next_token_bitmask(matchers_of(matchers), bitmask,
+                                                              rows)
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return bool(self._h.is_terminated())
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
     def reset(self) -> None:
         self._m.reset()
+
+
+def matchers_of(matchers: list[XgrammarMatcher]) -> list[Any]:
+    return [m._m for m in matchers]
+
+
+_BATCH_MATCHERS: dict[int, Any] = {}
+
+
+def _batch_matcher(threads: int) -> Any:
+    """xgrammar's `BatchGrammarMatcher` with `threads` threads (one per thread count;
+    it keeps no per-call state)."""
+    batch = _BATCH_MATCHERS.get(threads)
+    if batch is None:
+        import xgrammar as xgr
+
+        batch = _BATCH_MATCHERS[threads] = xgr.BatchGrammarMatcher(threads)
+    return batch
 
 
 class XgrammarGrammar:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 
+from flowengine.tokenize.tool_check import ToolError, check_function_name, check_parameters
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -149,19 +151,22 @@ def _tool_calls(index: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
     """Check `tools` for the chat template: a list of OpenAI function tools
-    ({"type": "function", "function": {"name": ..., "parameters": {...}}}).
-    Raises ValueError naming the first bad tool."""
+    ({"type": "function", "function": {"name": ..., "parameters": {...}}}), by the
+    server's rules (flowengine/tokenize/tool_check.py: names, unique, `parameters` a
+    JSON Schema of an object). Raises ValueError (a `ToolError`, `.param` the field)
+    naming the first bad tool."""
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
         raise ValueError(f"tools must be a list of tool dicts, got {type(tools).__name__}")
+    seen: set[str] = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise ValueError(
+        if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
+            raise ToolError(
                 f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
-                '"parameters": {...}}}}'
-            )
-        if not isinstance(fn.get("parameters", {}), Mapping):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
+                '"parameters": {...}}}}', f"tools[{i}]")
+        check_function_name(i, fn.get("name"), seen)
+        if fn.get("parameters") is not None:
+            check_parameters(i, fn["name"], fn["parameters"])
     return [dict(t) for t in tools]
 
 

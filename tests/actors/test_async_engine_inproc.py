@@ -151,3 +151,19 @@ def test_a_stopped_engine_is_collected(default_model_path):
     ref = asyncio.run(main())
     gc.collect()
     assert ref() is None, "the stopped AsyncEngine is still alive"
+
+
+def test_stats_before_any_step_give_the_kv_block_count(default_model_path):
+    # The server sizes its default --max-queue-len from get_stats() right after start,
+    # before the engine has sent a stats message: it must see the real block count.
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=256)
+        await engine.start()
+        try:
+            stats = engine.get_stats()
+            assert stats.num_total_blocks == engine.core.scheduler.num_total_blocks > 0
+            assert stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())

@@ -127,9 +127,9 @@ def test_route_closes_finished_streams_and_reports_orphans() -> None:
         stream = streamer.open("a")
         with pytest.raises(ValueError, match="'a' is already in use"):
             streamer.open("a")
-        streamer._route([delta("a", (0, "x", [1])), delta("gone", (0, "y", [2]))])
-        streamer._route([delta("a", (0, "z", [3]), finished=True, finish_reason="length")])
-        streamer._route([delta("gone2", (0, "", []), finished=True)])
+        streamer.route([delta("a", (0, "x", [1])), delta("gone", (0, "y", [2]))])
+        streamer.route([delta("a", (0, "z", [3]), finished=True, finish_reason="length")])
+        streamer.route([delta("gone2", (0, "", []), finished=True)])
         assert orphans == ["gone"] and len(streamer) == 0
         out = await stream.get()
         assert (out.outputs[0].text, out.outputs[0].token_ids, out.finished) == ("xz", [1, 3], True)

@@ -208,8 +208,37 @@ def run(window: int | None, num_blocks: int, requests: list[Request], *,
         raise AssertionError("no progress")
     sim.execute(scheduler.schedule())
     assert sim.requests == {} and scheduler.num_steps_in_flight == 0
-    assert scheduler.num_free_blocks == scheduler.num_total_blocks - (window is not None)
+    assert scheduler.num_free_blocks == scheduler.num_total_blocks  # no null block counted
     return outputs, scheduler, most_held
+
+
+def test_scheduler_block_counts_leave_out_the_null_block() -> None:
+    """num_total_blocks and the stats count the blocks requests can hold: with a
+    window, the cache's blocks less the null block (block 0, never free)."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(4, 10, True, sliding_window=8))
+    manager = scheduler.kv_cache_manager
+    assert manager.null_block is not None and manager.null_block.block_id == 0
+    stats = scheduler.make_stats()
+    assert (scheduler.num_total_blocks, scheduler.num_free_blocks) == (9, 9)
+    assert (stats.num_total_blocks, stats.num_free_blocks, stats.kv_cache_usage) == (9, 9, 0.0)
+    # A 10-token prompt takes blocks 1-3; the used count is total - free, exactly.
+    scheduler.add_request(make_request("a", list(range(3, 13)), max_tokens=4))
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == [10]
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    stats = scheduler.make_stats()
+    assert (stats.num_total_blocks, stats.num_free_blocks) == (9, 6)
+    assert stats.kv_cache_usage == pytest.approx(3 / 9)
+    assert stats.kv_cache_usage == pytest.approx(
+        (stats.num_total_blocks - stats.num_free_blocks) / stats.num_total_blocks)
+    # Without a window every block is usable.
+    full = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(4, 10, True))
+    assert (full.num_total_blocks, full.make_stats().num_total_blocks) == (10, 10)
+    assert full.num_free_blocks == 10
 
 
 def requests(shared_prefix: bool = False, num: int = 4) -> list[Request]:

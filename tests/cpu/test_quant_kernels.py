@@ -143,3 +143,72 @@ def test_portable_body_without_avx512():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "ok"
+
+
+# The VNNI path's activation quantization (flowengine/_cpu_ops.c): each 32-value block
+# of x is rounded to multiples of max|x_block| / TOP.
+_TOP = {"q4_0": 127 * 2**16, "q4_1": 127 * 2**16, "q8_0": 2097000}
+
+
+def _vnni_bound(fmt: str, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per output [rows, n]: half a quantization step of every block of x times that
+    block's |w|, plus float32 rounding: 5e-6 of sum |x| |w|, because the kernel sums
+    d s sum(q A) and the offset term (m or -8 d times sum x) separately, each up to
+    ~2x the magnitude of sum w x (measured: at most 2.6e-6 over 900 random cases)."""
+    rows, k = x.shape
+    step = x.double().abs().view(rows, k // 32, 32).amax(-1) / _TOP[fmt]  # [rows, nb]
+    wabs = ref.double().abs().view(-1, k // 32, 32).sum(-1)  # [n, nb]
+    return 0.5 * step @ wabs.t() + 5e-6 * (x.double().abs() @ ref.double().abs().t())
+
+
+@pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in
+                    __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
+                    reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [32, 576, 608])  # 1 block; even; odd block count
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_vnni_matmul_within_activation_rounding(fmt, k, rows):
+    from flowengine import _cpu_ops
+
+    assert _cpu_ops.linear_path(rows) == "avx512-vnni"
+    seed = int(torch.randint(0, 2**31, ()).item())
+    weight, ref = _gguf_weight(fmt, 83, k, seed)
+    # Heavy-tailed activations with one outlier per row and an all-zero block, as
+    # hidden states have them.
+    x = torch.randn(rows, k) * torch.rand(rows, k) ** 4 * 4
+    x[:, 5] = 300.0
+    x[0, -32:] = 0
+    out = weight.matmul(x)
+    err = (out.double() - x.double() @ ref.double().t()).abs()
+    bound = _vnni_bound(fmt, x, ref)
+    assert bool((err <= bound).all()), f"seed {seed}: worst err/bound {(err / bound).max():.3f}"
+
+
+_NO_VNNI = """
+import torch, sys
+sys.path.insert(0, {here!r})
+from test_quant_kernels import _gguf_weight
+from flowengine import _cpu_ops
+assert _cpu_ops.linear_path(1) == "avx512", _cpu_ops.linear_path(1)
+for fmt in ("q4_0", "q4_1", "q8_0"):
+    w, ref = _gguf_weight(fmt, 83, 608, 5)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 608)
+        err = (w.matmul(x).double() - x.double() @ ref.double().t()).abs().max().item()
+        bound = 2e-5 * 608 ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+        assert err <= bound, (fmt, rows, err, bound)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in
+                    __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
+                    reason="no AVX512-VNNI on this CPU")
+def test_float_body_when_vnni_is_off():
+    # FLOWENGINE_CPU_NO_VNNI=1: batches of 1-3 rows take the AVX-512 float32 body.
+    env = dict(os.environ, FLOWENGINE_CPU_NO_VNNI="1")
+    code = _NO_VNNI.format(here=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"

@@ -57,6 +57,11 @@ def _greedy_ids(model: str, prompts: list[str] = PROMPTS, **kwargs) -> list[list
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+# Four executor processes on two cores: about a minute of CI time alone, so CI runs the
+# default model at PP = 2 (below) and this one by hand:
+#   FLOWENGINE_PP_FULL=1 python3 -m pytest -q tests/distributed/test_pp_engine.py
+@pytest.mark.skipif(not os.environ.get("FLOWENGINE_PP_FULL"),
+                    reason="TP = 2 x PP = 2 runs with FLOWENGINE_PP_FULL=1 (CI time)")
 def test_tp2_x_pp2_equals_one_process(tiny_llama: str) -> None:
     reference = _greedy_ids(tiny_llama)
     assert len({tuple(s) for s in reference}) == len(PROMPTS)  # not a degenerate model

@@ -63,3 +63,33 @@ def test_forgotten_and_failed_requests() -> None:
     assert h["request_generation_tokens"].sum == 0
     assert h["request_queue_time_seconds"].counts[-1] == 0  # no timings without a token
     assert rs.prompt_tokens_computed_total == 0
+
+
+def test_latency_histograms_per_engine_output() -> None:
+    """TTFT, inter-token latency and e2e latency, taken per engine step (they no longer
+    depend on how often the caller reads: FINAL_ONLY routes get the same values)."""
+    rs = RequestStats(max_model_len=100)
+    rs.add_request(["a"], 4, 1, 3, arrival_s=10.0)
+    rs.add_request(["b-0", "b-1"], 4, 2, 3, arrival_s=10.5)
+    rs.add_request(["gone"], 4, 1, 3, arrival_s=10.0)
+    rs.add_request(["bad"], 4, 1, 3, arrival_s=11.0)
+    rs.on_step([RequestDelta("a", [1]), RequestDelta("gone", [1])], now_s=12.0)
+    rs.forget(["gone"])  # the caller went away: nothing more is observed for it
+    rs.on_step([RequestDelta("a", [2]), RequestDelta("b-0", [5]), RequestDelta("b-1", [6]),
+                RequestDelta("bad", [], finish_reason="error", error="boom")], now_s=12.5)
+    rs.on_step([RequestDelta("a", [3], finish_reason="length"),
+                RequestDelta("b-0", [], finish_reason="stop"),
+                RequestDelta("b-1", [7]), RequestDelta("gone", [2])], now_s=13.5)
+    rs.on_step([RequestDelta("b-1", [8], finish_reason="length")], now_s=14.5)
+    h = rs.snapshot()
+    ttft, itl, e2e = (h[f"{n}_seconds"] for n in
+                      ("time_to_first_token", "inter_token_latency", "e2e_request_latency"))
+    # first tokens: a 2.0, gone 2.0 (before it went), b-0 2.0, b-1 2.0
+    assert ttft.counts[-1] == 4 and ttft.sum == pytest.approx(8.0)
+    assert ttft.counts[ttft.buckets.index(1.0)] == 0 and ttft.counts[ttft.buckets.index(2.5)] == 4
+    # gaps: a 0.5 and 1.0; b-1 1.0 and 1.0 (b-0's finish brings no token)
+    assert itl.counts[-1] == 4 and itl.sum == pytest.approx(3.5)
+    assert itl.counts[itl.buckets.index(0.5)] == 1
+    # finished: a 3.5, b-0 3.0, b-1 4.0, bad 1.5 (failed before a token: e2e only)
+    assert e2e.counts[-1] == 4 and e2e.sum == pytest.approx(12.0)
+    assert e2e.counts[e2e.buckets.index(1.5)] == 1 and e2e.counts[e2e.buckets.index(5.0)] == 4

@@ -9,6 +9,10 @@ engine). One token per sample per step of `step_s` seconds. Log-probabilities: t
 sampled token has rank 1 and logprob -0.25; rank r is token (sampled + r - 1) % 256
 with logprob -0.25 * r.
 
+Per-request statistics (TTFT, inter-token and end-to-end latencies, ...) come from a
+real `RequestStats` fed with one `RequestDelta` per sample per step, as the real
+engine's Detokenizer feeds it, and reach /metrics through `get_stats().histograms`.
+
 It records what the server did: `submitted` (request id, prompt, params), `aborted`
 (ids whose iterator was closed or cancelled before finishing), `abort_calls`.
 Used in-process by the fixtures and from a subprocess through the server's
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +36,8 @@ from flowengine.engine.protocol import (
     EngineOverloadedError,
     EngineStats,
 )
+from flowengine.engine.request_stats import RequestStats
+from flowengine.messages import RequestDelta
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -102,6 +110,8 @@ class FakeEngine:
         self.fail_after_tokens: int | None = None  # raise RuntimeError mid-stream
         self.first_output_error: str | None = None  # first output carries this error
         self.stats = EngineStats()
+        self.request_stats = RequestStats(max_model_len)
+        self._seq = itertools.count()
 
     def get_tokenizer(self) -> ByteTokenizer:
         return self.tokenizer
@@ -179,20 +189,31 @@ class FakeEngine:
         limit = self.max_model_len - len(ids)
         max_new = min(params.max_tokens or limit, limit)
         samples = [_Sample(i, self._rng(params, i)) for i in range(params.n)]
+        key = f"{request_id}#{next(self._seq)}"  # the engine-side ids of the samples
+        children = [f"{key}/{i}" for i in range(params.n)]
+        self.request_stats.add_request(children, len(ids), params.n, params.max_tokens,
+                                       time.monotonic())
         finished = False
         try:
             if self.first_output_error is not None:
                 finished = True
+                self.request_stats.on_step([
+                    RequestDelta(c, [], finish_reason="error", error=self.first_output_error)
+                    for c in children])
                 yield RequestOutput(request_id, text, ids, [], True, error=self.first_output_error)
             while not finished:
                 await asyncio.sleep(self.step_s)
                 outs = [self._step(s, ids, params, max_new) for s in samples if not s.finish_reason]
+                self.request_stats.on_step([
+                    RequestDelta(children[o.index], o.token_ids, finish_reason=o.finish_reason)
+                    for o in outs])
                 finished = all(s.finish_reason for s in samples)
                 yield RequestOutput(request_id, text, ids, outs, finished=finished)
         finally:
             self.running.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
+                self.request_stats.forget(children)
 
     @staticmethod
     def _rng(params: SamplingParams, index: int) -> random.Random | None:
@@ -263,6 +284,7 @@ class FakeEngine:
 
     def get_stats(self) -> EngineStats:
         self.stats.num_running = len(self.running)
+        self.stats.histograms = self.request_stats.snapshot()
         return self.stats
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:

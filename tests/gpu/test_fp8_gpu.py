@@ -109,3 +109,40 @@ def test_fp8_against_bf16_reference(case, mode: str) -> None:
           f"first-token logprob L2 error mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
     assert frac >= MIN_IDENTICAL
     assert max(errs) <= FP8_L2_TOL
+
+
+@pytest.mark.parametrize("layout", ["ct-channel", "fp8-tensor-static", "fp8-block"])
+def test_fp8_checkpoint_layers_on_cuda_hold_its_bytes_and_match_the_reference(
+        layout: str, tmp_path) -> None:
+    # FP8 checkpoints (scripts/save_fp8_checkpoint.py) loaded on the GPU: the E4M3 bytes
+    # as written, and each layer's CUDA GEMM (W8A16 at 7 rows; W8A8 at 200 rows, with the
+    # checkpoint's static input scale where it has one) against its float32 reference,
+    # with test_fp8_gemm_matches_reference's tolerance. Block scales: a clear error.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    from save_fp8_checkpoint import save_fp8_checkpoint
+
+    from flowengine.model.loader import load_model
+    from flowengine.model.model_config import ModelConfig
+
+    tensors = save_fp8_checkpoint(str(tmp_path), layout, layers=1)
+    config = ModelConfig.from_pretrained(str(tmp_path))
+    if layout == "fp8-block":
+        with pytest.raises(ValueError, match="no block-scaled FP8 GEMM on cuda"):
+            load_model(config, dtype=torch.bfloat16, device="cuda")
+        return
+    model = load_model(config, dtype=torch.bfloat16, device="cuda")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(layers) == 4
+    down = layers["model.layers.0.mlp.down_proj"]
+    assert torch.equal(down.weight.view(torch.uint8).cpu(),
+                       tensors["model.layers.0.mlp.down_proj.weight"].view(torch.uint8))
+    assert (down.input_scale is not None) == layout.endswith("static")
+    for layer in layers.values():
+        for rows in (7, 200):
+            x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16)
+            want = reference_fp8_linear(x.float(), layer)
+            torch.testing.assert_close(layer(x).float(), want, rtol=1.6e-2,
+                                       atol=1e-2 * want.abs().max().item())

@@ -2,7 +2,8 @@
 torch reference (flowengine/model/layers/moe.py's fused_moe_torch) run in float32 on
 the same bf16 weights: Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) and Qwen3-30B-A3B
 (128 experts, 2048 -> 768, top-8), decode- and prefill-sized batches; plus a replay
-from a CUDA graph with new routing (the alignment never syncs with the host); and
+from a CUDA graph with new routing (the alignment never syncs with the host) on both the
+grouped and the alignment-free decode path (T * k <= 64 pairs, at T = 1 and 4); and
 expert parallelism's two halves (expert_map) summing to the whole. The tuned tile
 files in kernels/configs/ apply at these shapes."""
 
@@ -45,17 +46,51 @@ def test_full_shapes_bf16(model: str, num_tokens: int) -> None:
     assert err < 2e-2, float(err)
 
 
-def test_cuda_graph_replay_with_new_routing() -> None:
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_decode_path_full_shapes_bf16(model: str, num_tokens: int) -> None:
+    # The alignment-free decode path (T * k <= DECODE_MAX_PAIRS) against the float32
+    # reference and the grouped path, with and without expert_map (every expert local
+    # but numbered in reverse, and half of them on another rank).
+    from flowengine.kernels.fused_moe import DECODE_MAX_PAIRS
+
+    torch.manual_seed(100 + num_tokens)
+    e, k, h, i = SHAPES[model]
+    assert num_tokens * k <= DECODE_MAX_PAIRS
+    w13, w2 = _weights(e, h, i)
+    x = torch.randn(num_tokens, h, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(num_tokens, e, device="cuda"), k, True)
+    ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, decode=True)
+    assert (out.float() - ref).norm() / ref.norm() < 2e-2
+    grouped = fused_moe(x, w13, w2, weights, ids, decode=False)
+    assert (out.float() - grouped.float()).norm() / ref.norm() < 1e-2
+    rev = torch.arange(e - 1, -1, -1, dtype=torch.int32, device="cuda")
+    out_rev = fused_moe(x, w13.flip(0).contiguous(), w2.flip(0).contiguous(), weights, ids,
+                        expert_map=rev, decode=True)
+    assert torch.equal(out_rev, out)  # same rows, same order of the k-sum
+    half = e // 2
+    emap = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    emap[:half] = torch.arange(half, dtype=torch.int32, device="cuda")
+    part = fused_moe(x, w13[:half].contiguous(), w2[:half].contiguous(), weights, ids,
+                     expert_map=emap, decode=True)
+    local = torch.where(ids < half, weights, torch.zeros_like(weights))
+    ref_half = fused_moe_torch(x.float(), w13.float(), w2.float(), local, ids)
+    assert (part.float() - ref_half).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_cuda_graph_replay_with_new_routing(decode: bool) -> None:
     e, k, h, i = SHAPES["qwen3-30b-a3b"]
     w13, w2 = _weights(e, h, i)
     x = torch.randn(8, h, device="cuda").bfloat16()
     logits = torch.randn(8, e, device="cuda")
     weights, ids = select_experts(logits, k, True)
     static_w, static_ids = weights.clone(), ids.clone()
-    fused_moe(x, w13, w2, static_w, static_ids)  # compile outside the capture
+    fused_moe(x, w13, w2, static_w, static_ids, decode=decode)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, static_w, static_ids)
+        out = fused_moe(x, w13, w2, static_w, static_ids, decode=decode)
     for _ in range(3):
         new_w, new_ids = select_experts(torch.randn(8, e, device="cuda"), k, True)
         static_w.copy_(new_w)

@@ -36,6 +36,11 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("fused_moe", "_grouped_gemm_kernel",
      {"TOP_K": 8, "A_BY_TOKEN": False, "MUL_WEIGHT": True, "BLOCK_M": 16, "BLOCK_N": 64,
       "BLOCK_K": 64, "DOT_PRECISION": "tf32"}),
+    # Its decode path (T * k <= 64 pairs): gate/up GEMV with expert_map, down GEMV.
+    ("fused_moe", "_decode_gate_up_kernel",
+     {"TOP_K": 8, "HAS_MAP": True, "BLOCK_N": 16, "BLOCK_K": 128}),
+    ("fused_moe", "_decode_down_kernel",
+     {"TOP_K": 8, "HAS_MAP": False, "BLOCK_N": 32, "BLOCK_K": 128}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16,
       "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
@@ -95,10 +100,11 @@ POINTER_TYPES = {
     "sin_ptr": "*fp32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
     "sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64", "topk_weights_ptr": "*fp32",
     "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "weight_ptr": "*fp8e4nv", "weight_scale_ptr": "*fp32",
-    "partial_ptr": "*fp32",
+    "partial_ptr": "*fp32", "topk_ids_ptr": "*i64", "expert_map_ptr": "*i32",
 }
 SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32",
-                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32"}
+                "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32",
+                "INTER": "i32"}
 
 
 def compile_all() -> None:

@@ -165,3 +165,100 @@ def test_shipped_h200_configs_parse(monkeypatch) -> None:
         assert configs is not None and sorted(configs) == [1, 16, 64, 256, 1024]
         assert all(c["BLOCK_SIZE_M"] in (16, 32, 64) for c in configs.values())
     fm.load_configs.cache_clear()
+
+
+@pytest.mark.parametrize(("t", "k"), [(1, 1), (1, 2), (1, 8), (2, 8), (5, 2), (8, 1),
+                                    (8, 8)])
+def test_decode_path_matches_reference_fp32(t, k, device, monkeypatch) -> None:
+    # The alignment-free decode path (a GEMV per pair, the k pairs summed in one program),
+    # picked by default at T * k <= decode_pair_limit(E): hidden 40 and width 24 are not
+    # multiples of its tiles; 10 experts (128 when T * k > 5, so that the default still
+    # picks it), so tokens share experts.
+    from flowengine.kernels import fused_moe as fm
+
+    calls = []
+    real = fm._fused_moe_decode
+    monkeypatch.setattr(fm, "_fused_moe_decode",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
+    e, h, i = (10 if t * k <= 5 else 128), 40, 24
+    assert t * k <= fm.decode_pair_limit(e)
+    x = torch.randn(t, h, device=device)
+    w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
+    w2 = torch.randn(e, h, i, device=device) * 0.2
+    weights, ids = _routing(t, e, k, device)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert calls == [(t, h)]
+    assert out.shape == (t, h) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(x, w13, w2, weights, ids),
+                               atol=2e-5, rtol=1e-4)
+    # past the threshold, or with a tile config, the grouped path runs
+    fused_moe(x[:1], w13, w2, weights[:1], ids[:1], config=fm.default_config(1, 2 * i, h))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("t", "k"), [(1, 1), (2, 2), (3, 8)])
+def test_decode_path_with_expert_map(t, k, device) -> None:
+    # Expert parallelism on the decode path: 10 experts on two ranks (6 + 4, shuffled
+    # ownership); -1 pairs add nothing and the ranks' outputs sum to the whole layer.
+    e, h, i = 10, 48, 40
+    x = torch.randn(t, h, device=device)
+    w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
+    w2 = torch.randn(e, h, i, device=device) * 0.2
+    weights, ids = _routing(t, e, k, device)
+    owner = torch.randperm(e, device=device) < 6  # True: rank 0
+    parts = []
+    for rank_experts in (owner, ~owner):
+        local = torch.nonzero(rank_experts).flatten()
+        emap = torch.full((e,), -1, dtype=torch.int32, device=device)
+        emap[local] = torch.arange(local.numel(), dtype=torch.int32, device=device)
+        out = fused_moe(x, w13[local], w2[local], weights, ids, expert_map=emap, decode=True)
+        grouped = fused_moe(x, w13[local], w2[local], weights, ids, expert_map=emap,
+                            decode=False)
+        torch.testing.assert_close(out, grouped, atol=2e-5, rtol=1e-4)
+        # a token none of whose experts are local gets exact zeros
+        for tok in range(t):
+            if not rank_experts[ids[tok]].any():
+                assert torch.equal(out[tok], torch.zeros(h, device=device))
+        parts.append(out)
+    torch.testing.assert_close((parts[0] + parts[1]).double(),
+                               _reference(x, w13, w2, weights, ids), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_path_half_precision_rounds_like_the_grouped_path(dtype, device) -> None:
+    # gate_up, act and each weighted row rounded once to the dtype, as the grouped path
+    # does (compared with it in float16 only: the interpreter's bfloat16 tl.dot, which the
+    # grouped path uses and the decode path does not, is wrong on CPU).
+    t, e, k, h, i = 4, 6, 2, 64, 32
+    x = torch.randn(t, h, device=device).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, device=device) * 0.2).to(dtype)
+    w2 = (torch.randn(e, h, i, device=device) * 0.2).to(dtype)
+    weights, ids = _routing(t, e, k, device)
+    out = fused_moe(x, w13, w2, weights, ids, decode=True)
+    assert out.dtype == dtype
+    tol = 3e-3 if dtype == torch.float16 else 3e-2  # a few ulps of the dtype
+    torch.testing.assert_close(out.double(), _reference(x, w13, w2, weights, ids),
+                               atol=tol, rtol=tol)
+    if dtype == torch.float16:
+        torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids, decode=False),
+                                   atol=2e-3, rtol=2e-3)
+
+
+def test_decode_pair_limit_follows_the_expert_count() -> None:
+    from flowengine.kernels.fused_moe import DECODE_MAX_PAIRS, decode_pair_limit
+
+    assert DECODE_MAX_PAIRS == 64
+    # Qwen3-30B-A3B: 8 tokens x top-8; its expert-parallel half: 4 tokens; Mixtral: 2 x 2
+    assert [decode_pair_limit(e) for e in (128, 64, 8, 3, 1)] == [64, 32, 4, 1, 1]
+
+
+def test_decode_tiles_keep_the_grid_wide() -> None:
+    # BLOCK_N halves (32 -> 16) while a launch would have < 256 programs: Qwen3-30B-A3B at
+    # T = 1 (8 pairs x 768, 1 token x 2048) and Mixtral's down projection (1 x 4096).
+    from flowengine.kernels.fused_moe import DECODE_MIN_PROGRAMS, _decode_block_n
+
+    assert DECODE_MIN_PROGRAMS == 256
+    assert [_decode_block_n(8, 768, None), _decode_block_n(1, 2048, None)] == [16, 16]
+    assert [_decode_block_n(32, 768, None), _decode_block_n(4, 2048, None)] == [32, 32]
+    assert [_decode_block_n(2, 14336, None), _decode_block_n(1, 4096, None)] == [32, 16]
+    assert _decode_block_n(3, 40, 64) == 64 and _decode_block_n(3, 10, 64) == 16

@@ -174,7 +174,6 @@ class ChatRun:
             request_id,
             priority=req.priority,
             admission=ctx.admission,
-            metrics=ctx.metrics,
         )
         return cls(stream, setup, kind)
 

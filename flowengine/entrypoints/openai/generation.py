@@ -17,7 +17,6 @@ from typing import Any
 
 from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOverloadedError
 from flowengine.entrypoints.openai.errors import APIError, internal_error
-from flowengine.metrics import ServingMetrics
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -96,7 +95,7 @@ class EngineStream:
         iterator: AsyncIterator[RequestOutput],
         first: RequestOutput,
         arrival_s: float,
-        metrics: ServingMetrics | None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -104,15 +103,16 @@ class EngineStream:
         self._first: RequestOutput | None = first
         self._arrival_s = arrival_s
         self._first_token_s: float | None = None
-        self._last_token_s: float | None = None
-        self._metrics = metrics
+        # FINAL_ONLY: one output at the end, so no first-token time is seen here (the
+        # engine's RequestStats has it, for /metrics).
+        self._sees_first_token = output_kind != RequestOutputKind.FINAL_ONLY
         self.first_output = first
         self.num_prompt_tokens = len(first.prompt_token_ids)
         self.num_cached_tokens = first.num_cached_tokens  # prefix-cache hit tokens
         self.num_generated_tokens = 0
         self.finished = False
         self._closed = False
-        self._observe(first)  # TTFT counts when the first output arrived
+        self._observe(first)  # the first token time (for the request log) is now
 
     @classmethod
     async def open(
@@ -124,18 +124,22 @@ class EngineStream:
         *,
         priority: int = 0,
         admission: Admission | None = None,
-        metrics: ServingMetrics | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
     ) -> EngineStream:
-        """Submit and wait for the first output. Raises APIError (400/429/500/503)."""
+        """Submit and wait for the first output. Raises APIError (400/429/500/503).
+
+        output_kind: DELTA for routes that format each output as it comes (SSE
+        chunks); FINAL_ONLY for non-streaming routes, whose one output is the whole
+        result (then "the first output" is the last one, and `admission` counts the
+        request until it). TTFT, inter-token and end-to-end latencies are taken by the
+        engine (`RequestStats`) whatever the kind."""
         if admission is not None:
             admission.enter()
         arrival_s = time.monotonic()
         iterator: AsyncIterator[RequestOutput] | None = None
         try:
-            # DELTA: the routes format each output as it comes (SSE chunks, and the
-            # per-output TTFT/ITL metrics of _observe); non-streaming routes join them.
             iterator = engine.submit(prompt, params, request_id, priority=priority,
-                                     output_kind=RequestOutputKind.DELTA)
+                                     output_kind=output_kind)
             first = await anext(iterator)
         except StopAsyncIteration:
             await _close(engine, iterator, request_id, abort=False)
@@ -151,7 +155,7 @@ class EngineStream:
         finally:
             if admission is not None:
                 admission.leave()
-        stream = cls(engine, request_id, iterator, first, arrival_s, metrics)
+        stream = cls(engine, request_id, iterator, first, arrival_s, output_kind)
         if first.error is not None:
             # Failed before any output reached the client: answer with a status code.
             await stream.aclose()
@@ -181,22 +185,15 @@ class EngineStream:
         now = time.monotonic()
         if num_new:
             self.num_generated_tokens += num_new
-            if self._metrics is not None:
-                if self._last_token_s is None:
-                    self._metrics.observe_ttft(now - self._arrival_s)
-                else:
-                    self._metrics.observe_itl(now - self._last_token_s)
-            if self._first_token_s is None:
+            if self._first_token_s is None and self._sees_first_token:
                 self._first_token_s = now
-            self._last_token_s = now
         if out.finished:
             self.finished = True
-            if self._metrics is not None:
-                self._metrics.observe_e2e(now - self._arrival_s)
 
     @property
     def ttft_s(self) -> float | None:
-        """Seconds from submit to the first generated token; None before it."""
+        """Seconds from submit to the first generated token; None before it, and for a
+        FINAL_ONLY stream (it sees the tokens only at the end)."""
         return None if self._first_token_s is None else self._first_token_s - self._arrival_s
 
     @property

@@ -433,7 +433,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
         started = getattr(engine, "start", lambda: None)()
         if inspect.isawaitable(started):
             await started
-    except (ValueError, TypeError, OSError, EngineDeadError) as err:
+    except (ValueError, TypeError, OSError, ImportError, EngineDeadError) as err:
         logger.error("cannot start the engine: %s", err)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from(ns)
         engine_args = engine_args_from(ns)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, ImportError) as err:  # ImportError: a missing extra
         logger.error("%s", err)
         return 2
     if not options.log_requests:

@@ -11,11 +11,17 @@ usage if asked, then `[DONE]`. Fields that would change the output of a sampled
 request but that beam search cannot honour (stop strings, logprobs, structured
 outputs, penalties, ...) are refused with a 400 naming the field, as is a width over
 `--max-n` or one whose 2W log-probabilities per step exceed `--max-logprobs`.
+
+A search passes the server's admission as every other request does: its first step
+holds a seat of `--max-queue-len` until its first output, so a full queue answers 429
+`queue_full`. Each step request is an engine request, so the latency histograms count
+it as any other (vLLM's beam search over `generate` does the same).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,9 +32,10 @@ from flowengine.entrypoints.openai import sse
 from flowengine.entrypoints.openai.asgi import Response, StreamingResponse, json_response
 from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
 from flowengine.entrypoints.openai.errors import APIError, bad_request
-from flowengine.entrypoints.openai.generation import engine_error
+from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from flowengine.sampling_params import SamplingParams
+from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 # (field, is it set) pairs of fields beam search cannot honour.
 _NOT_WITH_BEAMS = (
@@ -52,8 +59,8 @@ def beam_params(
     ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest,
     params: SamplingParams,
 ) -> tuple[BeamSearchParams, int, bool]:
-    """(BeamSearchParams, number of sequences to return, max_tokens unset) of a
-    use_beam_search request; `params` are its already checked SamplingParams.
+    """(BeamSearchParams, number of sequences to return, fit max_tokens to the
+    context the prompt leaves: always) of a use_beam_search request; `params` are its already checked SamplingParams.
     Raises APIError(400) naming the field."""
     for name, is_set in _NOT_WITH_BEAMS:
         if is_set(req):
@@ -88,11 +95,14 @@ def beam_params(
             f"{width_field}={width} beams need the top {needed} log-probabilities per step, "
             f"over this server's limit of {ctx.limits.max_logprobs} (--max-logprobs); "
             f"ask for at most {ctx.limits.max_logprobs // 2} beams", width_field)
-    unset = params.max_tokens is None
+    # As for a sampled request (vLLM's get_max_tokens): max_tokens unset or over the
+    # context the prompt leaves is lowered to that context, not refused.
+    max_model_len = ctx.engine.max_model_len
     try:
         beam = BeamSearchParams(
             beam_width=width,
-            max_tokens=ctx.engine.max_model_len if unset else params.max_tokens,
+            max_tokens=(max_model_len if params.max_tokens is None
+                        else min(params.max_tokens, max_model_len)),
             ignore_eos=req.ignore_eos,
             temperature=params.temperature,
             length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
@@ -101,16 +111,72 @@ def beam_params(
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
-    return beam, req.n, unset
+    return beam, req.n, True
+
+
+class _AdmittedEngine:
+    """The engine as one search sees it: the first `submit` (the prompt's step) passes
+    `admission` and holds its seat until that step's first output, as `EngineStream`
+    does for other requests. Every other attribute is the engine's (each step request
+    is an engine request, so the frontend's RequestStats count its latencies, as
+    vLLM's beam search over `generate`)."""
+
+    def __init__(self, engine: Any, admission: Admission) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._num_submits = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def submit(self, prompt: Any, params: SamplingParams, request_id: str | None = None, *,
+               priority: int = 0, output_kind: RequestOutputKind | None = None,
+               ) -> AsyncIterator[RequestOutput]:
+        self._num_submits += 1
+        return self._step(self._num_submits == 1, prompt, params, request_id, priority,
+                          output_kind)
+
+    async def _step(self, is_first: bool, prompt: Any, params: SamplingParams,
+                    request_id: str | None, priority: int,
+                    output_kind: RequestOutputKind | None) -> AsyncIterator[RequestOutput]:
+        pending = False
+        if is_first:
+            self._admission.enter()  # APIError(429) when the server's queue is full
+            pending = True
+        try:
+            outputs = self._engine.submit(prompt, params, request_id, priority=priority,
+                                          output_kind=output_kind)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    if pending:
+                        pending = False
+                        self._admission.leave()
+                    yield out
+        finally:
+            if pending:
+                self._admission.leave()
 
 
 async def _search(ctx: ServingContext, prompt: Any, beam: BeamSearchParams, fit: bool,
                   priority: int) -> tuple[BeamSearchOutput, int]:
+    engine = _AdmittedEngine(ctx.engine, ctx.admission)
     try:
-        return await beam_search(ctx.engine, prompt, beam, priority=priority,
+        return await beam_search(engine, prompt, beam, priority=priority,
                                  fit_max_tokens=fit)
     except Exception as err:
         raise engine_error(err) from None
+
+
+async def _search_all(ctx: ServingContext, prompts: list[Any], beam: BeamSearchParams,
+                      fit: bool, priority: int) -> list[tuple[BeamSearchOutput, int]]:
+    """Every prompt's search at once; the first failure cancels the others (their
+    step requests are aborted) and is raised."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(_search(ctx, p, beam, fit, priority)) for p in prompts]
+    except* Exception as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def beam_completion(
@@ -121,8 +187,7 @@ async def beam_completion(
     sequence j of prompt i, best first). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
     start = time.monotonic()
-    results = await asyncio.gather(
-        *(_search(ctx, p, beam, fit, req.priority) for p in prompts))
+    results = await _search_all(ctx, prompts, beam, fit, req.priority)
     choices = [
         {"index": i * n + j, "text": seq.text, "logprobs": None,
          "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}

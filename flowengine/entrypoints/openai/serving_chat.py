@@ -45,6 +45,7 @@ from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
 from flowengine.outputs import CompletionOutput, RequestOutput
+from flowengine.sampling_params import RequestOutputKind
 
 
 def _usage(ctx: ServingContext, stream: EngineStream) -> dict[str, Any]:
@@ -101,7 +102,8 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         request_id,
         priority=req.priority,
         admission=ctx.admission,
-        metrics=ctx.metrics,
+        # Non-streaming: one FINAL_ONLY output, nothing to join per step.
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
     )
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     if num_top == -1:  # the whole vocabulary
@@ -122,8 +124,8 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
             error_event=sse.error_event,
             done_event=sse.DONE,
         )
-    # The engine's DELTA outputs folded by the one fold (RequestOutput.add); the
-    # stream stays DELTA for the per-output TTFT/ITL metrics (generation.py).
+    # One FINAL_ONLY output (the engine's latency metrics are taken per engine
+    # output in RequestStats); RequestOutput.add copies it into `total`.
     total = RequestOutput(request_id, None, [])
     outcome = "aborted"
     try:

@@ -35,6 +35,7 @@ from flowengine.entrypoints.openai.multi_stream import close_streams, merge_stre
 from flowengine.entrypoints.openai.protocol import CompletionRequest
 from flowengine.entrypoints.openai.sampling import check_limits, completion_params
 from flowengine.outputs import RequestOutput
+from flowengine.sampling_params import RequestOutputKind
 
 
 def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:
@@ -101,7 +102,8 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
         request_id,
         priority=req.priority,
         admission=ctx.admission,
-        metrics=ctx.metrics,
+        # Non-streaming: one FINAL_ONLY output per prompt, nothing to join per step.
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
     )
     base = {
         "id": request_id,
@@ -136,8 +138,8 @@ async def _collect(
 ) -> dict[str, Any]:
     """The whole completion object, once every stream finished."""
     n = len(state.texts) // len(streams)
-    # Each prompt's DELTA outputs folded by the one fold (RequestOutput.add), then
-    # formatted once per choice (echo, text offsets).
+    # Each prompt's one FINAL_ONLY output (RequestOutput.add copies it into its
+    # total), formatted once per choice (echo, text offsets).
     totals: list[RequestOutput | None] = [None] * len(streams)
     outcome = "aborted"
     try:

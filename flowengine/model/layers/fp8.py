@@ -72,7 +72,8 @@ W8A16_MAX_M = 64
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """y = x W^T (+ b) with an E4M3 weight.
 
     T = the number of rows of x (its leading dimensions flattened):
@@ -88,6 +89,8 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         weight_fp8: [out, in] float8_e4m3fn, contiguous.
         weight_scale: [out] float32, one scale per output channel.
         bias: [out] in x's dtype, or None.
+        input_scale: [1] float32, a checkpoint's static activation scale (used by the
+            W8A8 GEMM instead of per-token scales), or None.
 
     Returns:
         [..., out] in x's dtype.
@@ -98,35 +101,59 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if not x.is_cuda:
-        out = fp8_linear_reference(x2, weight_fp8, weight_scale, bias).to(x.dtype)
+    if not x.is_cuda or weight_scale.dim() == 2:
+        out = fp8_linear_reference(x2, weight_fp8, weight_scale, bias, input_scale
+                                   ).to(x.dtype)
     elif x2.shape[0] <= W8A16_MAX_M:
         from flowengine.kernels.fp8_linear import fp8_w8a16_gemm
 
         out = fp8_w8a16_gemm(x2, weight_fp8, weight_scale, bias)
     else:
-        from flowengine.kernels.fp8_linear import per_token_quant_fp8
+        if input_scale is not None:
+            xq = (x2.float() / input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+        else:
+            from flowengine.kernels.fp8_linear import per_token_quant_fp8
 
-        xq, x_scale = per_token_quant_fp8(x2)
+            xq, x_scale = per_token_quant_fp8(x2)
         out = torch._scaled_mm(xq, weight_fp8.t(), scale_a=x_scale,
                                scale_b=weight_scale.reshape(1, -1), bias=bias,
                                out_dtype=x.dtype)
     return out.reshape(*shape[:-1], weight_fp8.shape[0])
 
 
+def dequantize_fp8(weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 = E4M3 value x its scale (exact in float32). weight_scale: [out]
+    per row, or [ceil(out / bo), ceil(in / bi)] per bo x bi block (the block size
+    follows from the two shapes)."""
+    w = weight_fp8.float()
+    if weight_scale.dim() == 2:
+        out_f, in_f = w.shape
+        bo = -(-out_f // weight_scale.shape[0])
+        bi = -(-in_f // weight_scale.shape[1])
+        full = weight_scale.repeat_interleave(bo, 0)[:out_f].repeat_interleave(bi, 1)[:, :in_f]
+        return w * full
+    return w * weight_scale.reshape(-1, 1)
+
+
 def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor,
-                         weight_scale: torch.Tensor, bias: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                         input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`fp8_linear`'s arithmetic in float32: x [T, in] -> [T, out] float32.
 
-    The weight is dequantized (E4M3 value x its row's scale, exact in float32); for
-    T > W8A16_MAX_M x is first quantized per token (`quantize_rowwise`) and dequantized.
+    The weight is dequantized (`dequantize_fp8`, exact); for T > W8A16_MAX_M x is first
+    quantized, per token (`quantize_rowwise`) or with the static `input_scale`, and
+    dequantized.
     """
-    w = weight_fp8.float() * weight_scale.reshape(-1, 1)
+    w = dequantize_fp8(weight_fp8, weight_scale)
     xf = x.float()
     if xf.shape[0] > W8A16_MAX_M:
-        xq, x_scale = quantize_rowwise(xf)
-        xf = xq.float() * x_scale
+        if input_scale is not None:
+            xq = (xf / input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            xf = xq.float() * input_scale
+        else:
+            xq, x_scale = quantize_rowwise(xf)
+            xf = xq.float() * x_scale
     out = F.linear(xf, w)
     return out if bias is None else out + bias.float()
 
@@ -136,19 +163,45 @@ class Fp8Linear(nn.Module):
     scale per output channel; the row-parallel form sums the ranks' partial products
     with one all-reduce and adds the bias once, as its bf16 original does.
 
-    Buffers: `weight` [out, in] float8_e4m3fn, `weight_scale` [out] float32,
-    `bias` [out] (model dtype) or None.
+    Buffers: `weight` [out, in] float8_e4m3fn, `weight_scale` [out] float32 (or, for
+    a block-scaled checkpoint, [ceil(out / bo), ceil(in / bi)]: CPU only), `bias` [out]
+    (model dtype) or None, `input_scale` [1] float32 (a checkpoint's static activation
+    scale) or None. `empty` makes the layer an FP8 checkpoint fills
+    (flowengine/model/fp8_loader.py).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, *,
                  row_parallel: bool, tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
-        wq, scale = quantize_rowwise(weight.detach())
-        self.register_buffer("weight", wq)
-        self.register_buffer("weight_scale", scale.reshape(-1).contiguous())
+        if weight is not None:
+            wq, scale = quantize_rowwise(weight.detach())
+            self.register_buffer("weight", wq)
+            self.register_buffer("weight_scale", scale.reshape(-1).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("input_scale", None)
+        self.input_scale_seen = False
         self.row_parallel = row_parallel
         self.tp = tp
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, has_bias: bool, dtype: torch.dtype,
+              *, row_parallel: bool, tp: TensorParallelGroup = SINGLE_RANK,
+              block_size: tuple[int, int] | None = None,
+              static_input_scale: bool = False) -> Fp8Linear:
+        """A layer with uninitialized buffers (on the current default device, e.g.
+        meta before materialization) for a checkpoint's E4M3 weight and its scales."""
+        layer = cls(None, None, row_parallel=row_parallel, tp=tp)
+        layer.register_buffer("weight", torch.empty(out_features, in_features,
+                                                    dtype=FP8_DTYPE))
+        scale_shape: tuple[int, ...] = (out_features,)
+        if block_size is not None:
+            scale_shape = (-(-out_features // block_size[0]), -(-in_features // block_size[1]))
+        layer.register_buffer("weight_scale", torch.empty(scale_shape, dtype=torch.float32))
+        if has_bias:
+            layer.register_buffer("bias", torch.empty(out_features, dtype=dtype))
+        if static_input_scale:
+            layer.register_buffer("input_scale", torch.empty(1, dtype=torch.float32))
+        return layer
 
     @property
     def in_features(self) -> int:
@@ -161,13 +214,14 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features], x's dtype."""
         if self.row_parallel and self.tp.world_size > 1:
-            out = self.tp.all_reduce(fp8_linear(x, self.weight, self.weight_scale))
+            out = self.tp.all_reduce(fp8_linear(x, self.weight, self.weight_scale,
+                                                input_scale=self.input_scale))
             return out if self.bias is None else out + self.bias
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the GEMM effectively uses, [out, in] in `dtype` (for references)."""
-        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+        return dequantize_fp8(self.weight, self.weight_scale).to(dtype)
 
 
 def quantize_model_fp8_(model: nn.Module, device: torch.device) -> int:
@@ -209,5 +263,5 @@ def quantize_model_fp8_(model: nn.Module, device: torch.device) -> int:
 def reference_fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     """Float32 reference of an `Fp8Linear` for tests: [..., in] -> [..., out] float32."""
     out = fp8_linear_reference(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale,
-                               layer.bias)
+                               layer.bias, layer.input_scale)
     return out.reshape(*x.shape[:-1], layer.out_features)

@@ -10,12 +10,17 @@ weights in one of GGUF's 32-weight block formats (ggml-common.h), split into pla
 
 (a Q4 block's byte j holds weight j in its low nibble and weight j + 16 in its high one,
 as in the file). `matmul` multiplies float32 activations by the weights without
-materialising them: the C kernels of flowengine/_cpu_ops.c dequantize one block at
-a time into registers, for up to 8 activation rows at once. Larger batches (prefill)
+materialising them: the C kernels of flowengine/_cpu_ops.c. For 1-3 activation rows
+on a CPU with AVX512-VNNI they quantize each 32-value block of the activations to
+three int8 levels (x = s (2^16 h + 2^8 m + l), relative error 6e-8 of the block's
+largest value for Q4, 2.4e-7 for Q8_0: float32's accuracy) and multiply with integer
+dot products (vpdpbusd); otherwise they dequantize one block at a time into
+registers, for up to 8 activation rows at once. Larger batches (prefill)
 dequantize the matrix into a float32 scratch and use torch's GEMM, whose register
 tiling beats a dot-product kernel there. The dequantized values are exactly
 gguf.quants.dequantize's, so results differ from float32 over the dequantized
-matrix only by the order of the sums.
+matrix only by the order of the sums (and, on the VNNI path, by the activations'
+rounding to 24 bits per block).
 
 `int8` (online, from a float checkpoint) quantizes to the q8_0 layout: symmetric, one
 float16 scale per 32 weights of a row (llama.cpp's quantize_row_q8_0 rounding).
@@ -23,6 +28,7 @@ float16 scale per 32 weights of a row (llama.cpp's quantize_row_q8_0 rounding).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,10 +47,40 @@ BLOCK = 32
 DEQUANT_MIN_ROWS = 16
 
 
+logger = logging.getLogger(__name__)
+_PATH_LOGGED = False
+
+
 def _ops():
+    global _OPS
     from flowengine import _cpu_ops
 
+    _OPS = _cpu_ops
     return _cpu_ops
+
+
+_OPS = None  # the module once imported (a decode step makes ~120 matmul calls)
+
+
+def kernel_paths() -> str:
+    """Which C bodies the quantized matmuls run on this CPU, in words (chosen at run
+    time from cpuid; FLOWENGINE_CPU_NO_VNNI=1 / FLOWENGINE_CPU_NO_AVX512=1 opt out)."""
+    ops = _ops()
+    one, many = ops.linear_path(1), ops.linear_path(DEQUANT_MIN_ROWS)
+    if one == "avx512-vnni":
+        rows = max(r for r in range(1, DEQUANT_MIN_ROWS + 1) if ops.linear_path(r) == one)
+        return (f"1-{rows} activation rows: AVX512-VNNI integer dot products (activations "
+                f"as three int8 levels, float32 accuracy); {rows + 1}-{DEQUANT_MIN_ROWS} "
+                f"rows: {many} float32; more: dequantize + torch GEMM")
+    return (f"1-{DEQUANT_MIN_ROWS} activation rows: {'AVX-512' if one == 'avx512' else 'portable C'}"
+            f" float32 (no AVX512-VNNI, or FLOWENGINE_CPU_NO_VNNI=1); more: dequantize + torch GEMM")
+
+
+def _log_path_once() -> None:
+    global _PATH_LOGGED
+    if not _PATH_LOGGED and kernels_available():
+        _PATH_LOGGED = True
+        logger.info("quantized CPU matmuls: %s", kernel_paths())
 
 
 def kernels_available() -> bool:
@@ -155,6 +191,7 @@ class QuantizedWeight:
         n, k = qs.shape[0], scales.shape[1] // FORMATS[fmt][2] * BLOCK
         self.shape = torch.Size((n, k))
         self._kernel = FORMATS[fmt][0]
+        _log_path_once()
 
     @property
     def nbytes(self) -> int:
@@ -175,12 +212,14 @@ class QuantizedWeight:
         else:
             out = torch.empty(m, n, dtype=torch.float32)
             if m:
-                _ops().linear(self._kernel, x2.data_ptr(), m, k, self.qs.data_ptr(),
-                              self.scales.data_ptr(), n, out.data_ptr(),
-                              torch.get_num_threads())
+                ops = _OPS or _ops()
+                ops.linear(self._kernel, x2.data_ptr(), m, k, self.qs.data_ptr(),
+                           self.scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
         if bias is not None:
             out += bias
-        return out.to(x.dtype).view(*lead, n)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out if len(lead) == 1 else out.view(*lead, n)
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix [N, K] float32 (exactly gguf.quants.dequantize's values)."""

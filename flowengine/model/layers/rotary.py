@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from flowengine.model.layers import cpu_kernels
 from flowengine.model.model_config import ModelConfig, RopeScaling
 
 
@@ -148,6 +149,10 @@ class RotaryEmbedding(nn.Module):
             sin = self.cos_sin_cache[:, 1, :half]
             rotary_embedding(positions, q, k, cos, sin)
             return q, k
+        if self.rotary_dim == self.head_dim:  # float32 CPU: one C call per tensor
+            fused = cpu_kernels.rope_neox(positions, q, k, self.cos_sin_cache)
+            if fused is not None:
+                return fused
         return self._rotate(positions, q), self._rotate(positions, k)
 
     def kernel_tables(self, positions: torch.Tensor, q: torch.Tensor

@@ -19,10 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowengine.entrypoints.openai.errors import APIError, bad_request
-
-# OpenAI's rule for function names.
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-MAX_NAME_LEN = 64
+from flowengine.tokenize.tool_check import ToolError, check_function_name, check_parameters
 
 
 @dataclass(frozen=True)
@@ -43,44 +40,6 @@ class ToolChoice:
     parallel_tool_calls: bool = True
 
 
-def _check_parameters(index: int, name: str, parameters: Any) -> None:
-    field = f"tools[{index}].function.parameters"
-    if not isinstance(parameters, dict):
-        raise bad_request(
-            f"the parameters of function {name!r} must be a JSON Schema object, got "
-            f"{type(parameters).__name__}",
-            field,
-        )
-    kind = parameters.get("type", "object")
-    if kind != "object":
-        raise bad_request(
-            f"Invalid schema for function {name!r}: schema must be a JSON Schema of "
-            f"'type: \"object\"', got 'type: {kind!r}'",
-            field,
-        )
-    from jsonschema import exceptions, validators
-
-    dialect = parameters.get("$schema")
-    if dialect is not None and not isinstance(dialect, str):
-        raise bad_request(
-            f"the parameters of function {name!r} are not a valid JSON Schema: $schema "
-            "must be a URI string",
-            field,
-        )
-    cls = validators.validator_for(parameters, default=validators.Draft202012Validator)
-    try:
-        cls.check_schema(parameters)
-    except RecursionError:
-        raise bad_request(f"the parameters of function {name!r} nest too deeply", field) from None
-    except exceptions.SchemaError as err:
-        where = "/".join(str(p) for p in err.path)
-        raise bad_request(
-            f"the parameters of function {name!r} are not a valid JSON Schema: "
-            f"{err.message}" + (f" (at {where})" if where else ""),
-            field,
-        ) from None
-
-
 def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     """Validate OpenAI's `tools` (already shaped by the request struct) and return them
     as plain dicts for the chat template. Raises APIError(400)."""
@@ -88,20 +47,12 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
         fn = tool.function
-        if not fn.name or len(fn.name) > MAX_NAME_LEN or not set(fn.name) <= _NAME_CHARS:
-            raise bad_request(
-                f"function name {fn.name!r} must be 1 to {MAX_NAME_LEN} letters, digits, "
-                "underscores or dashes",
-                f"tools[{i}].function.name",
-            )
-        if fn.name in seen:
-            raise bad_request(
-                f"function {fn.name!r} is defined twice; tool names must be unique",
-                f"tools[{i}].function.name",
-            )
-        seen.add(fn.name)
-        if fn.parameters is not None:
-            _check_parameters(i, fn.name, fn.parameters)
+        try:  # the same checks as LLM.chat(tools=) (flowengine/tokenize/tool_check.py)
+            check_function_name(i, fn.name, seen)
+            if fn.parameters is not None:
+                check_parameters(i, fn.name, fn.parameters)
+        except ToolError as err:
+            raise bad_request(str(err), err.param) from None
         function: dict[str, Any] = {"name": fn.name}
         if fn.description is not None:
             function["description"] = fn.description

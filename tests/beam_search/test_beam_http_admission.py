@@ -1,0 +1,94 @@
+"""`use_beam_search` over HTTP passes the same admission (`--max-queue-len`) and its
+step requests feed the same latency metrics as every other request (the fake engine:
+no model)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "entrypoints"))
+from openai_fake_engine import FakeEngine  # noqa: E402
+from openai_helpers import assert_error, wait_until  # noqa: E402
+from openai_live_server import LiveServer  # noqa: E402
+
+BEAM = {"prompt": "abc", "max_tokens": 3, "n": 2, "use_beam_search": True}
+
+
+def _count(metrics: str, name: str) -> int:
+    match = re.search(rf"^flowengine:{name}_count{{[^}}]*}} (\S+)$", metrics, re.M)
+    assert match is not None, name
+    return int(float(match.group(1)))
+
+
+def test_full_queue_refuses_a_beam_search_and_a_search_holds_a_seat():
+    # The first output comes after one slow step: the seat is held that long (the
+    # steps are long enough for a loaded machine to send the next request meanwhile).
+    engine = FakeEngine(step_s=3.0)
+    with LiveServer(engine, max_queue_len=1) as live, \
+            httpx.Client(base_url=live.base_url, timeout=60) as http:
+        admission = live.server.context.admission
+        # A plain request waits for its first token: a beam search is refused.
+        first = threading.Thread(target=http.post, args=("/v1/completions",),
+                                 kwargs={"json": {"prompt": "a", "max_tokens": 1}})
+        first.start()
+        wait_until(lambda: admission.num_pending == 1, timeout_s=30)
+        assert_error(http.post("/v1/completions", json=BEAM), 429, code="queue_full")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
+                "use_beam_search": True}
+        assert_error(http.post("/v1/chat/completions", json=chat), 429, code="queue_full")
+        first.join(30)
+        wait_until(lambda: admission.num_pending == 0, timeout_s=30)
+        engine.step_s = 1.0
+        # A beam search's first step holds the seat: a plain request is refused.
+        results: list[httpx.Response] = []
+        search = threading.Thread(
+            target=lambda: results.append(http.post("/v1/completions", json=BEAM)))
+        search.start()
+        wait_until(lambda: admission.num_pending == 1, timeout_s=30)
+        assert_error(http.post("/v1/completions", json={"prompt": "b", "max_tokens": 1}),
+                     429, code="queue_full")
+        search.join(60)
+        assert results[0].status_code == 200, results[0].text
+        assert len(results[0].json()["choices"]) == 2
+        assert admission.num_pending == 0
+        # Two prompts, the queue holds one: the second search is refused, the first is
+        # cancelled (its step requests aborted), and the seat is given back.
+        resp = http.post("/v1/completions", json={**BEAM, "prompt": ["abc", "xyz"]})
+        assert_error(resp, 429, code="queue_full")
+        wait_until(lambda: not engine.running, timeout_s=30)
+        assert admission.num_pending == 0
+
+
+def test_beam_search_feeds_the_latency_metrics():
+    engine = FakeEngine(step_s=0.001)
+    with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=60) as http:
+        before = http.get("/metrics").text
+        resp = http.post("/v1/completions", json=BEAM)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 2 * 3
+        after = http.get("/metrics").text
+    # Each step is an engine request (as vLLM's beam search over generate): the first
+    # step, then 2 beams x 2 more steps (max_tokens=3): 5 requests, each with one TTFT
+    # and one end-to-end latency, as any engine request.
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds"):
+        assert _count(after, name) - _count(before, name) == 1 + 2 * 2, name
+
+def test_max_tokens_over_the_context_is_lowered_as_for_sampling():
+    # max_model_len 12, prompt "abc" (3 byte tokens): 9 tokens of room per beam, as a
+    # sampled request with the same max_tokens gets; neither is refused.
+    engine = FakeEngine(max_model_len=12)
+    with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=60) as http:
+        for max_tokens in (10**12, 9, None):
+            body = {**BEAM, "max_tokens": max_tokens}
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            choices = resp.json()["choices"]
+            assert [c["finish_reason"] for c in choices] == ["length", "length"]
+            assert resp.json()["usage"]["completion_tokens"] == 2 * 9
+        sampled = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 10**12})
+        assert sampled.json()["usage"]["completion_tokens"] == 9

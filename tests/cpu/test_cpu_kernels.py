@@ -1,0 +1,109 @@
+"""The per-layer C operations of a CPU decode step (flowengine/model/layers/cpu_kernels.py)
+against the torch code they replace: RMSNorm (with and without the residual add),
+rotary embedding on views of a fused qkv row, the KV-cache write, and the all-decode
+short path of the CPU attention backend (cache writes included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowengine.model.attention.cpu_backend import CpuAttentionBackend
+from flowengine.model.attention.metadata import AttentionMetadata
+from flowengine.model.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from flowengine.model.layers import cpu_kernels
+from flowengine.model.layers.quant_linear import kernels_available
+from flowengine.model.layers.rms_norm import RMSNorm
+from flowengine.model.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not kernels_available() or not cpu_kernels.ENABLED,
+                                reason="flowengine._cpu_ops not built")
+
+
+def _torch_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_rms_norm_and_add(t):
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) + 0.5)
+    x, res = torch.randn(t, 576) * 3, torch.randn(t, 576)
+    with torch.inference_mode():
+        out = norm(x)
+        out2, res2 = norm.add_and_norm(x, res)
+    torch.testing.assert_close(out, _torch_norm(x, norm.weight.detach(), 1e-5),
+                               rtol=2e-6, atol=2e-6)
+    assert torch.equal(res2, x + res)  # one float32 add: exact
+    torch.testing.assert_close(out2, _torch_norm(x + res, norm.weight.detach(), 1e-5),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_declines_other_inputs():
+    w = torch.ones(64)
+    with torch.inference_mode():
+        assert cpu_kernels.rms_norm(torch.randn(2, 64).to(torch.bfloat16), w, 1e-6) is None
+        assert cpu_kernels.rms_norm(torch.randn(64, 2).t(), w, 1e-6) is None  # strided
+        assert cpu_kernels.rms_norm(torch.randn(2, 32), w, 1e-6) is None  # width
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_rotary_on_fused_qkv_views(t):
+    hq, hkv, d = 9, 3, 64
+    rope = RotaryEmbedding(d, 512, 10000.0, None)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    positions = torch.randint(0, 512, (t,))
+    with torch.inference_mode():
+        q2, k2 = rope.rotate_qk(positions, q, k)
+        ref_q, ref_k = rope._rotate(positions, q), rope._rotate(positions, k)
+    assert q2.is_contiguous() and k2.is_contiguous()
+    torch.testing.assert_close(q2, ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k2, ref_k, rtol=1e-6, atol=1e-6)
+    with torch.inference_mode(), pytest.raises(IndexError, match="512"):
+        cpu_kernels.rope_neox(torch.tensor([512] * t), q, k, rope.cos_sin_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(dtype):
+    hkv, d = 3, 64
+    cache = torch.randn(2, 6, 16, hkv, d).to(dtype)
+    ref = cache.clone()
+    kv = torch.randn(4, 2 * hkv * d).to(dtype)  # K and V as views of one row each
+    k, v = kv[:, :hkv * d].view(4, hkv, d), kv[:, hkv * d:].view(4, hkv, d)
+    slots = torch.tensor([17, -1, 95, 0])
+    assert cpu_kernels.write_kv_cache(k, v, cache, slots)
+    write_kv_cache(k, v, ref, slots)
+    assert torch.equal(cache, ref)
+    with pytest.raises(IndexError, match="96"):
+        cpu_kernels.write_kv_cache(k, v, cache, torch.tensor([0, 1, 96, 2]))
+    assert torch.equal(cache, ref)  # nothing written
+    assert not cpu_kernels.write_kv_cache(k.float(), v.float(), cache.to(torch.float16), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_decode_step_short_path_matches_reference(dtype):
+    hq, hkv, d, block = 6, 2, 32, 16
+    cache = torch.randn(2, 12, block, hkv, d).to(dtype)
+    cache_ref = cache.clone()
+    lens = [20, 33, 5]
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    bt = torch.tensor([[0, 1, 0], [2, 3, 4], [5, 0, 0]], dtype=torch.int32)
+    slots = torch.tensor([16 + 3, 4 * block + 0, 5 * block + 4])
+    seq = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(qsl, seq, bt, slots, 1, 33, qsl, seq)
+    q = torch.randn(3, hq, d).to(dtype)
+    kv = torch.randn(3, 2 * hkv * d).to(dtype)
+    k, v = kv[:, :hkv * d].view(3, hkv, d), kv[:, hkv * d:].view(3, hkv, d)
+    backend = CpuAttentionBackend()
+    out = backend.forward(q, k, v, cache, meta, d ** -0.5)
+    assert meta._cpu_decode_plan is not None  # the short path ran
+    out_again = backend.forward(q, k, v, cache, meta, d ** -0.5)  # the cached plan
+    ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, d ** -0.5)
+    assert torch.equal(cache, cache_ref)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert torch.equal(out, out_again)
