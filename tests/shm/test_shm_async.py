@@ -55,7 +55,9 @@ def test_recv_async_cancel_is_clean(ring) -> None:
 
     assert asyncio.run(main()) == [b"after cancel", b"second"]
     reader.close()  # stops the helper thread
-    assert not [t for t in threading.enumerate() if t.name.startswith("fe-wait")]
+    # This reader's thread (other tests' rings may still have theirs in this process).
+    own = f"fe-wait{reader.name}-r{reader.reader_index}"
+    assert not [t for t in threading.enumerate() if t.name == own]
 
 
 def test_recv_async_under_uvloop(ring) -> None:
