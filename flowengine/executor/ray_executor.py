@@ -260,7 +260,11 @@ async def relay_rank(server_sock: socket.socket, token: bytes, steps_name: str,
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         writer.close()
+        steps.close()  # stops its waiter thread
+        if results is not None:
+            results.close()
 
 
 def placement_bundles(tp: int, pp: int, gpus: bool) -> list[dict[str, float]]:

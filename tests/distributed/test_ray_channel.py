@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 
@@ -77,6 +78,8 @@ def test_relay_carries_plans_to_and_results_from_the_sampling_rank(rings) -> Non
     assert rejected == b""
     assert got == Shutdown()
     assert ready == ExecutorReady(7, 1)
+    # The ended relay closed its ring ends: no waiter thread of its steps reader is left.
+    assert not [t for t in threading.enumerate() if t.name == f"fe-wait{steps_name}-r1"]
 
 
 def test_relay_refuses_results_from_a_rank_that_does_not_sample(rings) -> None:
