@@ -6,14 +6,11 @@ prefix caching on, and a stage killed mid-run restarts the group with no request
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowengine import LLM, SamplingParams
 
@@ -30,22 +27,6 @@ PROMPTS = [PREFIX + p for p in ("The capital of France is", "def fibonacci(n):",
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(max_model_len=256, max_num_batched_tokens=32, enable_prefix_caching=True,
               enable_chunked_prefill=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, default_model_path: str) -> str:
-    """A random-weight Llama (float32) whose head counts divide by 2, with 4 layers
-    (2 per stage) and the default model's tokenizer."""
-    path = str(tmp_path_factory.mktemp("tiny-llama-pp"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                      max_position_embeddings=512, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(default_model_path, name), path)
-    return path
 
 
 def _greedy_ids(model: str, prompts: list[str] = PROMPTS, **kwargs) -> list[list[int]]:

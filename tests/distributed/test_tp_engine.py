@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowengine import LLM, SamplingParams
 from flowengine.entrypoints.async_engine import AsyncEngine
@@ -30,22 +27,6 @@ PROMPTS = [
     "The three primary colors are",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, default_model_path: str) -> str:
-    """A random-weight Llama (float32, transformers' initialization) whose head counts
-    divide by 4, with the default model's tokenizer."""
-    path = str(tmp_path_factory.mktemp("tiny-llama-tp"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                      max_position_embeddings=512, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(default_model_path, name), path)
-    return path
 
 
 def _greedy_ids(model: str, tp: int) -> list[list[int]]:
