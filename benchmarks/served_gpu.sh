@@ -13,7 +13,12 @@
 #
 # Each served run also reports the CPU seconds of the client and of every server
 # process (from /proc), to tell a server-bound run from a client-bound one, and, with
-# py-spy on the PATH, records the server's stacks (OUT_DIR/pyspy_LABEL.txt, collapsed).
+# py-spy on the PATH, records the server's stacks (OUT_DIR/pyspy_LABEL.txt, collapsed),
+# and the executor actor's own step timers (`ExecutorActor.timers()`, logged at shutdown:
+# wall per step between launches, host time launching/resolving, share of steps whose
+# tokens were waited for). SERVE_RUNS picks the served configurations (labels below).
+# LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
+# through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
 set -uo pipefail
 model=$1
 out=$2
@@ -63,7 +68,8 @@ fi
 serve_once() {  # $1: label, $2: number of client processes, rest: extra serve flags
   local label=$1 clients=$2; shift 2
   local port=$((8700 + RANDOM % 200))
-  "${fe[@]}" serve "$model" "${common[@]}" --port "$port" "$@" > "/tmp/serve_$label.log" 2>&1 &
+  FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$model" "${common[@]}" --port "$port" \
+    --log-level info "$@" > "/tmp/serve_$label.log" 2>&1 &
   local pid=$!
   python3 - "$port" <<'EOF'
 import sys, time, urllib.request
@@ -107,9 +113,27 @@ EOF
       "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
   done
   kill -INT "$pid"; wait "$pid"
+  grep -h "executor timers" "/tmp/serve_$label.log" | sed 's/^.*executor timers/executor timers/' \
+    | tee -a "$out/summary.md"
+  cp "/tmp/serve_$label.log" "$out/" 2>/dev/null
 }
-serve_once inproc_async 1 --async-scheduling
-serve_once inproc_async_2clients 2 --async-scheduling
-serve_once multiproc_async 1 --async-scheduling --placement multiproc
-serve_once multiproc_async_2clients 2 --async-scheduling --placement multiproc
-serve_once multiproc_sync 1 --placement multiproc
+runs=${SERVE_RUNS:-inproc_async inproc_async_2clients multiproc_async multiproc_async_2clients multiproc_sync}
+for r in $runs; do
+  case $r in
+    inproc_async) serve_once inproc_async 1 --async-scheduling ;;
+    inproc_async_2clients) serve_once inproc_async_2clients 2 --async-scheduling ;;
+    multiproc_async) serve_once multiproc_async 1 --async-scheduling --placement multiproc ;;
+    multiproc_async_2clients)
+      serve_once multiproc_async_2clients 2 --async-scheduling --placement multiproc ;;
+    multiproc_sync) serve_once multiproc_sync 1 --placement multiproc ;;
+  esac
+done
+
+if [ -n "${LLAMA8B_DIR:-}" ]; then  # batch 1, Llama-3.1-8B shapes: served TPOT vs offline
+  model=$LLAMA8B_DIR n=${NUM_PROMPTS_8B:-6} conc=1
+  common=(--load-format dummy --dtype "$dtype" --max-num-seqs 1 --max-model-len 2048)
+  say "== Llama-3.1-8B shapes, batch 1: offline (ms/token = 1000 / output tok/s)"
+  timeout 200 "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
+    --input-len 128 --output-len 128 2>&1 | tail -4 | tee -a "$out/summary.md"
+  serve_once llama8b_batch1 1 --async-scheduling
+fi

@@ -98,15 +98,38 @@ class ExecutorActor:
         self.busy_s = 0.0  # time launching steps (forward + sampling on the CPU)
         self.resolve_s = 0.0  # time resolving handles (waits for the device included)
         self.num_waited = 0  # handles whose tokens were not on the host yet
+        # Step timers (`timers()`): steps launched, their rows, the first and last
+        # launch times (their span / steps is the served step's wall time).
+        self.num_launched = 0
+        self.rows_launched = 0
+        self._first_launch = 0.0
+        self._last_launch = 0.0
+
+    def timers(self) -> dict[str, float]:
+        """This actor's step timers: steps, mean rows, wall per step between the first
+        and the last launch, host time launching and resolving per step (us), and the
+        share of steps whose tokens the resolver had to wait for (device-bound)."""
+        n = max(self.num_launched, 1)
+        span = self._last_launch - self._first_launch
+        return {"steps": self.num_launched, "mean_rows": self.rows_launched / n,
+                "wall_us_per_step": 1e6 * span / max(self.num_launched - 1, 1),
+                "launch_us_per_step": 1e6 * self.busy_s / n,
+                "resolve_us_per_step": 1e6 * self.resolve_s / n,
+                "waited_share": self.num_waited / n}
 
     async def run(self) -> None:
         if self.results is None:
             await self._follow()
             return
         send, recv = anyio.create_memory_object_stream[StepHandle](MAX_UNRESOLVED_STEPS)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._resolve, recv, name="resolver")
-            await self._launch_all(send)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._resolve, recv, name="resolver")
+                await self._launch_all(send)
+        finally:
+            if self.num_launched:
+                logger.info("executor timers: %s", " ".join(
+                    f"{k}={v:.4g}" for k, v in self.timers().items()))
 
     # ------------------------------------------------------------------ rank 0
     async def _launch_all(self, handles: MemoryObjectSendStream[StepHandle]) -> None:
@@ -118,6 +141,12 @@ class ExecutorActor:
                 if isinstance(msg, GrammarOutput):
                     raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived "
                                        "without its plan")
+                now = time.perf_counter()
+                if not self.num_launched:
+                    self._first_launch = now
+                self._last_launch = now
+                self.num_launched += 1
+                self.rows_launched += len(msg.scheduled_req_ids)
                 if msg.pending_structured_output_tokens:
                     handle = await self._launch_pending(msg)
                     if handle is None:

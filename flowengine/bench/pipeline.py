@@ -131,9 +131,10 @@ async def run(num_streams: int, input_len: int, output_len: int, args: dict) -> 
     busy["detokenizer"] = engine.detokenizer.busy_s
     busy["streamer"] = engine.streamer.busy_s
     busy["callers (async for)"] = consumer_s
+    timers = engine.engine_actors["executor"].timers()
     await engine.shutdown(drain_timeout_s=5)
     return {"tokens": sum(counts), "elapsed_s": elapsed, "busy_s": busy, "cpu_s": cpu_s,
-            "gc_collections": gc_runs[0], "gc_s": gc_runs[1]}
+            "gc_collections": gc_runs[0], "gc_s": gc_runs[1], "timers": timers}
 
 
 def main(argv: list[str]) -> int:
@@ -168,4 +169,5 @@ def main(argv: list[str]) -> int:
     rest = res["elapsed_s"] - sum(res["busy_s"].values())
     print(f"| event loop, queues, tasks (rest) | {rest:.2f} | {rest / res['elapsed_s']:.0%} | "
           f"{1e6 * rest / max(res['tokens'], 1):.1f} |")
+    print("\nexecutor timers: " + " ".join(f"{k}={v:.4g}" for k, v in res["timers"].items()))
     return 0
