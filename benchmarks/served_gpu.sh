@@ -55,11 +55,14 @@ print(" ".join(res))
 EOF
 }
 
-if [ -z "${SKIP_DEVICE:-}" ]; then
+device_step() {  # the device step alone (run after the served runs: DEVICE_STEP_LAST=1)
   say "== device step alone (CUDA graph replay), engine loops 1 and 2 in flight"
-  timeout 200 python3 benchmarks/gpu_bench.py --model "$model" --context 128 --batch 256 \
+  timeout 200 python3 benchmarks/gpu_bench.py --model "$model" --context 128 --batch "$conc" \
     --max-model-len 2048 --steps 64 --no-profile --out "$out" > "$out/gpu_bench.log" 2>&1
   tail -8 "$out/gpu_bench.log" | tee -a "$out/summary.md"
+}
+if [ -z "${SKIP_DEVICE:-}" ]; then
+  [ -z "${DEVICE_STEP_LAST:-}" ] && device_step
   say "== offline: flowengine bench throughput"
   timeout 200 "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
     --input-len 128 --output-len 128 2>&1 | tail -6 | tee -a "$out/summary.md"
@@ -128,6 +131,8 @@ for r in $runs; do
     multiproc_sync) serve_once multiproc_sync 1 --placement multiproc ;;
   esac
 done
+
+[ -z "${SKIP_DEVICE:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
 
 if [ -n "${LLAMA8B_DIR:-}" ]; then  # batch 1, Llama-3.1-8B shapes: served TPOT vs offline
   model=$LLAMA8B_DIR n=${NUM_PROMPTS_8B:-6} conc=1
