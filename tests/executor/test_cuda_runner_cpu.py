@@ -244,3 +244,16 @@ def test_triton_backend_skips_padding_requests(model_config: ModelConfig,
     runner.decode_batch_sizes = [1, 2, 4, 8]
     tokens, _, _ = _generate(Executor(runner, Sampler(seed=1)), 2)
     assert tokens == reference[0]
+
+
+def test_cuda_runner_takes_every_model_runner_argument() -> None:
+    """The builder passes the same keyword arguments to ModelRunner and CudaModelRunner
+    (engine/builder.py `runner_kwargs`): a ModelRunner parameter that CudaModelRunner
+    lacks breaks every CUDA start-up (`pp` did, after pipeline parallelism)."""
+    import inspect
+
+    from flowengine.executor.model_runner import ModelRunner
+
+    base = set(inspect.signature(ModelRunner.__init__).parameters)
+    cuda = set(inspect.signature(CudaModelRunner.__init__).parameters)
+    assert base - cuda == set()
