@@ -125,8 +125,6 @@ def gemm_rate_tflops(fp8: bool, n: int = 8192, iters: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
     return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
 
 
@@ -296,6 +294,7 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth_gbs()
     gemm_bf16 = gemm_rate_tflops(fp8=False)
     gemm_fp8 = gemm_rate_tflops(fp8=True) if ns.quantization == "fp8" else None
+    torch.cuda.empty_cache()
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda",
                       max_model_len=ns.max_model_len, max_num_seqs=max(ns.batch, 1),
                       max_num_batched_tokens=ns.max_num_batched_tokens,

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 14 on one H200, one call, in order of priority under one deadline (DEADLINE_S,
-# default 290 s; a step that would start past it is skipped and says so):
+# default 300 s; a step that would start past it is skipped and says so):
 #   tests   the kernel and FP8 GPU tests (incl. fused rotary + KV write bit for bit)
 #   bf16    (a, b) gpu_bench.py bf16: batch 1 and 256 x 1k, roofline, and the per-kernel
 #           floor from the copy bandwidth and the bf16 GEMM rate measured in the same run
@@ -9,8 +9,10 @@
 #           KV and bf16, --max-num-seqs 256 (the concurrency of (d))
 #   serve   (d) `flowengine serve` (FP8 + FP8 KV, --async-scheduling) driven by
 #           `flowengine bench serve` at concurrency 256 (N prompts) and 1 (SERVE_C1_PROMPTS)
+#   attn_fp8qk  decode attention alone over an E4M3 cache: K/V widened vs Q.K in E4M3
 #   hf      tests/gpu/test_hf_equivalence_gpu.py (Llama and Qwen3)
 #   peer    (e) the compiled plain-PyTorch peer, batch 1 and 256
+#   fp8kv_qk8  (a, b) FP8 + FP8 KV again with FLOWENGINE_DECODE_FP8_QK=1
 # Llama-3.1-8B shapes, dummy weights (gpu_bench.py --write-config: config + a word-level
 # tokenizer of one token per id).
 #   benchmarks/issue14_gpu.sh OUT_DIR
@@ -19,7 +21,7 @@ OUT=${1:?usage: issue14_gpu.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
-DEADLINE_S=${DEADLINE_S:-290}
+DEADLINE_S=${DEADLINE_S:-300}
 N=${NUM_PROMPTS:-1000}
 C1=${SERVE_C1_PROMPTS:-8}
 fe=(python3 -m flowengine.entrypoints.cli)
@@ -37,8 +39,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 MODEL=$(mktemp -d)
 python3 benchmarks/gpu_bench.py --write-config "$MODEL" > /dev/null
 fp8=(--quantization fp8 --kv-cache-dtype fp8)
-TAIL=6 step tests 70 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_fp8_gpu.py
+TAIL=6 step tests 75 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_fp8_gpu.py tests/kernels/test_kernel_fp8_kv_cache.py \
+    tests/kernels/test_kernel_decode_attention.py tests/kernels/test_kernel_rotary.py
 step bf16 55 python3 benchmarks/gpu_bench.py --out "$OUT/bf16" --no-profile --steps 32
 step fp8kv 50 python3 benchmarks/gpu_bench.py --out "$OUT/fp8kv" --no-profile --steps 32 "${fp8[@]}"
 tput=(bench throughput --model "$MODEL" --load-format dummy --dtype bfloat16
@@ -83,10 +86,13 @@ TAIL=20 step serve 90 bash -c serve
 if [ -f "$OUT/serve.pid" ] && kill -0 "$(cat "$OUT/serve.pid")" 2>/dev/null; then
     kill "$(cat "$OUT/serve.pid")"; sleep 3
 fi
+TAIL=25 step attn_fp8qk 40 python3 benchmarks/decode_attention_bench.py --fp8-qk --out "$OUT/attn"
 TAIL=4 step hf 50 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_equivalence_gpu.py
 step peer 60 python3 benchmarks/compiled_peer.py --out "$OUT/peer"
+FLOWENGINE_DECODE_FP8_QK=1 step fp8kv_qk8 50 python3 benchmarks/gpu_bench.py \
+    --out "$OUT/fp8kv_qk8" --no-profile --steps 32 "${fp8[@]}"
 echo "== summary (t=$((SECONDS - T0))s)"
-grep -hE "^\| (a|b)\.|^GPU" "$OUT/bf16.log" "$OUT/fp8kv.log" 2>/dev/null
+grep -hE "^\| (a|b)\.|^GPU" "$OUT/bf16.log" "$OUT/fp8kv.log" "$OUT/fp8kv_qk8.log" 2>/dev/null
 grep -hE "^\| flowengine|^\|.*tok" "$OUT"/tput_*.log 2>/dev/null | head -4
 grep -E "Output token throughput|Mean TPOT|concurrency" "$OUT/serve.log" 2>/dev/null
 grep -hE "passed|failed" "$OUT/tests.log" "$OUT/hf.log" 2>/dev/null | tail -2
