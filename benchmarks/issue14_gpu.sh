@@ -1,7 +1,6 @@
 #!/bin/bash
 # Issue 14 on one H200, one call, in order of priority under one deadline (DEADLINE_S,
 # default 300 s; a step that would start past it is skipped and says so):
-#   tests   the kernel and FP8 GPU tests (incl. fused rotary + KV write bit for bit)
 #   bf16    (a, b) gpu_bench.py bf16: batch 1 and 256 x 1k, roofline, and the per-kernel
 #           floor from the copy bandwidth and the bf16 GEMM rate measured in the same run
 #   fp8kv   (a, b) the same with FP8 weights + FP8 KV (floor at the measured E4M3 rate)
@@ -9,11 +8,13 @@
 #           KV and bf16, --max-num-seqs 256 (the concurrency of (d))
 #   serve   (d) `flowengine serve` (FP8 + FP8 KV, --async-scheduling) driven by
 #           `flowengine bench serve` at concurrency 256 (N prompts) and 1 (SERVE_C1_PROMPTS)
+#   tests   the kernel and FP8 GPU tests (incl. fused rotary + KV write bit for bit;
+#           TESTS overrides the files)
 #   attn_fp8qk  decode attention alone over an E4M3 cache: K/V widened vs Q.K in E4M3
 #   hf      tests/gpu/test_hf_equivalence_gpu.py (Llama and Qwen3)
 #   peer    (e) the compiled plain-PyTorch peer, batch 1 and 256
 #   fp8kv_qk8  (a, b) FP8 + FP8 KV again with FLOWENGINE_DECODE_FP8_QK=1
-# Llama-3.1-8B shapes, dummy weights (gpu_bench.py --write-config: config + a word-level
+# ONLY="bf16 serve ..." runs only the steps named. Llama-3.1-8B shapes, dummy weights (gpu_bench.py --write-config: config + a word-level
 # tokenizer of one token per id).
 #   benchmarks/issue14_gpu.sh OUT_DIR
 set -uo pipefail
@@ -27,6 +28,7 @@ C1=${SERVE_C1_PROMPTS:-8}
 fe=(python3 -m flowengine.entrypoints.cli)
 step() {  # step NAME TIMEOUT_S CMD...: run, log to OUT/NAME.log, keep going on failure
     local name=$1 limit=$2; shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
     local left=$((DEADLINE_S - (SECONDS - T0)))
     if [ "$left" -lt 15 ]; then echo "== $name: SKIPPED (deadline, ${left}s left)"; return 1; fi
     [ "$limit" -gt "$left" ] && limit=$left
@@ -39,9 +41,6 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 MODEL=$(mktemp -d)
 python3 benchmarks/gpu_bench.py --write-config "$MODEL" > /dev/null
 fp8=(--quantization fp8 --kv-cache-dtype fp8)
-TAIL=6 step tests 75 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_fp8_gpu.py tests/kernels/test_kernel_fp8_kv_cache.py \
-    tests/kernels/test_kernel_decode_attention.py tests/kernels/test_kernel_rotary.py
 step bf16 55 python3 benchmarks/gpu_bench.py --out "$OUT/bf16" --no-profile --steps 32
 step fp8kv 50 python3 benchmarks/gpu_bench.py --out "$OUT/fp8kv" --no-profile --steps 32 "${fp8[@]}"
 tput=(bench throughput --model "$MODEL" --load-format dummy --dtype bfloat16
@@ -55,9 +54,13 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
         --port "$port" > "$OUT/serve_server.log" 2>&1 &
     local pid=$!
     echo "$pid" > "$OUT/serve.pid"
-    python3 - "$port" <<'PY' || { tail -20 "$OUT/serve_server.log"; kill "$pid"; return 1; }
-import sys, time, urllib.request
+    python3 - "$port" "$pid" <<'PY' || { tail -20 "$OUT/serve_server.log"; kill "$pid"; return 1; }
+import os, sys, time, urllib.request
 for _ in range(360):
+    try:
+        os.kill(int(sys.argv[2]), 0)
+    except OSError:
+        sys.exit("server exited")
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
         sys.exit(0)
@@ -86,6 +89,11 @@ TAIL=20 step serve 90 bash -c serve
 if [ -f "$OUT/serve.pid" ] && kill -0 "$(cat "$OUT/serve.pid")" 2>/dev/null; then
     kill "$(cat "$OUT/serve.pid")"; sleep 3
 fi
+TESTS=${TESTS:-tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_gpu.py \
+tests/kernels/test_kernel_fp8_kv_cache.py tests/kernels/test_kernel_decode_attention.py \
+tests/kernels/test_kernel_rotary.py}
+# shellcheck disable=SC2086
+TAIL=8 step tests 75 python3 -m pytest -q -rfE --tb=line -p no:cacheprovider $TESTS
 TAIL=25 step attn_fp8qk 40 python3 benchmarks/decode_attention_bench.py --fp8-qk --out "$OUT/attn"
 TAIL=4 step hf 50 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hf_equivalence_gpu.py
 step peer 60 python3 benchmarks/compiled_peer.py --out "$OUT/peer"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flowengine.config import CacheConfig
+from flowengine.distributed.pp_group import SINGLE_STAGE, PipelineStage
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.executor.cuda_graphs import (
     CAPTURE_SIZES,
@@ -119,6 +120,7 @@ class CudaModelRunner(ModelRunner):
         tp: TensorParallelGroup = SINGLE_RANK,
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        pp: PipelineStage = SINGLE_STAGE,
     ) -> None:
         self.enforce_eager = enforce_eager
         self.capture_sizes = capture_sizes_for(max_num_seqs, max_num_batched_tokens,
@@ -140,7 +142,7 @@ class CudaModelRunner(ModelRunner):
         super().__init__(model_config, cache_config, device, dtype, load_format, model_path,
                          attn_backend=attn_backend, max_num_batched_tokens=max_num_batched_tokens,
                          max_num_seqs=max_num_seqs, seed=seed, tp=tp,
-                         quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                         quantization=quantization, kv_cache_dtype=kv_cache_dtype, pp=pp)
         self._grow_slots(2 * max_num_seqs)
 
     # ------------------------------------------------------------------ setup

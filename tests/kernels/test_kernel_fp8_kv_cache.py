@@ -179,7 +179,8 @@ def test_decode_attention_fp8_qk(query_dtype: torch.dtype, num_kv_splits: int, h
     CUDA only (the interpreter rounds float32 -> E4M3 wrongly, see
     test_write_rounds_like_torch_and_clamps). There, against the unquantized query, the
     error is the format's (<= 2**-4 relative per query element): the relative L2 error
-    of the output stays under 3e-2 (measured ~1.3e-2 at head_dim 64)."""
+    of the output stays under 5e-2 (measured 1.3e-2 at head_dim 64 here, 2.5e-2 to
+    2.8e-2 at head_dim 128 x 1k context on the H200, decode_attention_bench --fp8-qk)."""
     from flowengine.kernels.decode_attention import DecodeLaunchConfig
 
     if query_dtype == torch.bfloat16 and device.type == "cpu":
@@ -206,4 +207,4 @@ def test_decode_attention_fp8_qk(query_dtype: torch.dtype, num_kv_splits: int, h
     if not exact:
         ref = ref_paged_attention(dataclasses.replace(case, query=case.query.float())).double()
         rel = float((out.double() - ref).norm() / ref.norm())
-        assert rel < 3e-2, rel
+        assert rel < 5e-2, rel
