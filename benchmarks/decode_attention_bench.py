@@ -273,12 +273,52 @@ def fused_rows(device: torch.device, smoke: bool = False) -> list[dict]:
     return rows
 
 
+def fp8_qk_rows(ns: argparse.Namespace, bw: float) -> int:
+    """--fp8-qk: E4M3 cache, Llama-3.1-8B heads, batch 1 to 512: the default config
+    (K and V widened to fp16) against fp8_qk=True at the same split count and tiles,
+    and two larger fp8_qk tiles; each checked against float64 before it is timed."""
+    rows: list[dict] = []
+    for batch in (1, 64, 256, 512):
+        shape = Shape(batch, ns.context, FP8, 8, 4, 128)
+        splits = choose_num_kv_splits(batch, 8, ns.context, torch.device("cuda"))
+        base = default_launch_config(128, FP8)
+        variants = [("widen (default)", DecodeLaunchConfig(base.tile_n, base.num_warps,
+                                                           base.num_stages, fp8_qk=False)),
+                    ("fp8_qk", DecodeLaunchConfig(base.tile_n, base.num_warps,
+                                                  base.num_stages, fp8_qk=True)),
+                    ("fp8_qk t32 w4", DecodeLaunchConfig(32, 4, 2, fp8_qk=True)),
+                    ("fp8_qk t64 w4", DecodeLaunchConfig(64, 4, 2, fp8_qk=True))]
+        for name, cfg in variants:
+            err = shape.check(decode_fn(shape, splits, cfg))
+            us = shape.time_us(decode_fn(shape, splits, cfg))
+            gbs = shape.kv_bytes / (us * 1e-6) / 1e9
+            rows.append({"shape": shape.name, "variant": f"s{splits} {name}", "us": us,
+                         "gbs": gbs, "frac_copy_bw": gbs / bw, "rel_err": err})
+            print(f"{shape.name:38s} s{splits} {name:18s} {us:9.2f} us {gbs:7.0f} GB/s "
+                  f"{100 * gbs / bw:5.1f}%  err {err:.1e}", flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    os.makedirs(ns.out, exist_ok=True)
+    with open(os.path.join(ns.out, "decode_attention_fp8_qk.json"), "w", encoding="utf-8") as f:
+        json.dump({"copy_bandwidth_gbs": bw, "rows": rows}, f, indent=1)
+    print(f"\n{' '.join([sys.executable, *sys.argv])}\n{torch.cuda.get_device_name()}, "
+          f"copy bandwidth {bw:.0f} GB/s\n\n| shape | variant | µs / layer | % copy bw | rel err |"
+          "\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['variant']} | {r['us']:.2f} | {100 * r['frac_copy_bw']:.1f}% "
+              f"| {r['rel_err']:.1e} |")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="no tile/warp/stage sweep")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--fp8-qk", action="store_true",
+                   help="only Llama-3.1-8B shapes over an E4M3 cache: the default widening "
+                        "kernel against Q.K in E4M3 (DecodeLaunchConfig.fp8_qk)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks, no timing)")
     ns = p.parse_args(argv)
@@ -309,6 +349,8 @@ def main(argv: list[str]) -> int:
     specs += [(b, bf16, 4, 8, 128) for b in (1, 256)]
     specs += [(b, kv, 8, 4, 64) for b in (1, 256) for kv in (bf16, FP8)]
     rows: list[dict] = []
+    if ns.fp8_qk:
+        return fp8_qk_rows(ns, bw)
     for batch, kv, kvh, qpk, hd in specs:
         shape = Shape(batch, ns.context, kv, kvh, qpk, hd)
         full = not ns.quick and batch in (1, 256) and (qpk, hd) == (4, 128)

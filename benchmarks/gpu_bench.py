@@ -75,7 +75,9 @@ def write_model_dir(path: str, with_tokenizer: bool) -> None:
 
         vocab = {f"<{i}>": i for i in range(LLAMA_31_8B["vocab_size"])}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        # Split on whitespace only: "<5>" stays one token, so decode -> encode keeps a
+        # prompt's length (`flowengine bench serve` sends text).
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>").save_pretrained(path)
 
 
@@ -95,6 +97,56 @@ def copy_bandwidth_gbs(gib: int = 4, iters: int = 20) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * (gib << 30) / seconds / 1e9
+
+
+def gemm_rate_tflops(fp8: bool, n: int = 8192, iters: int = 20) -> float:
+    """Dense GEMM rate on random data, n x n x n, TFLOP/s: bf16 through torch.matmul, or
+    E4M3 through torch._scaled_mm (per-row / per-column fp32 scales, bf16 out, as the
+    FP8 layers call it). The ceiling of (b)'s per-kernel floor, measured in this run."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+        sa = torch.ones(n, 1, device="cuda", dtype=torch.float32)
+        sb = torch.ones(1, n, device="cuda", dtype=torch.float32)
+
+        def op() -> None:
+            torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    else:
+        def op() -> None:
+            torch.matmul(a, b)
+    for _ in range(3):
+        op()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        op()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def per_kernel_floor_ms(runner: CudaModelRunner, batch: int, context: float, bw_gbs: float,
+                        gemm_tflops: float) -> dict[str, float]:
+    """(b)'s per-kernel floor: the K/V bytes of `context` tokens per request at copy
+    bandwidth + the projections' and LM head's FLOPs (2 x batch x in x out each) at the
+    measured GEMM rate (each GEMM taken as compute-bound, true from batch ~256 up)."""
+    model = runner.model
+    embed = model.model.embed_tokens.weight
+    macs = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.ndim == 2 and w is not embed:
+            macs += w.shape[0] * w.shape[1]
+    if model.lm_head is None:  # tied: the LM head reads the embedding table
+        macs += embed.numel()
+    kv_per_token = runner.kv_cache_bytes_per_block(runner.model_config, 1, runner.kv_cache_dtype)
+    attn_ms = batch * context * kv_per_token / (bw_gbs * 1e9) * 1e3
+    gemm_ms = 2 * batch * macs / (gemm_tflops * 1e12) * 1e3
+    return {"floor_attn_ms": attn_ms, "floor_gemm_ms": gemm_ms, "floor_ms": attn_ms + gemm_ms,
+            "gemm_tflop_per_step": 2 * batch * macs / 1e12}
 
 
 def bytes_per_step(runner: CudaModelRunner, batch: int, context: float) -> float:
@@ -163,7 +215,7 @@ def add_requests(engine: EngineCore, tag: str, batch: int, context: int, max_tok
 
 
 def measure(engine: EngineCore, batch: int, context: int, steps: int, budget: int, bw_gbs: float,
-            profile: bool) -> dict[str, float | None]:
+            profile: bool, gemm_tflops: float) -> dict[str, float | None]:
     """Engine (overlapped and sync) and device-only decode times at one batch size."""
     prefill_steps = -(-batch * context // budget)
     max_tokens = prefill_steps + steps + 16
@@ -179,6 +231,7 @@ def measure(engine: EngineCore, batch: int, context: int, steps: int, budget: in
     out["context"] = mean_context
     out["device_ms"] = device_step_ms(runner, batch, mean_context)
     out["roofline_ms"] = bytes_per_step(runner, batch, mean_context) / (bw_gbs * 1e9) * 1e3
+    out.update(per_kernel_floor_ms(runner, batch, mean_context, bw_gbs, gemm_tflops))
     out["profiler_idle"] = None
     if profile:
         # Long enough that no request ends within the 4 + 16 steady steps below.
@@ -239,6 +292,9 @@ def main(argv: list[str]) -> int:
     if ns.model is None:
         write_model_dir(model_dir, with_tokenizer=False)
     bw = copy_bandwidth_gbs()
+    gemm_bf16 = gemm_rate_tflops(fp8=False)
+    gemm_fp8 = gemm_rate_tflops(fp8=True) if ns.quantization == "fp8" else None
+    torch.cuda.empty_cache()
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda",
                       max_model_len=ns.max_model_len, max_num_seqs=max(ns.batch, 1),
                       max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -249,12 +305,14 @@ def main(argv: list[str]) -> int:
     if not isinstance(engine.executor.runner, CudaModelRunner):
         raise RuntimeError("expected the CUDA runner; is the device CUDA?")
     results = {f"batch{b}": measure(engine, b, ns.context, ns.steps if b == 1 else 32,
-                                    ns.max_num_batched_tokens, bw, not ns.no_profile and b > 1)
+                                    ns.max_num_batched_tokens, bw, not ns.no_profile and b > 1,
+                                    gemm_fp8 or gemm_bf16)
                for b in (1, ns.batch)}
     command = shlex.join([sys.executable, *sys.argv])
     meta = {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "copy_bandwidth_gbs": bw,
+            "gemm_bf16_tflops": gemm_bf16, "gemm_fp8_tflops": gemm_fp8,
             "num_kv_blocks": engine.executor.runner.cache_config.num_blocks}
     os.makedirs(ns.out, exist_ok=True)
     with open(os.path.join(ns.out, "gpu_bench.json"), "w", encoding="utf-8") as f:
@@ -275,7 +333,10 @@ def print_table(meta: dict, results: dict, ns: argparse.Namespace) -> None:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     print(f"\ncommand: {meta['command']}\ndate: {meta['date']}\nGPU: {meta['gpu']} "
-          f"(torch {meta['torch']}), copy bandwidth {meta['copy_bandwidth_gbs']:.0f} GB/s\n")
+          f"(torch {meta['torch']}), copy bandwidth {meta['copy_bandwidth_gbs']:.0f} GB/s, "
+          f"GEMM 8192^3 bf16 {meta['gemm_bf16_tflops']:.0f} TFLOP/s"
+          + (f", E4M3 {meta['gemm_fp8_tflops']:.0f} TFLOP/s" if meta["gemm_fp8_tflops"] else "")
+          + "\n")
     print("| measurement | engine, 2 steps in flight | engine, 1 step at a time | device "
           "step only | roofline | ratio 2 in flight / roofline | ratio device / roofline "
           "| target |")
@@ -291,6 +352,11 @@ def print_table(meta: dict, results: dict, ns: argparse.Namespace) -> None:
               f"| {r['overlapped_ms'] / r['roofline_ms']:.2f}x "
               f"| {r['device_ms'] / r['roofline_ms']:.2f}x | {target} |")
     r = results[f"batch{ns.batch}"]
+    print(f"| b. per-kernel floor (K/V {r['floor_attn_ms']:.3f} ms at copy bw + "
+          f"{r['gemm_tflop_per_step']:.2f} TFLOP at the measured GEMM rate "
+          f"{r['floor_gemm_ms']:.3f} ms) | {r['floor_ms']:.3f} | | | | "
+          f"{r['overlapped_ms'] / r['floor_ms']:.2f}x | {r['device_ms'] / r['floor_ms']:.2f}x "
+          "| bf16 <= 1.2x |")
     print(f"| d. GPU idle between steps during (b), CUDA events | {pct(r['overlapped_idle'])} "
           f"| {pct(r['sync_idle'])} | | | | | < 5% |")
     print(f"| d. GPU idle during (b), profiler kernel timeline | {pct(r['profiler_idle'])} "

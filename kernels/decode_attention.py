@@ -30,6 +30,7 @@ accumulate in fp32 either way.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ MIN_TOKENS_PER_SPLIT = 64
 PROGRAMS_PER_SM = 4
 
 
+_FP8_QK_DEFAULT = os.environ.get("FLOWENGINE_DECODE_FP8_QK", "0") == "1"
+
+
 @dataclass(frozen=True)
 class DecodeLaunchConfig:
     """Tile shape and launch parameters of stage 1.
@@ -54,11 +58,18 @@ class DecodeLaunchConfig:
         tile_n: K/V positions per loop step (power of 2, >= 16).
         num_warps: warps per program.
         num_stages: software-pipelining depth of the K/V loads (1: none).
+        fp8_qk: with an E4M3 cache and a 16-bit query, Q.K on the FP8 tensor cores:
+            the query is quantized to E4M3 once per program with one scale per query
+            head (amax / 448), K is used as stored (no widening), and only V is widened
+            to fp16 for P.V (FlashAttention-3's FP8 recipe, minus its V transpose).
+            Costs the query's rounding to 3 mantissa bits (rel. error <= 2**-4 per
+            element); off by default until measured faster (docs/benchmarks.md).
     """
 
     tile_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    fp8_qk: bool = False
 
 
 def default_launch_config(head_dim: int, kv_dtype: torch.dtype) -> DecodeLaunchConfig:
@@ -68,7 +79,9 @@ def default_launch_config(head_dim: int, kv_dtype: torch.dtype) -> DecodeLaunchC
     <= 64); for an E4M3 cache 16-position tiles on 2 warps, 13% faster there than the
     bf16 choice at batch 256 (more, smaller programs hide the widening better)."""
     if kv_dtype == torch.float8_e4m3fn:
-        return DecodeLaunchConfig(tile_n=16, num_warps=2, num_stages=2)
+        # FLOWENGINE_DECODE_FP8_QK=1: Q.K in E4M3 (DecodeLaunchConfig.fp8_qk), read once
+        # at the first launch; an experiment switch until the H200 says which wins.
+        return DecodeLaunchConfig(tile_n=16, num_warps=2, num_stages=2, fp8_qk=_FP8_QK_DEFAULT)
     return DecodeLaunchConfig(tile_n=64 if head_dim <= 64 else 32, num_warps=4, num_stages=2)
 
 
@@ -106,6 +119,7 @@ def _decode_attention_stage1_kernel(
     WIDEN_FP16: tl.constexpr,  # E4M3 cache, 16-bit query: compute in fp16 (module doc)
     SLIDING: tl.constexpr,  # attend to the last sliding_window positions only
     SOFT_CAP: tl.constexpr,  # attention logit soft-capping (Gemma 2)
+    FP8_QK: tl.constexpr,  # E4M3 cache, 16-bit query: Q.K in E4M3 (DecodeLaunchConfig.fp8_qk)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -139,9 +153,16 @@ def _decode_attention_stage1_kernel(
         mask=h_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
+    if FP8_QK:
+        # One E4M3 scale per query head: q = q8 * q_scale, |q8| <= 448.
+        qf = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0
+        q8 = (qf / q_scale[:, None]).to(tl.float8e4nv)
+        q_dot_scale = q_scale * qk_scale  # [BLOCK_H]: folds back into the scores
+        q_soft_scale = q_scale * scale
     if WIDEN_FP16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -164,13 +185,22 @@ def _decode_attention_stage1_kernel(
             key_cache_ptr + kv_offs[None, :] + offs_d[:, None],
             mask=d_valid[:, None] & kv_valid[None, :],
             other=0.0,
-        ).to(q.dtype)  # an fp8 cache is widened here (to fp16 when WIDEN_FP16)
+        )
+        if not FP8_QK:
+            k = k.to(q.dtype)  # an fp8 cache is widened here (to fp16 when WIDEN_FP16)
         v = tl.load(  # [TILE_N, HEAD_DIM_PADDED]
             value_cache_ptr + kv_offs[:, None] + offs_d[None, :],
             mask=kv_valid[:, None] & d_valid[None, :],
             other=0.0,
         ).to(q.dtype)
-        if SOFT_CAP:
+        if FP8_QK:
+            s = tl.dot(q8, k)  # E4M3 x E4M3 -> fp32
+            if SOFT_CAP:
+                s = s * q_soft_scale[:, None]
+                s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
+            else:
+                s = s * q_dot_scale[:, None]
+        elif SOFT_CAP:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
             # tanh(x) = 2 * sigmoid(2x) - 1 (no tanh in every Triton version)
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
@@ -392,6 +422,7 @@ def decode_attention(
         NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN_FP16=widen_fp16,
+        FP8_QK=widen_fp16 and cfg.fp8_qk,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         num_warps=cfg.num_warps,

@@ -20,6 +20,42 @@ from .validation import FLOAT_DTYPES, FP8_E4M3_MAX, INDEX_DTYPES, KV_CACHE_DTYPE
 
 
 @triton.jit
+def _cos_sin(
+    positions_ptr,  # [num_tokens] int64/int32
+    cos_ptr,  # [max_position, head_dim // 2] fp32
+    sin_ptr,  # [max_position, head_dim // 2] fp32
+    token,  # int64
+    rope_stride,  # int64, the tables' row stride
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
+    """The cos/sin rows of `token`'s position, fp32, [HALF_PADDED] (0 past HALF)."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PADDED)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_ptr + pos * rope_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * rope_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_halves(
+    ptrs,  # [heads, HALF_PADDED] pointers to the first halves of the heads
+    mask,  # [heads, HALF_PADDED]
+    cos,  # [HALF_PADDED] fp32
+    sin,  # [HALF_PADDED] fp32
+    HALF: tl.constexpr,
+):
+    """The rotation itself, the one copy of the module docstring's formula: loads both
+    halves and returns the rotated halves in fp32 (the caller rounds and stores)."""
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    return out1, out2
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # [num_tokens, num_heads, head_dim], rows of this program's token
     stride_token,  # int64
@@ -36,10 +72,7 @@ def _rotate_heads(
     offs_d = tl.arange(0, HALF_PADDED)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
     ptrs = x_ptr + token * stride_token + offs_h[:, None] * stride_head + offs_d[None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out1, out2 = _rotate_halves(ptrs, mask, cos, sin, HALF)
     tl.store(ptrs, out1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(ptrs + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -64,11 +97,7 @@ def _rotary_kernel(
     HALF_PADDED: tl.constexpr,  # power of 2
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, HALF_PADDED)
-    d_mask = offs_d < HALF
-    cos = tl.load(cos_ptr + pos * cache_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * cache_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, token, cache_stride, HALF, HALF_PADDED)
     _rotate_heads(
         query_ptr, query_stride_token, query_stride_head, token, cos, sin,
         NUM_Q_HEADS, NUM_Q_HEADS_PADDED, HALF, HALF_PADDED,
@@ -177,11 +206,7 @@ def _rotary_and_cache_kernel(
     FP8_MAX: tl.constexpr,  # > 0: the cache is E4M3; clamp to +-FP8_MAX before the cast
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, HALF_PADDED)
-    d_mask = offs_d < HALF
-    cos = tl.load(cos_ptr + pos * rope_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * rope_stride + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, token, rope_stride, HALF, HALF_PADDED)
     _rotate_heads(
         query_ptr, query_stride_token, query_stride_head, token, cos, sin,
         NUM_Q_HEADS, NUM_Q_HEADS_PADDED, HALF, HALF_PADDED,
@@ -190,14 +215,14 @@ def _rotary_and_cache_kernel(
     if slot < 0:
         return
     offs_h = tl.arange(0, NUM_KV_HEADS_PADDED)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & d_mask[None, :]
+    offs_d = tl.arange(0, HALF_PADDED)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
     k_ptrs = key_ptr + token * key_stride_token + offs_h[:, None] * key_stride_head + offs_d[None, :]
-    k1 = tl.load(k_ptrs, mask=mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1, out2 = _rotate_halves(k_ptrs, mask, cos, sin, HALF)
     # Round to the activation dtype first, as rotary_embedding followed by
     # reshape_and_cache would store it: the cached key is the same bits either way.
-    out1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(key_ptr.dtype.element_ty)
-    out2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(key_ptr.dtype.element_ty)
+    out1 = out1.to(key_ptr.dtype.element_ty)
+    out2 = out2.to(key_ptr.dtype.element_ty)
     v_ptrs = (value_ptr + token * value_stride_token + offs_h[:, None] * value_stride_head
               + offs_d[None, :])
     v1 = tl.load(v_ptrs, mask=mask, other=0.0)
