@@ -264,7 +264,9 @@ async def relay_rank(server_sock: socket.socket, token: bytes, steps_name: str,
         writer.close()
         steps.close()  # stops its waiter thread
         if results is not None:
-            results.close()
+            # Not close(): that marks the ring closed, and the next group's engine,
+            # reading it, would die of "closed and drained" (issue #18, lost node).
+            results.detach()
 
 
 def placement_bundles(tp: int, pp: int, gpus: bool) -> list[dict[str, float]]:

@@ -72,6 +72,11 @@ def test_relay_carries_plans_to_and_results_from_the_sampling_rank(rings) -> Non
         ready = await asyncio.wait_for(results.recv_async(), 10)
         writer.close()  # the rank is gone: the relay ends
         await asyncio.wait_for(relay, 10)
+        # The relay detached from the results ring without closing it: the engine's
+        # reader waits for the next group's writer (a ChannelClosedError here made the
+        # restarted engine die, issue #18).
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(results.recv_async(), 0.3)
         return rejected, got, ready
 
     rejected, got, ready = asyncio.run(scenario())
