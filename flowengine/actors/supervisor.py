@@ -435,6 +435,12 @@ class Supervisor:
 
             # The driver's actors on this host read the rings: gone before any reset.
             kill_local_ranks(self._ray_pids_file)
+            # Any process still holding a ring slot escaped both (issue #18): kill it,
+            # so _reset_rings cannot find a slot "held by live pid".
+            from flowengine.executor.ray_executor import kill_slot_holders
+
+            if self._segments:
+                kill_slot_holders([self._segments["steps"], self._segments["results"]])
 
     @property
     def _ray_pids_file(self) -> str:

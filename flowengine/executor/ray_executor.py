@@ -264,7 +264,9 @@ async def relay_rank(server_sock: socket.socket, token: bytes, steps_name: str,
         writer.close()
         steps.close()  # stops its waiter thread
         if results is not None:
-            results.close()
+            # Not close(): that marks the ring closed, and the next group's engine,
+            # reading it, would die of "closed and drained" (issue #18, lost node).
+            results.detach()
 
 
 def placement_bundles(tp: int, pp: int, gpus: bool) -> list[dict[str, float]]:
@@ -402,6 +404,45 @@ def kill_local_ranks(pids_file: str, timeout_s: float = 10.0) -> list[int]:
     while any(_is_ray_worker(pid) for pid in killed) and time.monotonic() < deadline:
         time.sleep(0.05)
     return killed
+
+
+def kill_slot_holders(segments: list[Any], timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every live process other than this one that still holds a reader slot
+    of `segments` (RingSegments: the group's "steps" and "results"), wait up to
+    `timeout_s` until each is gone. Returns the pids killed; never raises.
+
+    The restart path calls it after `_kill_group` killed the group's own processes
+    and the driver's local actors: any holder left is an old process that escaped
+    them (a Ray worker the pids file did not list, e.g. one placed after the file was
+    written or by a driver killed before it wrote it). `reset_reader` then finds the
+    slots free instead of raising "held by live pid". The start time recorded with
+    the pid guards against a reused pid.
+    """
+    from flowengine.shm.segment import LIVE, R_START, is_process_alive, reader_ctl_word
+
+    me, killed = os.getpid(), []
+    for seg in segments:
+        try:
+            for i in range(seg.num_readers):
+                pid = seg.reader_pid(i)
+                start = seg.words[reader_ctl_word(i) + R_START]
+                if (seg.reader_state(i) == LIVE and pid and pid != me
+                        and pid not in [k for k, _ in killed]
+                        and is_process_alive(pid, start)):
+                    logger.warning("reader slot %d of %s still held by pid %d of the "
+                                   "old group: killing it", i, seg.name, pid)
+                    try:
+                        os.kill(pid, 9)
+                    except OSError:
+                        continue
+                    killed.append((pid, start))
+        except (OSError, ValueError):
+            continue
+    deadline = time.monotonic() + timeout_s
+    while (any(is_process_alive(pid, start) for pid, start in killed)
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    return [pid for pid, _ in killed]
 
 
 def run_driver(cfg: ProcConfig) -> None:

@@ -234,6 +234,21 @@ class RingWriter(WriterCore):
         if self._own_segment:
             self.segment.close()
 
+    def detach(self) -> None:
+        """Stop writing without closing the ring: free the writer slot and stop the
+        waiter thread, leaving `closed` unset so that readers keep waiting for the
+        next writer (the Ray relay of a rank that a restart replaces). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._waiter is not None:
+            self._waiter.close()
+        if not self.segment.closed and self._q[WRITER_PID_W] == os.getpid():
+            self._q[WRITER_PID_W] = 0
+        self._unbind()
+        if self._own_segment:
+            self.segment.close()
+
     def __enter__(self) -> Self:
         return self
 

@@ -72,6 +72,11 @@ def test_relay_carries_plans_to_and_results_from_the_sampling_rank(rings) -> Non
         ready = await asyncio.wait_for(results.recv_async(), 10)
         writer.close()  # the rank is gone: the relay ends
         await asyncio.wait_for(relay, 10)
+        # The relay detached from the results ring without closing it: the engine's
+        # reader waits for the next group's writer (a ChannelClosedError here made the
+        # restarted engine die, issue #18).
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(results.recv_async(), 0.3)
         return rejected, got, ready
 
     rejected, got, ready = asyncio.run(scenario())
@@ -144,3 +149,46 @@ def test_kill_local_ranks_leaves_a_process_that_is_no_ray_worker(tmp_path) -> No
     assert ray_executor.kill_local_ranks(str(pids_file), timeout_s=1.0) == []
     assert not pids_file.exists()
     assert ray_executor.kill_local_ranks(str(pids_file)) == []  # no file: nothing to do
+
+
+def test_kill_slot_holders_frees_a_slot_an_old_process_still_holds() -> None:
+    """Issue #18: after kill -9 of the remote rank, a process of the old group still
+    held steps slot 1, so every restart's reset_reader raised "held by live pid".
+    kill_slot_holders kills such a holder (not this process) and the reset passes."""
+    import os
+    import subprocess
+    import sys
+
+    from flowengine.executor.ray_executor import kill_slot_holders
+    from flowengine.shm.segment import LIVE, RESERVED
+
+    run_id = new_run_id()
+    steps = create_broadcast_ring("steps", 2, 1 << 16, run_id=run_id)
+    results = create_ring("results", 1 << 16, run_id=run_id)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from flowengine.shm import RingReader\n"
+         f"r = RingReader.attach({steps.name!r}, reader_index=1)\n"
+         "print('attached', flush=True)\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True)
+    mine = RingReader.attach(steps.name, reader_index=0)  # this process: left alone
+    try:
+        assert holder.stdout.readline().strip() == "attached"
+        assert steps.reader_state(1) == LIVE and steps.reader_pid(1) == holder.pid
+        with pytest.raises(Exception, match="held by live pid"):
+            steps.reset_reader(1)
+        assert kill_slot_holders([steps, results], timeout_s=5.0) == [holder.pid]
+        assert holder.wait(timeout=5) == -9
+        steps.reset_reader(1)
+        assert steps.reader_state(1) == RESERVED and steps.reader_pid(1) == 0
+        assert steps.reader_pid(0) == os.getpid()  # not killed, still attached
+        assert kill_slot_holders([steps, results], timeout_s=1.0) == []
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        mine.close()
+        steps.close()
+        results.close()
