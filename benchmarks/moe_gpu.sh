@@ -6,6 +6,6 @@ set -o pipefail
 OUT=${1:?OUT folder}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-timeout 100 python3 -m pytest -q -o addopts="" -x tests/gpu/test_fused_moe_gpu.py 2>&1 | tee "$OUT/test_fused_moe_gpu.log" | tail -5
-timeout 160 python3 benchmarks/moe_gpu.py --out "$OUT" --skip-tune --skip-hf --decode-compare \
+timeout 75 python3 -m pytest -q -o addopts="" -x tests/gpu/test_fused_moe_gpu.py 2>&1 | tee "$OUT/test_fused_moe_gpu.log" | tail -5
+timeout 150 python3 benchmarks/moe_gpu.py --out "$OUT" --skip-tune --skip-hf --decode-compare \
     --decode-batches 1,64 --skip-offline 2>&1 | tee "$OUT/moe_gpu.log" | grep -v "^decode-compare {"
