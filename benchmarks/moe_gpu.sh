@@ -9,3 +9,8 @@ export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 timeout 75 python3 -m pytest -q -o addopts="" -x tests/gpu/test_fused_moe_gpu.py 2>&1 | tee "$OUT/test_fused_moe_gpu.log" | tail -5
 timeout 150 python3 benchmarks/moe_gpu.py --out "$OUT" --skip-tune --skip-hf --decode-compare \
     --decode-batches 1,64 --skip-offline 2>&1 | tee "$OUT/moe_gpu.log" | grep -v "^decode-compare {"
+# Families against transformers in bf16 (10 models, ~17 s each serially; -n 4 runs 4 at
+# once on the 16 cores, each engine sized by num_kv_blocks, not by GPU memory share).
+if [ "${FAMILIES:-0}" = 1 ]; then
+    timeout 300 python3 -m pytest -q -o addopts="" -n 4 tests/gpu/test_families_gpu.py 2>&1 | tee "$OUT/test_families_gpu.log" | tail -8
+fi
