@@ -319,7 +319,10 @@ def test_route_topk_equals_select_experts(t, e, k, renorm, dtype, device) -> Non
     weights, ids = route_topk(logits, k, renorm)
     want_w, want_ids = select_experts(logits, k, renorm)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
-    assert torch.equal(ids, want_ids)
+    if dtype == torch.float32:
+        assert torch.equal(ids, want_ids)
+    else:  # bf16 logits tie often; torch.topk orders equal ones its own way
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
     if renorm:
         torch.testing.assert_close(weights.sum(-1), torch.ones(t, device=device))
