@@ -139,7 +139,15 @@ def tune(bw_gbs: float, buckets: tuple[int, ...]) -> tuple[list[dict], dict[str,
 
 
 DECODE_TOKENS = (1, 4, 8, 16)
-DECODE_TILES = ((16, 128), (32, 128), (32, 256), (64, 64), (64, 128))  # (BLOCK_N, BLOCK_K)
+# name -> fused_moe_module.DecodeTiles fields ("default": DEFAULT_DECODE_TILES)
+DECODE_TILES = {
+    "default": {},
+    "loop": {"down": "loop", "down_warps": 4},  # the previous session's kernel
+    "gu16x256": {"gate_up_k": 256},
+    "gu8x256": {"gate_up_n": 8, "gate_up_k": 256},
+    "dn8x128": {"down_n": 8, "down_k": 128},
+    "dn16x32": {"down_k": 32},
+}
 
 
 def decode_compare(bw_gbs: float) -> list[dict]:
@@ -158,13 +166,14 @@ def decode_compare(bw_gbs: float) -> list[dict]:
             row = {"model": model, "T": m, "distinct_experts": distinct, "roofline_ms": roof,
                    "grouped_ms": _graph_ms(functools.partial(
                        fused_moe, x, w13, w2, weights, ids, decode=False)), "decode": {}}
-            for bn, bk in DECODE_TILES:
+            for name, fields in DECODE_TILES.items():
                 fn = functools.partial(fused_moe_module._fused_moe_decode, x, w13, w2,
-                                       weights, ids, None, bn, bk)
+                                       weights, ids, None,
+                                       fused_moe_module.DecodeTiles(**fields))
                 err = float((fn().float() - ref).norm() / ref.norm())
                 if not err < 1e-2:
-                    raise RuntimeError(f"{model} T={m} decode {bn}x{bk} disagrees: {err:.2e}")
-                row["decode"][f"{bn}x{bk}"] = _graph_ms(fn)
+                    raise RuntimeError(f"{model} T={m} decode {name} disagrees: {err:.2e}")
+                row["decode"][name] = _graph_ms(fn)
             row["default_ms"] = _graph_ms(functools.partial(fused_moe, x, w13, w2, weights,
                                                             ids))
             rows.append(row)
@@ -325,7 +334,7 @@ def transformers_offline(path: str, layers: int, num_prompts: int) -> dict:
 
 
 def print_decode_compare(rows: list[dict]) -> None:
-    tiles = [f"{bn}x{bk}" for bn, bk in DECODE_TILES]
+    tiles = list(DECODE_TILES)
     print("\n| shape | T | experts | grouped ms | " + " | ".join(f"decode {t} ms" for t in tiles)
           + " | fused_moe default ms | roofline ms |")
     print("|---" * (6 + len(tiles)) + "|")

@@ -83,7 +83,7 @@ def gemm_table(bw_gbs: float) -> list[dict]:
                 split *= 2
             configs.append((16, bn, bk, max(1, int(split * factor))))
         for cfg in configs:
-            def run(cfg=cfg) -> None:
+            def run(cfg=cfg, layers=layers, x=x) -> None:
                 for qw, s, z in layers:
                     w4a16_gemm(x, qw, s, z, None, 128, config=cfg)
             try:
@@ -95,7 +95,7 @@ def gemm_table(bw_gbs: float) -> list[dict]:
                          "roofline_ms": roof_ms, "heuristic": cfg == heuristic})
             if best is None or ms < best[1]:
                 best = (cfg, ms)
-        bf16_ms = _time_ms(lambda: [F.linear(x, w) for w in dense]) / COPIES
+        bf16_ms = _time_ms(lambda x=x, dense=dense: [F.linear(x, w) for w in dense]) / COPIES
         rows.append({"shape": name, "K": k, "N": n, "config": "bf16", "ms": bf16_ms,
                      "roofline_ms": 2 * k * n / bw_gbs / 1e6, "heuristic": False})
         print(f"{name}: heuristic {heuristic} best {best}", flush=True)

@@ -19,7 +19,10 @@ Decode (T * k <= decode_pair_limit(E), at most 64 pairs): the alignment's ~12 sm
 launches and a grid over every expert's padded block cost more than the weights they
 read, so `_fused_moe_decode` skips them: a gate/up GEMV per (pair, I tile) that reads
 its expert id on the device, SiLU-and-mul fused in, then a down GEMV per (token, hidden
-tile) that sums the token's k weighted pairs. Same rounding as the grouped path; two launches, no host sync.
+tile) that sums the token's k weighted pairs, all k in one [k, BLOCK_N, BLOCK_K] load
+per step ("pairs"; "loop" takes them one after another). Same rounding as the grouped
+path; two launches, no host sync. `route_topk` is the router's softmax top-k in one
+launch (torch takes five).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -254,7 +258,8 @@ def _decode_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # One program: one token's BLOCK_N hidden columns, summed over its TOP_K pairs.
+    # "loop": one program: one token's BLOCK_N hidden columns, its TOP_K pairs one after
+    # another (one [BLOCK_N, BLOCK_K] load in flight per program).
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
@@ -284,38 +289,191 @@ def _decode_down_kernel(
              mask=n_valid)
 
 
+@triton.jit
+def _decode_down_pairs_kernel(
+    out_ptr,  # [num_tokens, N] x's dtype
+    act_ptr,  # [num_pairs, K]
+    w_ptr,  # [num_experts, N, K]
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    expert_map_ptr,  # [E] (read when HAS_MAP)
+    topk_weights_ptr,  # [num_pairs] float32
+    N,
+    K,
+    act_stride: tl.int64,
+    w_stride_e: tl.int64,
+    w_stride_n: tl.int64,
+    out_stride: tl.int64,
+    TOP_K: tl.constexpr,
+    PAIRS: tl.constexpr,  # next power of two >= TOP_K
+    HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # "pairs": one program: one token's BLOCK_N hidden columns, all TOP_K pairs in one
+    # [PAIRS, BLOCK_N, BLOCK_K] load per step (TOP_K times the bytes in flight of "loop").
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_j = tl.arange(0, PAIRS)
+    pair = token * TOP_K + offs_j
+    expert = tl.load(topk_ids_ptr + pair, mask=offs_j < TOP_K, other=-1).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(expert_map_ptr + tl.where(expert >= 0, expert, 0), mask=expert >= 0,
+                         other=-1).to(tl.int64)
+    live = expert >= 0  # padding slots and other ranks' experts add nothing
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pair[:, None].to(tl.int64) * act_stride + offs_k[None, :]
+    w_ptrs = (w_ptr + tl.where(live, expert, 0)[:, None, None] * w_stride_e
+              + offs_n[None, :, None].to(tl.int64) * w_stride_n + offs_k[None, None, :])
+    acc = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=live[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=live[:, None, None] & n_valid[None, :, None]
+                    & k_valid[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(topk_weights_ptr + pair, mask=live, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    # Each pair's weighted row rounded to x's dtype, as the grouped path stores it.
+    rows = (acc * weight[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * out_stride + offs_n,
+             tl.sum(rows, axis=0).to(dtype), mask=n_valid)
+
+
+# Elements of one down-projection load of the "pairs" kernel (PAIRS x BLOCK_N x BLOCK_K)
+# when its BLOCK_K is not given: 16 KB of bf16, 32 fp32 registers a thread at 8 warps.
+DECODE_DOWN_TILE = 8192
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tiles of the two decode launches. *_n None: `_decode_block_n`'s default; down_k
+    None: DECODE_DOWN_TILE / (pairs x BLOCK_N) for "pairs", DECODE_BLOCK_K for "loop".
+    down: "pairs" (all of a token's k pairs in one 3-D load per step) or "loop" (the
+    pairs one after another)."""
+
+    gate_up_n: int | None = None
+    gate_up_k: int = DECODE_BLOCK_K
+    gate_up_warps: int = 4
+    down: str = "pairs"
+    down_n: int | None = None
+    down_k: int | None = None
+    down_warps: int = 8
+
+
+DEFAULT_DECODE_TILES = DecodeTiles()
+
+
 def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      expert_map: torch.Tensor | None, block_n: int | None = None,
-                      block_k: int = DECODE_BLOCK_K) -> torch.Tensor:
+                      expert_map: torch.Tensor | None,
+                      tiles: DecodeTiles = DEFAULT_DECODE_TILES) -> torch.Tensor:
     """The alignment-free decode path of `fused_moe` (same arguments, checked there):
     gate/up GEMVs with SiLU-and-mul per (pair, I tile), then down GEMVs per (token,
-    hidden tile) summing the token's k pairs. Two launches, no host sync. block_n: the
-    output tile of both launches, None: `_decode_block_n`'s default; block_k: the
-    reduction tile (it sets the fp32 summation order)."""
+    hidden tile) summing the token's k pairs. Two launches, no host sync. tiles: the
+    launches' tiles and warps (the reduction tiles set the fp32 summation order)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     inter = w2.shape[2]
     ids = topk_ids.reshape(-1).contiguous()
     emap = expert_map.contiguous() if expert_map is not None else ids
+    has_map = expert_map is not None
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn_i = _decode_block_n(num_pairs, inter, block_n)
-    bk_h = min(block_k, max(16, triton.next_power_of_2(hidden)))
+    bn_i = _decode_block_n(num_pairs, inter, tiles.gate_up_n)
+    bk_h = min(tiles.gate_up_k, max(16, triton.next_power_of_2(hidden)))
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn_i))](
         act, x, w13, ids, emap, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), TOP_K=top_k, HAS_MAP=expert_map is not None, BLOCK_N=bn_i,
-        BLOCK_K=bk_h, num_warps=4,
+        act.stride(0), TOP_K=top_k, HAS_MAP=has_map, BLOCK_N=bn_i, BLOCK_K=bk_h,
+        num_warps=tiles.gate_up_warps,
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    bn_h = _decode_block_n(num_tokens, hidden, block_n)
-    bk_i = min(block_k, max(16, triton.next_power_of_2(inter)))
-    _decode_down_kernel[(num_tokens, triton.cdiv(hidden, bn_h))](
-        out, act, w2, ids, emap, topk_weights.reshape(-1).contiguous(), hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
-        HAS_MAP=expert_map is not None, BLOCK_N=bn_h, BLOCK_K=bk_i, num_warps=4,
-    )
+    bn_h = _decode_block_n(num_tokens, hidden, tiles.down_n)
+    k_cap = max(16, triton.next_power_of_2(inter))
+    args = (out, act, w2, ids, emap, topk_weights.reshape(-1).contiguous(), hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+    grid = (num_tokens, triton.cdiv(hidden, bn_h))
+    if tiles.down == "pairs":
+        pairs = max(2, triton.next_power_of_2(top_k))
+        bk_i = tiles.down_k or max(16, DECODE_DOWN_TILE // (pairs * bn_h))
+        _decode_down_pairs_kernel[grid](
+            *args, TOP_K=top_k, PAIRS=pairs, HAS_MAP=has_map, BLOCK_N=bn_h,
+            BLOCK_K=min(bk_i, k_cap), num_warps=tiles.down_warps,
+        )
+    elif tiles.down == "loop":
+        bk_i = tiles.down_k or DECODE_BLOCK_K
+        _decode_down_kernel[grid](
+            *args, TOP_K=top_k, HAS_MAP=has_map, BLOCK_N=bn_h, BLOCK_K=min(bk_i, k_cap),
+            num_warps=tiles.down_warps,
+        )
+    else:
+        raise ValueError(f"DecodeTiles.down must be 'pairs' or 'loop', got {tiles.down!r}")
     return out
+
+
+@triton.jit
+def _route_topk_kernel(
+    weights_ptr,  # [T, TOP_K] float32
+    ids_ptr,  # [T, TOP_K] int64
+    logits_ptr,  # [T, E] any float dtype
+    E,
+    logits_stride: tl.int64,
+    TOP_K: tl.constexpr,
+    PAIRS: tl.constexpr,  # next power of two >= TOP_K
+    BLOCK_E: tl.constexpr,  # next power of two >= E
+    RENORMALIZE: tl.constexpr,
+):
+    # One token: softmax over its E logits in float32, the TOP_K largest probabilities
+    # in descending order (the lowest index first among equal ones), optionally divided
+    # by their sum.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < E
+    x = tl.load(logits_ptr + t * logits_stride + offs, mask=valid,
+                other=-float("inf")).to(tl.float32)
+    p = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    probs = p / tl.sum(p, axis=0)
+    work = tl.where(valid, probs, -1.0)
+    slots = tl.arange(0, PAIRS)
+    sel_w = tl.zeros([PAIRS], dtype=tl.float32)
+    sel_i = tl.zeros([PAIRS], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(work, axis=0)
+        idx = tl.min(tl.where(work == best, offs, BLOCK_E), axis=0)
+        sel_w = tl.where(slots == j, best, sel_w)
+        sel_i = tl.where(slots == j, idx.to(tl.int64), sel_i)
+        work = tl.where(offs == idx, -2.0, work)
+    if RENORMALIZE:
+        sel_w = sel_w / tl.sum(sel_w, axis=0)
+    keep = slots < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slots, sel_w, mask=keep)
+    tl.store(ids_ptr + t * TOP_K + slots, sel_i, mask=keep)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flowengine.model.layers.moe.select_experts` in one launch (it takes five: the
+    float32 cast, softmax, topk, sum, division): (topk_weights [T, top_k] float32,
+    topk_ids [T, top_k] int64), experts in descending probability order, the lowest
+    expert id first among equal probabilities."""
+    if router_logits.ndim == 2 and router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    check_tensor("router_logits", router_logits, ndim=2, dtypes=FLOAT_DTYPES)
+    num_tokens, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        _route_topk_kernel[(num_tokens,)](
+            weights, ids, router_logits, num_experts, router_logits.stride(0), TOP_K=top_k,
+            PAIRS=max(2, triton.next_power_of_2(top_k)),
+            BLOCK_E=max(16, triton.next_power_of_2(num_experts)), RENORMALIZE=renormalize,
+            num_warps=1 if num_experts <= 128 else 4,
+        )
+    return weights, ids
 
 
 # Tile configuration of one launch: vLLM's fused-MoE config keys.

@@ -23,12 +23,18 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MixtralConfig,
+    Olmo2Config,
     OlmoeConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -89,6 +95,54 @@ MOE_FAMILIES: dict[str, PretrainedConfig] = {
 }
 
 
+# The dense families beyond Llama/Qwen3 at their real models' full widths, 2 decoder
+# layers, a 32000-token vocabulary, embeddings untied (save_model's LM head of permuted
+# embedding rows would otherwise overwrite the tied embedding and make every greedy
+# token the current one); sliding windows shortened to 128 so that prompts of 200 and
+# 300 tokens pass them (tests/gpu/test_families_gpu.py).
+_DENSE_COMMON = dict(vocab_size=VOCAB_SIZE, num_hidden_layers=2, tie_word_embeddings=False,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+DENSE_FAMILIES: dict[str, PretrainedConfig] = {
+    # google/gemma-2-9b: soft-caps 50 / 30, head_dim 256, query_pre_attn_scalar 256.
+    "gemma2": Gemma2Config(**_DENSE_COMMON, hidden_size=3584, intermediate_size=14336,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                           query_pre_attn_scalar=256, sliding_window=128,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                           max_position_embeddings=8192),
+    # google/gemma-3-12b (text): q/k norm, local 10k / global 1M linear x8 RoPE.
+    "gemma3": Gemma3TextConfig(**_DENSE_COMMON, hidden_size=3840, intermediate_size=15360,
+                               num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                               query_pre_attn_scalar=256, sliding_window=128,
+                               layer_types=["sliding_attention", "full_attention"],
+                               max_position_embeddings=131072,
+                               rope_parameters={
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                      "rope_theta": 1000000.0}}),
+    # microsoft/phi-4 (14B): fused qkv / gate_up checkpoint tensors.
+    "phi4": Phi3Config(**_DENSE_COMMON, hidden_size=5120, intermediate_size=17920,
+                       num_attention_heads=40, num_key_value_heads=10,
+                       max_position_embeddings=16384, rope_theta=250000.0),
+    # ibm-granite/granite-3.1-8b-instruct: its four multipliers.
+    "granite": GraniteConfig(**_DENSE_COMMON, hidden_size=4096, intermediate_size=12800,
+                             num_attention_heads=32, num_key_value_heads=8,
+                             embedding_multiplier=12.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0078125, logits_scaling=16.0,
+                             max_position_embeddings=131072, rope_theta=10000000.0),
+    # allenai/OLMo-2-1124-7B: full-width q/k norm, norms after attention and MLP.
+    "olmo2": Olmo2Config(**_DENSE_COMMON, hidden_size=4096, intermediate_size=11008,
+                         num_attention_heads=32, num_key_value_heads=32,
+                         max_position_embeddings=4096, rope_theta=500000.0,
+                         rms_norm_eps=1e-6),
+    # Qwen/Qwen2.5-7B: q/k/v biases, GQA 7:1.
+    "qwen2": Qwen2Config(**_DENSE_COMMON, hidden_size=3584, intermediate_size=18944,
+                         num_attention_heads=28, num_key_value_heads=4,
+                         max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6),
+}
+
+
 def write_trivial_tokenizer(path: str, vocab_size: int) -> None:
     """A word-level fast tokenizer with one token "<i>" per id (LLM needs a tokenizer;
     the tests pass token ids)."""
@@ -100,7 +154,8 @@ def write_trivial_tokenizer(path: str, vocab_size: int) -> None:
 
 def save_model(family: str, path: str, seed: int, device: str = "cpu",
                embed_std: float = EMBED_STD, **overrides: object) -> None:
-    """Save a bf16 random-weight model of `family` (FAMILIES or MOE_FAMILIES; safetensors)
+    """Save a bf16 random-weight model of `family` (FAMILIES, MOE_FAMILIES or
+    DENSE_FAMILIES; safetensors)
     plus a tokenizer.
 
     overrides: config fields to change (e.g. Llama-3.1-8B sizes); device: where the
@@ -109,7 +164,7 @@ def save_model(family: str, path: str, seed: int, device: str = "cpu",
     the residual stream per layer and need a larger one for the same margins).
     """
     torch.manual_seed(seed)
-    base = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
+    base = {**FAMILIES, **MOE_FAMILIES, **DENSE_FAMILIES}[family]
     config = base.__class__(**{**base.to_dict(), **overrides})
     vocab_size = config.vocab_size
     with torch.device(device):

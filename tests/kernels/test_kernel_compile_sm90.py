@@ -41,6 +41,10 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
      {"TOP_K": 8, "HAS_MAP": True, "BLOCK_N": 16, "BLOCK_K": 128}),
     ("fused_moe", "_decode_down_kernel",
      {"TOP_K": 8, "HAS_MAP": False, "BLOCK_N": 32, "BLOCK_K": 128}),
+    ("fused_moe", "_decode_down_pairs_kernel",
+     {"TOP_K": 8, "PAIRS": 8, "HAS_MAP": True, "BLOCK_N": 16, "BLOCK_K": 64}),
+    ("fused_moe", "_route_topk_kernel",
+     {"TOP_K": 8, "PAIRS": 8, "BLOCK_E": 128, "RENORMALIZE": True}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16,
       "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
@@ -100,9 +104,10 @@ POINTER_TYPES = {
     "sin_ptr": "*fp32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
     "sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64", "topk_weights_ptr": "*fp32",
     "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "weight_ptr": "*fp8e4nv", "weight_scale_ptr": "*fp32",
-    "partial_ptr": "*fp32", "topk_ids_ptr": "*i64", "expert_map_ptr": "*i32",
+    "partial_ptr": "*fp32", "topk_ids_ptr": "*i64", "ids_ptr": "*i64",
+    "weights_ptr": "*fp32", "expert_map_ptr": "*i32",
 }
-SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32",
+SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32", "E": "i32",
                 "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32",
                 "INTER": "i32"}
 

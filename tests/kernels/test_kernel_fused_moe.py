@@ -262,3 +262,78 @@ def test_decode_tiles_keep_the_grid_wide() -> None:
     assert [_decode_block_n(32, 768, None), _decode_block_n(4, 2048, None)] == [32, 32]
     assert [_decode_block_n(2, 14336, None), _decode_block_n(1, 4096, None)] == [32, 16]
     assert _decode_block_n(3, 40, 64) == 64 and _decode_block_n(3, 10, 64) == 16
+
+
+@pytest.mark.parametrize("tiles", [
+    dict(down="loop", down_warps=4),
+    dict(down="pairs"),
+    dict(gate_up_n=32, gate_up_k=32, gate_up_warps=8, down="pairs", down_n=16, down_k=16),
+    dict(gate_up_n=16, gate_up_k=64, down="loop", down_n=32, down_k=32, down_warps=8),
+])
+@pytest.mark.parametrize(("t", "k"), [(1, 1), (2, 3), (3, 6), (2, 8)])
+def test_decode_tile_variants_match_reference(tiles, t, k, device) -> None:
+    # Every decode variant benchmarks/moe_gpu.py sweeps ("loop" and "pairs" down kernels,
+    # tiles that split and do not divide hidden 40 / width 72), k not a power of two
+    # (the "pairs" kernel pads the k slots to 4 / 8), with and without an expert_map.
+    from flowengine.kernels import fused_moe as fm
+
+    e, h, i = 12, 40, 72
+    x = torch.randn(t, h, device=device)
+    w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
+    w2 = torch.randn(e, h, i, device=device) * 0.2
+    weights, ids = _routing(t, e, k, device)
+    dt = fm.DecodeTiles(**tiles)
+    out = fm._fused_moe_decode(x, w13, w2, weights, ids, None, dt)
+    torch.testing.assert_close(out.double(), _reference(x, w13, w2, weights, ids),
+                               atol=2e-5, rtol=1e-4)
+    local = torch.arange(e, device=device) % 2 == 0
+    emap = torch.full((e,), -1, dtype=torch.int32, device=device)
+    emap[local] = torch.arange(int(local.sum()), dtype=torch.int32, device=device)
+    part = fm._fused_moe_decode(x, w13[local], w2[local], weights, ids, emap, dt)
+    mine = torch.where(local[ids], weights, torch.zeros_like(weights))
+    torch.testing.assert_close(part.double(), _reference(x, w13, w2, mine, ids),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_decode_tiles_refuse_an_unknown_down_kernel(device) -> None:
+    from flowengine.kernels import fused_moe as fm
+
+    x = torch.randn(1, 16, device=device)
+    w13, w2 = torch.randn(2, 32, 16, device=device), torch.randn(2, 16, 16, device=device)
+    weights, ids = _routing(1, 2, 1, device)
+    with pytest.raises(ValueError, match="'pairs' or 'loop'"):
+        fm._fused_moe_decode(x, w13, w2, weights, ids, None, fm.DecodeTiles(down="x"))
+
+
+@pytest.mark.parametrize(("t", "e", "k", "renorm"), [(1, 128, 8, True), (5, 60, 4, False),
+                                                      (3, 8, 2, True), (2, 10, 1, False),
+                                                      (4, 64, 8, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_equals_select_experts(t, e, k, renorm, dtype, device) -> None:
+    # The one-launch router against the torch one: the same experts in the same order,
+    # weights to float32 rounding; Qwen3-MoE, Qwen2-MoE, Mixtral, top-1, OLMoE shapes.
+    from flowengine.kernels.fused_moe import route_topk
+    from flowengine.model.layers.moe import select_experts
+
+    logits = (torch.randn(t, 2 * e, device=device) * 3).to(dtype)[:, ::2]  # strided rows
+    weights, ids = route_topk(logits, k, renorm)
+    want_w, want_ids = select_experts(logits, k, renorm)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    if dtype == torch.float32:
+        assert torch.equal(ids, want_ids)
+    else:  # bf16 logits tie often; torch.topk orders equal ones its own way
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    if renorm:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(t, device=device))
+
+
+def test_route_topk_takes_the_lowest_expert_among_ties(device) -> None:
+    from flowengine.kernels.fused_moe import route_topk
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]], device=device)
+    weights, ids = route_topk(logits, 4, True)
+    assert ids.tolist() == [[1, 3, 5, 2]]
+    assert route_topk(logits[:0], 2, True)[1].shape == (0, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(logits, 7, True)

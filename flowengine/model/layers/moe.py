@@ -16,8 +16,9 @@ expert's intermediate dimension (vLLM's default split) and the block ends in one
 all-reduce. With expert parallelism (`--enable-expert-parallel`,
 flowengine/distributed/expert_parallel.py) each rank holds E / N whole experts instead,
 computes only the pairs routed to them, and the same all-reduce sums the ranks' parts.
-On CUDA the experts run in the fused Triton kernel
-(flowengine/kernels/fused_moe.py); elsewhere in `fused_moe_torch`.
+On CUDA the router's softmax top-k (`route_topk`) and the experts run in the fused
+Triton kernels (flowengine/kernels/fused_moe.py); elsewhere `select_experts` and
+`fused_moe_torch`.
 """
 
 from __future__ import annotations
@@ -145,15 +146,19 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] and router_logits [T, num_experts] -> [T, hidden], x's dtype,
         summed over the tensor-parallel ranks."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         expert_map = self.expert_map if self.placement is not None else None
         if x.is_cuda:
-            # One grouped GEMM per projection, no host sync (CUDA-graph safe).
-            from flowengine.kernels.fused_moe import fused_moe
+            # Routing in one launch; then the fused kernel: two GEMV launches at decode
+            # sizes (T * k <= decode_pair_limit), else the aligned grouped GEMMs for
+            # gate/up and down. No host sync (CUDA-graph safe).
+            from flowengine.kernels.fused_moe import fused_moe, route_topk
 
+            topk_weights, topk_ids = route_topk(router_logits, self.top_k, self.renormalize)
             out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                             expert_map)
         else:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k,
+                                                    self.renormalize)
             out = fused_moe_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                   expert_map)
         return self.tp.all_reduce(out)
