@@ -14,7 +14,8 @@ constrained, ...) `reps` times per batch size; the table gives the medians.
 
 Engines: by default the offline `LLM` (one step at a time; TPOT = mean duration of
 the decode steps, every step after the first, which prefills the batch). With
---async-scheduling, the served path: `AsyncEngine` in-process with two steps in flight,
+--async-scheduling, the served path: `AsyncEngine` (in-process, or `--placement multiproc`:
+scheduler and executor in their own processes) with two steps in flight,
 where a constrained step's forward is launched before its bitmask is filled (docs/
 design.md, "Structured outputs"); TPOT = mean over requests of (last token time - first
 token time) / (tokens - 1), as vLLM's benchmarks define it. mask = the CPU time the
@@ -148,7 +149,8 @@ async def run_async_once(engine, prompt: str, batch: int, output_len: int, const
     arrival times."""
     params = _params(output_len, constrained)
     masks.clear()
-    steps_before = engine.core.num_steps
+    core = getattr(engine, "core", None)  # None in the multiproc placement
+    steps_before = core.num_steps if core is not None else 0
 
     async def one() -> tuple[int, float, float]:
         n, first, last = 0, 0.0, 0.0
@@ -167,10 +169,11 @@ async def run_async_once(engine, prompt: str, batch: int, output_len: int, const
     wall = time.perf_counter() - t
     tokens = sum(n for n, _, _ in runs)
     assert tokens == batch * output_len, (tokens, batch * output_len)
-    num_steps = max(engine.core.num_steps - steps_before, 1)
+    num_steps = max(core.num_steps - steps_before, 1) if core is not None else 1
     return {"tok_s": tokens / wall,
             "tpot_ms": 1e3 * statistics.mean((b - a) / (n - 1) for n, a, b in runs),
-            "mask_ms": 1e3 * sum(masks) / num_steps}
+            # the scheduler's process is not this one in the multiproc placement
+            "mask_ms": 1e3 * sum(masks) / num_steps if core is not None else float("nan")}
 
 
 def compile_times(tokenizer, vocab_size: int) -> list[tuple[str, str, float]]:
@@ -311,7 +314,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--async-scheduling", action="store_true",
-                        help="AsyncEngine in-process with two steps in flight")
+                        help="AsyncEngine with two steps in flight")
+    parser.add_argument("--placement", choices=("inproc", "multiproc"), default="inproc",
+                        help="with --async-scheduling: the AsyncEngine's placement (multiproc: "
+                        "the scheduler and the executor in processes of their own, so the "
+                        "matchers' advance and fill do not share the executor's GIL; no mask "
+                        "column)")
     parser.add_argument("--write-model-dir", default=None, metavar="DIR")
     parser.add_argument("--json-out", default=None, help="write the raw runs here")
     parser.add_argument("--no-compile-times", action="store_true",
@@ -367,13 +375,15 @@ def _main_llm(args) -> None:
 async def _main(args) -> None:
     from flowengine.entrypoints.async_engine import AsyncEngine
 
-    engine = AsyncEngine(**_engine_args(args), async_scheduling=True, disable_log_stats=True)
+    engine = AsyncEngine(**_engine_args(args), async_scheduling=True, disable_log_stats=True,
+                         placement=args.placement)
     await engine.start()
     try:
         tokenizer = engine.tokenizer
         prompt = _chat_prompt(tokenizer)
         masks: list[float] = []
-        _timed_fill(engine.core.scheduler.structured_outputs, masks)
+        if args.placement == "inproc":
+            _timed_fill(engine.core.scheduler.structured_outputs, masks)
         await run_async_once(engine, prompt, 1, 4, True, masks)  # warm-up
         await run_async_once(engine, prompt, max(args.batch_sizes), 4, False, masks)
         load_before = os.getloadavg()
@@ -388,7 +398,7 @@ async def _main(args) -> None:
         load_after = os.getloadavg()
         _report(args, results, load_before, load_after, tokenizer,
                 engine.resolved.model_config.vocab_size,
-                "AsyncEngine in-process, async scheduling (2 steps in flight)")
+                f"AsyncEngine {args.placement}, async scheduling (2 steps in flight)")
     finally:
         await engine.shutdown(drain_timeout_s=30)
 
