@@ -9,8 +9,9 @@ Workload: the default model (SmolLM2-135M-Instruct) unless --model, `batch` copi
 one short chat prompt, exactly `output_len` tokens each, temperature 1.0. Constrained:
 a JSON schema (an array of at least 40 records) whose every output is longer than
 output_len, so each request is cut by max_tokens at the same length as the
-unconstrained run (ignore_eos). Runs of the two alternate (unconstrained,
-constrained, ...) `reps` times per batch size; the table gives the medians.
+unconstrained run (ignore_eos). Runs of the two alternate `reps` times per batch size
+(free then JSON, then JSON then free, ...: neither always goes second); the table gives
+the medians.
 
 Engines: by default the offline `LLM` (one step at a time; TPOT = mean duration of
 the decode steps, every step after the first, which prefills the batch). With
@@ -352,6 +353,13 @@ def _chat_prompt(tokenizer) -> str:
         add_generation_prompt=True)
 
 
+def _order(rep: int) -> tuple[bool, bool]:
+    """(constrained?) of repetition `rep`'s two runs: free first on even repetitions,
+    JSON first on odd ones, so neither always runs second (under a load that rises
+    during the runs, the second of a pair is the slower)."""
+    return (False, True) if rep % 2 == 0 else (True, False)
+
+
 def _main_llm(args) -> None:
     llm = LLM(**_engine_args(args))
     tokenizer = llm.input_processor.tokenizer
@@ -361,8 +369,8 @@ def _main_llm(args) -> None:
     load_before = os.getloadavg()
     results: dict[tuple[int, bool], list[dict[str, float]]] = {}
     for batch in args.batch_sizes:
-        for _ in range(args.reps):
-            for constrained in (False, True):
+        for rep in range(args.reps):
+            for constrained in _order(rep):
                 r = run_once(llm, prompt, batch, args.output_len, constrained, steps, masks)
                 results.setdefault((batch, constrained), []).append(r)
                 print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
@@ -389,8 +397,8 @@ async def _main(args) -> None:
         load_before = os.getloadavg()
         results: dict[tuple[int, bool], list[dict[str, float]]] = {}
         for batch in args.batch_sizes:
-            for _ in range(args.reps):
-                for constrained in (False, True):
+            for rep in range(args.reps):
+                for constrained in _order(rep):
                     r = await run_async_once(engine, prompt, batch, args.output_len,
                                              constrained, masks)
                     results.setdefault((batch, constrained), []).append(r)
