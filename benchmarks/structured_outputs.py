@@ -9,12 +9,14 @@ Workload: the default model (SmolLM2-135M-Instruct) unless --model, `batch` copi
 one short chat prompt, exactly `output_len` tokens each, temperature 1.0. Constrained:
 a JSON schema (an array of at least 40 records) whose every output is longer than
 output_len, so each request is cut by max_tokens at the same length as the
-unconstrained run (ignore_eos). Runs of the two alternate (unconstrained,
-constrained, ...) `reps` times per batch size; the table gives the medians.
+unconstrained run (ignore_eos). Runs of the two alternate `reps` times per batch size
+(free then JSON, then JSON then free, ...: neither always goes second); the table gives
+the medians.
 
 Engines: by default the offline `LLM` (one step at a time; TPOT = mean duration of
 the decode steps, every step after the first, which prefills the batch). With
---async-scheduling, the served path: `AsyncEngine` in-process with two steps in flight,
+--async-scheduling, the served path: `AsyncEngine` (in-process, or `--placement multiproc`:
+scheduler and executor in their own processes) with two steps in flight,
 where a constrained step's forward is launched before its bitmask is filled (docs/
 design.md, "Structured outputs"); TPOT = mean over requests of (last token time - first
 token time) / (tokens - 1), as vLLM's benchmarks define it. mask = the CPU time the
@@ -148,7 +150,8 @@ async def run_async_once(engine, prompt: str, batch: int, output_len: int, const
     arrival times."""
     params = _params(output_len, constrained)
     masks.clear()
-    steps_before = engine.core.num_steps
+    core = getattr(engine, "core", None)  # None in the multiproc placement
+    steps_before = core.num_steps if core is not None else 0
 
     async def one() -> tuple[int, float, float]:
         n, first, last = 0, 0.0, 0.0
@@ -167,10 +170,11 @@ async def run_async_once(engine, prompt: str, batch: int, output_len: int, const
     wall = time.perf_counter() - t
     tokens = sum(n for n, _, _ in runs)
     assert tokens == batch * output_len, (tokens, batch * output_len)
-    num_steps = max(engine.core.num_steps - steps_before, 1)
+    num_steps = max(core.num_steps - steps_before, 1) if core is not None else 1
     return {"tok_s": tokens / wall,
             "tpot_ms": 1e3 * statistics.mean((b - a) / (n - 1) for n, a, b in runs),
-            "mask_ms": 1e3 * sum(masks) / num_steps}
+            # the scheduler's process is not this one in the multiproc placement
+            "mask_ms": 1e3 * sum(masks) / num_steps if core is not None else float("nan")}
 
 
 def compile_times(tokenizer, vocab_size: int) -> list[tuple[str, str, float]]:
@@ -311,7 +315,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--async-scheduling", action="store_true",
-                        help="AsyncEngine in-process with two steps in flight")
+                        help="AsyncEngine with two steps in flight")
+    parser.add_argument("--placement", choices=("inproc", "multiproc"), default="inproc",
+                        help="with --async-scheduling: the AsyncEngine's placement (multiproc: "
+                        "the scheduler and the executor in processes of their own, so the "
+                        "matchers' advance and fill do not share the executor's GIL; no mask "
+                        "column)")
     parser.add_argument("--write-model-dir", default=None, metavar="DIR")
     parser.add_argument("--json-out", default=None, help="write the raw runs here")
     parser.add_argument("--no-compile-times", action="store_true",
@@ -344,6 +353,13 @@ def _chat_prompt(tokenizer) -> str:
         add_generation_prompt=True)
 
 
+def _order(rep: int) -> tuple[bool, bool]:
+    """(constrained?) of repetition `rep`'s two runs: free first on even repetitions,
+    JSON first on odd ones, so neither always runs second (under a load that rises
+    during the runs, the second of a pair is the slower)."""
+    return (False, True) if rep % 2 == 0 else (True, False)
+
+
 def _main_llm(args) -> None:
     llm = LLM(**_engine_args(args))
     tokenizer = llm.input_processor.tokenizer
@@ -353,8 +369,8 @@ def _main_llm(args) -> None:
     load_before = os.getloadavg()
     results: dict[tuple[int, bool], list[dict[str, float]]] = {}
     for batch in args.batch_sizes:
-        for _ in range(args.reps):
-            for constrained in (False, True):
+        for rep in range(args.reps):
+            for constrained in _order(rep):
                 r = run_once(llm, prompt, batch, args.output_len, constrained, steps, masks)
                 results.setdefault((batch, constrained), []).append(r)
                 print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
@@ -367,20 +383,22 @@ def _main_llm(args) -> None:
 async def _main(args) -> None:
     from flowengine.entrypoints.async_engine import AsyncEngine
 
-    engine = AsyncEngine(**_engine_args(args), async_scheduling=True, disable_log_stats=True)
+    engine = AsyncEngine(**_engine_args(args), async_scheduling=True, disable_log_stats=True,
+                         placement=args.placement)
     await engine.start()
     try:
         tokenizer = engine.tokenizer
         prompt = _chat_prompt(tokenizer)
         masks: list[float] = []
-        _timed_fill(engine.core.scheduler.structured_outputs, masks)
+        if args.placement == "inproc":
+            _timed_fill(engine.core.scheduler.structured_outputs, masks)
         await run_async_once(engine, prompt, 1, 4, True, masks)  # warm-up
         await run_async_once(engine, prompt, max(args.batch_sizes), 4, False, masks)
         load_before = os.getloadavg()
         results: dict[tuple[int, bool], list[dict[str, float]]] = {}
         for batch in args.batch_sizes:
-            for _ in range(args.reps):
-                for constrained in (False, True):
+            for rep in range(args.reps):
+                for constrained in _order(rep):
                     r = await run_async_once(engine, prompt, batch, args.output_len,
                                              constrained, masks)
                     results.setdefault((batch, constrained), []).append(r)
@@ -388,7 +406,7 @@ async def _main(args) -> None:
         load_after = os.getloadavg()
         _report(args, results, load_before, load_after, tokenizer,
                 engine.resolved.model_config.vocab_size,
-                "AsyncEngine in-process, async scheduling (2 steps in flight)")
+                f"AsyncEngine {args.placement}, async scheduling (2 steps in flight)")
     finally:
         await engine.shutdown(drain_timeout_s=30)
 
