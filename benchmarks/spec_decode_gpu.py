@@ -141,11 +141,13 @@ def profile(runner: CudaModelRunner, batch: int, context: int, k: int, out_dir: 
 
         for _ in range(3):
             step()
-        torch.cuda.synchronize(runner.device)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 step()
-            torch.cuda.synchronize(runner.device)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         path = os.path.join(out_dir, f"profile_{name}_b{batch}.txt")
         with open(path, "w") as f:
