@@ -4,9 +4,13 @@ concurrency 16, with and without `speculative_config`, engines alternated (issue
     python benchmarks/spec_decode.py [--output-len 128] [--reps 3] [--k 4]
         [--lookup-min 2] [--lookup-max 4] [--concurrency 1 16]
 
-Workload (quotes its input): the default model (SmolLM2-135M-Instruct) is asked, through
-its chat template, to rewrite a real source file (benchmarks/data/stop_checker.py.txt,
-a copy of flowengine/core/stop_checker.py) with one function renamed; greedy, exactly
+Workload (quotes its input): the default model (SmolLM2-135M-Instruct) rewrites a real
+source file (benchmarks/data/stop_checker.py.txt, a copy of flowengine/core/stop_checker.py)
+with one function renamed. The prompt is a plain completion: the old file, then the new
+file's header (naming the rename) and its first line, so the model goes on writing the
+new file. (Asked through its chat template, this 135M model does not quote the file at
+all: it writes "# TODO: add your own code here" and unrelated text, so n-gram drafts
+have nothing to match; that was the workload of the first measurement.) Greedy, exactly
 `output_len` tokens (ignore_eos). At concurrency c, c such requests (each renaming a
 different function name, so prompts differ) are submitted at once to `LLM.generate`.
 Both engines are built first and then run alternately (base, spec, base, spec, ...);
@@ -35,12 +39,11 @@ NEW_NAMES = ["stop_status", "finished_status", "should_stop", "end_check", "chec
              "stop_now"]
 
 
-def messages(i: int) -> list[dict[str, str]]:
+def prompt(i: int) -> str:
     name = NEW_NAMES[i % len(NEW_NAMES)]
-    return [{"role": "user", "content":
-             f"Here is a Python file:\n\n```python\n{SOURCE}```\n\nRename the function "
-             f"`check_stop` to `{name}` everywhere. Reply with the whole edited file and "
-             "nothing else."}]
+    first = SOURCE.split("\n", 1)[0]
+    return (f"<file name=old.py>\n{SOURCE}</file>\n"
+            f"<file name=new.py note=\"check_stop renamed to {name}\">\n{first}\n")
 
 
 def timed(llm: LLM) -> list[float]:
@@ -63,7 +66,7 @@ def run(llm: LLM, steps: list[float], concurrency: int, output_len: int
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     steps.clear()
     t = time.perf_counter()
-    outs = llm.chat([messages(i) for i in range(concurrency)], params, use_tqdm=False)
+    outs = llm.generate([prompt(i) for i in range(concurrency)], params, use_tqdm=False)
     wall = time.perf_counter() - t
     ids = [o.outputs[0].token_ids for o in outs]
     assert all(len(x) == output_len for x in ids)

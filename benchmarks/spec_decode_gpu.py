@@ -120,6 +120,42 @@ def measure(runner: CudaModelRunner, batch: int, context: int, k: int,
     return out
 
 
+@torch.inference_mode()
+def profile(runner: CudaModelRunner, batch: int, context: int, k: int, out_dir: str) -> None:
+    """Kernel tables of the eager decode and verification forwards (LM head + argmax
+    included), 10 iterations each, sorted by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    model = runner.model
+    for name, num_new in (("decode", 1), ("verify", k + 1)):
+        states = states_for(batch, context, num_new, runner.cache_config.block_size)
+        inputs = runner.input_batch.prepare(states, [num_new] * batch)
+        rows = torch.arange(batch * num_new, dtype=torch.int64, device=runner.device)
+
+        def step(inputs=inputs, rows=rows) -> None:
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                           inputs.attn_metadata)
+            model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
+
+        for _ in range(3):
+            step()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                step()
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        path = os.path.join(out_dir, f"profile_{name}_b{batch}.txt")
+        with open(path, "w") as f:
+            f.write(table)
+        print(f"{name} b{batch} profile (10 iterations) -> {path}")
+        print("\n".join(table.splitlines()[:16]))
+
+
 def wall_ms(fn, device: torch.device, iters: int = 50, warmup: int = 5) -> float:
     """Median wall-clock ms of fn() (which ends with a host read), after warm-ups."""
     times = []
@@ -141,6 +177,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", help="a directory with config.json (default: Llama-3.1-8B shapes)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--profile", metavar="DIR",
+                   help="also write torch.profiler kernel tables (CUDA time per kernel) of "
+                        "the eager decode and verification forwards at the smallest batch "
+                        "size to DIR/profile_{decode,verify}_b{batch}.txt")
     ns = p.parse_args(argv)
     model_dir = ns.model or tempfile.mkdtemp(prefix="llama31-8b-")
     if ns.model is None:
@@ -157,6 +197,8 @@ def main(argv: list[str]) -> int:
     runner.capture_cuda_graphs()
     runner.capture_verification_graphs(ns.k)
     results = {b: measure(runner, b, ns.context, ns.k, ns.iters) for b in ns.batch_sizes}
+    if ns.profile:
+        profile(runner, min(ns.batch_sizes), ns.context, ns.k, ns.profile)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print()
     print("    python benchmarks/spec_decode_gpu.py " + shlex.join(argv))
