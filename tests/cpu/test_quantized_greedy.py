@@ -101,7 +101,10 @@ def test_int8_equals_transformers_on_round_tripped_weights(default_model_path, h
 def test_bfloat16_tracks_float32_transformers(default_model_path, hf_model, prompt_ids):
     # bfloat16 rounds every activation to 8 bits of mantissa: greedy ids follow
     # float32 transformers except where its top two logits are within 0.25, and
-    # logprobs within 0.25 (measured: see docs/benchmarks.md, CPU section).
+    # logprobs within 0.5. One bf16 step of a logit between 16 and 32 is 0.125, so 0.5 is
+    # four steps after 30 layers of rounding. torch's bf16 kernels differ by CPU: the
+    # worst logprob difference measured 0.42 on an AMD EPYC host (avx512_bf16) with the
+    # same engine code that measured under 0.25 on an earlier host (docs/benchmarks.md).
     llm = LLM(default_model_path, dtype="bfloat16", enable_prefix_caching=False)
-    stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=0.25, logprob_tol=0.25)
+    stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=0.25, logprob_tol=0.5)
     assert stats["steps"] == 8 * MAX_TOKENS
