@@ -47,11 +47,11 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
      {"TOP_K": 8, "PAIRS": 8, "BLOCK_E": 128, "RENORMALIZE": True}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 16,
-      "WIDEN_FP16": False, "SLIDING": False, "SOFT_CAP": False}),
+      "WIDEN_FP16": False, "SLIDING": False, "FP8_QK": False, "SOFT_CAP": False}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "HEAD_DIM": 256, "HEAD_DIM_PADDED": 256, "NUM_Q_HEADS": 16, "QPK": 2,
       "BLOCK_H": 16, "NUM_KV_SPLITS": 8, "WIDEN_FP16": False, "SLIDING": True,
-      "SOFT_CAP": True}),
+      "FP8_QK": False, "SOFT_CAP": True}),
     ("decode_attention", "_decode_attention_stage2_kernel",
      {"NUM_Q_HEADS": 32, "HEAD_DIM": 128, "HEAD_DIM_PADDED": 128, "NUM_KV_SPLITS": 16}),
     ("reshape_and_cache", "_reshape_and_cache_kernel",
@@ -92,10 +92,14 @@ FP8_KERNELS: list[tuple[str, str, dict[str, object]]] = [
     # output written by stage 1) and 16.
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16, "NUM_KV_SPLITS": 1,
-      "WIDEN_FP16": True, "SLIDING": False, "SOFT_CAP": False}),
+      "WIDEN_FP16": True, "SLIDING": False, "FP8_QK": False, "SOFT_CAP": False}),
     ("decode_attention", "_decode_attention_stage1_kernel",
      {**LLAMA_ATTN, "TILE_N": 64, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16,
-      "NUM_KV_SPLITS": 16, "WIDEN_FP16": True, "SLIDING": False, "SOFT_CAP": False}),
+      "NUM_KV_SPLITS": 16, "WIDEN_FP16": True, "SLIDING": False, "FP8_QK": False, "SOFT_CAP": False}),    # DecodeLaunchConfig.fp8_qk: Q.K on the E4M3 tensor cores, only V widened.
+    ("decode_attention", "_decode_attention_stage1_kernel",
+     {**LLAMA_ATTN, "TILE_N": 64, "NUM_Q_HEADS": 32, "QPK": 4, "BLOCK_H": 16,
+      "NUM_KV_SPLITS": 16, "WIDEN_FP16": True, "SLIDING": False, "FP8_QK": True,
+      "SOFT_CAP": False}),
 ]
 # Pointer arguments that are not activations/caches (those are bf16).
 POINTER_TYPES = {
