@@ -159,8 +159,12 @@ async def executor_main(cfg: ProcConfig, steps: Any = None, results: Any = None)
     # CPU threads: build_executor sets them (flowengine/executor/cpu_threads.py).
     device = torch.device(resolved.device)
     if device.type == "cuda":
-        # Rank r of replica d drives GPU d * tp * pp + r; "cuda" means it below.
-        gpu = cfg.dp_rank * tp_size * pp_size + cfg.rank
+        from flowengine.executor.cuda_stage import local_gpu_index
+
+        # Rank r of replica d drives GPU d * tp * pp + r (the one GPU a Ray actor sees);
+        # "cuda" means it below, and NCCL joins the ranks' GPUs (init_parallel).
+        gpu = local_gpu_index(cfg.dp_rank, tp_size, pp_size, cfg.rank,
+                              torch.cuda.device_count())
         torch.cuda.set_device(gpu)
         device = torch.device("cuda", gpu)
     tp, pp = init_parallel(cfg.rank, tp_size, pp_size, cfg.dist_init_method, device,

@@ -20,7 +20,8 @@ A stage of a pipeline of size 1 (`SINGLE_STAGE`) holds every layer and sends not
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -129,6 +130,48 @@ class PipelineStage:
 
 
 SINGLE_STAGE = PipelineStage()
+
+
+@dataclass(frozen=True)
+class LocalPipelineStage(PipelineStage):
+    """A stage of a pipeline whose stages all run in this process, on one device
+    (tests; the one-GPU check of the CUDA stage path, tests/gpu/test_pp_gpu.py): no
+    torch.distributed. `send_next` hands a copy of the tensor to the next stage
+    through `pipes[rank]`, a FIFO shared by the stages of `local_pipeline`, which
+    `recv_prev` of the next stage takes from; any order of running the stages works
+    as long as each stage runs the plans in step order and a plan's stages run in
+    stage order. `all_reduce_min` returns the value unchanged (give every stage the
+    same num_kv_blocks)."""
+
+    pipes: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        self.pipes.setdefault(self.rank, deque()).append(tensor.clone())
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        pipe = self.pipes.get(self.rank - 1)
+        if not pipe:
+            raise RuntimeError(f"stage {self.rank} receives before stage {self.rank - 1} "
+                               "sent: run a plan's stages in stage order")
+        tensor = pipe.popleft()
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise RuntimeError(f"stage {self.rank} expected {tuple(shape)} {dtype} from "
+                               f"stage {self.rank - 1}, got {tuple(tensor.shape)} "
+                               f"{tensor.dtype}")
+        return tensor.to(device)
+
+    def all_reduce_min(self, value: int, device: torch.device) -> int:
+        return value
+
+
+def local_pipeline(num_layers: int, pp_size: int,
+                   spec: str | None = None) -> list[LocalPipelineStage]:
+    """The pp_size stages of one in-process pipeline (`LocalPipelineStage`), their
+    layers split as `partition_layers(num_layers, pp_size, spec)`."""
+    pipes: dict = {}
+    return [LocalPipelineStage(i, pp_size, start, end, pipes=pipes)
+            for i, (start, end) in enumerate(partition_layers(num_layers, pp_size, spec))]
 
 
 def check_pipeline_parallel(num_layers: int, pipeline_parallel_size: int) -> None:

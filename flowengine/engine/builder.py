@@ -180,12 +180,9 @@ def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> 
                              "pipeline_parallel_size 1")
         check_pipeline_parallel(model_config.num_layers, pp)
         _check_stages_supported(model_config)
-        if device == "cuda":
-            # The stages' send/recv pick NCCL there (pp_group.py), but the CUDA runner's
-            # graphs, memory profile and on-device sampling have no stage path yet.
-            raise ValueError(f"pipeline_parallel_size {pp} runs on the CPU only so far "
-                             "(device='cpu'); on CUDA use tensor_parallel_size or "
-                             "data_parallel_size")
+        # On CUDA each rank drives its own GPU, NCCL between the stages, every stage
+        # eager (flowengine/executor/cuda_stage.py); speculative decoding is refused
+        # under pipeline parallelism in EngineArgs.
     if device == "cuda" and tp * pp > 1:
         import torch
 
@@ -194,21 +191,23 @@ def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> 
                 f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} "
                 f"GPUs, but torch sees {torch.cuda.device_count()}; lower them"
             )
-    _check_data_parallel(args.data_parallel_size, tp, device)
+    _check_data_parallel(args.data_parallel_size, tp, device, pp)
 
 
-def _check_data_parallel(dp: int, tp: int, device: str) -> None:
+def _check_data_parallel(dp: int, tp: int, device: str, pp: int = 1) -> None:
     """Refuse more replicas than the host can run, before any process starts: on CUDA
-    each replica takes its own `tp` GPUs; on CPU each needs at least one core."""
+    each replica takes its own `tp` x `pp` GPUs; on CPU each needs at least one core."""
     if dp <= 1:
         return
     if device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < dp * tp:
+        if torch.cuda.device_count() < dp * tp * pp:
+            stages = f" x pipeline_parallel_size {pp}" if pp > 1 else ""
             raise ValueError(
-                f"data_parallel_size {dp} x tensor_parallel_size {tp} needs {dp * tp} GPUs, "
-                f"but torch sees {torch.cuda.device_count()}; lower data_parallel_size")
+                f"data_parallel_size {dp} x tensor_parallel_size {tp}{stages} needs "
+                f"{dp * tp * pp} GPUs, but torch sees {torch.cuda.device_count()}; lower "
+                "data_parallel_size")
     else:
         from flowengine.executor.cpu_threads import available_cpus
 

@@ -16,6 +16,12 @@ Beyond `ModelRunner` (which it extends, so the StepPlan protocol is the same):
 
 `launch(plan, sampler)` is the device path; `execute_model(plan)` (logits out, the
 caller samples) stays available for callers that sample themselves.
+
+Pipeline parallelism (`pp`, a stage of more than one): the stage path of ModelRunner
+(`run_model`: receive, this stage's layers, send; NCCL between the stages' GPUs), run
+through `execute_model` (the Executor samples on the last stage's host path), eagerly:
+no CUDA graphs, no on-device sampling or token slots in use (cuda_stage.py says why).
+Stages before the last return no logits; the memory profile runs the stage's part.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from flowengine.executor.cuda_graphs import (
     capture_sizes_for,
     padded_batch_size,
 )
+from flowengine.executor.cuda_stage import StageProfileModel, stage_runs_eagerly
 from flowengine.executor.input_batch import (
     PLACEHOLDER_TOKEN_ID,
     InputBatch,
@@ -161,8 +168,12 @@ class CudaModelRunner(ModelRunner):
             raise RuntimeError("profile_memory needs a CUDA device; on the CPU give "
                                "kv_cache_memory_bytes or num_kv_blocks")
         c = self.model_config
+        model = self.model
+        if self.pp.size > 1:
+            # The stage's layers, from a received tensor unless first, no logits unless last.
+            model = StageProfileModel(model, self.pp, c.hidden_size, self.dtype)
         return profile_memory(
-            self.model, num_layers=c.num_layers,
+            model, num_layers=len(self.pp.layer_range(c.num_layers)),
             kv_block_shape=(2, 1, block_size, c.num_kv_heads // self.tp.world_size,
                             c.head_dim), dtype=self.kv_cache_dtype,
             max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
@@ -171,11 +182,12 @@ class CudaModelRunner(ModelRunner):
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs for every size of `capture_sizes`. Does nothing with
         enforce_eager, off CUDA, or with an attention backend other than Triton (the
-        torch reference syncs with the host). Call after initialize_kv_cache.
+        torch reference syncs with the host), or for a stage of a pipeline of more than
+        one stage (eager, cuda_stage.py). Call after initialize_kv_cache.
 
         Raises RuntimeError when the KV cache is missing or a capture fails."""
         backend = self.model.model.layers[0].self_attn.attn_backend
-        if self.enforce_eager or self.device.type != "cuda":
+        if self.enforce_eager or self.device.type != "cuda" or stage_runs_eagerly(self.pp):
             return
         if getattr(backend, "name", None) != "triton":
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decode "
@@ -286,7 +298,8 @@ class CudaModelRunner(ModelRunner):
         if self.draft_runner is not None:
             # Draft model: its KV in lockstep; EAGLE / Medusa: the step's hidden states.
             self.draft_runner.forward(inputs, states, hidden, aux)
-        self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
+        if self.pp.is_last:  # the other stages' `hidden` is what they sent on
+            self.collect_prompt_logprobs(states, num_scheduled, inputs, hidden)
         for state, num in zip(states, num_scheduled, strict=True):
             state.num_computed_tokens += num
         return states, inputs, hidden
@@ -294,13 +307,17 @@ class CudaModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute_model(self, plan: StepPlan) -> ModelOutput:
         """As ModelRunner.execute_model (logits out; the caller samples and calls
-        append_sampled). Resolves launched steps first, so the host knows every token."""
+        append_sampled; a pipeline stage before the last returns logits None, its
+        hidden states sent on). Resolves launched steps first, so the host knows every
+        token."""
         with self._lock:
             self.flush()
             states, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None:
             return ModelOutput([], torch.empty(0, self.model_config.vocab_size,
                                                device=self.device))
+        if not self.pp.is_last:
+            return ModelOutput(inputs.sample_req_ids, None)
         # Speculative decoding: the drafts' rows too (the Executor sends plans with
         # drafts here, not to launch).
         logits_indices, drafts = verification_rows(states, inputs)
@@ -347,6 +364,9 @@ class CudaModelRunner(ModelRunner):
             return self._launch_sampling(forward, sampler, grammar)
 
     def _launch_forward(self, plan: StepPlan) -> LaunchedForward:
+        if self.pp.size > 1:
+            raise ValueError("a pipeline stage runs its steps through execute_model (the "
+                             "last stage samples on the host path), not launch")
         _, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None or not inputs.sample_req_ids:
             return LaunchedForward(plan.step_id, [], None, None)

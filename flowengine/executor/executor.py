@@ -294,3 +294,56 @@ class Executor:
 
     def _failed_ids(self, num: int) -> torch.Tensor:
         return torch.full((num,), -1, dtype=torch.int64, device=self.runner.device)
+
+
+class _LastStageStep:
+    """A plan launched on the stages before the last of a `LocalPipeline`; result()
+    runs it on the last stage (once)."""
+
+    def __init__(self, last: Executor, plan: StepPlan) -> None:
+        self.step_id = plan.step_id
+        self._last = last
+        self._plan: StepPlan | None = plan
+        self._result: StepResult | None = None
+
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            assert self._plan is not None
+            self._result = self._last.launch(self._plan).result()
+            self._plan = None
+        return self._result
+
+
+class LocalPipeline:
+    """The executors of every stage of one pipeline in this process (their runners'
+    stages from `pp_group.local_pipeline`, joined by in-memory pipes), as one executor:
+    tests, and the one-GPU check of the CUDA stage path.
+
+    `launch(plan)` runs the plan on every stage before the last at once (as their
+    executor processes would: `follow`, hidden states sent on) and returns a handle
+    whose result() runs the last stage and samples. A caller that launches micro-batch
+    N + 1 before reading N's result gets the stage processes' order (stage 0 on N + 1
+    while the last stage is on N); results must be read in launch order.
+
+    Raises ValueError unless executors[i] runs stage i of len(executors).
+    """
+
+    def __init__(self, executors: list[Executor]) -> None:
+        ranks = [(e.stage.rank, e.stage.size) for e in executors]
+        if ranks != [(i, len(executors)) for i in range(len(executors))]:
+            raise ValueError(f"LocalPipeline needs stage i of {len(executors)} at index i, "
+                             f"got (rank, size) {ranks}")
+        self.executors = executors
+        self.stage = executors[-1].stage
+        self.runner = executors[-1].runner
+
+    def launch(self, plan: StepPlan) -> StepHandle:
+        for executor in self.executors[:-1]:
+            executor.follow(plan)
+        return _LastStageStep(self.executors[-1], plan)
+
+    def execute_model(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).result()
