@@ -59,7 +59,7 @@ from flowengine.shm import (
     create_ring,
     new_run_id,
 )
-from flowengine.shm.segment import WRITE_CURSOR_W
+from flowengine.shm.segment import CLOSED_W, WRITE_CURSOR_W
 
 # flowengine/executor/ray_executor.py's LOCAL_PIDS_ENV (that module imports Ray lazily,
 # but not here: the supervisor must not import it without the Ray backend).
@@ -422,6 +422,11 @@ class Supervisor:
         for i in range(steps.num_readers):
             steps.reset_reader(i)
         results.reset_reader(0)
+        for segment in (steps, results):
+            # A writer of the old group that closed its end (RingWriter.close) set
+            # `closed`: a new reader attaching before the new writer claims the ring
+            # would read the stream as ended.
+            segment.words[CLOSED_W] = 0
         self._segments["requests"].mark_reader_dead(0)
 
     def _kill_group(self) -> None:
