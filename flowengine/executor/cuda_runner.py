@@ -186,9 +186,9 @@ class CudaModelRunner(ModelRunner):
         one stage (eager, cuda_stage.py). Call after initialize_kv_cache.
 
         Raises RuntimeError when the KV cache is missing or a capture fails."""
-        backend = self.model.model.layers[0].self_attn.attn_backend
         if self.enforce_eager or self.device.type != "cuda" or stage_runs_eagerly(self.pp):
             return
+        backend = self.model.model.layers[0].self_attn.attn_backend
         if getattr(backend, "name", None) != "triton":
             logger.warning("attention backend %r cannot be captured in CUDA graphs; decode "
                            "runs eagerly", getattr(backend, "name", backend))

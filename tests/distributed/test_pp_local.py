@@ -75,9 +75,17 @@ def generate(core: EngineCore, executor, prompt_ids: list[list[int]],
 
 def _stage_executor(resolved, stage: LocalPipelineStage, runner_cls: type) -> Executor:
     config = resolved.model_config
-    runner = runner_cls(config, CacheConfig(16, ENGINE["num_kv_blocks"], True),
+    cache_config = CacheConfig(16, ENGINE["num_kv_blocks"], True)
+    deferred = runner_cls is CudaModelRunner  # as _build_cuda_runner: KV cache later
+    runner = runner_cls(config, None if deferred else cache_config,
                         torch.device("cpu"), torch.float32, "safetensors",
                         max_num_batched_tokens=32, max_num_seqs=8, pp=stage)
+    if deferred:
+        assert runner.pp.all_reduce_min(ENGINE["num_kv_blocks"], runner.device) \
+            == ENGINE["num_kv_blocks"]
+        runner.initialize_kv_cache(cache_config)
+        runner.capture_cuda_graphs()  # a no-op for a stage (and on the CPU)
+        assert runner.graphs is None
     return Executor(runner)
 
 
