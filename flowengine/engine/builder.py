@@ -183,7 +183,9 @@ def _check_tensor_parallel(args: EngineArgs, model_config: Any, device: str) -> 
         # On CUDA each rank drives its own GPU, NCCL between the stages, every stage
         # eager (flowengine/executor/cuda_stage.py); speculative decoding is refused
         # under pipeline parallelism in EngineArgs.
-    if device == "cuda" and tp * pp > 1:
+    # Ray spreads the ranks over its nodes' GPUs (its placement group waits for them,
+    # and each actor sees its one GPU): this host's count bounds the local group only.
+    if device == "cuda" and tp * pp > 1 and args.distributed_executor_backend != "ray":
         import torch
 
         if torch.cuda.device_count() < tp * pp:

@@ -8,6 +8,7 @@ index of each rank, the start-up checks, the stage's memory-profile model."""
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,6 +154,11 @@ def test_cuda_pipeline_is_accepted_when_the_gpus_exist(tiny_llama: str, monkeypa
                                          "needs 4 GPUs, but torch sees 2"):
         _check_tensor_parallel(EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2),
                                config, "cuda")
+    # Ray places the ranks on its nodes' GPUs; a Ray actor process sees its one GPU.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ray_args = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2,
+                               data_parallel_size=1, distributed_executor_backend="ray")
+    _check_tensor_parallel(ray_args, config, "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(ValueError, match="data_parallel_size 2 x tensor_parallel_size 1 x "
                                          "pipeline_parallel_size 4 needs 8 GPUs, but torch "
