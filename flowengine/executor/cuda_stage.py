@@ -18,6 +18,8 @@ pp_group.py). This module holds the CUDA-only parts:
   static buffers): possible, but not done yet. Micro-batch overlap is unaffected: each
   stage is its own process on its own GPU, and NCCL's send/recv only order the stages'
   streams, so stage 0 computes micro-batch N + 1 while stage 1 computes N.
+* `local_gpu_index`: the GPU each executor rank drives (actors/procs.py sets it before
+  the NCCL group is joined).
 """
 
 from __future__ import annotations
