@@ -21,7 +21,7 @@ from flowengine.executor.cuda_runner import CudaModelRunner
 from flowengine.executor.cuda_stage import StageProfileModel, local_gpu_index
 from flowengine.executor.executor import Executor, LocalPipeline
 from flowengine.executor.model_runner import ModelRunner
-from flowengine.messages import NewRequest
+from flowengine.messages import NewRequest, StepPlan
 from flowengine.sampling_params import SamplingParams
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=32,
@@ -111,6 +111,10 @@ def test_local_pipeline_equals_one_stage(tiny_llama: str, runner_cls: type) -> N
     assert seen["max_in_flight"] == 2  # two micro-batches overlapped
     assert seen["partial_prefills"] > 0 and seen["cached_tokens"] > 0
     assert not any(stages[0].pipes.values())  # every hidden state was consumed
+    if runner_cls is CudaModelRunner:
+        with pytest.raises(ValueError, match="a pipeline stage runs its steps through "
+                                             "execute_model"):
+            executors[-1].runner.launch(StepPlan(99, [], [], []), executors[-1].sampler)
 
 
 def test_local_stage_errors() -> None:
