@@ -48,8 +48,9 @@ MAX_TOKENS = 16
 # 0.1-0.3 std at 0.5, ~10 at 4). Phi-4 and Qwen2.5-7B have the widest MLPs here (17920,
 # 18944): at 0.5 their random layers add as much to the residual stream as the
 # embedding, and the smallest reference margin falls to ~1 std (CPU, bf16, full widths,
-# 8192-token vocabulary, 3 prompts x 8 tokens: phi4 1.13, qwen2 1.61), under MIN_MARGIN
-# over 8 x 16 tokens (phi4's failure of session 26); at 1.0, phi4's is 7.6.
+# an 8192-token vocabulary, these 8 prompts x 16 tokens: phi4 1.007, whose 1.29 on one
+# prompt is 1.13 with 32000 tokens; qwen2 1.61 after 3 x 8), at or under MIN_MARGIN
+# (phi4's failure of session 26); at 1.0: phi4 7.6 (3 x 8), qwen2 8.3 (8 x 16).
 EMBED_STD = {"olmo2": 4.0, "phi4": 1.0, "qwen2": 1.0}
 MIN_MARGIN = 1.0  # logits std; bf16 noise between two correct implementations is ~0.1
 
