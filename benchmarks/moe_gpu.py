@@ -147,16 +147,17 @@ def tune(bw_gbs: float, buckets: tuple[int, ...]) -> tuple[list[dict], dict[str,
 # Tokens per layer call of section d. (Qwen3's crossover lies between 4 and 8 tokens,
 # Mixtral's between 1 and 2: kernels/fused_moe.py decode_pair_limit).
 DECODE_TOKENS = {"mixtral-8x7b": (1, 2, 4), "qwen3-30b-a3b": (1, 2, 4, 6, 8, 16)}
-# name -> fused_moe_module.DecodeTiles fields ("default": DEFAULT_DECODE_TILES, gate/up
-# 8 x 256, down 8 x 128); "s26" is session 26's default at Qwen3's T = 1.
+# name (gate/up then down tiles, BLOCK_N x BLOCK_K) -> fused_moe_module.DecodeTiles
+# fields; "default": DEFAULT_DECODE_TILES (gu8x256/dn4x256); "s26": session 26's default
+# at Qwen3's T = 1. The 2026-12-02 14:55 run (docs/benchmarks.md) had gu8x256/dn8x128 as
+# its default and the variants relative to it.
 DECODE_TILES = {
     "default": {},
+    "gu8x256/dn8x128": {"down_n": 8, "down_k": 128},
     "s26": {"gate_up_n": 16, "gate_up_k": 128, "down_n": 16, "down_k": 64},
-    "gu16x128": {"gate_up_n": 16, "gate_up_k": 128},  # session 26's "dn8x128"
-    "gu8x512": {"gate_up_k": 512},
-    "gu4x256": {"gate_up_n": 4},
-    "dn4x256": {"down_n": 4, "down_k": 256},
-    "dn16x128": {"down_n": 16},
+    "gu4x256/dn4x256": {"gate_up_n": 4},
+    "gu8x512/dn4x256": {"gate_up_k": 512},
+    "gu8x256/dn4x512": {"down_k": 512},
 }
 
 

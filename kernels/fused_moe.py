@@ -15,7 +15,7 @@ The alignment runs in torch with a static upper bound on the padded length
 (T * k + E * (BLOCK_M - 1)), so nothing syncs with the host and a decode step can be
 captured in a CUDA graph; padding blocks and blocks past the end exit at once.
 
-Decode (T * k * I <= 32768 expert columns, at most 64 pairs: `decode_pair_limit`): the
+Decode (T * k * I <= 98304 expert columns, at most 128 pairs: `decode_pair_limit`): the
 alignment's ~12 small launches and a grid over every expert's padded block cost more
 than the weights they read, so `_fused_moe_decode` skips them: a gate/up GEMV per (pair,
 I tile) that reads its expert id on the device, SiLU-and-mul fused in, then a down GEMV
@@ -150,27 +150,30 @@ def _grouped_gemm_kernel(
 # alignment's ~12 small launches and a grid over every expert's padded block (~0.08 ms a
 # layer on the H200, docs/benchmarks.md). What decides is the expert columns the pairs
 # read, T * k * I (I: the expert width on this rank).
-DECODE_MAX_PAIRS = 64
-DECODE_MAX_PAIR_COLUMNS = 32768
+DECODE_MAX_PAIRS = 128
+DECODE_MAX_PAIR_COLUMNS = 98304
 
 
 def decode_pair_limit(intermediate: int) -> int:
     """The most T * k pairs `fused_moe` sends down the decode path by default:
     DECODE_MAX_PAIR_COLUMNS // I, at most DECODE_MAX_PAIRS, at least 1, I the local
-    expert width. The H200 crossover (one bf16 layer, CUDA-graph medians, ms; grouped =
-    the aligned path with the tuned tiles; decode = this path at session 26's tiles ->
-    the current defaults, "~" an estimate from the two launches measured apart):
+    expert width. From the H200 crossover (one bf16 layer, CUDA-graph medians, ms;
+    grouped: the aligned path with the tuned tiles; decode: this path at gate/up 8 x 256
+    and down 8 x 128 / 4 x 256; benchmarks/moe_gpu.py --decode-compare, 2026-12-02
+    14:55 UTC, docs/benchmarks.md):
 
-        shape                       T  pairs  T*k*I    grouped  decode
-        Qwen3-30B-A3B (I 768, k 8)  1    8     6,144   0.106    0.062 -> ~0.03
-                                    4   32    24,576   0.151    0.129 -> ~0.09
-                                    8   64    49,152   0.193    0.197 -> ~0.15
-                                   16  128    98,304   0.258    0.318 -> ~0.24
-        Mixtral-8x7B (I 14336, k 2) 1    2    28,672   0.235    0.245 -> 0.229
-                                    4    8   114,688   0.558    0.709 -> 0.590
+        shape                        T  pairs  T*k*I    grouped  decode
+        Qwen3-30B-A3B (I 768, k 8)   1    8     6,144   0.105    0.039 / 0.031
+                                     4   32    24,576   0.148    0.088 / 0.084
+                                     8   64    49,152   0.191    0.143 / 0.137
+                                    16  128    98,304   0.263    0.251 / 0.246
+        Mixtral-8x7B (I 14336, k 2)  1    2    28,672   0.238    0.226 / 0.191
+                                     2    4    57,344   0.320    0.311 / 0.305
+                                     4    8   114,688   0.553    0.579 / 0.573
 
-    so Qwen3-30B-A3B takes the decode path up to 42 pairs (T <= 5) and Mixtral at T = 1
-    only; under tensor parallelism I is the rank's slice, so the limit grows with it."""
+    so Qwen3-30B-A3B takes the decode path up to 16 tokens (128 pairs: past them, not
+    measured) and Mixtral up to 3 (not measured at 3; grouped is ahead at 4); under
+    tensor parallelism I is the rank's slice, so the limit grows with it."""
     return max(1, min(DECODE_MAX_PAIRS, DECODE_MAX_PAIR_COLUMNS // intermediate))
 
 
@@ -258,8 +261,8 @@ def _decode_down_pairs_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # One program: one token's BLOCK_N hidden columns, all TOP_K pairs in one
-    # [PAIRS, BLOCK_N, BLOCK_K] load per step (a one-pair-at-a-time loop keeps a TOP_K-th
-    # of those bytes in flight: 0.073 against 0.062 ms a Qwen3 layer at T = 1, H200).
+    # [PAIRS, BLOCK_N, BLOCK_K] load per step (a one-pair-at-a-time loop, deleted, kept a
+    # TOP_K-th of those bytes in flight: 0.073 against 0.062 ms a Qwen3 layer at T = 1).
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
@@ -296,16 +299,17 @@ class DecodeTiles:
     """Tiles and warps of the two decode launches: gate/up programs cover gate_up_n of
     the I columns of one pair, reading gate_up_k of hidden per step; down programs cover
     down_n hidden columns of one token, all its k pairs x down_k of I per step. The
-    reduction tiles set the fp32 summation order. Defaults: session 26's H200 sweep
-    (benchmarks/moe_gpu.py --decode-compare, Qwen3-30B-A3B layer at T = 1): gate/up
-    8 x 256 (0.048 against 0.062 ms at 16 x 128), down 8 x 128 (0.043 against 0.062 at
-    16 x 64); each a single launch's tiles, so the two gains add."""
+    reduction tiles set the fp32 summation order. Defaults from the H200 sweep
+    (benchmarks/moe_gpu.py --decode-compare, docs/benchmarks.md), one layer at T = 1,
+    ms: session 26's tiles (gate/up 16 x 128, down 16 x 64) 0.057; gate/up 8 x 256 with
+    down 8 x 128 0.039; with down 4 x 256 0.031 (Mixtral 0.226 -> 0.191), and no slower
+    at T = 4 .. 16 either (T = 2: 0.058 against 0.056)."""
 
     gate_up_n: int = 8
     gate_up_k: int = 256
     gate_up_warps: int = 4
-    down_n: int = 8
-    down_k: int = 128
+    down_n: int = 4
+    down_k: int = 256
     down_warps: int = 8
 
 

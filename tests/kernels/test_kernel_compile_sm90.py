@@ -40,7 +40,7 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("fused_moe", "_decode_gate_up_kernel",
      {"TOP_K": 8, "HAS_MAP": True, "BLOCK_N": 8, "BLOCK_K": 256}),
     ("fused_moe", "_decode_down_pairs_kernel",
-     {"TOP_K": 8, "PAIRS": 8, "HAS_MAP": True, "BLOCK_N": 8, "BLOCK_K": 128}),
+     {"TOP_K": 8, "PAIRS": 8, "HAS_MAP": True, "BLOCK_N": 4, "BLOCK_K": 256}),
     ("fused_moe", "_route_topk_kernel",
      {"TOP_K": 8, "PAIRS": 8, "BLOCK_E": 128, "RENORMALIZE": True}),
     ("decode_attention", "_decode_attention_stage1_kernel",

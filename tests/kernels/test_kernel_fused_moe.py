@@ -269,11 +269,11 @@ def test_decode_path_half_precision_rounds_like_the_grouped_path(dtype, device) 
 def test_decode_pair_limit_follows_the_expert_width() -> None:
     from flowengine.kernels.fused_moe import DECODE_MAX_PAIRS, decode_pair_limit
 
-    assert DECODE_MAX_PAIRS == 64
-    # Qwen3-30B-A3B (768 wide, top-8): 42 pairs = 5 tokens; its TP-2 slice: 64 pairs;
-    # OLMoE (1024): 4 tokens; Mixtral (14336, top-2): 1 token, 2 at TP 2; tiny widths: 64
-    assert [decode_pair_limit(i) for i in (768, 384, 1024, 14336, 7168, 24, 40000)] == [
-        42, 64, 32, 2, 4, 64, 1]
+    assert DECODE_MAX_PAIRS == 128
+    # Qwen3-30B-A3B (768 wide, top-8): 128 pairs = 16 tokens, its TP-2 slice too; OLMoE
+    # (1024): 12 tokens; Mixtral (14336, top-2): 3 tokens, 6 at TP 2; tiny widths: 128
+    assert [decode_pair_limit(i) for i in (768, 384, 1024, 14336, 7168, 24, 100000)] == [
+        128, 128, 96, 6, 13, 128, 1]
 
 
 @pytest.mark.parametrize("tiles", [
