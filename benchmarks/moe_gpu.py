@@ -144,9 +144,10 @@ def tune(bw_gbs: float, buckets: tuple[int, ...]) -> tuple[list[dict], dict[str,
     return rows, files
 
 
-# Tokens per layer call of section d. (Qwen3's crossover lies between 4 and 8 tokens,
-# Mixtral's between 1 and 2: kernels/fused_moe.py decode_pair_limit).
-DECODE_TOKENS = {"mixtral-8x7b": (1, 2, 4), "qwen3-30b-a3b": (1, 2, 4, 6, 8, 16)}
+# Tokens per layer call of section d. (2026-12-02 14:55: the decode path won for Qwen3
+# up to T = 16 and for Mixtral up to T = 2, grouped at Mixtral's T = 4; T = 32 and
+# Mixtral's 3 were not measured: kernels/fused_moe.py decode_pair_limit).
+DECODE_TOKENS = {"mixtral-8x7b": (1, 2, 3, 4), "qwen3-30b-a3b": (1, 2, 4, 8, 16, 32)}
 # name (gate/up then down tiles, BLOCK_N x BLOCK_K) -> fused_moe_module.DecodeTiles
 # fields; "default": DEFAULT_DECODE_TILES (gu8x256/dn4x256); "s26": session 26's default
 # at Qwen3's T = 1. The 2026-12-02 14:55 run (docs/benchmarks.md) had gu8x256/dn8x128 as
