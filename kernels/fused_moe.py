@@ -178,7 +178,8 @@ def decode_pair_limit(intermediate: int) -> int:
 
 
 def _tile(tile: int, n: int) -> int:
-    """`tile` clamped to a tiny dimension n (at least 16)."""
+    """`tile`, but no wider than a tiny dimension n needs (its next power of two, and
+    not below 16 on that account)."""
     return min(tile, max(16, triton.next_power_of_2(n)))
 
 
