@@ -15,13 +15,13 @@ The alignment runs in torch with a static upper bound on the padded length
 (T * k + E * (BLOCK_M - 1)), so nothing syncs with the host and a decode step can be
 captured in a CUDA graph; padding blocks and blocks past the end exit at once.
 
-Decode (T * k <= decode_pair_limit(E), at most 64 pairs): the alignment's ~12 small
-launches and a grid over every expert's padded block cost more than the weights they
-read, so `_fused_moe_decode` skips them: a gate/up GEMV per (pair, I tile) that reads
-its expert id on the device, SiLU-and-mul fused in, then a down GEMV per (token, hidden
-tile) that sums the token's k weighted pairs, all k in one [k, BLOCK_N, BLOCK_K] load
-per step ("pairs"; "loop" takes them one after another). Same rounding as the grouped
-path; two launches, no host sync. `route_topk` is the router's softmax top-k in one
+Decode (T * k * I <= 98304 expert columns, at most 128 pairs: `decode_pair_limit`): the
+alignment's ~12 small launches and a grid over every expert's padded block cost more
+than the weights they read, so `_fused_moe_decode` skips them: a gate/up GEMV per (pair,
+I tile) that reads its expert id on the device, SiLU-and-mul fused in, then a down GEMV
+per (token, hidden tile) that sums the token's k weighted pairs, all k in one
+[k, BLOCK_N, BLOCK_K] load per step. Same rounding as the grouped path; two launches,
+no host sync. `route_topk` is the router's softmax top-k in one
 launch (torch takes five).
 """
 
@@ -144,41 +144,43 @@ def _grouped_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
 
 
-# Decode path: at most this many (token, slot) pairs skip the alignment and run as GEMVs
-# (`decode_pair_limit`). Each pair reads its expert's weights itself, so pairs that share
-# an expert read them again; the grouped path reads each picked expert once but pays the
+# Decode path (`decode_pair_limit`): small batches skip the alignment and run as GEMVs.
+# Each (token, slot) pair reads its expert's weights itself, so pairs that share an
+# expert read them again; the grouped path reads each picked expert once but pays the
 # alignment's ~12 small launches and a grid over every expert's padded block (~0.08 ms a
-# layer on the H200, docs/benchmarks.md).
-DECODE_MAX_PAIRS = 64
+# layer on the H200, docs/benchmarks.md). What decides is the expert columns the pairs
+# read, T * k * I (I: the expert width on this rank).
+DECODE_MAX_PAIRS = 128
+DECODE_MAX_PAIR_COLUMNS = 98304
 
 
-def decode_pair_limit(num_experts: int) -> int:
+def decode_pair_limit(intermediate: int) -> int:
     """The most T * k pairs `fused_moe` sends down the decode path by default:
-    min(DECODE_MAX_PAIRS, num_experts // 2), at least 1. With few experts pairs soon share
-    them (Mixtral, 8 experts: 2 tokens x top-2 already pick ~3.5 distinct of 4 pairs, and
-    each re-read costs a 352 MB expert), so the limit follows the local expert count;
-    Qwen3-30B-A3B (128 experts, top-8) gets 64 pairs = 8 tokens."""
-    return max(1, min(DECODE_MAX_PAIRS, num_experts // 2))
+    DECODE_MAX_PAIR_COLUMNS // I, at most DECODE_MAX_PAIRS, at least 1, I the local
+    expert width. From the H200 crossover (one bf16 layer, CUDA-graph medians, ms;
+    grouped: the aligned path with the tuned tiles; decode: this path at gate/up 8 x 256
+    and down 8 x 128 / 4 x 256; benchmarks/moe_gpu.py --decode-compare, 2026-12-02
+    14:55 UTC, docs/benchmarks.md):
+
+        shape                        T  pairs  T*k*I    grouped  decode
+        Qwen3-30B-A3B (I 768, k 8)   1    8     6,144   0.105    0.039 / 0.031
+                                     4   32    24,576   0.148    0.088 / 0.084
+                                     8   64    49,152   0.191    0.143 / 0.137
+                                    16  128    98,304   0.263    0.251 / 0.246
+        Mixtral-8x7B (I 14336, k 2)  1    2    28,672   0.238    0.226 / 0.191
+                                     2    4    57,344   0.320    0.311 / 0.305
+                                     4    8   114,688   0.553    0.579 / 0.573
+
+    so Qwen3-30B-A3B takes the decode path up to 16 tokens (128 pairs: past them, not
+    measured) and Mixtral up to 3 (not measured at 3; grouped is ahead at 4); under
+    tensor parallelism I is the rank's slice, so the limit grows with it."""
+    return max(1, min(DECODE_MAX_PAIRS, DECODE_MAX_PAIR_COLUMNS // intermediate))
 
 
-DECODE_BLOCK_N = 32  # output columns per program (gate/up: I; down: hidden), at most
-DECODE_BLOCK_K = 128  # reduction columns per load: 256-byte rows in bf16
-# A GEMV grid below ~2 programs per H200 SM (132) leaves HBM bandwidth unused, so the
-# default halves BLOCK_N (down to 16) until a launch has this many programs.
-DECODE_MIN_PROGRAMS = 256
-
-
-def _decode_block_n(rows: int, n: int, block_n: int | None) -> int:
-    """BLOCK_N of a decode launch with `rows` x cdiv(n, BLOCK_N) programs: `block_n`
-    when given (clamped to tiny n), else DECODE_BLOCK_N halved while the grid has fewer
-    than DECODE_MIN_PROGRAMS programs and BLOCK_N > 16."""
-    cap = max(16, triton.next_power_of_2(n))
-    if block_n is not None:
-        return min(block_n, cap)
-    bn = min(DECODE_BLOCK_N, cap)
-    while bn > 16 and rows * triton.cdiv(n, bn) < DECODE_MIN_PROGRAMS:
-        bn //= 2
-    return bn
+def _tile(tile: int, n: int) -> int:
+    """`tile`, but no wider than a tiny dimension n needs (its next power of two, and
+    not below 16 on that account)."""
+    return min(tile, max(16, triton.next_power_of_2(n)))
 
 
 @triton.jit
@@ -240,56 +242,6 @@ def _decode_gate_up_kernel(
 
 
 @triton.jit
-def _decode_down_kernel(
-    out_ptr,  # [num_tokens, N] x's dtype
-    act_ptr,  # [num_pairs, K]
-    w_ptr,  # [num_experts, N, K]
-    topk_ids_ptr,  # [num_pairs] int32/int64
-    expert_map_ptr,  # [E] (read when HAS_MAP)
-    topk_weights_ptr,  # [num_pairs] float32
-    N,
-    K,
-    act_stride: tl.int64,
-    w_stride_e: tl.int64,
-    w_stride_n: tl.int64,
-    out_stride: tl.int64,
-    TOP_K: tl.constexpr,
-    HAS_MAP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # "loop": one program: one token's BLOCK_N hidden columns, its TOP_K pairs one after
-    # another (one [BLOCK_N, BLOCK_K] load in flight per program).
-    token = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = _decode_expert_id(topk_ids_ptr, expert_map_ptr, pair, HAS_MAP)
-        if expert >= 0:
-            a_ptrs = act_ptr + pair.to(tl.int64) * act_stride + offs_k
-            w_ptrs = (w_ptr + expert * w_stride_e + offs_n[:, None].to(tl.int64) * w_stride_n
-                      + offs_k[None, :])
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_valid = offs_k + k0 < K
-                a = tl.load(a_ptrs, mask=k_valid, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :],
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], axis=1)
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            weight = tl.load(topk_weights_ptr + pair)
-            # Each pair's weighted row rounded to x's dtype, as the grouped path stores it.
-            total += (acc * weight).to(dtype).to(tl.float32)
-    tl.store(out_ptr + token.to(tl.int64) * out_stride + offs_n, total.to(dtype),
-             mask=n_valid)
-
-
-@triton.jit
 def _decode_down_pairs_kernel(
     out_ptr,  # [num_tokens, N] x's dtype
     act_ptr,  # [num_pairs, K]
@@ -309,8 +261,9 @@ def _decode_down_pairs_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # "pairs": one program: one token's BLOCK_N hidden columns, all TOP_K pairs in one
-    # [PAIRS, BLOCK_N, BLOCK_K] load per step (TOP_K times the bytes in flight of "loop").
+    # One program: one token's BLOCK_N hidden columns, all TOP_K pairs in one
+    # [PAIRS, BLOCK_N, BLOCK_K] load per step (a one-pair-at-a-time loop, deleted, kept a
+    # TOP_K-th of those bytes in flight: 0.073 against 0.062 ms a Qwen3 layer at T = 1).
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
@@ -342,24 +295,22 @@ def _decode_down_pairs_kernel(
              tl.sum(rows, axis=0).to(dtype), mask=n_valid)
 
 
-# Elements of one down-projection load of the "pairs" kernel (PAIRS x BLOCK_N x BLOCK_K)
-# when its BLOCK_K is not given: 16 KB of bf16, 32 fp32 registers a thread at 8 warps.
-DECODE_DOWN_TILE = 8192
-
-
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Tiles of the two decode launches. *_n None: `_decode_block_n`'s default; down_k
-    None: DECODE_DOWN_TILE / (pairs x BLOCK_N) for "pairs", DECODE_BLOCK_K for "loop".
-    down: "pairs" (all of a token's k pairs in one 3-D load per step) or "loop" (the
-    pairs one after another)."""
+    """Tiles and warps of the two decode launches: gate/up programs cover gate_up_n of
+    the I columns of one pair, reading gate_up_k of hidden per step; down programs cover
+    down_n hidden columns of one token, all its k pairs x down_k of I per step. The
+    reduction tiles set the fp32 summation order. Defaults from the H200 sweep
+    (benchmarks/moe_gpu.py --decode-compare, docs/benchmarks.md), one layer at T = 1,
+    ms: session 26's tiles (gate/up 16 x 128, down 16 x 64) 0.057; gate/up 8 x 256 with
+    down 8 x 128 0.039; with down 4 x 256 0.031 (Mixtral 0.226 -> 0.191), and no slower
+    at T = 4 .. 16 either (T = 2: 0.058 against 0.056)."""
 
-    gate_up_n: int | None = None
-    gate_up_k: int = DECODE_BLOCK_K
+    gate_up_n: int = 8
+    gate_up_k: int = 256
     gate_up_warps: int = 4
-    down: str = "pairs"
-    down_n: int | None = None
-    down_k: int | None = None
+    down_n: int = 4
+    down_k: int = 256
     down_warps: int = 8
 
 
@@ -372,8 +323,7 @@ def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       tiles: DecodeTiles = DEFAULT_DECODE_TILES) -> torch.Tensor:
     """The alignment-free decode path of `fused_moe` (same arguments, checked there):
     gate/up GEMVs with SiLU-and-mul per (pair, I tile), then down GEMVs per (token,
-    hidden tile) summing the token's k pairs. Two launches, no host sync. tiles: the
-    launches' tiles and warps (the reduction tiles set the fp32 summation order)."""
+    hidden tile) summing the token's k pairs. Two launches, no host sync."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -382,34 +332,20 @@ def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     emap = expert_map.contiguous() if expert_map is not None else ids
     has_map = expert_map is not None
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn_i = _decode_block_n(num_pairs, inter, tiles.gate_up_n)
-    bk_h = min(tiles.gate_up_k, max(16, triton.next_power_of_2(hidden)))
+    bn_i = _tile(tiles.gate_up_n, inter)
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn_i))](
         act, x, w13, ids, emap, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), TOP_K=top_k, HAS_MAP=has_map, BLOCK_N=bn_i, BLOCK_K=bk_h,
-        num_warps=tiles.gate_up_warps,
+        act.stride(0), TOP_K=top_k, HAS_MAP=has_map, BLOCK_N=bn_i,
+        BLOCK_K=_tile(tiles.gate_up_k, hidden), num_warps=tiles.gate_up_warps,
     )
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    bn_h = _decode_block_n(num_tokens, hidden, tiles.down_n)
-    k_cap = max(16, triton.next_power_of_2(inter))
-    args = (out, act, w2, ids, emap, topk_weights.reshape(-1).contiguous(), hidden, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
-    grid = (num_tokens, triton.cdiv(hidden, bn_h))
-    if tiles.down == "pairs":
-        pairs = max(2, triton.next_power_of_2(top_k))
-        bk_i = tiles.down_k or max(16, DECODE_DOWN_TILE // (pairs * bn_h))
-        _decode_down_pairs_kernel[grid](
-            *args, TOP_K=top_k, PAIRS=pairs, HAS_MAP=has_map, BLOCK_N=bn_h,
-            BLOCK_K=min(bk_i, k_cap), num_warps=tiles.down_warps,
-        )
-    elif tiles.down == "loop":
-        bk_i = tiles.down_k or DECODE_BLOCK_K
-        _decode_down_kernel[grid](
-            *args, TOP_K=top_k, HAS_MAP=has_map, BLOCK_N=bn_h, BLOCK_K=min(bk_i, k_cap),
-            num_warps=tiles.down_warps,
-        )
-    else:
-        raise ValueError(f"DecodeTiles.down must be 'pairs' or 'loop', got {tiles.down!r}")
+    bn_h = _tile(tiles.down_n, hidden)
+    _decode_down_pairs_kernel[(num_tokens, triton.cdiv(hidden, bn_h))](
+        out, act, w2, ids, emap, topk_weights.reshape(-1).contiguous(), hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
+        PAIRS=max(2, triton.next_power_of_2(top_k)), HAS_MAP=has_map, BLOCK_N=bn_h,
+        BLOCK_K=_tile(tiles.down_k, inter), num_warps=tiles.down_warps,
+    )
     return out
 
 
@@ -588,8 +524,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             `default_config` (`get_config`). Grouped path only.
         decode: True: the alignment-free decode path (a GEMV per (token, slot) pair,
             the k pairs of a token summed in one program); False: the aligned grouped
-            GEMMs; None: decode when T * k <= `decode_pair_limit(E_local)` and no
-            `config` is given.
+            GEMMs; None: decode when T * k <= `decode_pair_limit(I)` and no `config`
+            is given.
 
     Returns:
         [T, hidden] in x's dtype; fp32 accumulation, intermediates rounded to x's dtype
@@ -624,7 +560,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if not x.is_contiguous():
         x = x.contiguous()
     if decode is None:
-        decode = config is None and num_pairs <= decode_pair_limit(num_experts)
+        decode = config is None and num_pairs <= decode_pair_limit(two_i // 2)
     if decode:
         return _fused_moe_decode(x, w13, w2, topk_weights, topk_ids, expert_map)
     if config is None:

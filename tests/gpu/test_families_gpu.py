@@ -45,8 +45,13 @@ SEED = int(os.environ.get("FLOWENGINE_TEST_SEED", "1234"))
 MAX_TOKENS = 16
 # OLMo 2 RMS-normalises each sublayer's output before the residual add (unit RMS per
 # layer), so its embedding needs a larger scale to dominate (CPU, hidden 256: margins
-# 0.1-0.3 std at 0.5, ~10 at 4).
-EMBED_STD = {"olmo2": 4.0}
+# 0.1-0.3 std at 0.5, ~10 at 4). Phi-4 and Qwen2.5-7B have the widest MLPs here (17920,
+# 18944): at 0.5 their random layers add as much to the residual stream as the
+# embedding, and the smallest reference margin falls to ~1 std (CPU, bf16, full widths,
+# an 8192-token vocabulary, these 8 prompts x 16 tokens: phi4 1.007, whose 1.29 on one
+# prompt is 1.13 with 32000 tokens; qwen2 1.61 after 3 x 8), at or under MIN_MARGIN
+# (phi4's failure of session 26); at 1.0: phi4 7.6 (3 x 8), qwen2 8.3 (8 x 16).
+EMBED_STD = {"olmo2": 4.0, "phi4": 1.0, "qwen2": 1.0}
 MIN_MARGIN = 1.0  # logits std; bf16 noise between two correct implementations is ~0.1
 
 
@@ -71,7 +76,8 @@ def test_family_bf16_greedy_equals_transformers(family: str, tmp_path) -> None:
     del hf
     gc.collect()
     torch.cuda.empty_cache()
-    assert min(min(r.margins) for r in refs) >= MIN_MARGIN
+    margin = min(min(r.margins) for r in refs)
+    assert margin >= MIN_MARGIN, f"{family}: smallest reference margin {margin:.2f} std"
     llm = LLM(path, dtype="bfloat16", device="cuda", max_model_len=1024,
               max_num_batched_tokens=128, max_num_seqs=16, num_kv_blocks=1024, seed=0,
               enable_prefix_caching=True)

@@ -3,7 +3,7 @@ torch reference (flowengine/model/layers/moe.py's fused_moe_torch) run in float3
 the same bf16 weights: Mixtral-8x7B (8 experts, 4096 -> 14336, top-2) and Qwen3-30B-A3B
 (128 experts, 2048 -> 768, top-8), decode- and prefill-sized batches; plus a replay
 from a CUDA graph with new routing (the alignment never syncs with the host) on both the
-grouped and the alignment-free decode path (T * k <= 64 pairs, at T = 1 and 4); and
+grouped and the alignment-free decode path (T * k <= DECODE_MAX_PAIRS, at T = 1 and 4); and
 expert parallelism's two halves (expert_map) summing to the whole. The tuned tile
 files in kernels/configs/ apply at these shapes."""
 

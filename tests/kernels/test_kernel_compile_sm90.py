@@ -36,13 +36,11 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("fused_moe", "_grouped_gemm_kernel",
      {"TOP_K": 8, "A_BY_TOKEN": False, "MUL_WEIGHT": True, "BLOCK_M": 16, "BLOCK_N": 64,
       "BLOCK_K": 64, "DOT_PRECISION": "tf32"}),
-    # Its decode path (T * k <= 64 pairs): gate/up GEMV with expert_map, down GEMV.
+    # Its decode path at the default tiles: gate/up GEMV with expert_map, down GEMV.
     ("fused_moe", "_decode_gate_up_kernel",
-     {"TOP_K": 8, "HAS_MAP": True, "BLOCK_N": 16, "BLOCK_K": 128}),
-    ("fused_moe", "_decode_down_kernel",
-     {"TOP_K": 8, "HAS_MAP": False, "BLOCK_N": 32, "BLOCK_K": 128}),
+     {"TOP_K": 8, "HAS_MAP": True, "BLOCK_N": 8, "BLOCK_K": 256}),
     ("fused_moe", "_decode_down_pairs_kernel",
-     {"TOP_K": 8, "PAIRS": 8, "HAS_MAP": True, "BLOCK_N": 16, "BLOCK_K": 64}),
+     {"TOP_K": 8, "PAIRS": 8, "HAS_MAP": True, "BLOCK_N": 4, "BLOCK_K": 256}),
     ("fused_moe", "_route_topk_kernel",
      {"TOP_K": 8, "PAIRS": 8, "BLOCK_E": 128, "RENORMALIZE": True}),
     ("decode_attention", "_decode_attention_stage1_kernel",

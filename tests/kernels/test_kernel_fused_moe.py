@@ -171,9 +171,8 @@ def test_shipped_h200_configs_parse(monkeypatch) -> None:
                                     (8, 8)])
 def test_decode_path_matches_reference_fp32(t, k, device, monkeypatch) -> None:
     # The alignment-free decode path (a GEMV per pair, the k pairs summed in one program),
-    # picked by default at T * k <= decode_pair_limit(E): hidden 40 and width 24 are not
-    # multiples of its tiles; 10 experts (128 when T * k > 5, so that the default still
-    # picks it), so tokens share experts.
+    # picked by default at T * k <= decode_pair_limit(I): hidden 40 and width 24 are not
+    # multiples of its tiles; 10 experts (128 when T * k > 5), so tokens share experts.
     from flowengine.kernels import fused_moe as fm
 
     calls = []
@@ -181,7 +180,7 @@ def test_decode_path_matches_reference_fp32(t, k, device, monkeypatch) -> None:
     monkeypatch.setattr(fm, "_fused_moe_decode",
                         lambda *a: calls.append(a[0].shape) or real(*a))
     e, h, i = (10 if t * k <= 5 else 128), 40, 24
-    assert t * k <= fm.decode_pair_limit(e)
+    assert t * k <= fm.decode_pair_limit(i)
     x = torch.randn(t, h, device=device)
     w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
     w2 = torch.randn(e, h, i, device=device) * 0.2
@@ -194,6 +193,29 @@ def test_decode_path_matches_reference_fp32(t, k, device, monkeypatch) -> None:
     # past the threshold, or with a tile config, the grouped path runs
     fused_moe(x[:1], w13, w2, weights[:1], ids[:1], config=fm.default_config(1, 2 * i, h))
     assert len(calls) == 1
+
+
+def test_default_path_follows_the_pair_limit(device, monkeypatch) -> None:
+    # With room for 48 expert columns, width 24 gets 2 pairs: T * k = 2 takes the decode
+    # path, 3 and 4 the grouped one; both agree with the reference.
+    from flowengine.kernels import fused_moe as fm
+
+    calls = []
+    real = fm._fused_moe_decode
+    monkeypatch.setattr(fm, "_fused_moe_decode",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(fm, "DECODE_MAX_PAIR_COLUMNS", 48)
+    e, h, i = 6, 32, 24
+    w13 = torch.randn(e, 2 * i, h, device=device) * 0.2
+    w2 = torch.randn(e, h, i, device=device) * 0.2
+    for t, k, decoded in ((1, 2, True), (1, 3, False), (2, 2, False)):
+        calls.clear()
+        x = torch.randn(t, h, device=device)
+        weights, ids = _routing(t, e, k, device)
+        out = fused_moe(x, w13, w2, weights, ids)
+        assert calls == ([(t, h)] if decoded else [])
+        torch.testing.assert_close(out.double(), _reference(x, w13, w2, weights, ids),
+                                   atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("t", "k"), [(1, 1), (2, 2), (3, 8)])
@@ -244,37 +266,26 @@ def test_decode_path_half_precision_rounds_like_the_grouped_path(dtype, device) 
                                    atol=2e-3, rtol=2e-3)
 
 
-def test_decode_pair_limit_follows_the_expert_count() -> None:
+def test_decode_pair_limit_follows_the_expert_width() -> None:
     from flowengine.kernels.fused_moe import DECODE_MAX_PAIRS, decode_pair_limit
 
-    assert DECODE_MAX_PAIRS == 64
-    # Qwen3-30B-A3B: 8 tokens x top-8; its expert-parallel half: 4 tokens; Mixtral: 2 x 2
-    assert [decode_pair_limit(e) for e in (128, 64, 8, 3, 1)] == [64, 32, 4, 1, 1]
-
-
-def test_decode_tiles_keep_the_grid_wide() -> None:
-    # BLOCK_N halves (32 -> 16) while a launch would have < 256 programs: Qwen3-30B-A3B at
-    # T = 1 (8 pairs x 768, 1 token x 2048) and Mixtral's down projection (1 x 4096).
-    from flowengine.kernels.fused_moe import DECODE_MIN_PROGRAMS, _decode_block_n
-
-    assert DECODE_MIN_PROGRAMS == 256
-    assert [_decode_block_n(8, 768, None), _decode_block_n(1, 2048, None)] == [16, 16]
-    assert [_decode_block_n(32, 768, None), _decode_block_n(4, 2048, None)] == [32, 32]
-    assert [_decode_block_n(2, 14336, None), _decode_block_n(1, 4096, None)] == [32, 16]
-    assert _decode_block_n(3, 40, 64) == 64 and _decode_block_n(3, 10, 64) == 16
+    assert DECODE_MAX_PAIRS == 128
+    # Qwen3-30B-A3B (768 wide, top-8): 128 pairs = 16 tokens, its TP-2 slice too; OLMoE
+    # (1024): 12 tokens; Mixtral (14336, top-2): 3 tokens, 6 at TP 2; tiny widths: 128
+    assert [decode_pair_limit(i) for i in (768, 384, 1024, 14336, 7168, 24, 100000)] == [
+        128, 128, 96, 6, 13, 128, 1]
 
 
 @pytest.mark.parametrize("tiles", [
-    dict(down="loop", down_warps=4),
-    dict(down="pairs"),
-    dict(gate_up_n=32, gate_up_k=32, gate_up_warps=8, down="pairs", down_n=16, down_k=16),
-    dict(gate_up_n=16, gate_up_k=64, down="loop", down_n=32, down_k=32, down_warps=8),
+    dict(),
+    dict(gate_up_n=32, gate_up_k=32, gate_up_warps=8, down_n=16, down_k=16),
+    dict(gate_up_n=16, gate_up_k=64, down_n=32, down_k=32, down_warps=4),
 ])
 @pytest.mark.parametrize(("t", "k"), [(1, 1), (2, 3), (3, 6), (2, 8)])
 def test_decode_tile_variants_match_reference(tiles, t, k, device) -> None:
-    # Every decode variant benchmarks/moe_gpu.py sweeps ("loop" and "pairs" down kernels,
-    # tiles that split and do not divide hidden 40 / width 72), k not a power of two
-    # (the "pairs" kernel pads the k slots to 4 / 8), with and without an expert_map.
+    # The default tiles and others that split and do not divide hidden 40 / width 72
+    # (benchmarks/moe_gpu.py sweeps more on the GPU), k not a power of two (the down
+    # kernel pads the k slots to 4 / 8), with and without an expert_map.
     from flowengine.kernels import fused_moe as fm
 
     e, h, i = 12, 40, 72
@@ -293,16 +304,6 @@ def test_decode_tile_variants_match_reference(tiles, t, k, device) -> None:
     mine = torch.where(local[ids], weights, torch.zeros_like(weights))
     torch.testing.assert_close(part.double(), _reference(x, w13, w2, mine, ids),
                                atol=2e-5, rtol=1e-4)
-
-
-def test_decode_tiles_refuse_an_unknown_down_kernel(device) -> None:
-    from flowengine.kernels import fused_moe as fm
-
-    x = torch.randn(1, 16, device=device)
-    w13, w2 = torch.randn(2, 32, 16, device=device), torch.randn(2, 16, 16, device=device)
-    weights, ids = _routing(1, 2, 1, device)
-    with pytest.raises(ValueError, match="'pairs' or 'loop'"):
-        fm._fused_moe_decode(x, w13, w2, weights, ids, None, fm.DecodeTiles(down="x"))
 
 
 @pytest.mark.parametrize(("t", "e", "k", "renorm"), [(1, 128, 8, True), (5, 60, 4, False),
