@@ -19,7 +19,13 @@
 # tokens were waited for). SERVE_RUNS picks the served configurations (labels below).
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
 # through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
+# A dry run on the CPU (a tiny config dir; the device-step run needs CUDA and fails):
+#   NUM_PROMPTS=8 CONCURRENCY=4 DTYPE=float32 SERVE_RUNS="inproc_async multiproc_async" \
+#     benchmarks/served_gpu.sh TINY_DIR OUT
 set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=benchmarks/_wait_server.sh
+. "$HERE/_wait_server.sh"
 model=$1
 out=$2
 mkdir -p "$out"
@@ -74,29 +80,12 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
   FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$model" "${common[@]}" --port "$port" \
     --log-level info "$@" > "/tmp/serve_$label.log" 2>&1 &
   local pid=$!
-  python3 - "$port" <<'EOF'
-import sys, time, urllib.request
-for _ in range(400):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
-        sys.exit(0)
-    except Exception:
-        time.sleep(0.25)
-sys.exit("server did not come up")
-EOF
+  wait_server "$port" "$pid" 100
   if [ $? -ne 0 ]; then tail -20 "/tmp/serve_$label.log"; kill "$pid"; return 1; fi
   say "== served ($label, flags: $*): $clients client process(es), concurrency $conc in all"
   say "server CPU s before (pid:s): $(cpu_s "$pid")"
   if command -v py-spy > /dev/null; then
-    (python3 - "$port" <<'EOF'
-import re, sys, time, urllib.request
-for _ in range(300):  # until requests run (the clients first build their prompts)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
-    m = re.search(r"^\S*num_requests_running\S* ([0-9.e+]+)$", body, re.M)
-    if m and float(m.group(1)) > 0:
-        break
-    time.sleep(0.1)
-EOF
+    (wait_running "$port" 75
      timeout 20 py-spy record --subprocesses --nonblocking -r 200 -d 3 -f raw \
        -o "$out/pyspy_$label.txt" -p "$pid" > /dev/null 2>&1) &
   fi
@@ -115,7 +104,7 @@ EOF
     grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT" \
       "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
   done
-  kill -INT "$pid"; wait "$pid"
+  stop_server "$pid"
   grep -h "executor timers" "/tmp/serve_$label.log" | sed 's/^.*executor timers/executor timers/' \
     | tee -a "$out/summary.md"
   cp "/tmp/serve_$label.log" "$out/" 2>/dev/null
