@@ -30,6 +30,7 @@ model=$1
 out=$2
 mkdir -p "$out"
 fe=(python3 -m flowengine.entrypoints.cli)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no hub look-ups on a host that reaches nothing
 n=${NUM_PROMPTS:-1024}  # smaller for a dry run on the CPU
 T=${STEP_TIMEOUT:-200}  # seconds for each process run (offline, a client, a server to come up)
 conc=${CONCURRENCY:-256}
