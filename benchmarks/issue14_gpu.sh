@@ -6,7 +6,8 @@
 #   fp8kv   (a, b) the same with FP8 weights + FP8 KV (floor at the measured E4M3 rate)
 #   tput_*  (c) `flowengine bench throughput` N x 200/200 (N = NUM_PROMPTS, 1000), FP8 + FP8
 #           KV and bf16, --max-num-seqs 256 (the concurrency of (d))
-#   serve   (d) `flowengine serve` (FP8 + FP8 KV, --async-scheduling) driven by
+#   serve   (d) `flowengine serve` (FP8 + FP8 KV, --async-scheduling, --placement PLACEMENT,
+#           default multiproc) driven by
 #           `flowengine bench serve` at concurrency 256 (N prompts) and 1 (SERVE_C1_PROMPTS)
 #           (executor timers and, with py-spy on the PATH, 3 s of stacks at c256)
 #   tput_fp8kv_c1  (d) the offline engine at batch 1 on SERVE_C1_PROMPTS prompts, FP8 + FP8
@@ -80,7 +81,7 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
     local fe=(python3 -m flowengine.entrypoints.cli) port=8765
     # shellcheck disable=SC2086
     FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$MODEL" --load-format dummy --dtype bfloat16 $SERVE_FLAGS \
-        --max-num-seqs 256 --max-model-len 1024 --async-scheduling --log-level info \
+        --max-num-seqs 256 --max-model-len 1024 --async-scheduling --placement "$PLACEMENT" --log-level info \
         --port "$port" > "$OUT/serve_server.log" 2>&1 &
     local pid=$!
     echo "$pid" > "$OUT/serve.pid"
@@ -107,7 +108,9 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
 }
 export -f serve wait_server wait_running stop_server
 SERVE_FLAGS=${SERVE_FLAGS-$FP8_FLAGS}
-export OUT MODEL N C1 T0 SERVE_FLAGS ILEN OLEN
+# multiproc: the inproc placement is bound by its one process (issue 12's H200 runs)
+PLACEMENT=${PLACEMENT:-multiproc}
+export OUT MODEL N C1 T0 SERVE_FLAGS ILEN OLEN PLACEMENT
 TAIL=20 step serve 130 bash -c serve
 # (d) at concurrency 1 against the offline engine at batch 1 on the same prompts:
 # ms/token = 1000 / output tok/s (prefill included: ~1 token's worth of 200)
