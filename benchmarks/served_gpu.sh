@@ -19,6 +19,8 @@
 # tokens were waited for). SERVE_RUNS picks the served configurations (labels below).
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
 # through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
+# SKIP_DEVICE=1 skips the device step and the offline run; SKIP_DEVICE_STEP=1 the device
+# step only.
 # A dry run on the CPU (a tiny config dir; the device-step run needs CUDA and fails):
 #   NUM_PROMPTS=8 CONCURRENCY=4 DTYPE=float32 SERVE_RUNS="inproc_async multiproc_async" \
 #     benchmarks/served_gpu.sh TINY_DIR OUT
@@ -70,7 +72,7 @@ device_step() {  # the device step alone (run after the served runs: DEVICE_STEP
   tail -8 "$out/gpu_bench.log" | tee -a "$out/summary.md"
 }
 if [ -z "${SKIP_DEVICE:-}" ]; then
-  [ -z "${DEVICE_STEP_LAST:-}" ] && device_step
+  [ -z "${DEVICE_STEP_LAST:-}${SKIP_DEVICE_STEP:-}" ] && device_step
   say "== offline: flowengine bench throughput"
   timeout "$T" "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
     --input-len 128 --output-len 128 > "$out/offline.txt" 2>&1
@@ -124,7 +126,7 @@ for r in $runs; do
   esac
 done
 
-[ -z "${SKIP_DEVICE:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
+[ -z "${SKIP_DEVICE:-}${SKIP_DEVICE_STEP:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
 
 if [ -n "${LLAMA8B_DIR:-}" ]; then  # batch 1, Llama-3.1-8B shapes: served TPOT vs offline
   model=$LLAMA8B_DIR n=${NUM_PROMPTS_8B:-6} conc=1
