@@ -20,7 +20,7 @@
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
 # through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
 # SKIP_DEVICE=1 skips the device step and the offline run; SKIP_DEVICE_STEP=1 the device
-# step only.
+# step only (DEVICE_STEP_US then gives the table an earlier run's device step, us).
 # A dry run on the CPU (a tiny config dir; the device-step run needs CUDA and fails):
 #   NUM_PROMPTS=8 CONCURRENCY=4 DTYPE=float32 SERVE_RUNS="inproc_async multiproc_async" \
 #     benchmarks/served_gpu.sh TINY_DIR OUT
@@ -156,6 +156,9 @@ try:
     dev = r[max(r, key=lambda k: int(k[5:]))]["device_ms"] * 1000  # the largest batch's step, us
 except (OSError, ValueError, KeyError):
     pass
+dev_src = "gpu_bench, CUDA graph replay"
+if dev is None and os.environ.get("DEVICE_STEP_US"):  # a figure from an earlier run
+    dev, dev_src = float(os.environ["DEVICE_STEP_US"]), "DEVICE_STEP_US, not measured in this run"
 off, off8 = offline("offline.txt"), offline("offline_llama8b.txt")
 labels = []  # in the order they ran
 for p in sorted(glob.glob(f"{out}/client_*.json"), key=os.path.getmtime):
@@ -165,7 +168,7 @@ print("\n| run | output tok/s | / offline | median TPOT ms | executor wall us/st
       " | host us / request / step | waited share |\n|---|---:|---:|---:|---:|---:|---:|---:|")
 print(f"| offline `bench throughput` | {off or 'not run'} | | | | | | |")
 if dev:
-    print(f"| device step alone (gpu_bench, CUDA graph replay) | | | | {dev:.0f} | | | |")
+    print(f"| device step alone ({dev_src}) | | | | {dev:.0f} | | | |")
 for lab in labels:
     res = [json.load(open(p)) for p in sorted(glob.glob(f"{out}/client_{lab}_*.json"))
            if re.fullmatch(rf"client_{lab}_\d+\.json", os.path.basename(p))]
