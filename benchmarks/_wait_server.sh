@@ -58,3 +58,19 @@ stop_server() {
     echo "server $pid still up ${limit}s after SIGINT: SIGKILL"
     kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
 }
+
+# prefix_hits PORT: "prefix cache: H of Q prompt tokens hit (P%)" from the server's
+# /metrics (cumulative since start), so a run's prompts can be seen to be distinct.
+prefix_hits() {
+    python3 - "$1" <<'PY'
+import re, sys, urllib.request
+try:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+except Exception as exc:
+    sys.exit(f"prefix cache: /metrics unreadable ({exc})")
+def total(name):
+    return sum(float(v) for v in re.findall(rf"^\S*{name}_total\S* ([0-9.e+]+)$", body, re.M))
+q, h = total("prefix_cache_queries"), total("prefix_cache_hits")
+print(f"prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({100 * h / max(q, 1):.1f}%)")
+PY
+}

@@ -102,11 +102,12 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
         echo "exit $?"
         grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT|Mean TTFT|tokeniz" \
             "$OUT/serve_c$c.txt"
+        prefix_hits "$port"  # cumulative: distinct prompts hit ~0%
     done
     stop_server "$pid"
     grep -h "executor timers" "$OUT/serve_server.log" | sed 's/^.*executor timers/executor timers/'
 }
-export -f serve wait_server wait_running stop_server
+export -f serve wait_server wait_running stop_server prefix_hits
 SERVE_FLAGS=${SERVE_FLAGS-$FP8_FLAGS}
 # multiproc: the inproc placement is bound by its one process (issue 12's H200 runs)
 PLACEMENT=${PLACEMENT:-multiproc}

@@ -105,6 +105,7 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
   done
   wait "${pids[@]}"
   say "server CPU s after (pid:s): $(cpu_s "$pid"); clients' wall $((SECONDS - t0)) s"
+  say "$(prefix_hits "$port")"
   for i in $(seq "$clients"); do
     grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT" \
       "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
