@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shlex
+import string
 import sys
 import tempfile
 
@@ -70,14 +71,24 @@ def write_model_dir(path: str, with_tokenizer: bool) -> None:
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(LLAMA_31_8B, f, indent=1)
     if with_tokenizer:
-        from tokenizers import Tokenizer, models, pre_tokenizers
+        from tokenizers import Regex, Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
+        # Ids 0-25 are the letters a-z, every other id the word "<id>". `flowengine bench
+        # serve`'s random prompts are pronounceable words: they become one token per
+        # letter, so prompts differ from their first tokens on (with "<id>" words only,
+        # every word was the unknown token and all prompts the same: a served run then
+        # hit the prefix cache for 96% of its prompt tokens and skipped the prefill
+        # that the offline run, which sends random ids, does). "<5>" stays one token,
+        # and decode -> encode keeps a prompt's length (bench serve sends text).
         vocab = {f"<{i}>": i for i in range(LLAMA_31_8B["vocab_size"])}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
-        # Split on whitespace only: "<5>" stays one token, so decode -> encode keeps a
-        # prompt's length (`flowengine bench serve` sends text).
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        for i, c in enumerate(string.ascii_lowercase):
+            del vocab[f"<{i}>"]
+            vocab[c] = i
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<26>"))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Split(Regex(r"<\d+>|."), behavior="isolated")])
         PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>").save_pretrained(path)
 
 

@@ -19,12 +19,22 @@
 # tokens were waited for). SERVE_RUNS picks the served configurations (labels below).
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
 # through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
+# SKIP_DEVICE=1 skips the device step and the offline run; SKIP_DEVICE_STEP=1 the device
+# step only (DEVICE_STEP_US then gives the table an earlier run's device step, us).
+# A dry run on the CPU (a tiny config dir; the device-step run needs CUDA and fails):
+#   NUM_PROMPTS=8 CONCURRENCY=4 DTYPE=float32 SERVE_RUNS="inproc_async multiproc_async" \
+#     benchmarks/served_gpu.sh TINY_DIR OUT
 set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=benchmarks/_wait_server.sh
+. "$HERE/_wait_server.sh"
 model=$1
 out=$2
 mkdir -p "$out"
 fe=(python3 -m flowengine.entrypoints.cli)
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no hub look-ups on a host that reaches nothing
 n=${NUM_PROMPTS:-1024}  # smaller for a dry run on the CPU
+T=${STEP_TIMEOUT:-200}  # seconds for each process run (offline, a client, a server to come up)
 conc=${CONCURRENCY:-256}
 dtype=${DTYPE:-bfloat16}
 common=(--load-format dummy --dtype "$dtype" --max-num-seqs "$conc" --max-model-len 2048)
@@ -57,15 +67,16 @@ EOF
 
 device_step() {  # the device step alone (run after the served runs: DEVICE_STEP_LAST=1)
   say "== device step alone (CUDA graph replay), engine loops 1 and 2 in flight"
-  timeout 200 python3 benchmarks/gpu_bench.py --model "$model" --context 128 --batch "$conc" \
+  timeout "$T" python3 benchmarks/gpu_bench.py --model "$model" --context 128 --batch "$conc" \
     --max-model-len 2048 --steps 64 --no-profile --out "$out" > "$out/gpu_bench.log" 2>&1
   tail -8 "$out/gpu_bench.log" | tee -a "$out/summary.md"
 }
 if [ -z "${SKIP_DEVICE:-}" ]; then
-  [ -z "${DEVICE_STEP_LAST:-}" ] && device_step
+  [ -z "${DEVICE_STEP_LAST:-}${SKIP_DEVICE_STEP:-}" ] && device_step
   say "== offline: flowengine bench throughput"
-  timeout 200 "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
-    --input-len 128 --output-len 128 2>&1 | tail -6 | tee -a "$out/summary.md"
+  timeout "$T" "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
+    --input-len 128 --output-len 128 > "$out/offline.txt" 2>&1
+  tail -6 "$out/offline.txt" | tee -a "$out/summary.md"
 fi
 
 serve_once() {  # $1: label, $2: number of client processes, rest: extra serve flags
@@ -74,48 +85,32 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
   FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$model" "${common[@]}" --port "$port" \
     --log-level info "$@" > "/tmp/serve_$label.log" 2>&1 &
   local pid=$!
-  python3 - "$port" <<'EOF'
-import sys, time, urllib.request
-for _ in range(400):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
-        sys.exit(0)
-    except Exception:
-        time.sleep(0.25)
-sys.exit("server did not come up")
-EOF
+  wait_server "$port" "$pid" "$T"
   if [ $? -ne 0 ]; then tail -20 "/tmp/serve_$label.log"; kill "$pid"; return 1; fi
   say "== served ($label, flags: $*): $clients client process(es), concurrency $conc in all"
   say "server CPU s before (pid:s): $(cpu_s "$pid")"
   if command -v py-spy > /dev/null; then
-    (python3 - "$port" <<'EOF'
-import re, sys, time, urllib.request
-for _ in range(300):  # until requests run (the clients first build their prompts)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
-    m = re.search(r"^\S*num_requests_running\S* ([0-9.e+]+)$", body, re.M)
-    if m and float(m.group(1)) > 0:
-        break
-    time.sleep(0.1)
-EOF
+    (wait_running "$port" 75
      timeout 20 py-spy record --subprocesses --nonblocking -r 200 -d 3 -f raw \
        -o "$out/pyspy_$label.txt" -p "$pid" > /dev/null 2>&1) &
   fi
   local t0=$SECONDS pids=()
   for i in $(seq "$clients"); do
     ( TIMEFORMAT="client $i CPU: user %U s, sys %S s, wall %R s"
-      time timeout 200 "${fe[@]}" bench serve --port "$port" --tokenizer "$model" \
+      time timeout "$T" "${fe[@]}" bench serve --port "$port" --tokenizer "$model" \
         --num-prompts $((n / clients)) --random-input-len 128 --random-output-len 128 \
         --max-concurrency $((conc / clients)) --ignore-eos --disable-tqdm --seed "$i" \
-        > "/tmp/client_${label}_$i.txt" 2>&1 ) 2>> "$out/summary.md" &
+        --result-file "$out/client_${label}_$i.json" > "/tmp/client_${label}_$i.txt" 2>&1 ) 2>> "$out/summary.md" &
     pids+=($!)
   done
   wait "${pids[@]}"
   say "server CPU s after (pid:s): $(cpu_s "$pid"); clients' wall $((SECONDS - t0)) s"
+  say "$(prefix_hits "$port")"
   for i in $(seq "$clients"); do
     grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT" \
       "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
   done
-  kill -INT "$pid"; wait "$pid"
+  stop_server "$pid"
   grep -h "executor timers" "/tmp/serve_$label.log" | sed 's/^.*executor timers/executor timers/' \
     | tee -a "$out/summary.md"
   cp "/tmp/serve_$label.log" "$out/" 2>/dev/null
@@ -132,13 +127,73 @@ for r in $runs; do
   esac
 done
 
-[ -z "${SKIP_DEVICE:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
+[ -z "${SKIP_DEVICE:-}${SKIP_DEVICE_STEP:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
 
 if [ -n "${LLAMA8B_DIR:-}" ]; then  # batch 1, Llama-3.1-8B shapes: served TPOT vs offline
   model=$LLAMA8B_DIR n=${NUM_PROMPTS_8B:-6} conc=1
   common=(--load-format dummy --dtype "$dtype" --max-num-seqs 1 --max-model-len 2048)
   say "== Llama-3.1-8B shapes, batch 1: offline (ms/token = 1000 / output tok/s)"
-  timeout 200 "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
-    --input-len 128 --output-len 128 2>&1 | tail -4 | tee -a "$out/summary.md"
+  timeout "$T" "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
+    --input-len 128 --output-len 128 > "$out/offline_llama8b.txt" 2>&1
+  tail -4 "$out/offline_llama8b.txt" | tee -a "$out/summary.md"
   serve_once llama8b_batch1 1 --async-scheduling
 fi
+
+# The figures against issue 12's targets, from the files above: served / offline output
+# tok/s, host time per request per step = (executor wall per step - device step alone) /
+# mean rows per step, and (Llama-3.1-8B shapes) served batch-1 TPOT / offline ms per token.
+python3 - "$out" <<'EOF' | tee -a "$out/summary.md"
+import glob, json, os, re, sys
+out = sys.argv[1]
+def offline(name):
+    try:
+        m = re.search(r"^\| flowengine \|[^|]*\|[^|]*\|[^|]*\| *([0-9.]+)", open(f"{out}/{name}").read(), re.M)
+        return float(m.group(1)) if m else None
+    except OSError:
+        return None
+dev = None
+try:
+    r = json.load(open(f"{out}/gpu_bench.json"))["results"]
+    dev = r[max(r, key=lambda k: int(k[5:]))]["device_ms"] * 1000  # the largest batch's step, us
+except (OSError, ValueError, KeyError):
+    pass
+dev_src = "gpu_bench, CUDA graph replay"
+if dev is None and os.environ.get("DEVICE_STEP_US"):  # a figure from an earlier run
+    dev, dev_src = float(os.environ["DEVICE_STEP_US"]), "DEVICE_STEP_US, not measured in this run"
+off, off8 = offline("offline.txt"), offline("offline_llama8b.txt")
+labels = []  # in the order they ran
+for p in sorted(glob.glob(f"{out}/client_*.json"), key=os.path.getmtime):
+    lab = os.path.basename(p)[7:].rsplit("_", 1)[0]
+    labels += [lab] if lab not in labels else []
+print("\n| run | output tok/s | / offline | median TPOT ms | executor wall us/step | mean rows"
+      " | host us / request / step | waited share |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+print(f"| offline `bench throughput` | {off or 'not run'} | | | | | | |")
+if dev:
+    print(f"| device step alone ({dev_src}) | | | | {dev:.0f} | | | |")
+for lab in labels:
+    res = [json.load(open(p)) for p in sorted(glob.glob(f"{out}/client_{lab}_*.json"))
+           if re.fullmatch(rf"client_{lab}_\d+\.json", os.path.basename(p))]
+    tps = sum(r["output_throughput"] for r in res)
+    tpot = max(r["latency"]["tpot"]["median_ms"] for r in res)
+    tm = {}
+    try:
+        line = [ln for ln in open(f"{out}/serve_{lab}.log") if "executor timers" in ln][-1]
+        tm = dict(kv.split("=") for kv in line.split("executor timers:")[1].split())
+    except (OSError, IndexError, ValueError):
+        pass
+    wall, rows = float(tm.get("wall_us_per_step", "nan")), float(tm.get("mean_rows", "nan"))
+    big = "llama8b" not in lab
+    ratio = f"{tps / off:.3f}" if off and big else ""
+    host = f"{(wall - dev) / rows:.2f}" if dev and tm and big else ""
+    print(f"| served {lab} | {tps:,.0f} | {ratio} | {tpot:.3f} | {wall:.0f} | {rows:.1f} | {host} "
+          f"| {tm.get('waited_share', '')} |")
+    if not big and off8:
+        # like for like: the offline figure includes each request's prefill, so set it
+        # against the served end-to-end latency per output token as well as the TPOT
+        e2e = sum(r["latency"]["e2el"]["mean_ms"] * r["completed"] for r in res) / sum(
+            r["total_output"] for r in res)
+        print(f"| Llama-3.1-8B batch 1: offline ms/token {1000 / off8:.3f}; served TPOT / offline "
+              f"{tpot / (1000 / off8):.3f}; served e2e latency per output token {e2e:.3f} ms, "
+              f"/ offline {e2e / (1000 / off8):.3f} | | target <= 1.05 | | | | | |")
+print("targets: served / offline >= 0.90 at the full concurrency; host us / request / step <= 2")
+EOF

@@ -1,0 +1,76 @@
+# Sourced by benchmarks/issue14_gpu.sh and benchmarks/served_gpu.sh (not run by itself).
+#
+# wait_server PORT [PID] [SECONDS]: poll http://127.0.0.1:PORT/health every 0.25 s until
+# it answers (return 0), the server process PID exits (return 1, "server exited"), or
+# SECONDS pass (default 100; return 1, "server did not come up"). On failure the caller
+# tails its server log and kills the server.
+#
+# wait_running PORT [SECONDS]: poll PORT/metrics until num_requests_running > 0 (the
+# clients first build their prompts), so that a profiler attaches to steady serving.
+wait_server() {
+    python3 - "$1" "${2:-}" "${3:-100}" <<'PY'
+import os, sys, time, urllib.request
+port, pid, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    if pid:
+        try:
+            os.kill(int(pid), 0)
+        except OSError:
+            sys.exit("server exited")
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        sys.exit(0)
+    except Exception:
+        time.sleep(0.25)
+sys.exit("server did not come up")
+PY
+}
+
+wait_running() {
+    python3 - "$1" "${2:-75}" <<'PY'
+import re, sys, time, urllib.request
+port, limit = sys.argv[1], float(sys.argv[2])
+deadline = time.monotonic() + limit
+while time.monotonic() < deadline:
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()
+    except Exception:
+        body = ""
+    m = re.search(r"^\S*num_requests_running\S* ([0-9.e+]+)$", body, re.M)
+    if m and float(m.group(1)) > 0:
+        sys.exit(0)
+    time.sleep(0.1)
+sys.exit(1)
+PY
+}
+
+# stop_server PID [SECONDS]: SIGINT (the server logs its executor timers at shutdown), wait
+# up to SECONDS (default 20) for it to exit, then SIGKILL: a stuck shutdown cannot hang the
+# script and eat the rest of a device call.
+stop_server() {
+    local pid=$1 limit=${2:-20} i
+    kill -INT "$pid" 2>/dev/null || return 0
+    for ((i = 0; i < limit * 4; i++)); do
+        kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null; return 0; }
+        sleep 0.25
+    done
+    echo "server $pid still up ${limit}s after SIGINT: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+}
+
+# prefix_hits PORT: "prefix cache: H of Q prompt tokens hit (P%)" from the server's
+# /metrics (cumulative since start), so a run's prompts can be seen to be distinct.
+prefix_hits() {
+    python3 - "$1" <<'PY'
+import re, sys, urllib.request
+try:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+except Exception as exc:
+    sys.exit(f"prefix cache: /metrics unreadable ({exc})")
+def total(name):
+    return sum(float(v) for v in re.findall(rf"^\S*{name}_total\S* ([0-9.e+]+)$", body, re.M))
+q, h = total("prefix_cache_queries"), total("prefix_cache_hits")
+print(f"prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({100 * h / max(q, 1):.1f}%)")
+PY
+}
