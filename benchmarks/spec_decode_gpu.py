@@ -33,6 +33,7 @@ launches (one per layer) captured in a CUDA graph, per-launch µs from the repla
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -44,8 +45,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_bench import write_model_dir  # noqa: E402
-
-import json  # noqa: E402
 
 from flowengine.config import CacheConfig  # noqa: E402
 from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
