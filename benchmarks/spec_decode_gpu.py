@@ -286,11 +286,12 @@ def main(argv: list[str]) -> int:
     for b in ns.batch_sizes:
         rounds[b] = []
         for _ in range(ns.repeats):  # alternated: decode, then each routing, per round
-            r = {"decode": measure(runner, b, ns.context, 1, ns.iters)}
+            # (keys: "plain" for the decode step, "verify_<routing>" per routing)
+            r = {"plain": measure(runner, b, ns.context, 1, ns.iters)}
             for routing in ns.verify_attention:
                 triton_backend.VERIFY_ATTENTION = routing
                 runner.verify_graphs = verify_graphs[routing]
-                r[routing] = measure(runner, b, ns.context, ns.k + 1, ns.iters)
+                r[f"verify_{routing}"] = measure(runner, b, ns.context, ns.k + 1, ns.iters)
             rounds[b].append(r)
             print(f"batch {b}: {json.dumps(r)}", flush=True)
     alone = {b: attention_alone(config, b, ns.context, ns.k, device, ns.iters)
@@ -321,9 +322,9 @@ def main(argv: list[str]) -> int:
           "verify / decode, engine step | decode eager (ms) | verify eager (ms) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for b in ns.batch_sizes:
-        dg, de, dx = (mean(b, "decode", v) for v in ("graph", "engine", "eager"))
+        dg, de, dx = (mean(b, "plain", v) for v in ("graph", "engine", "eager"))
         for routing in ns.verify_attention:
-            vg, ve, vx = (mean(b, routing, v) for v in ("graph", "engine", "eager"))
+            vg, ve, vx = (mean(b, f"verify_{routing}", v) for v in ("graph", "engine", "eager"))
             label = "unified kernel" if routing == "unified" else "split-KV decode kernel"
             print(f"| {b} | {label} | {dg:.2f} | {vg:.2f} | {vg / dg:.3f}x | {de:.2f} | "
                   f"{ve:.2f} | {ve / de:.3f}x | {dx:.2f} | {vx:.2f} |")
