@@ -313,6 +313,19 @@ def _decode_attention_stage2_kernel(
     )
 
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (cached: eager steps ask once per layer), 8 elsewhere."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
 def choose_num_kv_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
@@ -325,10 +338,7 @@ def choose_num_kv_splits(
     none shorter than MIN_TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS; rounded down
     to a power of 2 (a count past both limits would only add merge work).
     """
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        num_sms = 8
+    num_sms = _num_sms(device)
     if num_reqs * num_kv_heads >= 2 * num_sms:
         return 1
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_reqs * num_kv_heads))
