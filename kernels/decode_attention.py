@@ -1,4 +1,4 @@
-"""Split-KV (flash-decoding) paged attention for decode-only batches.
+"""Split-KV (flash-decoding) paged attention for decode-only and verification batches.
 
 With one new token per request, the unified kernel has only num_reqs x num_kv_heads
 programs, each walking the whole context: at small batch most SMs idle, and each
@@ -18,6 +18,16 @@ programs for PROGRAMS_PER_SM per SM, no range shorter than MIN_TOKENS_PER_SPLIT.
 Ranges are sized in-kernel from each request's seq_len, so one launch shape (and one
 CUDA graph) serves any context lengths; ranges past the context are empty and carry
 lse = -inf.
+
+Verification steps of speculative decoding (issue 16) give every request a few new
+tokens (its last token and k drafts, q <= MAX_QUERY_LEN): `max_query_len` = q > 1
+packs the q tokens x QPK heads of one KV head into the stage-1 tile, row r = (token
+r // QPK, head r % QPK), each row with its own causal limit (token t of a request
+with q_len new tokens sits at position seq_len - q_len + t and sees positions <= its
+own; with a sliding window also > its own - sliding_window). So each K/V tile is read
+once for all q tokens, and the split-KV grid keeps the GPU busy at batch 1, where the
+unified kernel (paged_attention.py) has only num_kv_heads programs walking the whole
+context. Stage 2 then merges per (request, token, head).
 
 An E4M3 (fp8) cache is widened to float16, not to the query's bfloat16: Hopper
 converts a pair of E4M3 values to a pair of fp16 in one instruction
@@ -40,6 +50,11 @@ import triton.language as tl
 from .validation import check_attention_inputs, check_tensor
 
 MAX_KV_SPLITS = 64
+# Longest per-request query that the packed verification path takes (max_query_len),
+# and the most rows (max_query_len x QPK) of its packed tile: 64 x 128 fp32
+# accumulators still fit in registers with 4 warps.
+MAX_QUERY_LEN = 8
+MAX_PACKED_ROWS = 64
 # A range shorter than this spends more on the merge than it saves.
 MIN_TOKENS_PER_SPLIT = 64
 # Programs per SM the split count aims for: several resident programs per SM keep
@@ -88,8 +103,8 @@ def default_launch_config(head_dim: int, kv_dtype: torch.dtype) -> DecodeLaunchC
 @triton.jit
 def _decode_attention_stage1_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim], written when NUM_KV_SPLITS == 1
-    partial_out_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
-    partial_lse_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS] fp32, base-2 log-sum-exp
+    partial_out_ptr,  # [num_reqs, MAX_Q, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
+    partial_lse_ptr,  # [num_reqs, MAX_Q, num_q_heads, NUM_KV_SPLITS] fp32, base-2 lse
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -112,7 +127,8 @@ def _decode_attention_stage1_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,  # power of 2
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
-    BLOCK_H: tl.constexpr,  # rows of the packed query tile, >= QPK, >= 16
+    BLOCK_H: tl.constexpr,  # rows of the packed query tile, >= MAX_Q * QPK, >= 16
+    MAX_Q: tl.constexpr,  # most new tokens per request (1: decode; k + 1: verification)
     TILE_N: tl.constexpr,  # K/V positions per loop step
     NUM_KV_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
@@ -130,11 +146,12 @@ def _decode_attention_stage1_kernel(
     if q_len == 0:  # an empty (padding) request owns no token row
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    # The new token (position seq_len - 1) sees [kv_start, seq_len); with a sliding
-    # window only its last sliding_window positions, which the splits then divide.
+    # The last new token (position seq_len - 1) sees [.., seq_len); the first of q_len
+    # with a sliding window from seq_len - q_len - sliding_window + 1 on: the splits
+    # divide the union of what the request's rows see.
     kv_start = 0
     if SLIDING:
-        kv_start = tl.maximum(seq_len - sliding_window, 0)
+        kv_start = tl.maximum(seq_len - (q_len - 1) - sliding_window, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_KV_SPLITS), TILE_N) * TILE_N
     split_start = kv_start + split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
@@ -142,17 +159,27 @@ def _decode_attention_stage1_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     offs_n = tl.arange(0, TILE_N)
-    head = kv_head * QPK + offs_h
-    h_valid = offs_h < QPK
+    # Row r of the tile: new token r // QPK of the request, query head r % QPK of this
+    # KV head (MAX_Q == 1: token 0, head r).
+    row_t = offs_h // QPK
+    head = kv_head * QPK + offs_h % QPK
+    h_valid = (offs_h < MAX_Q * QPK) & (row_t < q_len)
     d_valid = offs_d < HEAD_DIM
+    row_token = token + row_t  # the row's token in the flattened batch
     q = tl.load(
         query_ptr
-        + token.to(tl.int64) * query_stride_token
+        + row_token.to(tl.int64)[:, None] * query_stride_token
         + head[:, None] * query_stride_head
         + offs_d[None, :],
         mask=h_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if MAX_Q > 1:
+        # Per-row causal limit: the row's token sits at position seq_len - q_len + t.
+        row_pos = seq_len - q_len + row_t
+        row_lo = tl.zeros([BLOCK_H], dtype=tl.int32)
+        if SLIDING:
+            row_lo = tl.maximum(row_pos - sliding_window + 1, 0)
     qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
     if FP8_QK:
         # One E4M3 scale per query head: q = q8 * q_scale, |q8| <= 448.
@@ -206,7 +233,11 @@ def _decode_attention_stage1_kernel(
             s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0) * 1.4426950408889634
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, TILE_N]
-        s = tl.where(h_valid[:, None] & kv_valid[None, :], s, float("-inf"))
+        if MAX_Q > 1:
+            seen = (kv_pos[None, :] <= row_pos[:, None]) & (kv_pos[None, :] >= row_lo[:, None])
+            s = tl.where(h_valid[:, None] & kv_valid[None, :] & seen, s, float("-inf"))
+        else:
+            s = tl.where(h_valid[:, None] & kv_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows: no NaN
         p = tl.exp2(s - m_new[:, None])
@@ -221,7 +252,7 @@ def _decode_attention_stage1_kernel(
     if NUM_KV_SPLITS == 1:  # the whole context: this is the output, no merge needed
         tl.store(
             out_ptr
-            + token.to(tl.int64) * out_stride_token
+            + row_token.to(tl.int64)[:, None] * out_stride_token
             + head[:, None].to(tl.int64) * out_stride_head
             + offs_d[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -229,7 +260,8 @@ def _decode_attention_stage1_kernel(
         )
     else:
         lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
-        row = (req * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + split
+        # Partial rows [num_reqs, MAX_Q, num_q_heads, NUM_KV_SPLITS].
+        row = ((req * MAX_Q + row_t) * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + split
         tl.store(partial_lse_ptr + row, lse, mask=h_valid)
         tl.store(
             partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
@@ -241,8 +273,8 @@ def _decode_attention_stage1_kernel(
 @triton.jit
 def _decode_attention_stage2_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
-    partial_out_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
-    partial_lse_ptr,  # [num_reqs, num_q_heads, NUM_KV_SPLITS] fp32
+    partial_out_ptr,  # [num_reqs, MAX_Q, num_q_heads, NUM_KV_SPLITS, head_dim] fp32
+    partial_lse_ptr,  # [num_reqs, MAX_Q, num_q_heads, NUM_KV_SPLITS] fp32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     out_stride_token: tl.int64,
     out_stride_head: tl.int64,
@@ -250,16 +282,19 @@ def _decode_attention_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,  # power of 2
+    MAX_Q: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
+    t = tl.program_id(2)  # the request's t-th new token
     token = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == token:
+    if tl.load(query_start_loc_ptr + req + 1) - token <= t:
         return
+    token += t
     offs_s = tl.arange(0, NUM_KV_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     d_valid = offs_d < HEAD_DIM
-    row = (req * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + offs_s
+    row = ((req * MAX_Q + t) * NUM_Q_HEADS + head).to(tl.int64) * NUM_KV_SPLITS + offs_s
     lse = tl.load(partial_lse_ptr + row)  # [NUM_KV_SPLITS]
     partial = tl.load(  # [NUM_KV_SPLITS, HEAD_DIM_PADDED]
         partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
@@ -278,6 +313,19 @@ def _decode_attention_stage2_kernel(
     )
 
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (cached: eager steps ask once per layer), 8 elsewhere."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
 def choose_num_kv_splits(
     num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
@@ -290,10 +338,7 @@ def choose_num_kv_splits(
     none shorter than MIN_TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS; rounded down
     to a power of 2 (a count past both limits would only add merge work).
     """
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        num_sms = 8
+    num_sms = _num_sms(device)
     if num_reqs * num_kv_heads >= 2 * num_sms:
         return 1
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_reqs * num_kv_heads))
@@ -316,17 +361,20 @@ def decode_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     launch_config: DecodeLaunchConfig | None = None,
+    max_query_len: int = 1,
 ) -> torch.Tensor:
-    """Attention of one new token per request over its paged context, split-KV.
+    """Attention of each request's new token(s) over its paged context, split-KV.
 
     Args:
         query: [num_tokens, num_q_heads, head_dim] float32/float16/bfloat16.
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], `query`'s dtype
             or float8_e4m3fn (widened as it is read: to float16 for a 16-bit query, see
             the module docstring), holding the new tokens' K/V already.
-        query_start_loc: [num_reqs + 1] int32; every request has exactly one new token
-            (or none: an empty padding request, skipped). Longer chunks are not checked
-            on the device (that would sync); use paged_attention for them.
+        query_start_loc: [num_reqs + 1] int32; every request has 1..max_query_len new
+            tokens (or none: an empty padding request, skipped), the last positions of
+            its context, causal among themselves. Longer chunks are not checked on the
+            device (that would sync): their extra rows are left unwritten; use
+            paged_attention for them.
         seq_lens: [num_reqs] int32, context length including the new token, >= 1.
         block_tables: [num_reqs, max_blocks_per_req] int32.
         max_seq_len: largest seq_lens value (host int), sizes the default split count.
@@ -340,14 +388,19 @@ def decode_attention(
         logits_soft_cap: scores become cap * tanh(scores / cap) (Gemma 2); None: off.
         launch_config: stage-1 tile and launch parameters (benchmarks sweep them);
             None: default_launch_config().
+        max_query_len: most new tokens of any request (host int, fixed per CUDA graph):
+            1 for decode; k + 1 for speculative verification, packing the tokens x QPK
+            heads of a KV head into one tile (module docstring); at most MAX_QUERY_LEN,
+            and max_query_len x QPK at most MAX_PACKED_ROWS.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in query's dtype (`out` when given).
 
     Raises:
         ValueError: inputs disagree, num_kv_splits is not a power of 2 in
-            [1, MAX_KV_SPLITS], a sliding window / soft cap that is not positive, or a
-            launch_config whose tile_n is not a power of 2 >= 16.
+            [1, MAX_KV_SPLITS], a sliding window / soft cap that is not positive, a
+            launch_config whose tile_n is not a power of 2 >= 16, or a max_query_len
+            outside the limits above.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -362,8 +415,15 @@ def decode_attention(
     if out.shape != query.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     num_reqs = seq_lens.shape[0]
+    qpk = num_q_heads // num_kv_heads
+    if not 1 <= max_query_len <= MAX_QUERY_LEN or max_query_len * qpk > MAX_PACKED_ROWS:
+        raise ValueError(
+            f"max_query_len must be in [1, {MAX_QUERY_LEN}] with max_query_len x "
+            f"{qpk} query heads per KV head <= {MAX_PACKED_ROWS}, got {max_query_len}"
+        )
     if num_kv_splits is None:
-        attended = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+        attended = (max_seq_len if sliding_window is None
+                    else min(max_seq_len, sliding_window + max_query_len - 1))
         num_kv_splits = choose_num_kv_splits(
             num_reqs, num_kv_heads, attended, query.device
         )
@@ -377,17 +437,17 @@ def decode_attention(
     if query.shape[0] == 0 or num_reqs == 0:
         return out
 
-    qpk = num_q_heads // num_kv_heads
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     if num_kv_splits == 1:  # stage 1 writes `out`; the partial buffers are not read
         partial_out = partial_lse = out
     else:
         partial_out = torch.empty(
-            (num_reqs, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32,
-            device=query.device,
+            (num_reqs, max_query_len, num_q_heads, num_kv_splits, head_dim),
+            dtype=torch.float32, device=query.device,
         )
         partial_lse = torch.empty(
-            (num_reqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=query.device
+            (num_reqs, max_query_len, num_q_heads, num_kv_splits), dtype=torch.float32,
+            device=query.device,
         )
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     widen_fp16 = kv_cache.dtype == torch.float8_e4m3fn and query.dtype != torch.float32
@@ -417,7 +477,8 @@ def decode_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_H=max(16, triton.next_power_of_2(qpk)),
+        BLOCK_H=max(16, triton.next_power_of_2(max_query_len * qpk)),
+        MAX_Q=max_query_len,
         TILE_N=cfg.tile_n,
         NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -430,7 +491,7 @@ def decode_attention(
     )
     if num_kv_splits == 1:
         return out
-    _decode_attention_stage2_kernel[(num_reqs, num_q_heads)](
+    _decode_attention_stage2_kernel[(num_reqs, num_q_heads, max_query_len)](
         out,
         partial_out,
         partial_lse,
@@ -441,5 +502,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
         NUM_KV_SPLITS=num_kv_splits,
+        MAX_Q=max_query_len,
     )
     return out

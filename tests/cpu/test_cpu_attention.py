@@ -105,3 +105,41 @@ def test_rejects_unsupported_layout():
     with pytest.raises(ValueError, match="does not take"):
         paged_decode_attention(q.half(), cache, bt, seq_lens, tok_idx, torch.arange(1), 0.25,
                                torch.empty_like(q.half()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("soft_cap,window", [(None, None), (30.0, 9)])
+def test_backend_verification_step_matches_reference(dtype, soft_cap, window):
+    """A verification step (speculative decoding: k + 1 = 5 new tokens per request, one
+    request with 2, one with 1) takes the C decode pass with one virtual request per
+    token (`_decode_plan`), causal within the step: same cache and output as the torch
+    reference, which runs it as prefill chunks."""
+    from flowengine.model.attention.cpu_backend import _decode_plan
+
+    hq, hkv, d = 8, 2, 64
+    q_lens, lens = [5, 2, 1, 5], [40, 17, 64, 5]
+    max_blocks = -(-max(lens) // BLOCK)
+    num_blocks = len(lens) * max_blocks + 2
+    cache = torch.randn(2, num_blocks, BLOCK, hkv, d).to(dtype)
+    cache_ref = cache.clone()
+    bt = torch.randperm(num_blocks)[:len(lens) * max_blocks].view(len(lens), max_blocks)
+    bt = bt.to(torch.int32)
+    slots = torch.cat([bt[r].long()[torch.arange(s - n, s) // BLOCK] * BLOCK
+                       + torch.arange(s - n, s) % BLOCK
+                       for r, (n, s) in enumerate(zip(q_lens, lens, strict=True))])
+    qsl = torch.tensor([0, 5, 7, 8, 13], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(qsl, seq_lens, bt, slots, 5, 64, qsl, seq_lens)
+    q = (4 * torch.randn(13, hq, d)).to(dtype)
+    k, v = torch.randn(13, hkv, d).to(dtype), torch.randn(13, hkv, d).to(dtype)
+    out = CpuAttentionBackend().forward(q, k, v, cache, meta, d ** -0.5,
+                                        logits_soft_cap=soft_cap, sliding_window=window)
+    tok_idx, req_idx, plan_lens, _ = _decode_plan(meta, q)
+    assert req_idx.tolist() == [0] * 5 + [1] * 2 + [2] + [3] * 5
+    assert plan_lens.tolist() == [36, 37, 38, 39, 40, 16, 17, 64, 1, 2, 3, 4, 5]
+    meta_ref = AttentionMetadata(qsl, seq_lens, bt, slots, 5, 64, qsl, seq_lens)
+    ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta_ref, d ** -0.5,
+                                          logits_soft_cap=soft_cap, sliding_window=window)
+    assert torch.equal(cache, cache_ref)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)

@@ -1,4 +1,5 @@
-"""Split-KV decode attention against the float64 reference (kernel_refs.py)."""
+"""Split-KV decode attention against the float64 reference (kernel_refs.py): decode
+steps and verification steps (several new tokens per request)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from kernel_refs import assert_close, make_attention_case, ref_paged_attention
 
 from flowengine.kernels.decode_attention import (
     MAX_KV_SPLITS,
+    MAX_PACKED_ROWS,
+    MAX_QUERY_LEN,
     DecodeLaunchConfig,
     choose_num_kv_splits,
     decode_attention,
@@ -163,3 +166,67 @@ def test_rejects_bad_tile(device: torch.device) -> None:
             case.block_tables, max_seq_len=4, scale=1.0,
             launch_config=DecodeLaunchConfig(tile_n=24),
         )
+
+
+# Verification steps (speculative decoding, issue 16): max_query_len > 1 packs each
+# request's new tokens x QPK heads into one tile with per-row causal limits. Requests
+# with fewer tokens than the maximum (a proposer that found fewer drafts), a token
+# alone, an empty padding request and padding tokens: their rows stay untouched.
+@pytest.mark.parametrize(
+    ("qpk", "max_q", "num_kv_splits", "window", "soft_cap"),
+    [(4, 5, 4, None, None), (1, 2, 1, None, None), (2, 5, 8, 30, 2.0), (3, 8, 2, None, None),
+     (8, 8, 16, 100, None)],
+)
+def test_verification_tokens_match_reference(
+    qpk: int, max_q: int, num_kv_splits: int, window: int | None, soft_cap: float | None,
+    device: torch.device,
+) -> None:
+    q_lens = [max_q, max(1, max_q - 2), 1, max_q]
+    seq_lens = [int(torch.randint(150, 260, ()).item()), 7 + max_q, 41, max_q]
+    case = make_attention_case(
+        q_lens, seq_lens, num_q_heads=2 * qpk, num_kv_heads=2, head_dim=32,
+        block_size=16, dtype=torch.float32, num_padding_tokens=3, device=device,
+    )
+    # Append an empty request (CUDA-graph padding): query_start_loc repeats its end.
+    qsl = torch.cat([case.query_start_loc, case.query_start_loc[-1:]])
+    seq_lens_t = torch.cat([case.seq_lens, torch.tensor([9], dtype=torch.int32, device=device)])
+    block_tables = torch.cat([case.block_tables, case.block_tables[:1]])
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(
+        case.query, case.kv_cache, qsl, seq_lens_t, block_tables,
+        max_seq_len=max(seq_lens), scale=case.scale, num_kv_splits=num_kv_splits, out=out,
+        sliding_window=window, logits_soft_cap=soft_cap, max_query_len=max_q,
+    )
+    num_real = sum(q_lens)
+    expected = ref_paged_attention(case, sliding_window=window, soft_cap=soft_cap)
+    assert_close(out[:num_real], expected, **FP32_TOL)
+    assert out[num_real:].isnan().all(), "padding rows must be left untouched"
+    if window is not None or soft_cap is not None:  # the options did change the result
+        assert not torch.allclose(expected, ref_paged_attention(case), atol=1e-3)
+
+
+def test_verification_fp16_default_splits(device: torch.device) -> None:
+    """A 16-bit verification batch with the default split count (Llama-3 GQA ratio)."""
+    case = make_attention_case(
+        [5, 5, 5], [300, 45, 120], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=torch.float16, device=device,
+    )
+    out = torch.full_like(case.query, float("nan"))
+    decode_attention(
+        case.query, case.kv_cache, case.query_start_loc, case.seq_lens, case.block_tables,
+        max_seq_len=300, scale=case.scale, out=out, max_query_len=5,
+    )
+    assert_close(out, ref_paged_attention(case), **FP16_TOL)
+
+
+def test_rejects_bad_max_query_len(device: torch.device) -> None:
+    case = make_attention_case(
+        [1], [4], num_q_heads=16, num_kv_heads=1, head_dim=32, block_size=16,
+        dtype=torch.float32, device=device,
+    )
+    for bad in (0, MAX_QUERY_LEN + 1, MAX_PACKED_ROWS // 16 + 1):  # the last: 5 x 16 rows
+        with pytest.raises(ValueError, match="max_query_len"):
+            decode_attention(
+                case.query, case.kv_cache, case.query_start_loc, case.seq_lens,
+                case.block_tables, max_seq_len=4, scale=1.0, max_query_len=bad,
+            )

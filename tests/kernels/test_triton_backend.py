@@ -134,3 +134,45 @@ def test_fused_rotary_equals_rotated_inputs(decode_only: bool, device: torch.dev
     assert torch.equal(case.query, q_rot), "q is rotated in place"
     torch.testing.assert_close(case.kv_cache, want_cache, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("routing", ["decode", "unified"])
+def test_verification_step_routing(
+    routing: str, monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    """A verification step (k + 1 = 5 tokens per request, one request with fewer, one
+    padding tail) runs the split-KV decode kernel with max_query_len 5, or the unified
+    kernel under FLOWENGINE_VERIFY_ATTENTION=unified; a 9-token chunk always runs the
+    unified one. Output, sliding window and soft cap as the reference either way."""
+    monkeypatch.setattr(triton_backend, "VERIFY_ATTENTION", routing)
+    calls: list[tuple[str, int]] = []
+    real_decode, real_paged = triton_backend.decode_attention, triton_backend.paged_attention
+
+    def spy_decode(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(("decode", kwargs["max_query_len"]))  # type: ignore[arg-type]
+        return real_decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_paged(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(("unified", kwargs["max_query_len"]))  # type: ignore[arg-type]
+        return real_paged(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "decode_attention", spy_decode)
+    monkeypatch.setattr(triton_backend, "paged_attention", spy_paged)
+    for q_lens, attn in (([5, 3, 5], {}), ([5, 5, 1], {"sliding_window": 40,
+                                                        "logits_soft_cap": 2.0})):
+        case = make_attention_case(
+            q_lens, [300, 40, 65], num_q_heads=8, num_kv_heads=2, head_dim=64,
+            block_size=16, dtype=torch.float32, num_padding_tokens=2,
+            fill_new_tokens=False, device=device,
+        )
+        _check_forward(case, TritonAttentionBackend(split_kv_min_seq_len=32), **attn)
+    case = make_attention_case(
+        [9, 1], [60, 20], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float32, fill_new_tokens=False, device=device,
+    )
+    _check_forward(case, TritonAttentionBackend())
+    assert calls == [(routing, 5), (routing, 5), ("unified", 9)]
+    assert triton_backend.uses_decode_kernel(1, 8)
+    assert triton_backend.uses_decode_kernel(8, 8) == (routing == "decode")
+    assert not triton_backend.uses_decode_kernel(9, 1)
+    assert not triton_backend.uses_decode_kernel(5, 16)  # 80 rows > MAX_PACKED_ROWS

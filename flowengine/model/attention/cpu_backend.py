@@ -5,9 +5,15 @@ Decode tokens (one new token per request) are attended by the C kernel
 pass over the request's blocks as the block table lists them, the query heads of that
 KV head together, with an online softmax in float32; no copy of the context is
 gathered first, which the torch reference does every step. Float32 and bfloat16
-caches. Prefill chunks keep the reference's SDPA path (PyTorch's fused CPU
-flash-attention kernel). Without the C extension, or for a head_dim / group size the
-kernel does not take, decode falls back to the reference.
+caches. Steps whose requests all have a few new tokens (at most
+VERIFY_MAX_QUERY_LEN: the verification steps of speculative decoding, k + 1 tokens per
+request) take the same C pass with one virtual request per new token: token t of a
+request with q_len new tokens sits at position seq_len - q_len + t, so it is a decode
+token over the request's block-table row with context length seq_len - (q_len - 1 - t)
+(causal within the step, sliding window relative to its own position). Longer prefill
+chunks keep the reference's SDPA path (PyTorch's fused CPU flash-attention kernel).
+Without the C extension, or for a head_dim / group size the kernel does not take,
+decode falls back to the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from flowengine.model.layers import cpu_kernels
 _MAX_HEAD_DIM = 256
 _MAX_GROUP = 32
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Steps with at most this many new tokens per request run the C decode pass, one
+# virtual request per token (module docstring); longer chunks go to SDPA.
+VERIFY_MAX_QUERY_LEN = 8
 
 
 def _kernel():
@@ -81,22 +90,35 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 def _decode_plan(meta: AttentionMetadata, q: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(tok_idx, req_idx, seq_lens int32, block_tables int32) of a CPU step where every
-    request has exactly one new token and there are no padding rows, built on the
-    first layer's call and cached on `meta`; None for any other step."""
+    request has 1..VERIFY_MAX_QUERY_LEN new tokens and there are no padding rows (one
+    entry per token: a virtual decode request, module docstring), built on the first
+    layer's call and cached on `meta`; None for any other step."""
     cached = getattr(meta, "_cpu_decode_plan", False)
     if cached is not False:
         return cached
     plan = None
     num_reqs = meta.seq_lens_cpu.shape[0]
-    if (_kernel() is not None and q.device.type == "cpu" and num_reqs == q.shape[0]
-            and meta.max_query_len == 1 and num_reqs > 0):
+    if (_kernel() is not None and q.device.type == "cpu" and num_reqs > 0
+            and 1 <= meta.max_query_len <= VERIFY_MAX_QUERY_LEN):
         starts = meta.query_start_loc_cpu
-        if int(starts[-1]) == num_reqs:  # one token each, in request order
+        num_tokens = int(starts[-1])
+        if num_tokens == q.shape[0]:  # no padding rows
             block_tables = meta.block_tables
             if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
                 block_tables = block_tables.to(torch.int32).contiguous()
-            idx = torch.arange(num_reqs, dtype=torch.int64)
-            plan = (idx, idx, meta.seq_lens_cpu.to(torch.int32).contiguous(), block_tables)
+            seq_lens = meta.seq_lens_cpu.to(torch.int32)
+            if num_tokens == num_reqs:  # one token each, in request order
+                idx = torch.arange(num_reqs, dtype=torch.int64)
+                plan = (idx, idx, seq_lens.contiguous(), block_tables)
+            else:
+                q_lens = (starts[1:] - starts[:-1]).to(torch.int64)
+                req_idx = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+                tok_idx = torch.arange(num_tokens, dtype=torch.int64)
+                # Token t of request r: context up to its own position, i.e. seq_len
+                # minus the request's tokens after it.
+                after = starts[1:].to(torch.int64)[req_idx] - 1 - tok_idx
+                lens = (seq_lens.to(torch.int64)[req_idx] - after).to(torch.int32)
+                plan = (tok_idx, req_idx, lens.contiguous(), block_tables)
     try:
         meta._cpu_decode_plan = plan
     except AttributeError:  # a metadata type with slots: no cache, build each layer
@@ -113,8 +135,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
                 sliding_window: int | None = None,
                 logits_soft_cap: float | None = None) -> torch.Tensor:
-        """As TorchAttentionBackend.forward. A step whose every request decodes one token
-        (no padding rows) takes a short path: the kernel's index tensors are built
+        """As TorchAttentionBackend.forward. A step whose every request has one new
+        token, or at most VERIFY_MAX_QUERY_LEN (verification), with no padding rows
+        takes a short path: the kernel's index tensors are built
         once per step (kept on `meta`, which all layers share) and the KV write is one
         C call, so a layer costs two C calls instead of ~15 torch operators."""
         plan = _decode_plan(meta, q)

@@ -3,19 +3,38 @@
 
 Per layer and step: `reshape_and_cache` writes the new tokens' K/V (or, given the
 RoPE tables, `rotary_embedding_and_cache` rotates q and writes the rotated K with V in
-one launch), then one attention launch covers the batch — the unified paged-attention
-kernel for anything with a prefill chunk, the decode kernel (split-KV /
-flash-decoding, one range when the batch alone fills the GPU) for decode-only steps.
-Both read K/V
-through the block tables; neither synchronises with the host, so a decode step can be
-captured in a CUDA graph (fix `num_kv_splits` for that).
+one launch), then one attention launch covers the batch. The rule (`uses_decode_kernel`):
+
+- decode-only steps (max_query_len == 1): the decode kernel (split-KV /
+  flash-decoding, one range when the batch alone fills the GPU);
+- steps whose requests all have few new tokens — max_query_len <= MAX_QUERY_LEN (8)
+  and max_query_len x QPK <= MAX_PACKED_ROWS (64): the verification steps of
+  speculative decoding (k + 1 tokens per request, the verification CUDA graphs) and
+  decode batches with short chunks — also the decode kernel, with max_query_len > 1:
+  the q tokens x QPK heads of a KV head share one tile and every K/V tile is read
+  once (kernels/decode_attention.py). At batch 1 the unified kernel has only
+  num_kv_heads programs walking the whole context; split-KV fills the GPU.
+  FLOWENGINE_VERIFY_ATTENTION=unified (read once at import) sends these steps to the
+  unified kernel instead, as before issue 16's fix (for side-by-side benchmarks);
+- anything else (a longer prefill chunk): the unified paged-attention kernel.
+
+Both kernels read K/V through the block tables; neither synchronises with the host,
+so a decode or verification step can be captured in a CUDA graph (fix
+`num_kv_splits` for that).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from flowengine.kernels.decode_attention import choose_num_kv_splits, decode_attention
+from flowengine.kernels.decode_attention import (
+    MAX_PACKED_ROWS,
+    MAX_QUERY_LEN,
+    choose_num_kv_splits,
+    decode_attention,
+)
 from flowengine.kernels.paged_attention import paged_attention
 from flowengine.kernels.reshape_and_cache import reshape_and_cache
 from flowengine.kernels.rotary import rotary_embedding_and_cache
@@ -26,18 +45,35 @@ from flowengine.model.attention.metadata import AttentionMetadata
 # H200: 7.8 µs split against 52 µs unsplit, so splitting pays from short contexts on).
 SPLIT_KV_MIN_SEQ_LEN = 128
 
+# "decode" (default): steps with a few new tokens per request (verification) run the
+# split-KV decode kernel; "unified": they run the unified kernel (the old routing).
+VERIFY_ATTENTION = os.environ.get("FLOWENGINE_VERIFY_ATTENTION", "decode")
+if VERIFY_ATTENTION not in ("decode", "unified"):
+    raise ValueError(
+        f"FLOWENGINE_VERIFY_ATTENTION must be 'decode' or 'unified', got {VERIFY_ATTENTION!r}"
+    )
+
+
+def uses_decode_kernel(max_query_len: int, qpk: int) -> bool:
+    """Whether a step whose longest request has `max_query_len` new tokens, with `qpk`
+    query heads per KV head, runs the split-KV decode kernel (else the unified one)."""
+    if max_query_len == 1:
+        return True
+    return (VERIFY_ATTENTION == "decode" and max_query_len <= MAX_QUERY_LEN
+            and max_query_len * qpk <= MAX_PACKED_ROWS)
+
 
 class TritonAttentionBackend:
     """`AttentionBackend` on Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1).
 
     Args:
-        split_kv_min_seq_len: decode-only steps with max_seq_len at or above this
-            split their contexts (choose_num_kv_splits); shorter ones run the decode
-            kernel with one range.
-        num_kv_splits: fixed split count (power of 2, <= MAX_KV_SPLITS) for decode-only
-            steps, overriding the choice from batch size and context length; set it when
-            capturing CUDA graphs, whose launch shapes must not change between replays.
-            1 never splits.
+        split_kv_min_seq_len: steps on the decode kernel (decode-only and verification,
+            `uses_decode_kernel`) with max_seq_len at or above this split their contexts
+            (choose_num_kv_splits); shorter ones run the decode kernel with one range.
+        num_kv_splits: fixed split count (power of 2, <= MAX_KV_SPLITS) for steps on the
+            decode kernel, overriding the choice from batch size and context length; set
+            it when capturing CUDA graphs, whose launch shapes must not change between
+            replays. 1 never splits.
     """
 
     name = "triton"
@@ -99,6 +135,8 @@ class TritonAttentionBackend:
             rotary_embedding_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping,
                                        cos, sin)
         is_decode_only = meta.max_query_len == 1
+        on_decode_kernel = uses_decode_kernel(meta.max_query_len,
+                                              q.shape[1] // kv_cache.shape[3])
         if out is None:
             out = torch.empty_like(q)
         if is_decode_only:
@@ -111,8 +149,8 @@ class TritonAttentionBackend:
                 out[num_real_tokens:].zero_()
 
         attended = (meta.max_seq_len if sliding_window is None
-                    else min(meta.max_seq_len, sliding_window))
-        if is_decode_only:
+                    else min(meta.max_seq_len, sliding_window + meta.max_query_len - 1))
+        if on_decode_kernel:
             # Measured on an H200 (docs/benchmarks.md, issue 14): the decode kernel is as
             # fast as the unified one or faster at every batch size even unsplit (batch
             # 512: 524 against 587 µs), and much faster over an fp8 cache.
@@ -128,6 +166,7 @@ class TritonAttentionBackend:
                 q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 max_seq_len=meta.max_seq_len, scale=scale, num_kv_splits=num_splits,
                 out=out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                max_query_len=meta.max_query_len,
             )
         return paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
