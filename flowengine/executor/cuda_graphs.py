@@ -73,8 +73,9 @@ class DecodeCudaGraphs:
         tokens_per_req: 1 for decode graphs; k + 1 for the verification graphs of
             speculative decoding: a graph of size b then holds b * (k + 1) token rows
             over b request rows, and replays any step of at most b requests with at most
-            k + 1 tokens each (the unified attention kernel reads each request's query
-            length from query_start_loc; its tile shape is fixed by max_query_len).
+            k + 1 tokens each (the attention kernel, split-KV decode for k + 1 <= 8 and the
+            unified one beyond, reads each request's query length from
+            query_start_loc; its tile shape is fixed by max_query_len).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], input_batch: InputBatch,
