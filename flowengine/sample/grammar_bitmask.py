@@ -109,8 +109,11 @@ def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
     pairs = [(k, index[rid]) for k, rid in enumerate(structured_req_ids) if rid in index]
     if not pairs:
         return
-    bitmask = bitmask_to_device(data, len(structured_req_ids), logits.device)
     mask_rows = [k for k, _ in pairs]
+    if logits.device.type == "cpu":
+        _apply_on_host(logits, data, len(structured_req_ids), pairs)
+        return
+    bitmask = bitmask_to_device(data, len(structured_req_ids), logits.device)
     if len(mask_rows) != len(structured_req_ids):
         bitmask = bitmask[torch.tensor(mask_rows, dtype=torch.int64, device=logits.device)]
     if len(pairs) == logits.shape[0] and all(k == r for k, r in pairs):
@@ -119,3 +122,33 @@ def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
     rows = torch.tensor([r for _, r in pairs], dtype=torch.int64,
                         pin_memory=logits.device.type == "cuda")
     apply_token_bitmask(logits, bitmask, rows.to(logits.device, non_blocking=True))
+
+
+def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
+                   pairs: list[tuple[int, int]]) -> None:
+    """`apply_plan_bitmask` for logits on the CPU: the words unpacked by numpy (one
+    pass, no [K, W, 32] int32 intermediate) into the disallowed mask, then one masked
+    fill. At batch 1 this is ~0.03 ms against ~0.1-0.3 ms for the tensor path, whose
+    half-dozen small ops each wake torch's intra-op threads."""
+    if num_rows <= 0 or len(data) % (4 * num_rows):
+        raise ValueError(f"a grammar bitmask of {len(data)} bytes does not split into "
+                         f"{num_rows} rows of int32 words")
+    vocab_size = logits.shape[1]
+    words = np.frombuffer(data, dtype=np.uint8).reshape(num_rows, -1)  # little-endian
+    mask_rows = [k for k, _ in pairs]
+    if len(mask_rows) != num_rows:
+        words = words[mask_rows]
+    bits = np.unpackbits(words, axis=1, bitorder="little")  # bit t of row = token t
+    if bits.shape[1] >= vocab_size:
+        disallowed = bits[:, :vocab_size] == 0
+    else:  # tokens past the mask's words are disallowed
+        disallowed = np.ones((len(mask_rows), vocab_size), dtype=bool)
+        disallowed[:, :bits.shape[1]] = bits == 0
+    mask = torch.from_numpy(disallowed)
+    if len(pairs) == logits.shape[0] and all(k == r for k, r in pairs):
+        logits.masked_fill_(mask, float("-inf"))  # every row constrained, in order
+        return
+    rows = torch.tensor([r for _, r in pairs], dtype=torch.int64)
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(mask, float("-inf"))
+    logits.index_copy_(0, rows, sub)
