@@ -264,9 +264,45 @@ class StructuredOutputManager:
 
     def accept_tokens_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> list[bool]:
         """`accept_tokens` of each (request_id, token_ids), in order (one call per step
-        from the scheduler)."""
+        from the scheduler). The common case, one token that is no stop token for a
+        matcher that ends only on one (xgrammar), goes to one batched call per backend
+        (`batch_accept_token`: one library call, GIL released, for every such row); the
+        rest take `accept_tokens`."""
+        results = [True] * len(items)
+        matchers = self._matchers
+        stop_ids = self._stop_ids
+        ended = self._ended
+        dirty = self._dirty
+        batches: dict[Any, tuple[list[int], list[Any], list[int]]] = {}
+        rest = []
+        for i, (request_id, token_ids) in enumerate(items):
+            matcher = matchers.get(request_id)
+            if matcher is None:
+                continue
+            batch_accept = getattr(matcher, "batch_accept_token", None)
+            stops = stop_ids[request_id]
+            if (batch_accept is None or len(token_ids) != 1 or not stops
+                    or request_id in ended or token_ids[0] in stops
+                    or not matcher.terminates_on_stop_token_only):
+                rest.append(i)
+                continue
+            dirty.add(request_id)
+            group = batches.setdefault(batch_accept, ([], [], []))
+            group[0].append(i)
+            group[1].append(matcher)
+            group[2].append(token_ids[0])
+        for batch_accept, (indices, group_matchers, tokens) in batches.items():
+            if len(group_matchers) == 1:
+                accepted = [group_matchers[0].accept_token(tokens[0])]
+            else:
+                accepted = batch_accept(group_matchers, tokens)
+            for i, ok in zip(indices, accepted, strict=True):
+                if not ok:
+                    results[i] = False
         accept = self.accept_tokens
-        return [accept(request_id, token_ids) for request_id, token_ids in items]
+        for i in rest:
+            results[i] = accept(*items[i])
+        return results
 
     def remove(self, request_id: str) -> None:
         """Forget a finished request (its compiled grammar stays cached)."""
