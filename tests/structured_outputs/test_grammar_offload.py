@@ -154,8 +154,8 @@ def _generate_offloaded(executor: Executor, manager) -> tuple[dict, list]:
     return tokens, errors, outputs
 
 
-def _runner(model_config, cls):
-    return cls(model_config, CacheConfig(4, 60), CPU, torch.float32,
+def _runner(config, cls):
+    return cls(config, CacheConfig(4, 60), CPU, torch.float32,
                max_num_batched_tokens=64, max_num_seqs=8)
 
 
