@@ -260,8 +260,9 @@ def fill_benchmark(tokenizer, vocab_size: int, rows_list: list[int], threads_lis
                     accepts_before.append(time.perf_counter() - t)
                     manager._dirty.update(ids)
                     continue
-                for rid, tok in zip(ids, tokens, strict=True):
-                    assert manager.accept_tokens(rid, [tok])
+                # What the scheduler calls: one batched call per step.
+                assert all(manager.accept_tokens_batch(
+                    [(rid, [tok]) for rid, tok in zip(ids, tokens, strict=True)]))
                 accepts.append(time.perf_counter() - t)
         for variant, ts in times.items():
             before = variant == "row by row"
@@ -325,6 +326,10 @@ def main() -> None:
     parser.add_argument("--json-out", default=None, help="write the raw runs here")
     parser.add_argument("--no-compile-times", action="store_true",
                         help="skip the 30 schemas' compile times after the runs")
+    parser.add_argument("--inline-variant", action="store_true",
+                        help="with --async-scheduling --placement inproc: a third variant, "
+                        "JSON with the grammar work on the scheduler's loop (no worker "
+                        "thread: grammar_offload_rows None)")
     parser.add_argument("--fill-only", action="store_true",
                         help="time the host's per-step bitmask fill and accepts alone")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
@@ -367,13 +372,14 @@ def _main_llm(args) -> None:
     steps, masks = _timed_steps(llm)
     run_once(llm, prompt, 1, 4, True, steps, masks)  # warm-up: tokenizer info, compile
     load_before = os.getloadavg()
-    results: dict[tuple[int, bool], list[dict[str, float]]] = {}
+    results: dict[tuple[int, str], list[dict[str, float]]] = {}
     for batch in args.batch_sizes:
         for rep in range(args.reps):
             for constrained in _order(rep):
                 r = run_once(llm, prompt, batch, args.output_len, constrained, steps, masks)
-                results.setdefault((batch, constrained), []).append(r)
-                print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
+                variant = "json" if constrained else "free"
+                results.setdefault((batch, variant), []).append(r)
+                print(f"batch {batch} {variant}: {r}", flush=True)
     load_after = os.getloadavg()
     _report(args, results, load_before, load_after, tokenizer,
             llm.resolved.model_config.vocab_size, "LLM, one step at a time")
@@ -394,15 +400,23 @@ async def _main(args) -> None:
             _timed_fill(engine.core.scheduler.structured_outputs, masks)
         await run_async_once(engine, prompt, 1, 4, True, masks)  # warm-up
         await run_async_once(engine, prompt, max(args.batch_sizes), 4, False, masks)
+        variants = ["free", "json"]
+        scheduler = engine.core.scheduler if args.placement == "inproc" else None
+        offload_rows = scheduler.grammar_offload_rows if scheduler is not None else None
+        if args.inline_variant and scheduler is not None:
+            variants.append("json-inline")
         load_before = os.getloadavg()
-        results: dict[tuple[int, bool], list[dict[str, float]]] = {}
+        results: dict[tuple[int, str], list[dict[str, float]]] = {}
         for batch in args.batch_sizes:
             for rep in range(args.reps):
-                for constrained in _order(rep):
+                for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                    if scheduler is not None:  # json-inline: the grammar work on the loop
+                        scheduler.grammar_offload_rows = (
+                            None if variant == "json-inline" else offload_rows)
                     r = await run_async_once(engine, prompt, batch, args.output_len,
-                                             constrained, masks)
-                    results.setdefault((batch, constrained), []).append(r)
-                    print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
+                                             variant != "free", masks)
+                    results.setdefault((batch, variant), []).append(r)
+                    print(f"batch {batch} {variant}: {r}", flush=True)
         load_after = os.getloadavg()
         _report(args, results, load_before, load_after, tokenizer,
                 engine.resolved.model_config.vocab_size,
@@ -416,30 +430,43 @@ def _report(args, results, load_before, load_after, tokenizer, vocab_size: int,
     rows = [] if args.no_compile_times else compile_times(tokenizer, vocab_size)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "runs": {f"{b}-{'json' if c else 'free'}": r
-                                                     for (b, c), r in results.items()},
+            json.dump({"args": vars(args), "engine": engine_name,
+                       "runs": {f"{b}-{v}": r for (b, v), r in results.items()},
                        "compile_ms": rows, "load": [load_before, load_after]}, f, indent=1)
 
-    def med(batch: int, constrained: bool, key: str) -> float:
-        return statistics.median(r[key] for r in results[(batch, constrained)])
+    def med(batch: int, variant: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[(batch, variant)])
 
+    inline = any(v == "json-inline" for _, v in results)
     print(f"\ncommand: python benchmarks/structured_outputs.py "
           f"{' '.join(sys.argv[1:])}\nengine: {engine_name}; device {args.device}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} CPUs); {args.reps} alternated runs per cell, medians; "
           f"output {args.output_len} tokens per request\n")
-    print("| batch | unconstrained tok/s | JSON-schema tok/s | ratio | unconstrained TPOT ms "
-          "| JSON-schema TPOT ms | mask fill ms/step |")
-    print("|---|---|---|---|---|---|---|")
+    head = ("| batch | unconstrained tok/s | JSON-schema tok/s | ratio | unconstrained TPOT ms "
+            "| JSON-schema TPOT ms | mask fill ms/step |")
+    if inline:
+        head += " JSON, grammar work inline, tok/s | ratio | TPOT ms |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
     for batch in args.batch_sizes:
-        free, con = med(batch, False, "tok_s"), med(batch, True, "tok_s")
-        print(f"| {batch} | {free:.1f} | {con:.1f} | {con / free:.3f} | "
-              f"{med(batch, False, 'tpot_ms'):.2f} | {med(batch, True, 'tpot_ms'):.2f} | "
-              f"{med(batch, True, 'mask_ms'):.2f} |")
-    print("\n| schema | backend | compile ms |")
-    print("|---|---|---|")
-    for name, backend, ms in rows:
-        print(f"| {name} | {backend} | {ms:.1f} |")
+        free, con = med(batch, "free", "tok_s"), med(batch, "json", "tok_s")
+        line = (f"| {batch} | {free:.1f} | {con:.1f} | {con / free:.3f} | "
+                f"{med(batch, 'free', 'tpot_ms'):.2f} | {med(batch, 'json', 'tpot_ms'):.2f} | "
+                f"{med(batch, 'json', 'mask_ms'):.2f} |")
+        if inline:
+            alt = med(batch, "json-inline", "tok_s")
+            line += (f" {alt:.1f} | {alt / free:.3f} | "
+                     f"{med(batch, 'json-inline', 'tpot_ms'):.2f} |")
+        print(line)
+    print("\nsingle runs (tok/s, in order per variant): " + "; ".join(
+        f"{b} {v}: " + ", ".join(f"{r['tok_s']:.1f}" for r in rs)
+        for (b, v), rs in results.items()))
+    if rows:
+        print("\n| schema | backend | compile ms |")
+        print("|---|---|---|")
+        for name, backend, ms in rows:
+            print(f"| {name} | {backend} | {ms:.1f} |")
 
 
 if __name__ == "__main__":

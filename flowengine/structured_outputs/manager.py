@@ -59,15 +59,16 @@ PARALLEL_FILL_ROWS = 64
 
 
 def default_fill_threads() -> int:
-    """Threads for a large step's bitmask fill: FLOWENGINE_GRAMMAR_FILL_THREADS, else a
-    quarter of the CPUs, 1 to 4 (the engine's other threads keep the rest)."""
+    """Threads for a large step's bitmask fill: FLOWENGINE_GRAMMAR_FILL_THREADS, else 1.
+    xgrammar's threads did not pay at 32-128 rows on the 16-core H200 host nor on the
+    2-core CPU (docs/benchmarks.md: 2, 4 and 8 threads slower than one)."""
     env = os.environ.get("FLOWENGINE_GRAMMAR_FILL_THREADS")
     if env:
         value = int(env)
         if value < 1:
             raise ValueError(f"FLOWENGINE_GRAMMAR_FILL_THREADS must be >= 1, got {env!r}")
         return value
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return 1
 
 
 class StructuredOutputManager:
