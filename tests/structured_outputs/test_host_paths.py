@@ -1,6 +1,7 @@
 """The host-side fast paths of a constrained step (CPU runner, one step at a time).
 
-- `apply_plan_bitmask` on CPU logits (numpy unpack + one masked fill) sets exactly the
+- `apply_plan_bitmask` on CPU logits (numpy unpack, -inf written by numpy; bfloat16
+  by one masked fill) sets exactly the
   logits that the tensor path (`apply_token_bitmask`, the device path) sets, for every
   row mapping: all rows in order, a subset, a shuffled order, ids that do not sample,
   and masks shorter or longer than the vocabulary.
@@ -16,7 +17,8 @@ from flowengine.sample.grammar_bitmask import apply_plan_bitmask, apply_token_bi
 
 @pytest.mark.parametrize("vocab_size,num_words", [(64, 2), (100, 4), (130, 4), (96, 5)])
 @pytest.mark.parametrize("mapping", ["in_order", "subset", "shuffled", "absent"])
-def test_cpu_apply_equals_the_tensor_path(vocab_size, num_words, mapping):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_apply_equals_the_tensor_path(vocab_size, num_words, mapping, dtype):
     gen = torch.Generator().manual_seed(vocab_size * 7 + num_words)
     sample_ids = [f"s{i}" for i in range(5)]
     if mapping == "in_order":
@@ -28,7 +30,7 @@ def test_cpu_apply_equals_the_tensor_path(vocab_size, num_words, mapping):
     else:  # "z" does not sample in this step: its row is skipped
         structured = ["s2", "z", "s0"]
     with torch.inference_mode():
-        logits = torch.randn(len(sample_ids), vocab_size, generator=gen)
+        logits = torch.randn(len(sample_ids), vocab_size, generator=gen).to(dtype)
     words = torch.randint(-(1 << 31), 1 << 31, (len(structured), num_words), generator=gen,
                           dtype=torch.int64).to(torch.int32)
     expected = logits.clone()
