@@ -107,6 +107,9 @@ class StructuredOutputManager:
         self._pending: dict[str, Future[CompiledGrammar]] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
         self._stop_ids: dict[str, list[int]] = {}
+        # Matchers whose one-token advance may go to their backend's batched accept
+        # (xgrammar, ending only on one of its stop tokens, which it has).
+        self._batchable: dict[str, GrammarMatcher] = {}
         # Requests whose matcher accepted a stop token (terminated; xgrammar's only way).
         self._ended: set[str] = set()
         self.num_compiled = 0  # grammars compiled (cache misses) since start
@@ -209,6 +212,9 @@ class StructuredOutputManager:
                         "not match its grammar")
         self._matchers[req_id] = matcher
         self._stop_ids[req_id] = stop_ids
+        if (stop_ids and getattr(matcher, "batch_accept_token", None) is not None
+                and getattr(matcher, "terminates_on_stop_token_only", False)):
+            self._batchable[req_id] = matcher
         if matcher.is_terminated():
             self._ended.add(req_id)
         self._assign_slot(req_id)
@@ -266,40 +272,39 @@ class StructuredOutputManager:
     def accept_tokens_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> list[bool]:
         """`accept_tokens` of each (request_id, token_ids), in order (one call per step
         from the scheduler). The common case, one token that is no stop token for a
-        matcher that ends only on one (xgrammar), goes to one batched call per backend
+        matcher that ends only on one (xgrammar), goes to one batched call
         (`batch_accept_token`: one library call, GIL released, for every such row); the
-        rest take `accept_tokens`."""
-        results = [True] * len(items)
-        matchers = self._matchers
+        rest take `accept_tokens`. NOTE: hot path, every constrained row every step."""
+        batchable = self._batchable
         stop_ids = self._stop_ids
         ended = self._ended
-        dirty = self._dirty
-        batches: dict[Any, tuple[list[int], list[Any], list[int]]] = {}
-        rest = []
+        rows: list[int] = []
+        batch_ids: list[str] = []
+        batch_matchers: list[Any] = []
+        batch_tokens: list[int] = []
+        rest: list[int] = []
         for i, (request_id, token_ids) in enumerate(items):
-            matcher = matchers.get(request_id)
-            if matcher is None:
-                continue
-            batch_accept = getattr(matcher, "batch_accept_token", None)
-            stops = stop_ids[request_id]
-            if (batch_accept is None or len(token_ids) != 1 or not stops
-                    or request_id in ended or token_ids[0] in stops
-                    or not matcher.terminates_on_stop_token_only):
-                rest.append(i)
-                continue
-            dirty.add(request_id)
-            group = batches.setdefault(batch_accept, ([], [], []))
-            group[0].append(i)
-            group[1].append(matcher)
-            group[2].append(token_ids[0])
-        for batch_accept, (indices, group_matchers, tokens) in batches.items():
-            if len(group_matchers) == 1:
-                accepted = [group_matchers[0].accept_token(tokens[0])]
+            matcher = batchable.get(request_id)
+            if matcher is not None and len(token_ids) == 1 and request_id not in ended:
+                token_id = token_ids[0]
+                if token_id not in stop_ids[request_id]:
+                    rows.append(i)
+                    batch_ids.append(request_id)
+                    batch_matchers.append(matcher)
+                    batch_tokens.append(token_id)
+                    continue
+            rest.append(i)
+        results = [True] * len(items)
+        if batch_matchers:
+            self._dirty.update(batch_ids)
+            if len(batch_matchers) == 1:
+                flags = [batch_matchers[0].accept_token(batch_tokens[0])]
             else:
-                accepted = batch_accept(group_matchers, tokens)
-            for i, ok in zip(indices, accepted, strict=True):
-                if not ok:
-                    results[i] = False
+                flags = type(batch_matchers[0]).batch_accept_token(batch_matchers, batch_tokens)
+            if not all(flags):
+                for i, ok in zip(rows, flags, strict=True):
+                    if not ok:
+                        results[i] = False
         accept = self.accept_tokens
         for i in rest:
             results[i] = accept(*items[i])
@@ -310,6 +315,7 @@ class StructuredOutputManager:
         self._pending.pop(request_id, None)
         self._matchers.pop(request_id, None)
         self._stop_ids.pop(request_id, None)
+        self._batchable.pop(request_id, None)
         self._ended.discard(request_id)
         self._dirty.discard(request_id)
         slot = self._slots.pop(request_id, None)

@@ -54,7 +54,7 @@ class XgrammarMatcher:
                                                               rows)
 
     @staticmethod
-    def batch_accept_token(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[bool]:
+    def batch_accept_token(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[Any]:
         """`accept_token(tokens[i])` of each of `matchers`, in one call (xgrammar's
         `BatchGrammarMatcher.batch_accept_token`: one library call, GIL released)."""
         return _batch_accept(matchers, tokens)
@@ -76,10 +76,10 @@ def matchers_of(matchers: list[XgrammarMatcher]) -> list[Any]:
 _BATCH_MATCHERS: dict[int, Any] = {}
 
 
-def _batch_accept(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[bool]:
+def _batch_accept(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[Any]:
     """xgrammar's batched accept, called on the matchers' handles where its binding
     allows (the Python wrapper's conversion of the result costs more than the call);
-    its flags as a list."""
+    its flags (true when accepted) as a list."""
     global _BATCH_ACCEPT
     if _BATCH_ACCEPT is None:
         import xgrammar as xgr
@@ -92,7 +92,7 @@ def _batch_accept(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[bo
         else:
             _BATCH_ACCEPT = lambda ms, ts: xgr.BatchGrammarMatcher.batch_accept_token(  # noqa: E731
                 matchers_of(ms), ts)
-    return [bool(flag) for flag in _BATCH_ACCEPT(matchers, tokens)]
+    return list(_BATCH_ACCEPT(matchers, tokens))  # 0/1 flags
 
 
 _BATCH_ACCEPT: Any = None
