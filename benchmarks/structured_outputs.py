@@ -89,8 +89,54 @@ def _timed_steps(llm: LLM) -> tuple[list[float], list[float]]:
     return steps, masks
 
 
+class StageTimers:
+    """--stage-timers: wall time of each part of a step, summed per run (in-process
+    engines; the CPU runner's forward): schedule, forward, the bitmask fill, the mask's
+    application, the sampler, update (the scheduler's update_from_output, the matchers'
+    advance included), accept (that advance alone), and the step as a whole."""
+
+    PARTS = ("step", "schedule", "forward", "fill", "apply", "sampler", "update", "accept")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+
+    def wrap(self, obj, name: str, part: str) -> None:
+        inner = getattr(obj, name)
+        seconds = self.seconds
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    def install(self, core, executor) -> None:
+        import flowengine.executor.executor as executor_module
+
+        manager = core.scheduler.structured_outputs
+        if executor is not None:
+            self.wrap(executor.runner, "execute_model", "forward")
+            self.wrap(executor, "sampler", "sampler")  # an attribute: called per step
+        self.wrap(executor_module, "apply_plan_bitmask", "apply")
+        self.wrap(core, "schedule", "schedule")
+        self.wrap(core.scheduler, "update_from_output", "update")
+        self.wrap(manager, "fill_bitmask", "fill")
+        self.wrap(manager, "accept_tokens_batch", "accept")
+
+    def take(self, num_steps: int) -> dict[str, float]:
+        """ms per step of each part since the last take."""
+        out = {f"{k}_ms": 1e3 * v / max(num_steps, 1) for k, v in self.seconds.items()}
+        for k in self.seconds:  # in place: the wrappers hold this dict
+            self.seconds[k] = 0.0
+        return out
+
+
 def run_once(llm: LLM, prompt: str, batch: int, output_len: int, constrained: bool,
-             steps: list[float], masks: list[float]) -> dict[str, float]:
+             steps: list[float], masks: list[float],
+             stages: StageTimers | None = None) -> dict[str, float]:
     params = _params(output_len, constrained)
     steps.clear()
     masks.clear()
@@ -102,8 +148,12 @@ def run_once(llm: LLM, prompt: str, batch: int, output_len: int, constrained: bo
     if constrained:
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
     decode = steps[1:]
-    return {"tok_s": tokens / wall, "tpot_ms": 1e3 * statistics.mean(decode),
-            "mask_ms": 1e3 * sum(masks) / max(len(decode), 1)}
+    out = {"tok_s": tokens / wall, "tpot_ms": 1e3 * statistics.mean(decode),
+           "mask_ms": 1e3 * sum(masks) / max(len(decode), 1)}
+    if stages is not None:
+        stages.seconds["step"] = sum(steps)
+        out.update(stages.take(len(steps)))
+    return out
 
 
 # Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B) architecture fields, with
@@ -260,8 +310,9 @@ def fill_benchmark(tokenizer, vocab_size: int, rows_list: list[int], threads_lis
                     accepts_before.append(time.perf_counter() - t)
                     manager._dirty.update(ids)
                     continue
-                for rid, tok in zip(ids, tokens, strict=True):
-                    assert manager.accept_tokens(rid, [tok])
+                # What the scheduler calls: one batched call per step.
+                assert all(manager.accept_tokens_batch(
+                    [(rid, [tok]) for rid, tok in zip(ids, tokens, strict=True)]))
                 accepts.append(time.perf_counter() - t)
         for variant, ts in times.items():
             before = variant == "row by row"
@@ -325,6 +376,13 @@ def main() -> None:
     parser.add_argument("--json-out", default=None, help="write the raw runs here")
     parser.add_argument("--no-compile-times", action="store_true",
                         help="skip the 30 schemas' compile times after the runs")
+    parser.add_argument("--stage-timers", action="store_true",
+                        help="LLM engine: time each part of a step (schedule, forward, fill, "
+                        "apply, sampler, update, accept) and print a table of them")
+    parser.add_argument("--inline-variant", action="store_true",
+                        help="with --async-scheduling --placement inproc: a third variant, "
+                        "JSON with the grammar work on the scheduler's loop (no worker "
+                        "thread: grammar_offload_rows None)")
     parser.add_argument("--fill-only", action="store_true",
                         help="time the host's per-step bitmask fill and accepts alone")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
@@ -365,15 +423,21 @@ def _main_llm(args) -> None:
     tokenizer = llm.input_processor.tokenizer
     prompt = _chat_prompt(tokenizer)
     steps, masks = _timed_steps(llm)
-    run_once(llm, prompt, 1, 4, True, steps, masks)  # warm-up: tokenizer info, compile
+    stages = None
+    if args.stage_timers:
+        stages = StageTimers()
+        stages.install(llm.engine, llm.engine.executor)
+    run_once(llm, prompt, 1, 4, True, steps, masks, stages)  # warm-up: tokenizer info, compile
     load_before = os.getloadavg()
-    results: dict[tuple[int, bool], list[dict[str, float]]] = {}
+    results: dict[tuple[int, str], list[dict[str, float]]] = {}
     for batch in args.batch_sizes:
         for rep in range(args.reps):
             for constrained in _order(rep):
-                r = run_once(llm, prompt, batch, args.output_len, constrained, steps, masks)
-                results.setdefault((batch, constrained), []).append(r)
-                print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
+                r = run_once(llm, prompt, batch, args.output_len, constrained, steps, masks,
+                             stages)
+                variant = "json" if constrained else "free"
+                results.setdefault((batch, variant), []).append(r)
+                print(f"batch {batch} {variant}: {r}", flush=True)
     load_after = os.getloadavg()
     _report(args, results, load_before, load_after, tokenizer,
             llm.resolved.model_config.vocab_size, "LLM, one step at a time")
@@ -394,15 +458,23 @@ async def _main(args) -> None:
             _timed_fill(engine.core.scheduler.structured_outputs, masks)
         await run_async_once(engine, prompt, 1, 4, True, masks)  # warm-up
         await run_async_once(engine, prompt, max(args.batch_sizes), 4, False, masks)
+        variants = ["free", "json"]
+        scheduler = engine.core.scheduler if args.placement == "inproc" else None
+        offload_rows = scheduler.grammar_offload_rows if scheduler is not None else None
+        if args.inline_variant and scheduler is not None:
+            variants.append("json-inline")
         load_before = os.getloadavg()
-        results: dict[tuple[int, bool], list[dict[str, float]]] = {}
+        results: dict[tuple[int, str], list[dict[str, float]]] = {}
         for batch in args.batch_sizes:
             for rep in range(args.reps):
-                for constrained in _order(rep):
+                for variant in (variants if rep % 2 == 0 else variants[::-1]):
+                    if scheduler is not None:  # json-inline: the grammar work on the loop
+                        scheduler.grammar_offload_rows = (
+                            None if variant == "json-inline" else offload_rows)
                     r = await run_async_once(engine, prompt, batch, args.output_len,
-                                             constrained, masks)
-                    results.setdefault((batch, constrained), []).append(r)
-                    print(f"batch {batch} {'json' if constrained else 'free'}: {r}", flush=True)
+                                             variant != "free", masks)
+                    results.setdefault((batch, variant), []).append(r)
+                    print(f"batch {batch} {variant}: {r}", flush=True)
         load_after = os.getloadavg()
         _report(args, results, load_before, load_after, tokenizer,
                 engine.resolved.model_config.vocab_size,
@@ -416,30 +488,51 @@ def _report(args, results, load_before, load_after, tokenizer, vocab_size: int,
     rows = [] if args.no_compile_times else compile_times(tokenizer, vocab_size)
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "runs": {f"{b}-{'json' if c else 'free'}": r
-                                                     for (b, c), r in results.items()},
+            json.dump({"args": vars(args), "engine": engine_name,
+                       "runs": {f"{b}-{v}": r for (b, v), r in results.items()},
                        "compile_ms": rows, "load": [load_before, load_after]}, f, indent=1)
 
-    def med(batch: int, constrained: bool, key: str) -> float:
-        return statistics.median(r[key] for r in results[(batch, constrained)])
+    def med(batch: int, variant: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[(batch, variant)])
 
+    inline = any(v == "json-inline" for _, v in results)
     print(f"\ncommand: python benchmarks/structured_outputs.py "
           f"{' '.join(sys.argv[1:])}\nengine: {engine_name}; device {args.device}; "
           f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} CPUs); {args.reps} alternated runs per cell, medians; "
           f"output {args.output_len} tokens per request\n")
-    print("| batch | unconstrained tok/s | JSON-schema tok/s | ratio | unconstrained TPOT ms "
-          "| JSON-schema TPOT ms | mask fill ms/step |")
-    print("|---|---|---|---|---|---|---|")
+    head = ("| batch | unconstrained tok/s | JSON-schema tok/s | ratio | unconstrained TPOT ms "
+            "| JSON-schema TPOT ms | mask fill ms/step |")
+    if inline:
+        head += " JSON, grammar work inline, tok/s | ratio | TPOT ms |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
     for batch in args.batch_sizes:
-        free, con = med(batch, False, "tok_s"), med(batch, True, "tok_s")
-        print(f"| {batch} | {free:.1f} | {con:.1f} | {con / free:.3f} | "
-              f"{med(batch, False, 'tpot_ms'):.2f} | {med(batch, True, 'tpot_ms'):.2f} | "
-              f"{med(batch, True, 'mask_ms'):.2f} |")
-    print("\n| schema | backend | compile ms |")
-    print("|---|---|---|")
-    for name, backend, ms in rows:
-        print(f"| {name} | {backend} | {ms:.1f} |")
+        free, con = med(batch, "free", "tok_s"), med(batch, "json", "tok_s")
+        line = (f"| {batch} | {free:.1f} | {con:.1f} | {con / free:.3f} | "
+                f"{med(batch, 'free', 'tpot_ms'):.2f} | {med(batch, 'json', 'tpot_ms'):.2f} | "
+                f"{med(batch, 'json', 'mask_ms'):.2f} |")
+        if inline:
+            alt = med(batch, "json-inline", "tok_s")
+            line += (f" {alt:.1f} | {alt / free:.3f} | "
+                     f"{med(batch, 'json-inline', 'tpot_ms'):.2f} |")
+        print(line)
+    if any("forward_ms" in r for rs in results.values() for r in rs):
+        print("\n| batch | part (ms per step, medians) | unconstrained | JSON-schema | difference |")
+        print("|---|---|---|---|---|")
+        for batch in args.batch_sizes:
+            for part in StageTimers.PARTS:
+                free = med(batch, "free", f"{part}_ms")
+                con = med(batch, "json", f"{part}_ms")
+                print(f"| {batch} | {part} | {free:.3f} | {con:.3f} | {con - free:+.3f} |")
+    print("\nsingle runs (tok/s, in order per variant): " + "; ".join(
+        f"{b} {v}: " + ", ".join(f"{r['tok_s']:.1f}" for r in rs)
+        for (b, v), rs in results.items()))
+    if rows:
+        print("\n| schema | backend | compile ms |")
+        print("|---|---|---|")
+        for name, backend, ms in rows:
+            print(f"| {name} | {backend} | {ms:.1f} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ placeholder tokens, as soon as the result before it was applied.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
@@ -35,6 +36,19 @@ from flowengine.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Constrained rows of a result from which the Scheduler actor advances their matchers
+# and fills the next bitmask in a worker thread (below it the thread hand-off costs
+# more than the work): FLOWENGINE_GRAMMAR_OFFLOAD_ROWS, 0 for never.
+GRAMMAR_OFFLOAD_ROWS = 32
+
+
+def grammar_offload_rows() -> int | None:
+    env = os.environ.get("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS")
+    value = GRAMMAR_OFFLOAD_ROWS if not env else int(env)
+    if value < 0:
+        raise ValueError(f"FLOWENGINE_GRAMMAR_OFFLOAD_ROWS must be >= 0, got {env!r}")
+    return value or None
 
 
 class SchedulerActor:
@@ -90,6 +104,10 @@ class SchedulerActor:
         # scheduling): its stages take whole plans.
         self.scheduler.defer_grammar_bitmask = not (
             max_steps_in_flight > 1 and not self.scheduler.async_scheduling)
+        # A result with many constrained rows: their matchers advance and the next
+        # bitmask is filled in a worker thread while this loop sends the step's outputs
+        # on (in-process, the detokenizer runs on this loop meanwhile); see _apply.
+        self.scheduler.grammar_offload_rows = grammar_offload_rows()
         self.generation = generation
         self.busy_s = 0.0  # time in schedule() and update()
         self._in_flight: deque[StepPlan] = deque()
@@ -152,6 +170,15 @@ class SchedulerActor:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {plan.step_id}")
         start = time.perf_counter()
         deltas = self.core.update(plan, result)
+        work = self.core.take_grammar_work()
+        if work is not None:
+            # The step's outputs go first (processed while the matchers advance in a
+            # worker thread; the grammar library releases the GIL), then the bitmask.
+            self.busy_s += time.perf_counter() - start
+            await self._emit(deltas)
+            outcome = await anyio.to_thread.run_sync(work)
+            start = time.perf_counter()
+            deltas = self.core.finish_grammar_work(outcome)  # refused tokens' failures
         grammar_outputs = self.core.take_grammar_outputs()
         self.busy_s += time.perf_counter() - start
         # First the bitmasks that the executor waits for to sample the next step (its

@@ -76,7 +76,7 @@ Pure Python: this module must not import torch.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -156,6 +156,14 @@ class Scheduler:
         # earlier token when it was planned); and their bitmasks once filled.
         self._deferred_bitmasks: deque[tuple[int, list[Request], bool]] = deque()
         self._grammar_outputs: list[GrammarOutput] = []
+        # A driver that can run grammar work off its thread (the Scheduler actor) sets
+        # this: a result with at least this many constrained rows leaves their matchers'
+        # advance and the next bitmask fill to `take_grammar_work()` (None: inline).
+        self.grammar_offload_rows: int | None = None
+        # The accepted tokens of constrained requests that update_from_output left to
+        # take_grammar_work: (request, its delta) in plan order.
+        self._grammar_backlog: list[tuple[Request, RequestDelta]] = []
+        self._grammar_work_out = False  # a take_grammar_work() job not finished yet
         # The state's long-lived parts, bound once: the planning loops read them on
         # every step.
         self.config = state.config
@@ -477,17 +485,26 @@ class Scheduler:
         """Fill the bitmask of each pending plan whose requests' matchers hold every
         token before the one it samples (ready when planned, or all earlier steps
         applied), oldest first: GrammarOutputs go out in plan order."""
-        deferred = self._deferred_bitmasks
-        oldest = self.in_flight.oldest_step_id
-        while deferred and (deferred[0][2] or oldest is None or deferred[0][0] <= oldest):
-            step_id, requests, _ = deferred.popleft()
-            grammars = self.structured_outputs
-            live = self.requests
-            # Finished (or failed, aborted) since the plan: no row, its token is dropped.
-            req_ids = [r.request_id for r in requests
-                       if live.get(r.request_id) is r and grammars.has_matcher(r.request_id)]
+        grammars = self.structured_outputs
+        for step_id, req_ids in self._ready_deferred_bitmasks():
             bitmask = grammars.fill_bitmask(req_ids) if req_ids else b""
             self._grammar_outputs.append(GrammarOutput(step_id, req_ids, bitmask))
+
+    def _ready_deferred_bitmasks(self) -> list[tuple[int, list[str]]]:
+        """Take the pending plans whose bitmask can be filled now (see
+        `_fill_deferred_bitmasks`): (step id, the ids of its rows), oldest first."""
+        deferred = self._deferred_bitmasks
+        oldest = self.in_flight.oldest_step_id
+        grammars = self.structured_outputs
+        live = self.requests
+        ready = []
+        while deferred and (deferred[0][2] or oldest is None or deferred[0][0] <= oldest):
+            step_id, requests, _ = deferred.popleft()
+            # Finished (or failed, aborted) since the plan: no row, its token is dropped.
+            ready.append((step_id, [r.request_id for r in requests
+                                    if live.get(r.request_id) is r
+                                    and grammars.has_matcher(r.request_id)]))
+        return ready
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
@@ -506,6 +523,9 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         if not plan.num_scheduled_tokens:
             return []
+        if self._grammar_backlog or self._grammar_work_out:
+            raise ValueError(f"result of step {plan.step_id} applied before the grammar work "
+                             "of the previous result was finished (take_grammar_work)")
         if self._deferred_bitmasks and self._deferred_bitmasks[0][0] <= plan.step_id:
             raise ValueError(f"result of step {plan.step_id} applied before the grammar "
                              f"bitmask of step {self._deferred_bitmasks[0][0]} was filled")
@@ -516,7 +536,7 @@ class Scheduler:
             deltas = self._apply_sampled(plan, scheduled, result)
         # NOTE: only now has this step stopped writing the blocks deferred until it.
         self.kv_cache_manager.release_deferred(plan.step_id)
-        if self._deferred_bitmasks:
+        if self._deferred_bitmasks and not self._grammar_backlog:
             self._fill_deferred_bitmasks()
         return deltas
 
@@ -539,6 +559,7 @@ class Scheduler:
             plan_drafts = {c.req_id: c.draft_token_ids for c in plan.cached_reqs
                            if c.draft_token_ids}
         deltas = []
+        advance: list[tuple[Request, RequestDelta]] = []  # constrained: matchers to advance
         entries = chain(plan.new_reqs, plan.cached_reqs)
         for entry, num_scheduled in zip(entries, plan.num_scheduled_tokens, strict=True):
             req_id = entry.req_id
@@ -562,7 +583,7 @@ class Scheduler:
                 delta = append_sampled(request, tokens)
                 deltas.append(delta)
                 if grammars is not None and delta.finish_reason is None and delta.new_token_ids:
-                    self._advance_matcher(request, delta, grammars)
+                    advance.append((request, delta))
             if (windowed and request.status is _RUNNING
                     and request.num_preemptions == record.num_preemptions):
                 # NOTE: after publishing (a freed block stays a prefix-cache entry) and
@@ -570,6 +591,13 @@ class Scheduler:
                 # past this count, so none reads the blocks freed here.
                 self.kv_cache_manager.remove_skipped_blocks(request, min(
                     entry.num_computed_tokens + num_scheduled, request.num_computed_tokens))
+        if advance:
+            assert grammars is not None
+            offload = self.grammar_offload_rows
+            if offload is not None and len(advance) >= offload:
+                self._grammar_backlog = advance  # take_grammar_work() advances them
+            else:
+                self._advance_matchers(advance, grammars)
         return deltas
 
     def _roll_back_drafts(self, request: Request, record: ScheduledRequest,
@@ -589,16 +617,63 @@ class Scheduler:
         request.num_computed_tokens -= len(drafts) - num_accepted
         self.kv_cache_manager.trim(request, request.num_computed_tokens)
 
-    def _advance_matcher(self, request: Request, delta: RequestDelta, grammars: Any) -> None:
-        """Feed the accepted tokens to the request's matcher; a refused token (the output
-        left its grammar, which the mask should make impossible) fails the request, in
-        the same delta."""
-        if grammars.accept_tokens(request.request_id, delta.new_token_ids):
-            return
-        error = (f"structured outputs: token {delta.new_token_ids[-1]} does not match the "
-                 f"grammar of request {request.request_id}")
-        failed = self.state.fail_request(request, error)
-        delta.finish_reason, delta.error = failed.finish_reason, failed.error
+    def _advance_matchers(self, advance: list[tuple[Request, RequestDelta]],
+                          grammars: Any) -> None:
+        """Feed each request's accepted tokens to its matcher (one batched call); a
+        refused token (the output left its grammar, which the mask should make
+        impossible) fails the request, in the same delta."""
+        accepted = _accept_batch(grammars, [(request.request_id, delta.new_token_ids)
+                                            for request, delta in advance])
+        for (request, delta), ok in zip(advance, accepted, strict=True):
+            if not ok:
+                failed = self.state.fail_request(request, _refused(request, delta))
+                delta.finish_reason, delta.error = failed.finish_reason, failed.error
+
+    def take_grammar_work(self) -> Callable[[], Any] | None:
+        """The grammar work that the last update_from_output left (`grammar_offload_rows`):
+        a function to run off the driver's thread (GIL released inside the grammar
+        library's batched calls), which advances the matchers by the step's tokens and
+        fills the bitmasks of the pending plans that are then ready. Pass what it returns
+        to `finish_grammar_work` (on the driver's thread, before anything else touches
+        this scheduler). None when there is nothing to do off the thread.
+
+        While it runs, the driver may send the step's deltas on (they are final but for a
+        refused token, which `finish_grammar_work` fails with a delta of its own) and
+        must not plan or apply another step."""
+        if not self._grammar_backlog:
+            return None
+        advance, self._grammar_backlog = self._grammar_backlog, []
+        grammars = self.structured_outputs
+        items = [(request.request_id, delta.new_token_ids) for request, delta in advance]
+        fills = self._ready_deferred_bitmasks()
+        self._grammar_work_out = True
+
+        def work() -> tuple[list[tuple[Request, RequestDelta]], list[GrammarOutput]]:
+            accepted = _accept_batch(grammars, items)
+            refused = [pair for pair, ok in zip(advance, accepted, strict=True) if not ok]
+            drop = {request.request_id for request, _ in refused}
+            outputs = []
+            for step_id, req_ids in fills:
+                if drop:
+                    req_ids = [rid for rid in req_ids if rid not in drop]
+                outputs.append(GrammarOutput(step_id, req_ids,
+                                             grammars.fill_bitmask(req_ids) if req_ids else b""))
+            return refused, outputs
+
+        return work
+
+    def finish_grammar_work(self, outcome: Any) -> list[RequestDelta]:
+        """Apply what a `take_grammar_work()` function returned: its GrammarOutputs join
+        `take_grammar_outputs()`; a request whose token its grammar refused fails (its
+        "error" delta is returned)."""
+        refused, outputs = outcome
+        self._grammar_work_out = False
+        self._grammar_outputs.extend(outputs)
+        deltas = []
+        for request, delta in refused:
+            if self.requests.get(request.request_id) is request:
+                deltas.append(self.state.fail_request(request, _refused(request, delta)))
+        return deltas
 
     def _fail_plan(
         self, plan: StepPlan, scheduled: dict[str, ScheduledRequest], error: str
@@ -606,3 +681,17 @@ class Scheduler:
         requests = [scheduled[req_id].request for req_id in plan.scheduled_req_ids]
         live = [r for r in requests if self.requests.get(r.request_id) is r]
         return [self.state.fail_request(r, error) for r in live]
+
+
+def _accept_batch(grammars: Any, items: list) -> list[bool]:
+    """`grammars.accept_tokens` of each (request id, token ids), in one
+    `accept_tokens_batch` call where the manager has one."""
+    batch = getattr(grammars, "accept_tokens_batch", None)
+    if batch is not None:
+        return batch(items)
+    return [grammars.accept_tokens(rid, tokens) for rid, tokens in items]
+
+
+def _refused(request: Request, delta: RequestDelta) -> str:
+    return (f"structured outputs: token {delta.new_token_ids[-1]} does not match the "
+            f"grammar of request {request.request_id}")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from flowengine.core.scheduler import Scheduler
 from flowengine.messages import (
@@ -178,6 +179,18 @@ class EngineCore:
         self.num_steps += 1
         deltas = self.take_outputs()
         deltas.extend(self.scheduler.update_from_output(plan, result))
+        return deltas
+
+    def take_grammar_work(self) -> Callable[[], Any] | None:
+        """The matchers' advance and bitmask fill that the last update() left to run off
+        the driver's thread (`Scheduler.take_grammar_work`), or None."""
+        return self.scheduler.take_grammar_work()
+
+    def finish_grammar_work(self, outcome: Any) -> list[RequestDelta]:
+        """`Scheduler.finish_grammar_work`: the GrammarOutputs join
+        take_grammar_outputs(); returns the pending deltas and those of refused tokens."""
+        deltas = self.take_outputs()
+        deltas.extend(self.scheduler.finish_grammar_work(outcome))
         return deltas
 
     def take_grammar_outputs(self) -> list[GrammarOutput]:

@@ -96,22 +96,30 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     logits.index_copy_(0, rows, sub)
 
 
-@torch.inference_mode()  # logits are inference tensors (the forward ran in that mode)
 def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
                        structured_req_ids: list[str], data: bytes) -> None:
     """Apply a plan's bitmask (`StepPlan.grammar_bitmask`, one row per id of
     `structured_req_ids`) to the logits rows of `sample_req_ids` (the step's sampling
     rows, in order). Ids that do not sample in this step are skipped. A no-op when the
-    plan has no constrained rows."""
+    plan has no constrained rows (returning before anything else: every step calls it)."""
     if not structured_req_ids:
         return
     index = {rid: i for i, rid in enumerate(sample_req_ids)}
     pairs = [(k, index[rid]) for k, rid in enumerate(structured_req_ids) if rid in index]
     if not pairs:
         return
-    bitmask = bitmask_to_device(data, len(structured_req_ids), logits.device)
+    if logits.device.type == "cpu":
+        _apply_on_host(logits, data, len(structured_req_ids), pairs)
+    else:
+        _apply_on_device(logits, data, len(structured_req_ids), pairs)
+
+
+@torch.inference_mode()  # logits are inference tensors (the forward ran in that mode)
+def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
+                     pairs: list[tuple[int, int]]) -> None:
+    bitmask = bitmask_to_device(data, num_rows, logits.device)
     mask_rows = [k for k, _ in pairs]
-    if len(mask_rows) != len(structured_req_ids):
+    if len(mask_rows) != num_rows:
         bitmask = bitmask[torch.tensor(mask_rows, dtype=torch.int64, device=logits.device)]
     if len(pairs) == logits.shape[0] and all(k == r for k, r in pairs):
         apply_token_bitmask(logits, bitmask, None)  # every row constrained, in order
@@ -119,3 +127,45 @@ def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
     rows = torch.tensor([r for _, r in pairs], dtype=torch.int64,
                         pin_memory=logits.device.type == "cuda")
     apply_token_bitmask(logits, bitmask, rows.to(logits.device, non_blocking=True))
+
+
+def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
+                   pairs: list[tuple[int, int]]) -> None:
+    """`apply_plan_bitmask` for logits on the CPU, in numpy: the words unpacked (one
+    pass, no [K, W, 32] int32 intermediate) into the disallowed mask, then -inf written
+    where it is set, single-threaded. torch's element-wise ops over a 49k-token row go
+    to its intra-op threads, and on a loaded machine a wake-up of those can wait for a
+    time slice: measured at batch 1 on the 2-core CPU, masked_fill_ 0.03 ms median but
+    12 ms at the 90th percentile, numpy 0.028 / 0.038 ms (32 rows: 12.0 / 2.15 ms)."""
+    if num_rows <= 0 or len(data) % (4 * num_rows):
+        raise ValueError(f"a grammar bitmask of {len(data)} bytes does not split into "
+                         f"{num_rows} rows of int32 words")
+    vocab_size = logits.shape[1]
+    words = np.frombuffer(data, dtype=np.uint8).reshape(num_rows, -1)  # little-endian
+    mask_rows = [k for k, _ in pairs]
+    if len(mask_rows) != num_rows:
+        words = words[mask_rows]
+    bits = np.unpackbits(words, axis=1, bitorder="little")  # bit t of row = token t
+    if bits.shape[1] >= vocab_size:
+        disallowed = bits[:, :vocab_size] == 0
+    else:  # tokens past the mask's words are disallowed
+        disallowed = np.ones((len(mask_rows), vocab_size), dtype=bool)
+        disallowed[:, :bits.shape[1]] = bits == 0
+    in_order = len(pairs) == logits.shape[0] and all(k == r for k, r in pairs)
+    if logits.dtype not in (torch.float32, torch.float16, torch.float64):  # no numpy dtype
+        mask = torch.from_numpy(disallowed)
+        with torch.inference_mode():
+            if in_order:
+                logits.masked_fill_(mask, float("-inf"))
+                return
+            rows = torch.tensor([r for _, r in pairs], dtype=torch.int64)
+            sub = logits.index_select(0, rows)
+            sub.masked_fill_(mask, float("-inf"))
+            logits.index_copy_(0, rows, sub)
+        return
+    values = logits.numpy()  # shares the tensor's memory
+    if in_order:
+        np.copyto(values, -np.inf, where=disallowed)
+        return
+    for k, (_, r) in enumerate(pairs):
+        np.copyto(values[r], -np.inf, where=disallowed[k])

@@ -59,15 +59,16 @@ PARALLEL_FILL_ROWS = 64
 
 
 def default_fill_threads() -> int:
-    """Threads for a large step's bitmask fill: FLOWENGINE_GRAMMAR_FILL_THREADS, else a
-    quarter of the CPUs, 1 to 4 (the engine's other threads keep the rest)."""
+    """Threads for a large step's bitmask fill: FLOWENGINE_GRAMMAR_FILL_THREADS, else 1.
+    xgrammar's threads did not pay at 32-128 rows on the 16-core H200 host nor on the
+    2-core CPU (docs/benchmarks.md: 2, 4 and 8 threads slower than one)."""
     env = os.environ.get("FLOWENGINE_GRAMMAR_FILL_THREADS")
     if env:
         value = int(env)
         if value < 1:
             raise ValueError(f"FLOWENGINE_GRAMMAR_FILL_THREADS must be >= 1, got {env!r}")
         return value
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return 1
 
 
 class StructuredOutputManager:
@@ -106,6 +107,9 @@ class StructuredOutputManager:
         self._pending: dict[str, Future[CompiledGrammar]] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
         self._stop_ids: dict[str, list[int]] = {}
+        # Matchers whose one-token advance may go to their backend's batched accept
+        # (xgrammar, ending only on one of its stop tokens, which it has).
+        self._batchable: dict[str, GrammarMatcher] = {}
         # Requests whose matcher accepted a stop token (terminated; xgrammar's only way).
         self._ended: set[str] = set()
         self.num_compiled = 0  # grammars compiled (cache misses) since start
@@ -208,6 +212,9 @@ class StructuredOutputManager:
                         "not match its grammar")
         self._matchers[req_id] = matcher
         self._stop_ids[req_id] = stop_ids
+        if (stop_ids and getattr(matcher, "batch_accept_token", None) is not None
+                and getattr(matcher, "terminates_on_stop_token_only", False)):
+            self._batchable[req_id] = matcher
         if matcher.is_terminated():
             self._ended.add(req_id)
         self._assign_slot(req_id)
@@ -264,15 +271,51 @@ class StructuredOutputManager:
 
     def accept_tokens_batch(self, items: Sequence[tuple[str, Sequence[int]]]) -> list[bool]:
         """`accept_tokens` of each (request_id, token_ids), in order (one call per step
-        from the scheduler)."""
+        from the scheduler). The common case, one token that is no stop token for a
+        matcher that ends only on one (xgrammar), goes to one batched call
+        (`batch_accept_token`: one library call, GIL released, for every such row); the
+        rest take `accept_tokens`. NOTE: hot path, every constrained row every step."""
+        batchable = self._batchable
+        stop_ids = self._stop_ids
+        ended = self._ended
+        rows: list[int] = []
+        batch_ids: list[str] = []
+        batch_matchers: list[Any] = []
+        batch_tokens: list[int] = []
+        rest: list[int] = []
+        for i, (request_id, token_ids) in enumerate(items):
+            matcher = batchable.get(request_id)
+            if matcher is not None and len(token_ids) == 1 and request_id not in ended:
+                token_id = token_ids[0]
+                if token_id not in stop_ids[request_id]:
+                    rows.append(i)
+                    batch_ids.append(request_id)
+                    batch_matchers.append(matcher)
+                    batch_tokens.append(token_id)
+                    continue
+            rest.append(i)
+        results = [True] * len(items)
+        if batch_matchers:
+            self._dirty.update(batch_ids)
+            if len(batch_matchers) == 1:
+                flags = [batch_matchers[0].accept_token(batch_tokens[0])]
+            else:
+                flags = type(batch_matchers[0]).batch_accept_token(batch_matchers, batch_tokens)
+            if not all(flags):
+                for i, ok in zip(rows, flags, strict=True):
+                    if not ok:
+                        results[i] = False
         accept = self.accept_tokens
-        return [accept(request_id, token_ids) for request_id, token_ids in items]
+        for i in rest:
+            results[i] = accept(*items[i])
+        return results
 
     def remove(self, request_id: str) -> None:
         """Forget a finished request (its compiled grammar stays cached)."""
         self._pending.pop(request_id, None)
         self._matchers.pop(request_id, None)
         self._stop_ids.pop(request_id, None)
+        self._batchable.pop(request_id, None)
         self._ended.discard(request_id)
         self._dirty.discard(request_id)
         slot = self._slots.pop(request_id, None)

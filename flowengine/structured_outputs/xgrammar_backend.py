@@ -53,6 +53,12 @@ class XgrammarMatcher:
         _batch_matcher(threads).batch_fill_next_token_bitmask(matchers_of(matchers), bitmask,
                                                               rows)
 
+    @staticmethod
+    def batch_accept_token(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[Any]:
+        """`accept_token(tokens[i])` of each of `matchers`, in one call (xgrammar's
+        `BatchGrammarMatcher.batch_accept_token`: one library call, GIL released)."""
+        return _batch_accept(matchers, tokens)
+
     def is_terminated(self) -> bool:
         return bool(self._h.is_terminated())
 
@@ -68,6 +74,28 @@ def matchers_of(matchers: list[XgrammarMatcher]) -> list[Any]:
 
 
 _BATCH_MATCHERS: dict[int, Any] = {}
+
+
+def _batch_accept(matchers: list[XgrammarMatcher], tokens: list[int]) -> list[Any]:
+    """xgrammar's batched accept, called on the matchers' handles where its binding
+    allows (the Python wrapper's conversion of the result costs more than the call);
+    its flags (true when accepted) as a list."""
+    global _BATCH_ACCEPT
+    if _BATCH_ACCEPT is None:
+        import xgrammar as xgr
+        from xgrammar import matcher as xgr_matcher
+
+        core = getattr(getattr(xgr_matcher, "_core", None), "BatchGrammarMatcher", None)
+        if core is not None and hasattr(core, "batch_accept_token"):
+            raw = core.batch_accept_token
+            _BATCH_ACCEPT = lambda ms, ts: raw([m._h for m in ms], ts, False)  # noqa: E731
+        else:
+            _BATCH_ACCEPT = lambda ms, ts: xgr.BatchGrammarMatcher.batch_accept_token(  # noqa: E731
+                matchers_of(ms), ts)
+    return list(_BATCH_ACCEPT(matchers, tokens))  # 0/1 flags
+
+
+_BATCH_ACCEPT: Any = None
 
 
 def _batch_matcher(threads: int) -> Any:

@@ -135,14 +135,20 @@ async def _stream(engine: AsyncEngine, prompt: str, params: SamplingParams) -> l
     return ids
 
 
+@pytest.mark.parametrize("offload_rows", ["", "1"])
 def test_async_scheduling_decodes_a_constrained_request_in_every_step(default_model_path,
-                                                                      reference):
+                                                                      reference, monkeypatch,
+                                                                      offload_rows):
     # The executor launches step N+1's forward before N's token is known and samples it
     # with the bitmask the scheduler sends once N's token was accepted. So beside an
     # unconstrained request that keeps two steps in flight, a constrained request is in
     # every plan from its first token to its last (no step skipped to wait for its
     # mask), one plan per token plus the speculative one planned while its EOS was in
-    # flight; and greedy ids are those of the offline engine.
+    # flight; and greedy ids are those of the offline engine. offload_rows "1": the
+    # Scheduler actor advances the matchers and fills the next bitmask in its worker
+    # thread from one constrained row (default: from 32, so inline here).
+    monkeypatch.setenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", offload_rows)
+
     async def main():
         engine = AsyncEngine(default_model_path, max_model_len=512, placement="inproc",
                              async_scheduling=True)
