@@ -505,24 +505,11 @@ static int check_fmt(int fmt)
     return 0;
 }
 
-/* linear(fmt, x, M, K, qs, sc, N, out, num_threads): out[M, N] = x[M, K] W^T. */
-static PyObject *py_linear(PyObject *self, PyObject *args)
+/* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. Returns -1
+ * when the activation buffer cannot be allocated (nothing written), else 0. */
+static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                       const uint16_t *sc, int64_t N, float *out, int nth)
 {
-    int fmt, nth;
-    unsigned long long xp, qp, sp, op;
-    long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iKLLKKLKi", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth))
-        return NULL;
-    if (check_fmt(fmt) < 0)
-        return NULL;
-    if (K % QK != 0 || M < 0 || N < 0 || nth < 1) {
-        PyErr_Format(PyExc_ValueError, "bad shapes M=%lld K=%lld N=%lld threads=%d", M, K, N, nth);
-        return NULL;
-    }
-    const float *x = (const float *)(uintptr_t)xp;
-    const uint8_t *qs = (const uint8_t *)(uintptr_t)qp;
-    const uint16_t *sc = (const uint16_t *)(uintptr_t)sp;
-    float *out = (float *)(uintptr_t)op;
     int avx = use_avx512();
     int64_t units = (N + 15) / 16;
     if (nth > units)
@@ -538,18 +525,14 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
         size_t per_row = (size_t)act.npair * (192 + 64 + 64) + (size_t)act.nxs * 4;
         buf = calloc((size_t)M, per_row);
         if (buf == NULL)
-            return PyErr_NoMemory();
+            return -1;
         act.s = (float *)buf;
         act.corr = (int32_t *)(act.s + M * act.npair * 16);
         act.xs = (float *)(act.corr + M * act.npair * 16);
         act.bytes = (int8_t *)(act.xs + M * act.nxs);
-    }
-#endif
-    Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (vnni)
         for (int64_t r = 0; r < M; r++)
             vnni_prepare_row(fmt, x + r * K, K, &act, r);
+    }
 #endif
 #pragma omp parallel num_threads(nth)
     {
@@ -569,11 +552,34 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
 #endif
             linear_rows_c(fmt, x, M, K, qs, sc, n0, n1, out, N);
     }
-    Py_END_ALLOW_THREADS
 #if HAVE_X86
     free(buf);
 #endif
     (void)avx;
+    return 0;
+}
+
+/* linear(fmt, x, M, K, qs, sc, N, out, num_threads): out[M, N] = x[M, K] W^T. */
+static PyObject *py_linear(PyObject *self, PyObject *args)
+{
+    int fmt, nth;
+    unsigned long long xp, qp, sp, op;
+    long long M, K, N;
+    if (!PyArg_ParseTuple(args, "iKLLKKLKi", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth))
+        return NULL;
+    if (check_fmt(fmt) < 0)
+        return NULL;
+    if (K % QK != 0 || M < 0 || N < 0 || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shapes M=%lld K=%lld N=%lld threads=%d", M, K, N, nth);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = linear_impl(fmt, (const float *)(uintptr_t)xp, M, K, (const uint8_t *)(uintptr_t)qp,
+                     (const uint16_t *)(uintptr_t)sp, N, (float *)(uintptr_t)op, nth);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -835,6 +841,25 @@ AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w
 }
 #endif
 
+/* The attention of `a` with up to nth threads; call without the GIL. */
+static void attention_impl(const attn_args *a, int nth)
+{
+    int64_t work = a->num_reqs * a->hkv;
+    if (nth > work)
+        nth = (int)(work > 0 ? work : 1);
+    int avx = use_avx512();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+    for (int64_t w = 0; w < work; w++) {
+#if HAVE_X86
+        if (avx)
+            attend_range_avx512(a, w, w + 1);
+        else
+#endif
+            attend_range_c(a, w, w + 1);
+    }
+    (void)avx;
+}
+
 /* paged_decode_attention(q, q_bf16, tok_idx, req_idx, num_reqs, hq, hkv, d, cache,
  *     kv_bf16, num_blocks, block_size, block_tables, bt_stride, seq_lens, scale,
  *     soft_cap, window, out, num_threads) */
@@ -874,22 +899,9 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
     a.scale = (float)scale;
     a.soft_cap = (float)cap;
     a.window = window;
-    int64_t work = nr * hkv;
-    if (nth > work)
-        nth = (int)(work > 0 ? work : 1);
-    int avx = use_avx512();
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
-    for (int64_t w = 0; w < work; w++) {
-#if HAVE_X86
-        if (avx)
-            attend_range_avx512(&a, w, w + 1);
-        else
-#endif
-            attend_range_c(&a, w, w + 1);
-    }
+    attention_impl(&a, nth);
     Py_END_ALLOW_THREADS
-    (void)avx;
     Py_RETURN_NONE;
 }
 
@@ -903,16 +915,9 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
 /* rms_norm(x, res, w, eps, T, H, out, res_out): rows of x [T, H] (plus res when res is
  * not 0; the sum goes to res_out) -> out = w * (y / sqrt(mean(y^2) + eps)), as
  * transformers' LlamaRMSNorm in float32 (sum of squares in another order). */
-static PyObject *py_rms_norm(PyObject *self, PyObject *args)
+static void rms_norm_impl(const float *x, const float *res, const float *w, float eps,
+                          int64_t T, int64_t H, float *out, float *res_out)
 {
-    unsigned long long xp, rp, wp, op, rop;
-    double eps;
-    long long T, H;
-    if (!PyArg_ParseTuple(args, "KKKdLLKK", &xp, &rp, &wp, &eps, &T, &H, &op, &rop))
-        return NULL;
-    const float *x = (const float *)(uintptr_t)xp, *res = (const float *)(uintptr_t)rp;
-    const float *w = (const float *)(uintptr_t)wp;
-    float *out = (float *)(uintptr_t)op, *res_out = (float *)(uintptr_t)rop;
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * H;
         float *orow = out + t * H;
@@ -927,16 +932,45 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args)
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < H; i++)
             ss += xr[i] * xr[i];
-        float inv = 1.f / sqrtf(ss / (float)H + (float)eps);
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
         for (int64_t i = 0; i < H; i++)
             orow[i] = w[i] * (xr[i] * inv);
     }
+}
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args)
+{
+    unsigned long long xp, rp, wp, op, rop;
+    double eps;
+    long long T, H;
+    if (!PyArg_ParseTuple(args, "KKKdLLKK", &xp, &rp, &wp, &eps, &T, &H, &op, &rop))
+        return NULL;
+    rms_norm_impl((const float *)(uintptr_t)xp, (const float *)(uintptr_t)rp,
+                  (const float *)(uintptr_t)wp, (float)eps, T, H, (float *)(uintptr_t)op,
+                  (float *)(uintptr_t)rop);
     Py_RETURN_NONE;
 }
 
 /* rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): out [T, heads, D]
  * (contiguous) = x * cos + rotate_half(x) * sin, table [*, 2, D] (cos, sin rows),
  * x's rows at x + t * x_tok_stride + h * D (a view of the fused qkv output). */
+static void rope_impl(const int64_t *pos, int64_t T, const float *x, int64_t xs,
+                      int64_t heads, int64_t D, const float *table, float *out)
+{
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = table + pos[t] * 2 * D, *sn = c + D;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + t * xs + h * D;
+            float *o = out + (t * heads + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = xr[i] * c[i] + (-xr[i + half]) * sn[i];
+                o[i + half] = xr[i + half] * c[i + half] + xr[i] * sn[i + half];
+            }
+        }
+    }
+}
+
 static PyObject *py_rope_neox(PyObject *self, PyObject *args)
 {
     unsigned long long pp, xp, tp, op;
@@ -950,20 +984,8 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
                          (long long)pos[t], rows);
             return NULL;
         }
-    const float *x = (const float *)(uintptr_t)xp, *table = (const float *)(uintptr_t)tp;
-    float *out = (float *)(uintptr_t)op;
-    const int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = table + pos[t] * 2 * D, *sn = c + D;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xr = x + t * xs + h * D;
-            float *o = out + (t * heads + h) * D;
-            for (int64_t i = 0; i < half; i++) {
-                o[i] = xr[i] * c[i] + (-xr[i + half]) * sn[i];
-                o[i + half] = xr[i + half] * c[i + half] + xr[i] * sn[i + half];
-            }
-        }
-    }
+    rope_impl(pos, T, (const float *)(uintptr_t)xp, xs, heads, D, (const float *)(uintptr_t)tp,
+              (float *)(uintptr_t)op);
     Py_RETURN_NONE;
 }
 
@@ -971,6 +993,18 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
  * plane_elems): K/V rows of T tokens ([Hkv * D] values each, `elem_size` bytes per
  * value, the cache's dtype) into cache slots (slot -1: padding, skipped); V's plane
  * starts plane_elems values after K's. */
+static void write_kv_impl(const char *k, int64_t ks, const char *v, int64_t vs, int64_t T,
+                          int64_t row, int64_t esz, const int64_t *slots, char *cache,
+                          int64_t plane)
+{
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy(cache + slots[t] * row * esz, k + t * ks * esz, (size_t)(row * esz));
+        memcpy(cache + (plane + slots[t] * row) * esz, v + t * vs * esz, (size_t)(row * esz));
+    }
+}
+
 static PyObject *py_write_kv(PyObject *self, PyObject *args)
 {
     unsigned long long kp, vp, sp, cp;
@@ -978,7 +1012,6 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KLKLLLLKKL", &kp, &ks, &vp, &vs, &T, &row, &esz, &sp, &cp,
                           &plane))
         return NULL;
-    const char *k = (const char *)(uintptr_t)kp, *v = (const char *)(uintptr_t)vp;
     const int64_t *slots = (const int64_t *)(uintptr_t)sp;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= plane / row) {
@@ -986,13 +1019,176 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
                          (long long)slots[t], plane / row);
             return NULL;
         }
-    char *cache = (char *)(uintptr_t)cp;
-    for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < 0)
-            continue;
-        memcpy(cache + slots[t] * row * esz, k + t * ks * esz, (size_t)(row * esz));
-        memcpy(cache + (plane + slots[t] * row) * esz, v + t * vs * esz, (size_t)(row * esz));
+    write_kv_impl((const char *)(uintptr_t)kp, ks, (const char *)(uintptr_t)vp, vs, T, row, esz,
+                  slots, (char *)(uintptr_t)cp, plane);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ whole decode stack
+ *
+ * decode_layers: every decoder layer of a Llama-style model for a decode step (T rows,
+ * one new token per request) in one call, so that a layer costs no Python at all:
+ *     residual stream r, x = norm1(r)          (layer 0: r = the embeddings)
+ *     qkv = x Wqkv^T; q, k = rope(q, k); K/V -> cache slots
+ *     a = paged decode attention(q);  h = a Wo^T
+ *     r = r + h, x = norm2(r);  g = x Wgu^T;  m = silu(g[:I]) * g[I:];  h = m Wd^T
+ * and after the last layer out = norm_final(r + h). The same bodies as the separate
+ * calls (linear_impl, attention_impl, rms_norm_impl, rope_impl, write_kv_impl), so the
+ * result is the one the per-operator path computes, up to silu: exp by exp_avx512
+ * (relative error ~2e-7) instead of torch's Sleef exp.
+ *
+ * Per layer l, row l of the int64 table [L, 15]: ln1_w, qkv (fmt, qs, sc), o (fmt, qs,
+ * sc), ln2_w, gate_up (fmt, qs, sc), down (fmt, qs, sc), kv_cache (float32 [2, nb, bs,
+ * Hkv, D]). */
+#define DL_COLS 15
+
+#if HAVE_X86
+AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, float *out)
+{
+    int64_t i = 0;
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        __m512 sl = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(sl, _mm512_loadu_ps(u + i)));
     }
+    for (; i < n; i++)
+        out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+#endif
+
+static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+#if HAVE_X86
+        if (use_avx512()) {
+            silu_mul_avx512(g, u, I, o);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < I; i++)
+            o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+static PyObject *py_decode_layers(PyObject *self, PyObject *args)
+{
+    unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp;
+    long long L, T, H, hq, hkv, d, I, rows, nblocks, bs, bts;
+    double eps, scale;
+    int nth;
+    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi", &tblp, &L, &T, &H, &hq, &hkv, &d,
+                          &I, &eps, &hp, &fnp, &op, &pp, &rtp, &rows, &smp, &nblocks, &bs,
+                          &tip, &rip, &btp, &bts, &slp, &scale, &nth))
+        return NULL;
+    const int64_t *tbl = (const int64_t *)(uintptr_t)tblp;
+    const int64_t *pos = (const int64_t *)(uintptr_t)pp, *slots = (const int64_t *)(uintptr_t)smp;
+    if (T < 1 || L < 1 || H % QK || (hq * d) % QK || I % QK || d > MAX_D || d % 2 || hkv < 1
+        || hq % hkv || hq / hkv > MAX_G || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "decode_layers: unsupported shapes T=%lld H=%lld "
+                     "heads %lld/%lld D=%lld I=%lld", T, H, hq, hkv, d, I);
+        return NULL;
+    }
+    static const int fmt_cols[4] = {1, 4, 8, 11};
+    for (int64_t l = 0; l < L; l++)
+        for (int c = 0; c < 4; c++)
+            if (check_fmt((int)tbl[l * DL_COLS + fmt_cols[c]]) < 0)
+                return NULL;
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= rows) {
+            PyErr_Format(PyExc_IndexError, "rotary position %lld outside the table's %lld rows",
+                         (long long)pos[t], rows);
+            return NULL;
+        }
+        if (slots[t] >= nblocks * bs) {
+            PyErr_Format(PyExc_IndexError, "KV slot %lld outside the cache's %lld",
+                         (long long)slots[t], nblocks * bs);
+            return NULL;
+        }
+    }
+    const int64_t qkv_n = (hq + 2 * hkv) * d, kvrow = hkv * d;
+    const int64_t sizes[8] = {T * H, T * H, T * H, T * qkv_n, T * hq * d, T * kvrow,
+                              T * hq * d, T * 2 * I};
+    int64_t total = 0;
+    for (int i = 0; i < 8; i++)
+        total += (sizes[i] + 15) / 16 * 16;
+    total += (T * I + 15) / 16 * 16;
+    float *mem = (float *)malloc((size_t)total * sizeof(float));
+    if (mem == NULL)
+        return PyErr_NoMemory();
+    float *bufs[9], *cur = mem;
+    for (int i = 0; i < 8; i++) {
+        bufs[i] = cur;
+        cur += (sizes[i] + 15) / 16 * 16;
+    }
+    bufs[8] = cur;
+    float *res = bufs[0], *x = bufs[1], *h = bufs[2], *qkv = bufs[3], *qr = bufs[4],
+          *kr = bufs[5], *att = bufs[6], *gu = bufs[7], *act = bufs[8];
+    attn_args a;
+    a.q = qr;
+    a.out = att;
+    a.tok_idx = (const int64_t *)(uintptr_t)tip;
+    a.req_idx = (const int64_t *)(uintptr_t)rip;
+    a.block_tables = (const int32_t *)(uintptr_t)btp;
+    a.seq_lens = (const int32_t *)(uintptr_t)slp;
+    a.num_reqs = T;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.block_size = bs;
+    a.num_blocks = nblocks;
+    a.bt_stride = bts;
+    a.q_bf16 = a.kv_bf16 = 0;
+    a.scale = (float)scale;
+    a.soft_cap = 0.f;
+    a.window = 0;
+    const float *table = (const float *)(uintptr_t)rtp;
+    const int64_t plane = nblocks * bs * kvrow;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(res, (const float *)(uintptr_t)hp, (size_t)(T * H) * sizeof(float));
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const int64_t *e = tbl + l * DL_COLS;
+        const float *ln1 = (const float *)(uintptr_t)e[0], *ln2 = (const float *)(uintptr_t)e[7];
+#define QW(c) (int)e[c]
+#define QQ(c) (const uint8_t *)(uintptr_t)e[(c) + 1]
+#define QS(c) (const uint16_t *)(uintptr_t)e[(c) + 2]
+        float *cache = (float *)(uintptr_t)e[14];
+        if (l == 0)
+            rms_norm_impl(res, NULL, ln1, (float)eps, T, H, x, NULL);
+        else /* h holds the previous layer's MLP output */
+            rms_norm_impl(h, res, ln1, (float)eps, T, H, x, res);
+        rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth);
+        rope_impl(pos, T, qkv, qkv_n, hq, d, table, qr);
+        rope_impl(pos, T, qkv + hq * d, qkv_n, hkv, d, table, kr);
+        write_kv_impl((const char *)kr, kvrow, (const char *)(qkv + (hq + hkv) * d), qkv_n, T,
+                      kvrow, sizeof(float), slots, (char *)cache, plane);
+        a.cache = cache;
+        attention_impl(&a, nth);
+        rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth);
+        rms_norm_impl(h, res, ln2, (float)eps, T, H, x, res);
+        rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth);
+        silu_mul_impl(gu, T, I, act);
+        rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth);
+#undef QW
+#undef QQ
+#undef QS
+    }
+    if (rc == 0) { /* the final norm over r + h */
+        if (fnp)
+            rms_norm_impl(h, res, (const float *)(uintptr_t)fnp, (float)eps, T, H,
+                          (float *)(uintptr_t)op, res);
+        else
+            for (int64_t i = 0; i < T * H; i++)
+                ((float *)(uintptr_t)op)[i] = h[i] + res[i];
+    }
+    Py_END_ALLOW_THREADS
+    free(mem);
+    if (rc < 0)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -1028,6 +1224,10 @@ static PyMethodDef methods[] = {
      "rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): rotary."},
     {"write_kv", py_write_kv, METH_VARARGS,
      "write_kv(k, ks, v, vs, T, row, elem_size, slots, cache, plane): K/V rows to slots."},
+    {"decode_layers", py_decode_layers, METH_VARARGS,
+     "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
+     "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
+     "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
     {"linear_path", py_linear_path, METH_VARARGS,
      "linear_path(rows): the body a matmul of that many activation rows runs."},
     {NULL, NULL, 0, NULL},
