@@ -507,9 +507,18 @@ static int check_fmt(int fmt)
 
 /* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. Returns -1
  * when the activation buffer cannot be allocated (nothing written), else 0. */
+static int64_t env_i64(const char *name, int64_t dflt)
+{
+    const char *v = getenv(name);
+    return v != NULL && *v ? strtoll(v, NULL, 10) : dflt;
+}
+
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const uint16_t *sc, int64_t N, float *out, int nth)
 {
+    int64_t min_par = env_i64("FLOWENGINE_CPU_MIN_PAR", 0);
+    if (M * N * K < min_par)
+        nth = 1;
     int avx = use_avx512();
     int64_t units = (N + 15) / 16;
     if (nth > units)
@@ -844,6 +853,9 @@ AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w
 /* The attention of `a` with up to nth threads; call without the GIL. */
 static void attention_impl(const attn_args *a, int nth)
 {
+    int64_t attn_nth = env_i64("FLOWENGINE_CPU_ATTN_NTH", 0);
+    if (attn_nth > 0)
+        nth = (int)attn_nth;
     int64_t work = a->num_reqs * a->hkv;
     if (nth > work)
         nth = (int)(work > 0 ? work : 1);
