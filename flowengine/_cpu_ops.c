@@ -31,6 +31,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#define HAVE_POOL 1
+#else
+#define HAVE_POOL 0
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -496,6 +508,194 @@ static inline void thread_range(int64_t N, int tid, int nth, int64_t *n0, int64_
     *n1 = u1 * 16 < N ? u1 * 16 : N;
 }
 
+
+/* ------------------------------------------------------------------ decode thread pool
+ *
+ * A small-matmul parallel region whose threads must all start and meet again costs a
+ * wake-up and a join per call; under OpenMP's passive wait each is a futex round trip,
+ * and the caller waits for the slowest thread to be scheduled, whatever share of the
+ * work it got. A batch-1 decode step makes ~150 such calls. Here instead a job is a
+ * list of chunks (64 weight rows, or one (request, KV head) of attention) claimed one at
+ * a time from an atomic counter: the calling thread starts on them at once, the pool's
+ * sleeping workers are woken (one futex call) and take what is left when they get a
+ * core, and the caller waits only for chunks a worker has actually claimed. A worker
+ * that wakes late finds nothing and sleeps again; a worker descheduled by a neighbour
+ * costs at most its one chunk, not the step. Every chunk is computed by the same code
+ * whichever thread runs it, so the results do not depend on the threads.
+ *
+ * Job state: one 64-bit word, (generation << 32) | next chunk; a chunk is claimed by a
+ * compare-and-swap of that word, so a worker can never run a chunk of a job other than
+ * the one whose description it read (the caller invalidates the word before writing the
+ * next description). Linux only (futex); elsewhere the caller runs every chunk itself.
+ */
+typedef void (*pool_fn)(const void *ctx, int64_t chunk);
+
+#define POOL_MAX 63
+#define POOL_IDLE 0xffffffffu
+#if HAVE_POOL
+static struct {
+    pthread_mutex_t lock;
+    int nworkers;
+    _Atomic uint64_t state;          /* (gen << 32) | next chunk, POOL_IDLE: no job */
+    _Atomic(pool_fn) fn;
+    _Atomic(const void *) ctx;
+    _Atomic int64_t nchunks;
+    _Atomic int job_workers;         /* workers with index below this take part */
+    _Atomic uint32_t wake_seq;       /* futex word the workers sleep on */
+    _Atomic int sleepers;
+    _Atomic uint32_t done;           /* chunks finished (futex word of the caller) */
+    _Atomic int caller_waiting;
+    uint32_t gen;
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, (uint64_t)POOL_IDLE, NULL, NULL, 0, 0, 0, 0, 0, 0, 0};
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts)
+{
+    return syscall(SYS_futex, (uint32_t *)addr, op | FUTEX_PRIVATE_FLAG, val, ts, NULL, 0);
+}
+
+/* Claim and run chunks of the current job; returns how many this thread ran. */
+static int64_t pool_run_chunks(void)
+{
+    int64_t ran = 0;
+    for (;;) {
+        uint64_t st = atomic_load(&pool.state);
+        uint32_t idx = (uint32_t)st;
+        if (idx == POOL_IDLE)
+            return ran;
+        pool_fn fn = atomic_load(&pool.fn);
+        const void *ctx = atomic_load(&pool.ctx);
+        int64_t n = atomic_load(&pool.nchunks);
+        if ((int64_t)idx >= n)
+            return ran;
+        if (!atomic_compare_exchange_weak(&pool.state, &st, st + 1))
+            continue;
+        fn(ctx, idx);
+        ran++;
+        atomic_fetch_add(&pool.done, 1);
+        if (atomic_load(&pool.caller_waiting))
+            futex(&pool.done, FUTEX_WAKE, 1, NULL);
+    }
+}
+
+static void *pool_worker(void *arg)
+{
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool.wake_seq);
+    for (;;) {
+        atomic_fetch_add(&pool.sleepers, 1);
+        while (atomic_load(&pool.wake_seq) == seen)
+            futex(&pool.wake_seq, FUTEX_WAIT, seen, NULL);
+        atomic_fetch_sub(&pool.sleepers, 1);
+        seen = atomic_load(&pool.wake_seq);
+        if (index < atomic_load(&pool.job_workers))
+            pool_run_chunks();
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void)
+{
+    /* the child has none of the workers: start again */
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.nworkers = 0;
+    atomic_store(&pool.state, (uint64_t)POOL_IDLE);
+    atomic_store(&pool.sleepers, 0);
+}
+
+/* Make sure `want` workers exist; returns how many do (fewer if threads fail). */
+static int pool_ensure(int want)
+{
+    if (want > POOL_MAX)
+        want = POOL_MAX;
+    if (pool.nworkers >= want)
+        return pool.nworkers;
+    pthread_mutex_lock(&pool.lock);
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        atfork = 1;
+    }
+    while (pool.nworkers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, 1 << 20);
+        int rc = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)pool.nworkers);
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        pthread_detach(t);
+        pool.nworkers++;
+    }
+    int n = pool.nworkers;
+    pthread_mutex_unlock(&pool.lock);
+    return n;
+}
+#endif
+
+static int pool_disabled(void)
+{
+    /* FLOWENGINE_CPU_NO_POOL=1: OpenMP regions instead (for comparisons) */
+    static int cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("FLOWENGINE_CPU_NO_POOL");
+        cached = v != NULL && *v && strcmp(v, "0") != 0;
+    }
+    return cached;
+}
+
+/* Run fn(ctx, c) for c in [0, nchunks) on the caller and up to nth - 1 pool workers.
+ * Call without the GIL, from one thread at a time (the executor's); a concurrent
+ * second caller runs its chunks alone. */
+static void pool_run(pool_fn fn, const void *ctx, int64_t nchunks, int nth)
+{
+#if HAVE_POOL
+    static _Atomic int busy = 0;
+    int expected = 0;
+    if (nth > 1 && nchunks > 1 && nchunks < POOL_IDLE
+        && atomic_compare_exchange_strong(&busy, &expected, 1)) {
+        int workers = pool_ensure(nth - 1);
+        if (workers > 0) {
+            uint32_t gen = ++pool.gen;
+            atomic_store(&pool.state, ((uint64_t)gen << 32) | POOL_IDLE); /* invalidate */
+            atomic_store(&pool.fn, fn);
+            atomic_store(&pool.ctx, ctx);
+            atomic_store(&pool.nchunks, nchunks);
+            atomic_store(&pool.job_workers, nth - 1 < workers ? nth - 1 : workers);
+            atomic_store(&pool.done, 0);
+            atomic_store(&pool.state, (uint64_t)gen << 32);
+            atomic_fetch_add(&pool.wake_seq, 1);
+            if (atomic_load(&pool.sleepers) > 0)
+                futex(&pool.wake_seq, FUTEX_WAKE, nth - 1, NULL);
+            pool_run_chunks();
+            /* wait for chunks the workers claimed: spin briefly, then sleep */
+            for (int spin = 0; atomic_load(&pool.done) < (uint32_t)nchunks; spin++) {
+                if (spin < 4000) {
+#if HAVE_X86
+                    _mm_pause();
+#endif
+                    continue;
+                }
+                atomic_store(&pool.caller_waiting, 1);
+                uint32_t d = atomic_load(&pool.done);
+                if (d < (uint32_t)nchunks) {
+                    struct timespec ts = {0, 200000};
+                    futex(&pool.done, FUTEX_WAIT, d, &ts);
+                }
+            }
+            atomic_store(&pool.caller_waiting, 0);
+            atomic_store(&pool.state, ((uint64_t)gen << 32) | POOL_IDLE);
+            atomic_store(&busy, 0);
+            return;
+        }
+        atomic_store(&busy, 0);
+    }
+#endif
+    (void)nth;
+    for (int64_t c = 0; c < nchunks; c++)
+        fn(ctx, c);
+}
+
 static int check_fmt(int fmt)
 {
     if (fmt != FMT_Q4_0 && fmt != FMT_Q4_1 && fmt != FMT_Q8_0) {
@@ -505,20 +705,46 @@ static int check_fmt(int fmt)
     return 0;
 }
 
-/* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. Returns -1
- * when the activation buffer cannot be allocated (nothing written), else 0. */
-static int64_t env_i64(const char *name, int64_t dflt)
+/* A matmul as a pool job: chunk c is weight rows [64 c, 64 c + 64). */
+#define LINEAR_CHUNK 64
+typedef struct {
+    int fmt, vnni, avx;
+    const float *x;
+    int64_t M, K;
+    const uint8_t *qs;
+    const uint16_t *sc;
+    int64_t N;
+    float *out;
+    const void *act; /* vnni_act */
+} linear_job;
+
+static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
 {
-    const char *v = getenv(name);
-    return v != NULL && *v ? strtoll(v, NULL, 10) : dflt;
+    if (n0 >= n1)
+        return;
+#if HAVE_X86
+    if (j->vnni)
+        vnni_rows_any(j->fmt, (const vnni_act *)j->act, j->M, j->K, j->qs, j->sc, n0, n1, j->out,
+                      j->N);
+    else if (j->avx)
+        linear_rows_avx512(j->fmt, j->x, j->M, j->K, j->qs, j->sc, n0, n1, j->out, j->N);
+    else
+#endif
+        linear_rows_c(j->fmt, j->x, j->M, j->K, j->qs, j->sc, n0, n1, j->out, j->N);
 }
 
+static void linear_chunk(const void *ctx, int64_t c)
+{
+    const linear_job *j = (const linear_job *)ctx;
+    int64_t n0 = c * LINEAR_CHUNK, n1 = n0 + LINEAR_CHUNK;
+    linear_rows_any(j, n0, n1 < j->N ? n1 : j->N);
+}
+
+/* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. Returns -1
+ * when the activation buffer cannot be allocated (nothing written), else 0. */
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const uint16_t *sc, int64_t N, float *out, int nth)
 {
-    int64_t min_par = env_i64("FLOWENGINE_CPU_MIN_PAR", 0);
-    if (M * N * K < min_par)
-        nth = 1;
     int avx = use_avx512();
     int64_t units = (N + 15) / 16;
     if (nth > units)
@@ -543,23 +769,24 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
             vnni_prepare_row(fmt, x + r * K, K, &act, r);
     }
 #endif
-#pragma omp parallel num_threads(nth)
-    {
-        int tid = 0, t = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        t = omp_get_num_threads();
-#endif
-        int64_t n0, n1;
-        thread_range(N, tid, t, &n0, &n1);
+    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL};
 #if HAVE_X86
-        if (vnni)
-            vnni_rows_any(fmt, &act, M, K, qs, sc, n0, n1, out, N);
-        else if (avx)
-            linear_rows_avx512(fmt, x, M, K, qs, sc, n0, n1, out, N);
-        else
+    job.act = vnni ? &act : NULL;
 #endif
-            linear_rows_c(fmt, x, M, K, qs, sc, n0, n1, out, N);
+    if (pool_disabled()) {
+#pragma omp parallel num_threads(nth)
+        {
+            int tid = 0, t = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            t = omp_get_num_threads();
+#endif
+            int64_t n0, n1;
+            thread_range(N, tid, t, &n0, &n1);
+            linear_rows_any(&job, n0, n1);
+        }
+    } else {
+        pool_run(linear_chunk, &job, (N + LINEAR_CHUNK - 1) / LINEAR_CHUNK, nth);
     }
 #if HAVE_X86
     free(buf);
@@ -850,16 +1077,29 @@ AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w
 }
 #endif
 
+static void attention_chunk(const void *ctx, int64_t w)
+{
+    const attn_args *a = (const attn_args *)ctx;
+#if HAVE_X86
+    if (use_avx512()) {
+        attend_range_avx512(a, w, w + 1);
+        return;
+    }
+#endif
+    attend_range_c(a, w, w + 1);
+}
+
 /* The attention of `a` with up to nth threads; call without the GIL. */
 static void attention_impl(const attn_args *a, int nth)
 {
-    int64_t attn_nth = env_i64("FLOWENGINE_CPU_ATTN_NTH", 0);
-    if (attn_nth > 0)
-        nth = (int)attn_nth;
     int64_t work = a->num_reqs * a->hkv;
     if (nth > work)
         nth = (int)(work > 0 ? work : 1);
     int avx = use_avx512();
+    if (!pool_disabled()) {
+        pool_run(attention_chunk, a, work, nth);
+        return;
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
     for (int64_t w = 0; w < work; w++) {
 #if HAVE_X86
