@@ -54,6 +54,7 @@ def test_fused_decode_equals_per_operator_path(default_model_path, monkeypatch):
         return out
 
     monkeypatch.setattr(cpu_fused, "decode_forward", counting)
+    model = llm.engine.executor.runner.model.model
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 4000 for j in range(20 + 5 * i)]}
                for i in range(5)]
@@ -62,6 +63,7 @@ def test_fused_decode_equals_per_operator_path(default_model_path, monkeypatch):
         before = calls["fused"]
         fused = llm.generate(batch, params, use_tqdm=False)
         assert calls["fused"] - before >= 11  # every decode step of the batch
+        assert model._cpu_fused_plan[1]
         monkeypatch.setattr(cpu_fused, "ENABLED", False)
         before = calls["fused"]
         ref = llm.generate(batch, params, use_tqdm=False)

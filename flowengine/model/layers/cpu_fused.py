@@ -103,9 +103,7 @@ def _build_plan(model, kv_caches: list[torch.Tensor]):
     table = torch.tensor(rows, dtype=torch.int64)
     assert table.shape[1] == _COLS
     # the tensors whose pointers the table holds must stay alive: keep them
-    keep = [cache for cache in kv_caches]
-    return {"table": table, "shape": shape, "eps": float(eps), "hidden": hidden,
-            "caches": keep, "ptrs": tuple(c.data_ptr() for c in kv_caches)}
+    return {"table": table, "shape": shape, "eps": float(eps), "caches": list(kv_caches)}
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -117,13 +115,16 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
     t = input_ids.shape[0]
     if not 1 <= t <= DEQUANT_MIN_ROWS:
         return None
-    plan = getattr(model, "_cpu_fused_plan", None)
-    if plan is None or (plan and plan["ptrs"] != tuple(c.data_ptr() for c in kv_caches)):
+    # built once per set of KV cache tensors (a verdict of False included)
+    key = tuple(c.data_ptr() for c in kv_caches)
+    cached = getattr(model, "_cpu_fused_plan", None)
+    if cached is None or cached[0] != key:
         try:
             plan = _build_plan(model, kv_caches)
         except (AttributeError, TypeError, ValueError):
             plan = False
-        model._cpu_fused_plan = plan
+        model._cpu_fused_plan = cached = (key, plan)
+    plan = cached[1]
     if not plan:
         return None
     from flowengine.model.attention.cpu_backend import _decode_plan
