@@ -131,7 +131,7 @@ if [[ "${NEIGHBOUR}" != 1 && "${OFFLINE:-1}" == 1 ]]; then
         echo -n "flowengine offline load=${l} "
         python3 -m flowengine.entrypoints.cli bench throughput --model "${GGUF}" \
             --cpu-threads "${THREADS}" --num-prompts 64 --input-len 128 --output-len 128 \
-            2>/dev/null | grep -i "tok/s\|tokens/s\|throughput" | tr '\n' ' '
+            2>/dev/null | grep '^| flowengine' | tr '\n' ' '
         echo
     done
 fi
