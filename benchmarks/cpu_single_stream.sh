@@ -5,6 +5,8 @@
 # then N_PROMPTS (default 2) measured ones; each line carries the load average.
 #
 #   ROUNDS="1 2 3" benchmarks/cpu_single_stream.sh
+#   FE_BASE="FLOWENGINE_CPU_NO_FUSED_LAYERS=1" ...   # plus FlowEngine under that env (fe-base)
+#   LLAMA_T="1 2"                                    # llama-server thread counts (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GGUF="${GGUF:-${HOME}/.cache/flowengine/gguf/SmolLM2-135M-Instruct.Q4_1.gguf}"
@@ -32,6 +34,11 @@ run() {  # tag cmd...
 for round in ${ROUNDS:-1 2 3}; do
   run "fe-${round}" python3 -m flowengine.entrypoints.cli serve "${GGUF}" --cpu-threads 2 \
       --max-model-len 512 --disable-log-stats --served-model-name bench
-  run "llama-t1-${round}" "${LS}" -m "${GGUF}" -t 1 --parallel 1 -c 1024 --alias bench --poll 0
-  run "llama-t2-${round}" "${LS}" -m "${GGUF}" -t 2 --parallel 1 -c 1024 --alias bench --poll 0
+  if [[ -n "${FE_BASE:-}" ]]; then
+    run "fe-base-${round}" env ${FE_BASE} python3 -m flowengine.entrypoints.cli serve "${GGUF}" \
+        --cpu-threads 2 --max-model-len 512 --disable-log-stats --served-model-name bench
+  fi
+  for t in ${LLAMA_T:-1 2}; do
+    run "llama-t${t}-${round}" "${LS}" -m "${GGUF}" -t "${t}" --parallel 1 -c 1024 --alias bench --poll 0
+  done
 done

@@ -31,6 +31,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#define HAVE_POOL 1
+#else
+#define HAVE_POOL 0
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -496,12 +508,290 @@ static inline void thread_range(int64_t N, int tid, int nth, int64_t *n0, int64_
     *n1 = u1 * 16 < N ? u1 * 16 : N;
 }
 
+
+/* ------------------------------------------------------------------ decode thread pool
+ *
+ * A small-matmul parallel region whose threads must all start and meet again costs a
+ * wake-up and a join per call; under OpenMP's passive wait each is a futex round trip,
+ * and the caller waits for the slowest thread to be scheduled, whatever share of the
+ * work it got. A batch-1 decode step makes ~150 such calls. Here instead a job is a
+ * list of chunks (64 weight rows, or one (request, KV head) of attention) claimed one at
+ * a time from an atomic counter: the calling thread starts on them at once, the pool's
+ * sleeping workers are woken (one futex call) and take what is left when they get a
+ * core, and the caller waits only for chunks a worker has actually claimed. A worker
+ * that wakes late finds nothing and sleeps again; a worker descheduled by a neighbour
+ * costs at most its one chunk, not the step. Every chunk is computed by the same code
+ * whichever thread runs it, so the results do not depend on the threads.
+ *
+ * Job state: one 64-bit word, (generation << 32) | next chunk; a chunk is claimed by a
+ * compare-and-swap of that word, so a worker can never run a chunk of a job other than
+ * the one whose description it read (the caller invalidates the word before writing the
+ * next description). Linux only (futex); elsewhere the caller runs every chunk itself.
+ */
+typedef void (*pool_fn)(const void *ctx, int64_t chunk);
+
+#define POOL_MAX 63
+#define POOL_IDLE 0xffffffffu
+#if HAVE_POOL
+static struct {
+    pthread_mutex_t lock;
+    int nworkers;
+    _Atomic uint64_t state;          /* (gen << 32) | next chunk, POOL_IDLE: no job */
+    _Atomic(pool_fn) fn;
+    _Atomic(const void *) ctx;
+    _Atomic int64_t nchunks;
+    _Atomic int job_workers;         /* workers with index below this take part */
+    _Atomic uint32_t wake_seq;       /* futex word the workers sleep on */
+    _Atomic int sleepers;
+    _Atomic uint32_t done;           /* chunks finished (futex word of the caller) */
+    _Atomic int caller_waiting;
+    uint32_t gen;
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, (uint64_t)POOL_IDLE, NULL, NULL, 0, 0, 0, 0, 0, 0, 0};
+
+static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts)
+{
+    return syscall(SYS_futex, (uint32_t *)addr, op | FUTEX_PRIVATE_FLAG, val, ts, NULL, 0);
+}
+
+/* Claim and run chunks of the current job; returns how many this thread ran. */
+static int64_t pool_run_chunks(void)
+{
+    int64_t ran = 0;
+    for (;;) {
+        uint64_t st = atomic_load(&pool.state);
+        uint32_t idx = (uint32_t)st;
+        if (idx == POOL_IDLE)
+            return ran;
+        pool_fn fn = atomic_load(&pool.fn);
+        const void *ctx = atomic_load(&pool.ctx);
+        int64_t n = atomic_load(&pool.nchunks);
+        if ((int64_t)idx >= n)
+            return ran;
+        if (!atomic_compare_exchange_weak(&pool.state, &st, st + 1))
+            continue;
+        fn(ctx, idx);
+        ran++;
+        atomic_fetch_add(&pool.done, 1);
+        if (atomic_load(&pool.caller_waiting))
+            futex(&pool.done, FUTEX_WAKE, 1, NULL);
+    }
+}
+
+static void *pool_worker(void *arg)
+{
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool.wake_seq);
+    for (;;) {
+        atomic_fetch_add(&pool.sleepers, 1);
+        while (atomic_load(&pool.wake_seq) == seen)
+            futex(&pool.wake_seq, FUTEX_WAIT, seen, NULL);
+        atomic_fetch_sub(&pool.sleepers, 1);
+        seen = atomic_load(&pool.wake_seq);
+        if (index < atomic_load(&pool.job_workers))
+            pool_run_chunks();
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void)
+{
+    /* the child has none of the workers: start again */
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.nworkers = 0;
+    atomic_store(&pool.state, (uint64_t)POOL_IDLE);
+    atomic_store(&pool.sleepers, 0);
+}
+
+/* Make sure `want` workers exist; returns how many do (fewer if threads fail). */
+static int pool_ensure(int want)
+{
+    if (want > POOL_MAX)
+        want = POOL_MAX;
+    if (pool.nworkers >= want)
+        return pool.nworkers;
+    pthread_mutex_lock(&pool.lock);
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        atfork = 1;
+    }
+    while (pool.nworkers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, 1 << 20);
+        int rc = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)pool.nworkers);
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        pthread_detach(t);
+        pool.nworkers++;
+    }
+    int n = pool.nworkers;
+    pthread_mutex_unlock(&pool.lock);
+    return n;
+}
+#endif
+
+static int pool_disabled(void)
+{
+    /* FLOWENGINE_CPU_NO_POOL=1: OpenMP regions instead (for comparisons) */
+    static int cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("FLOWENGINE_CPU_NO_POOL");
+        cached = v != NULL && *v && strcmp(v, "0") != 0;
+    }
+    return cached;
+}
+
+/* Run fn(ctx, c) for c in [0, nchunks) on the caller and up to nth - 1 pool workers.
+ * Call without the GIL, from one thread at a time (the executor's); a concurrent
+ * second caller runs its chunks alone. */
+static void pool_run(pool_fn fn, const void *ctx, int64_t nchunks, int nth)
+{
+#if HAVE_POOL
+    static _Atomic int busy = 0;
+    int expected = 0;
+    if (nth > 1 && nchunks > 1 && nchunks < POOL_IDLE
+        && atomic_compare_exchange_strong(&busy, &expected, 1)) {
+        int workers = pool_ensure(nth - 1);
+        if (workers > 0) {
+            uint32_t gen = ++pool.gen;
+            atomic_store(&pool.state, ((uint64_t)gen << 32) | POOL_IDLE); /* invalidate */
+            atomic_store(&pool.fn, fn);
+            atomic_store(&pool.ctx, ctx);
+            atomic_store(&pool.nchunks, nchunks);
+            atomic_store(&pool.job_workers, nth - 1 < workers ? nth - 1 : workers);
+            atomic_store(&pool.done, 0);
+            atomic_store(&pool.state, (uint64_t)gen << 32);
+            atomic_fetch_add(&pool.wake_seq, 1);
+            if (atomic_load(&pool.sleepers) > 0)
+                futex(&pool.wake_seq, FUTEX_WAKE, nth - 1, NULL);
+            pool_run_chunks();
+            /* wait for chunks the workers claimed: spin briefly, then sleep */
+            for (int spin = 0; atomic_load(&pool.done) < (uint32_t)nchunks; spin++) {
+                if (spin < 4000) {
+#if HAVE_X86
+                    _mm_pause();
+#endif
+                    continue;
+                }
+                atomic_store(&pool.caller_waiting, 1);
+                uint32_t d = atomic_load(&pool.done);
+                if (d < (uint32_t)nchunks) {
+                    struct timespec ts = {0, 200000};
+                    futex(&pool.done, FUTEX_WAIT, d, &ts);
+                }
+            }
+            atomic_store(&pool.caller_waiting, 0);
+            atomic_store(&pool.state, ((uint64_t)gen << 32) | POOL_IDLE);
+            atomic_store(&busy, 0);
+            return;
+        }
+        atomic_store(&busy, 0);
+    }
+#endif
+    (void)nth;
+    for (int64_t c = 0; c < nchunks; c++)
+        fn(ctx, c);
+}
+
 static int check_fmt(int fmt)
 {
     if (fmt != FMT_Q4_0 && fmt != FMT_Q4_1 && fmt != FMT_Q8_0) {
         PyErr_Format(PyExc_ValueError, "unknown quantized format %d", fmt);
         return -1;
     }
+    return 0;
+}
+
+/* A matmul as a pool job: chunk c is weight rows [64 c, 64 c + 64). */
+#define LINEAR_CHUNK 64
+typedef struct {
+    int fmt, vnni, avx;
+    const float *x;
+    int64_t M, K;
+    const uint8_t *qs;
+    const uint16_t *sc;
+    int64_t N;
+    float *out;
+    const void *act; /* vnni_act */
+} linear_job;
+
+static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
+{
+    if (n0 >= n1)
+        return;
+#if HAVE_X86
+    if (j->vnni)
+        vnni_rows_any(j->fmt, (const vnni_act *)j->act, j->M, j->K, j->qs, j->sc, n0, n1, j->out,
+                      j->N);
+    else if (j->avx)
+        linear_rows_avx512(j->fmt, j->x, j->M, j->K, j->qs, j->sc, n0, n1, j->out, j->N);
+    else
+#endif
+        linear_rows_c(j->fmt, j->x, j->M, j->K, j->qs, j->sc, n0, n1, j->out, j->N);
+}
+
+static void linear_chunk(const void *ctx, int64_t c)
+{
+    const linear_job *j = (const linear_job *)ctx;
+    int64_t n0 = c * LINEAR_CHUNK, n1 = n0 + LINEAR_CHUNK;
+    linear_rows_any(j, n0, n1 < j->N ? n1 : j->N);
+}
+
+/* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. Returns -1
+ * when the activation buffer cannot be allocated (nothing written), else 0. */
+static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
+                       const uint16_t *sc, int64_t N, float *out, int nth)
+{
+    int avx = use_avx512();
+    int64_t units = (N + 15) / 16;
+    if (nth > units)
+        nth = (int)(units > 0 ? units : 1);
+    int vnni = M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
+#if HAVE_X86
+    vnni_act act;
+    void *buf = NULL;
+    if (vnni) {
+        const int64_t nb = K / QK, srow = sc_row_halves(fmt, K);
+        act.npair = (nb + 1) / 2;
+        act.nxs = (srow + 15) / 16 * 16;
+        size_t per_row = (size_t)act.npair * (192 + 64 + 64) + (size_t)act.nxs * 4;
+        buf = calloc((size_t)M, per_row);
+        if (buf == NULL)
+            return -1;
+        act.s = (float *)buf;
+        act.corr = (int32_t *)(act.s + M * act.npair * 16);
+        act.xs = (float *)(act.corr + M * act.npair * 16);
+        act.bytes = (int8_t *)(act.xs + M * act.nxs);
+        for (int64_t r = 0; r < M; r++)
+            vnni_prepare_row(fmt, x + r * K, K, &act, r);
+    }
+#endif
+    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL};
+#if HAVE_X86
+    job.act = vnni ? &act : NULL;
+#endif
+    if (pool_disabled()) {
+#pragma omp parallel num_threads(nth)
+        {
+            int tid = 0, t = 1;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+            t = omp_get_num_threads();
+#endif
+            int64_t n0, n1;
+            thread_range(N, tid, t, &n0, &n1);
+            linear_rows_any(&job, n0, n1);
+        }
+    } else {
+        pool_run(linear_chunk, &job, (N + LINEAR_CHUNK - 1) / LINEAR_CHUNK, nth);
+    }
+#if HAVE_X86
+    free(buf);
+#endif
+    (void)avx;
     return 0;
 }
 
@@ -519,61 +809,13 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "bad shapes M=%lld K=%lld N=%lld threads=%d", M, K, N, nth);
         return NULL;
     }
-    const float *x = (const float *)(uintptr_t)xp;
-    const uint8_t *qs = (const uint8_t *)(uintptr_t)qp;
-    const uint16_t *sc = (const uint16_t *)(uintptr_t)sp;
-    float *out = (float *)(uintptr_t)op;
-    int avx = use_avx512();
-    int64_t units = (N + 15) / 16;
-    if (nth > units)
-        nth = (int)(units > 0 ? units : 1);
-    int vnni = M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
-#if HAVE_X86
-    vnni_act act;
-    void *buf = NULL;
-    if (vnni) {
-        const int64_t nb = K / QK, srow = sc_row_halves(fmt, K);
-        act.npair = (nb + 1) / 2;
-        act.nxs = (srow + 15) / 16 * 16;
-        size_t per_row = (size_t)act.npair * (192 + 64 + 64) + (size_t)act.nxs * 4;
-        buf = calloc((size_t)M, per_row);
-        if (buf == NULL)
-            return PyErr_NoMemory();
-        act.s = (float *)buf;
-        act.corr = (int32_t *)(act.s + M * act.npair * 16);
-        act.xs = (float *)(act.corr + M * act.npair * 16);
-        act.bytes = (int8_t *)(act.xs + M * act.nxs);
-    }
-#endif
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (vnni)
-        for (int64_t r = 0; r < M; r++)
-            vnni_prepare_row(fmt, x + r * K, K, &act, r);
-#endif
-#pragma omp parallel num_threads(nth)
-    {
-        int tid = 0, t = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        t = omp_get_num_threads();
-#endif
-        int64_t n0, n1;
-        thread_range(N, tid, t, &n0, &n1);
-#if HAVE_X86
-        if (vnni)
-            vnni_rows_any(fmt, &act, M, K, qs, sc, n0, n1, out, N);
-        else if (avx)
-            linear_rows_avx512(fmt, x, M, K, qs, sc, n0, n1, out, N);
-        else
-#endif
-            linear_rows_c(fmt, x, M, K, qs, sc, n0, n1, out, N);
-    }
+    rc = linear_impl(fmt, (const float *)(uintptr_t)xp, M, K, (const uint8_t *)(uintptr_t)qp,
+                     (const uint16_t *)(uintptr_t)sp, N, (float *)(uintptr_t)op, nth);
     Py_END_ALLOW_THREADS
-#if HAVE_X86
-    free(buf);
-#endif
-    (void)avx;
+    if (rc < 0)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -835,6 +1077,41 @@ AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w
 }
 #endif
 
+static void attention_chunk(const void *ctx, int64_t w)
+{
+    const attn_args *a = (const attn_args *)ctx;
+#if HAVE_X86
+    if (use_avx512()) {
+        attend_range_avx512(a, w, w + 1);
+        return;
+    }
+#endif
+    attend_range_c(a, w, w + 1);
+}
+
+/* The attention of `a` with up to nth threads; call without the GIL. */
+static void attention_impl(const attn_args *a, int nth)
+{
+    int64_t work = a->num_reqs * a->hkv;
+    if (nth > work)
+        nth = (int)(work > 0 ? work : 1);
+    int avx = use_avx512();
+    if (!pool_disabled()) {
+        pool_run(attention_chunk, a, work, nth);
+        return;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+    for (int64_t w = 0; w < work; w++) {
+#if HAVE_X86
+        if (avx)
+            attend_range_avx512(a, w, w + 1);
+        else
+#endif
+            attend_range_c(a, w, w + 1);
+    }
+    (void)avx;
+}
+
 /* paged_decode_attention(q, q_bf16, tok_idx, req_idx, num_reqs, hq, hkv, d, cache,
  *     kv_bf16, num_blocks, block_size, block_tables, bt_stride, seq_lens, scale,
  *     soft_cap, window, out, num_threads) */
@@ -874,22 +1151,9 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
     a.scale = (float)scale;
     a.soft_cap = (float)cap;
     a.window = window;
-    int64_t work = nr * hkv;
-    if (nth > work)
-        nth = (int)(work > 0 ? work : 1);
-    int avx = use_avx512();
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
-    for (int64_t w = 0; w < work; w++) {
-#if HAVE_X86
-        if (avx)
-            attend_range_avx512(&a, w, w + 1);
-        else
-#endif
-            attend_range_c(&a, w, w + 1);
-    }
+    attention_impl(&a, nth);
     Py_END_ALLOW_THREADS
-    (void)avx;
     Py_RETURN_NONE;
 }
 
@@ -903,16 +1167,9 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
 /* rms_norm(x, res, w, eps, T, H, out, res_out): rows of x [T, H] (plus res when res is
  * not 0; the sum goes to res_out) -> out = w * (y / sqrt(mean(y^2) + eps)), as
  * transformers' LlamaRMSNorm in float32 (sum of squares in another order). */
-static PyObject *py_rms_norm(PyObject *self, PyObject *args)
+static void rms_norm_impl(const float *x, const float *res, const float *w, float eps,
+                          int64_t T, int64_t H, float *out, float *res_out)
 {
-    unsigned long long xp, rp, wp, op, rop;
-    double eps;
-    long long T, H;
-    if (!PyArg_ParseTuple(args, "KKKdLLKK", &xp, &rp, &wp, &eps, &T, &H, &op, &rop))
-        return NULL;
-    const float *x = (const float *)(uintptr_t)xp, *res = (const float *)(uintptr_t)rp;
-    const float *w = (const float *)(uintptr_t)wp;
-    float *out = (float *)(uintptr_t)op, *res_out = (float *)(uintptr_t)rop;
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * H;
         float *orow = out + t * H;
@@ -927,16 +1184,45 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args)
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < H; i++)
             ss += xr[i] * xr[i];
-        float inv = 1.f / sqrtf(ss / (float)H + (float)eps);
+        float inv = 1.f / sqrtf(ss / (float)H + eps);
         for (int64_t i = 0; i < H; i++)
             orow[i] = w[i] * (xr[i] * inv);
     }
+}
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args)
+{
+    unsigned long long xp, rp, wp, op, rop;
+    double eps;
+    long long T, H;
+    if (!PyArg_ParseTuple(args, "KKKdLLKK", &xp, &rp, &wp, &eps, &T, &H, &op, &rop))
+        return NULL;
+    rms_norm_impl((const float *)(uintptr_t)xp, (const float *)(uintptr_t)rp,
+                  (const float *)(uintptr_t)wp, (float)eps, T, H, (float *)(uintptr_t)op,
+                  (float *)(uintptr_t)rop);
     Py_RETURN_NONE;
 }
 
 /* rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): out [T, heads, D]
  * (contiguous) = x * cos + rotate_half(x) * sin, table [*, 2, D] (cos, sin rows),
  * x's rows at x + t * x_tok_stride + h * D (a view of the fused qkv output). */
+static void rope_impl(const int64_t *pos, int64_t T, const float *x, int64_t xs,
+                      int64_t heads, int64_t D, const float *table, float *out)
+{
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = table + pos[t] * 2 * D, *sn = c + D;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xr = x + t * xs + h * D;
+            float *o = out + (t * heads + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = xr[i] * c[i] + (-xr[i + half]) * sn[i];
+                o[i + half] = xr[i + half] * c[i + half] + xr[i] * sn[i + half];
+            }
+        }
+    }
+}
+
 static PyObject *py_rope_neox(PyObject *self, PyObject *args)
 {
     unsigned long long pp, xp, tp, op;
@@ -950,20 +1236,8 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
                          (long long)pos[t], rows);
             return NULL;
         }
-    const float *x = (const float *)(uintptr_t)xp, *table = (const float *)(uintptr_t)tp;
-    float *out = (float *)(uintptr_t)op;
-    const int64_t half = D / 2;
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = table + pos[t] * 2 * D, *sn = c + D;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xr = x + t * xs + h * D;
-            float *o = out + (t * heads + h) * D;
-            for (int64_t i = 0; i < half; i++) {
-                o[i] = xr[i] * c[i] + (-xr[i + half]) * sn[i];
-                o[i + half] = xr[i + half] * c[i + half] + xr[i] * sn[i + half];
-            }
-        }
-    }
+    rope_impl(pos, T, (const float *)(uintptr_t)xp, xs, heads, D, (const float *)(uintptr_t)tp,
+              (float *)(uintptr_t)op);
     Py_RETURN_NONE;
 }
 
@@ -971,6 +1245,18 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
  * plane_elems): K/V rows of T tokens ([Hkv * D] values each, `elem_size` bytes per
  * value, the cache's dtype) into cache slots (slot -1: padding, skipped); V's plane
  * starts plane_elems values after K's. */
+static void write_kv_impl(const char *k, int64_t ks, const char *v, int64_t vs, int64_t T,
+                          int64_t row, int64_t esz, const int64_t *slots, char *cache,
+                          int64_t plane)
+{
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy(cache + slots[t] * row * esz, k + t * ks * esz, (size_t)(row * esz));
+        memcpy(cache + (plane + slots[t] * row) * esz, v + t * vs * esz, (size_t)(row * esz));
+    }
+}
+
 static PyObject *py_write_kv(PyObject *self, PyObject *args)
 {
     unsigned long long kp, vp, sp, cp;
@@ -978,7 +1264,6 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KLKLLLLKKL", &kp, &ks, &vp, &vs, &T, &row, &esz, &sp, &cp,
                           &plane))
         return NULL;
-    const char *k = (const char *)(uintptr_t)kp, *v = (const char *)(uintptr_t)vp;
     const int64_t *slots = (const int64_t *)(uintptr_t)sp;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= plane / row) {
@@ -986,13 +1271,176 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
                          (long long)slots[t], plane / row);
             return NULL;
         }
-    char *cache = (char *)(uintptr_t)cp;
-    for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < 0)
-            continue;
-        memcpy(cache + slots[t] * row * esz, k + t * ks * esz, (size_t)(row * esz));
-        memcpy(cache + (plane + slots[t] * row) * esz, v + t * vs * esz, (size_t)(row * esz));
+    write_kv_impl((const char *)(uintptr_t)kp, ks, (const char *)(uintptr_t)vp, vs, T, row, esz,
+                  slots, (char *)(uintptr_t)cp, plane);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ whole decode stack
+ *
+ * decode_layers: every decoder layer of a Llama-style model for a decode step (T rows,
+ * one new token per request) in one call, so that a layer costs no Python at all:
+ *     residual stream r, x = norm1(r)          (layer 0: r = the embeddings)
+ *     qkv = x Wqkv^T; q, k = rope(q, k); K/V -> cache slots
+ *     a = paged decode attention(q);  h = a Wo^T
+ *     r = r + h, x = norm2(r);  g = x Wgu^T;  m = silu(g[:I]) * g[I:];  h = m Wd^T
+ * and after the last layer out = norm_final(r + h). The same bodies as the separate
+ * calls (linear_impl, attention_impl, rms_norm_impl, rope_impl, write_kv_impl), so the
+ * result is the one the per-operator path computes, up to silu: exp by exp_avx512
+ * (relative error ~2e-7) instead of torch's Sleef exp.
+ *
+ * Per layer l, row l of the int64 table [L, 15]: ln1_w, qkv (fmt, qs, sc), o (fmt, qs,
+ * sc), ln2_w, gate_up (fmt, qs, sc), down (fmt, qs, sc), kv_cache (float32 [2, nb, bs,
+ * Hkv, D]). */
+#define DL_COLS 15
+
+#if HAVE_X86
+AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, float *out)
+{
+    int64_t i = 0;
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        __m512 sl = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(sl, _mm512_loadu_ps(u + i)));
     }
+    for (; i < n; i++)
+        out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+#endif
+
+static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+#if HAVE_X86
+        if (use_avx512()) {
+            silu_mul_avx512(g, u, I, o);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < I; i++)
+            o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+static PyObject *py_decode_layers(PyObject *self, PyObject *args)
+{
+    unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp;
+    long long L, T, H, hq, hkv, d, I, rows, nblocks, bs, bts;
+    double eps, scale;
+    int nth;
+    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi", &tblp, &L, &T, &H, &hq, &hkv, &d,
+                          &I, &eps, &hp, &fnp, &op, &pp, &rtp, &rows, &smp, &nblocks, &bs,
+                          &tip, &rip, &btp, &bts, &slp, &scale, &nth))
+        return NULL;
+    const int64_t *tbl = (const int64_t *)(uintptr_t)tblp;
+    const int64_t *pos = (const int64_t *)(uintptr_t)pp, *slots = (const int64_t *)(uintptr_t)smp;
+    if (T < 1 || L < 1 || H % QK || (hq * d) % QK || I % QK || d > MAX_D || d % 2 || hkv < 1
+        || hq % hkv || hq / hkv > MAX_G || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "decode_layers: unsupported shapes T=%lld H=%lld "
+                     "heads %lld/%lld D=%lld I=%lld", T, H, hq, hkv, d, I);
+        return NULL;
+    }
+    static const int fmt_cols[4] = {1, 4, 8, 11};
+    for (int64_t l = 0; l < L; l++)
+        for (int c = 0; c < 4; c++)
+            if (check_fmt((int)tbl[l * DL_COLS + fmt_cols[c]]) < 0)
+                return NULL;
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= rows) {
+            PyErr_Format(PyExc_IndexError, "rotary position %lld outside the table's %lld rows",
+                         (long long)pos[t], rows);
+            return NULL;
+        }
+        if (slots[t] >= nblocks * bs) {
+            PyErr_Format(PyExc_IndexError, "KV slot %lld outside the cache's %lld",
+                         (long long)slots[t], nblocks * bs);
+            return NULL;
+        }
+    }
+    const int64_t qkv_n = (hq + 2 * hkv) * d, kvrow = hkv * d;
+    const int64_t sizes[8] = {T * H, T * H, T * H, T * qkv_n, T * hq * d, T * kvrow,
+                              T * hq * d, T * 2 * I};
+    int64_t total = 0;
+    for (int i = 0; i < 8; i++)
+        total += (sizes[i] + 15) / 16 * 16;
+    total += (T * I + 15) / 16 * 16;
+    float *mem = (float *)malloc((size_t)total * sizeof(float));
+    if (mem == NULL)
+        return PyErr_NoMemory();
+    float *bufs[9], *cur = mem;
+    for (int i = 0; i < 8; i++) {
+        bufs[i] = cur;
+        cur += (sizes[i] + 15) / 16 * 16;
+    }
+    bufs[8] = cur;
+    float *res = bufs[0], *x = bufs[1], *h = bufs[2], *qkv = bufs[3], *qr = bufs[4],
+          *kr = bufs[5], *att = bufs[6], *gu = bufs[7], *act = bufs[8];
+    attn_args a;
+    a.q = qr;
+    a.out = att;
+    a.tok_idx = (const int64_t *)(uintptr_t)tip;
+    a.req_idx = (const int64_t *)(uintptr_t)rip;
+    a.block_tables = (const int32_t *)(uintptr_t)btp;
+    a.seq_lens = (const int32_t *)(uintptr_t)slp;
+    a.num_reqs = T;
+    a.hq = hq;
+    a.hkv = hkv;
+    a.d = d;
+    a.block_size = bs;
+    a.num_blocks = nblocks;
+    a.bt_stride = bts;
+    a.q_bf16 = a.kv_bf16 = 0;
+    a.scale = (float)scale;
+    a.soft_cap = 0.f;
+    a.window = 0;
+    const float *table = (const float *)(uintptr_t)rtp;
+    const int64_t plane = nblocks * bs * kvrow;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(res, (const float *)(uintptr_t)hp, (size_t)(T * H) * sizeof(float));
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const int64_t *e = tbl + l * DL_COLS;
+        const float *ln1 = (const float *)(uintptr_t)e[0], *ln2 = (const float *)(uintptr_t)e[7];
+#define QW(c) (int)e[c]
+#define QQ(c) (const uint8_t *)(uintptr_t)e[(c) + 1]
+#define QS(c) (const uint16_t *)(uintptr_t)e[(c) + 2]
+        float *cache = (float *)(uintptr_t)e[14];
+        if (l == 0)
+            rms_norm_impl(res, NULL, ln1, (float)eps, T, H, x, NULL);
+        else /* h holds the previous layer's MLP output */
+            rms_norm_impl(h, res, ln1, (float)eps, T, H, x, res);
+        rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth);
+        rope_impl(pos, T, qkv, qkv_n, hq, d, table, qr);
+        rope_impl(pos, T, qkv + hq * d, qkv_n, hkv, d, table, kr);
+        write_kv_impl((const char *)kr, kvrow, (const char *)(qkv + (hq + hkv) * d), qkv_n, T,
+                      kvrow, sizeof(float), slots, (char *)cache, plane);
+        a.cache = cache;
+        attention_impl(&a, nth);
+        rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth);
+        rms_norm_impl(h, res, ln2, (float)eps, T, H, x, res);
+        rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth);
+        silu_mul_impl(gu, T, I, act);
+        rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth);
+#undef QW
+#undef QQ
+#undef QS
+    }
+    if (rc == 0) { /* the final norm over r + h */
+        if (fnp)
+            rms_norm_impl(h, res, (const float *)(uintptr_t)fnp, (float)eps, T, H,
+                          (float *)(uintptr_t)op, res);
+        else
+            for (int64_t i = 0; i < T * H; i++)
+                ((float *)(uintptr_t)op)[i] = h[i] + res[i];
+    }
+    Py_END_ALLOW_THREADS
+    free(mem);
+    if (rc < 0)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -1028,6 +1476,10 @@ static PyMethodDef methods[] = {
      "rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): rotary."},
     {"write_kv", py_write_kv, METH_VARARGS,
      "write_kv(k, ks, v, vs, T, row, elem_size, slots, cache, plane): K/V rows to slots."},
+    {"decode_layers", py_decode_layers, METH_VARARGS,
+     "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
+     "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
+     "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
     {"linear_path", py_linear_path, METH_VARARGS,
      "linear_path(rows): the body a matmul of that many activation rows runs."},
     {NULL, NULL, 0, NULL},

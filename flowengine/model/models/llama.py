@@ -25,6 +25,7 @@ from torch import nn
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.attention.metadata import AttentionMetadata
+from flowengine.model.layers import cpu_fused
 from flowengine.model.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from flowengine.model.layers.linear import (
     ColumnParallelLinear,
@@ -229,6 +230,11 @@ class LlamaModel(nn.Module):
         `aux_hidden_state_layers` ([T, hidden_size], pre-norm) is appended, in order
         (layer numbers are the whole model's).
         """
+        if intermediate is None and aux_hidden_states is None and input_ids.device.type == "cpu":
+            # quantized CPU decode: every layer in one C call (layers/cpu_fused.py)
+            fused = cpu_fused.decode_forward(self, input_ids, positions, kv_caches, meta)
+            if fused is not None:
+                return fused
         if intermediate is None:
             hidden = self.embed_tokens(input_ids)
             if self.embedding_multiplier != 1.0:
