@@ -7,11 +7,11 @@ index of each rank, the start-up checks, the stage's memory-profile model."""
 
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
 import torch
+from pp_drive import generate_in_flight
 
 from flowengine.config import CacheConfig, EngineArgs
 from flowengine.distributed.pp_group import LocalPipelineStage, local_pipeline
@@ -21,7 +21,7 @@ from flowengine.executor.cuda_runner import CudaModelRunner
 from flowengine.executor.cuda_stage import StageProfileModel, local_gpu_index
 from flowengine.executor.executor import Executor, LocalPipeline
 from flowengine.executor.model_runner import ModelRunner
-from flowengine.messages import NewRequest, StepPlan
+from flowengine.messages import StepPlan
 from flowengine.sampling_params import SamplingParams
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=32,
@@ -41,37 +41,6 @@ def prompts() -> list[list[int]]:
 
     prefix = tokens(40)
     return [prefix + tokens(n) for n in (5, 9, 17, 30)] + [tokens(7), tokens(50)]
-
-
-def generate(core: EngineCore, executor, prompt_ids: list[list[int]],
-             max_in_flight: int) -> tuple[list[list[int]], dict[str, int]]:
-    """Greedy ids with up to `max_in_flight` plans launched before the oldest one's
-    result is read (the Scheduler actor's loop in place), and counters of what the
-    run exercised."""
-    scheduler = core.scheduler
-    for i, p in enumerate(prompt_ids):
-        core.add_request(NewRequest(f"r{i}", p, GREEDY, 0.0))
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
-    seen = {"max_in_flight": 0, "partial_prefills": 0, "cached_tokens": 0}
-    in_flight: deque = deque()
-    while scheduler.has_unfinished_requests() or in_flight:
-        while len(in_flight) < max_in_flight:
-            plan = scheduler.schedule()
-            if not plan.num_scheduled_tokens:
-                break
-            for new, num in zip(plan.new_reqs, plan.num_scheduled_tokens, strict=False):
-                if new.num_computed_tokens + num < new.num_prompt_tokens:
-                    seen["partial_prefills"] += 1
-            in_flight.append((plan, executor.launch(plan)))
-        seen["max_in_flight"] = max(seen["max_in_flight"], len(in_flight))
-        assert in_flight, "unfinished requests but nothing schedulable"
-        plan, handle = in_flight.popleft()
-        result = handle.result()
-        assert result.error is None, result.error
-        for delta in scheduler.update_from_output(plan, result):
-            outputs[delta.req_id].extend(delta.new_token_ids)
-            seen["cached_tokens"] += delta.num_cached_tokens
-    return [outputs[f"r{i}"] for i in range(len(prompt_ids))], seen
 
 
 def _stage_executor(resolved, stage: LocalPipelineStage, runner_cls: type) -> Executor:
@@ -94,7 +63,7 @@ def _stage_executor(resolved, stage: LocalPipelineStage, runner_cls: type) -> Ex
 def test_local_pipeline_equals_one_stage(tiny_llama: str, runner_cls: type) -> None:
     resolved = resolve(EngineArgs(model=tiny_llama, **ENGINE))
     whole = build_engine_core(resolved)
-    reference, _ = generate(whole, whole.executor, prompts(), 1)
+    reference, _ = generate_in_flight(whole, whole.executor, prompts(), GREEDY, 1)
     assert len({tuple(r) for r in reference}) == len(reference)  # not degenerate
 
     stages = local_pipeline(resolved.model_config.num_layers, 2)
@@ -106,7 +75,7 @@ def test_local_pipeline_equals_one_stage(tiny_llama: str, runner_cls: type) -> N
     scheduler.num_micro_batches = 2  # what build_scheduler sets at PP = 2
     scheduler.include_new_token_ids = True
     core = EngineCore(scheduler, pipeline, resolved.max_model_len)
-    got, seen = generate(core, pipeline, prompts(), 2)
+    got, seen = generate_in_flight(core, pipeline, prompts(), GREEDY, 2)
     assert got == reference
     assert seen["max_in_flight"] == 2  # two micro-batches overlapped
     assert seen["partial_prefills"] > 0 and seen["cached_tokens"] > 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-from collections import deque
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA with compiled Triton kernels", allow_module_level=True)
 
 from gpu_models import save_model, shared_prefix_prompts  # noqa: E402
+from pp_drive import generate_in_flight  # noqa: E402
 
 from flowengine import LLM  # noqa: E402
 from flowengine.config import EngineArgs  # noqa: E402
@@ -41,7 +41,6 @@ from flowengine.engine.engine_core import EngineCore  # noqa: E402
 from flowengine.executor.cuda_runner import CudaModelRunner  # noqa: E402
 from flowengine.executor.executor import LocalPipeline  # noqa: E402
 from flowengine.executor.memory_profile import num_kv_blocks_from_profile  # noqa: E402
-from flowengine.messages import NewRequest  # noqa: E402
 from flowengine.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -64,42 +63,12 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def _generate(core: EngineCore, executor, prompts: list[list[int]],
-              max_in_flight: int) -> tuple[list[list[int]], dict[str, int]]:
-    """Greedy ids with up to `max_in_flight` plans launched before the oldest one's
-    result is read (the Scheduler actor's loop in place), and what the run exercised."""
-    scheduler = core.scheduler
-    for i, p in enumerate(prompts):
-        core.add_request(NewRequest(f"r{i}", p, GREEDY, 0.0))
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    seen = {"max_in_flight": 0, "partial_prefills": 0, "cached_tokens": 0}
-    in_flight: deque = deque()
-    while scheduler.has_unfinished_requests() or in_flight:
-        while len(in_flight) < max_in_flight:
-            plan = scheduler.schedule()
-            if not plan.num_scheduled_tokens:
-                break
-            for new, num in zip(plan.new_reqs, plan.num_scheduled_tokens, strict=False):
-                if new.num_computed_tokens + num < new.num_prompt_tokens:
-                    seen["partial_prefills"] += 1
-            in_flight.append((plan, executor.launch(plan)))
-        seen["max_in_flight"] = max(seen["max_in_flight"], len(in_flight))
-        assert in_flight, "unfinished requests but nothing schedulable"
-        plan, handle = in_flight.popleft()
-        result = handle.result()
-        assert result.error is None, result.error
-        for delta in scheduler.update_from_output(plan, result):
-            outputs[delta.req_id].extend(delta.new_token_ids)
-            seen["cached_tokens"] += delta.num_cached_tokens
-    return [outputs[f"r{i}"] for i in range(len(prompts))], seen
-
-
 def test_two_stages_in_one_process_equal_pp1(model_path: str) -> None:
     resolved = resolve(EngineArgs(model=model_path, **ENGINE))
     prompts = shared_prefix_prompts(5)
     whole = build_engine_core(resolved)  # PP = 1, decode in CUDA graphs
     assert whole.executor.runner.graphs is not None
-    reference, _ = _generate(whole, whole.executor, prompts, 1)
+    reference, _ = generate_in_flight(whole, whole.executor, prompts, GREEDY, 1)
     assert len({tuple(r) for r in reference}) > len(prompts) // 2  # not degenerate
     del whole
     _free()
@@ -117,7 +86,7 @@ def test_two_stages_in_one_process_equal_pp1(model_path: str) -> None:
     scheduler.num_micro_batches = 2  # what build_scheduler sets at PP = 2
     scheduler.include_new_token_ids = True
     core = EngineCore(scheduler, pipeline, resolved.max_model_len)
-    got, seen = _generate(core, pipeline, prompts, 2)
+    got, seen = generate_in_flight(core, pipeline, prompts, GREEDY, 2)
     mismatched = [i for i, (g, r) in enumerate(zip(got, reference, strict=True)) if g != r]
     assert not mismatched, f"requests {mismatched} differ from PP = 1"
     assert seen["max_in_flight"] == 2  # two micro-batches overlapped
