@@ -59,7 +59,7 @@ def test_dequantize_equals_gguf(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, DEQUANT_MIN_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 33, 70, DEQUANT_MIN_ROWS + 1])
 def test_matmul_matches_float64(fmt, rows):
     seed = int(torch.randint(0, 2**31, ()).item())
     n, k = 83, 576  # n not a multiple of 16: a thread's last rows are partial
@@ -72,6 +72,24 @@ def test_matmul_matches_float64(fmt, rows):
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     err = (out.double() - expected).abs().max().item()
     assert err <= bound, f"seed {seed}: error {err} > {bound}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_row_tiles_same_bits_as_untiled(fmt, k):
+    """The float32 body runs more than a tile's rows (40 KB of activations: 16 rows of
+    576 features, 8 of 1536) tile by tile over blocks of 64 weight rows; every output is
+    summed in the same order, so 40 rows at once equal five calls of 8 rows bit for bit,
+    and the rows above a tile match float64."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    weight, ref = _gguf_weight(fmt, 150, k, seed)  # 3 weight blocks, a short last one
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(seed))
+    out = weight.matmul(x)
+    parts = torch.cat([weight.matmul(x[i:i + 8]) for i in range(0, 40, 8)])
+    assert torch.equal(out, parts), f"seed {seed}"
+    expected = x.double() @ ref.double().t()
+    bound = REL_TOL * k ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+    assert (out.double() - expected).abs().max().item() <= bound, f"seed {seed}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -43,8 +43,19 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 }
 BLOCK = 32
 # Above this many activation rows a matmul dequantizes the matrix and runs torch's
-# GEMM; at or below it the fused kernel reads the packed weights (decode batches).
-DEQUANT_MIN_ROWS = 16
+# GEMM; at or below it the C kernel reads the packed weights (decode batches, offline
+# batches, prefill chunks), and a decode step of up to this many rows runs its layers
+# in one C call (cpu_fused.py). Measured rule (session 27, 2-core AMD EPYC, 1 thread,
+# best of 6, the float32 body cache-blocked in row tiles; benchmarks/cpu_quant_rows.py,
+# table in docs/benchmarks.md, issue 20): the kernel against dequantize + F.linear, ms:
+#   q4_1 3072x576:   16 rows 0.43/0.77, 64 1.76/2.42, 512 15.1/18.5, 2048 60.8/73.3
+#   q4_1 576x1536:   16 rows 0.22/0.39, 64 0.89/1.18, 512 7.20/8.87, 2048 31.7/35.5
+#   q8_0 49152x576:  16 rows 9.0/67.2, 64 32.7/112, 512 245/457
+# i.e. 1.12-7.5x faster at every row count measured; the ratio falls slowly with the
+# rows (the GEMM amortises its dequantization), so above the largest measured count the
+# dequantizing path stays. (It was 16: the unblocked float32 body read its activations
+# from L2 above 16 rows of 576 features and took 2x the time per row.)
+DEQUANT_MIN_ROWS = 2048
 
 
 logger = logging.getLogger(__name__)
