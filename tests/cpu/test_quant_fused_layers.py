@@ -2,9 +2,12 @@
 (flowengine/model/layers/cpu_fused.py, `_cpu_ops.decode_layers`) and the thread pool of
 its matmuls, against the per-operator path they replace.
 
-- Greedy ids of the default model's Q4_1 GGUF (1, 3 and 5 requests decoding together)
-  equal the per-operator path's, logprobs within 1e-5 (same C bodies; only the silu's
-  exp differs, relative error ~2e-7), and the fused path really ran (a counter).
+- Greedy ids of the default model's Q4_1 GGUF (1, 3, 5 and 20 requests decoding together)
+  equal the per-operator path's, logprobs within 3e-5 (same C bodies; only the silu's
+  exp differs, relative error ~2e-7; measured at most 5.5e-6 while prefill dequantized,
+  1.37e-5 since prefill runs the kernel, whose float32 sums differ from torch's GEMM in
+  the last bits, and 12 steps x 30 layers amplify the exp's difference more or less),
+  and the fused path really ran (a counter).
 - A quantized matmul gives bit-identical outputs with 1, 2 and 3 threads (every weight
   row is computed by the same code whichever thread claims its chunk).
 """
@@ -56,9 +59,11 @@ def test_fused_decode_equals_per_operator_path(default_model_path, monkeypatch):
     monkeypatch.setattr(cpu_fused, "decode_forward", counting)
     model = llm.engine.executor.runner.model.model
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 4000 for j in range(20 + 5 * i)]}
-               for i in range(5)]
-    for batch in (prompts[:1], prompts[:3], prompts):
+    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 4000 for j in range(20 + 5 * (i % 5))]}
+               for i in range(20)]
+    # 20 requests: a decode step of more than 16 rows (the fused path's old limit) whose
+    # matmuls run the float32 body in row tiles
+    for batch in (prompts[:1], prompts[:3], prompts[:5], prompts):
         monkeypatch.setattr(cpu_fused, "ENABLED", True)
         before = calls["fused"]
         fused = llm.generate(batch, params, use_tqdm=False)
@@ -74,4 +79,4 @@ def test_fused_decode_equals_per_operator_path(default_model_path, monkeypatch):
             for step, token in enumerate(ta):
                 diff = abs(a.outputs[0].logprobs[step][token].logprob
                            - b.outputs[0].logprobs[step][token].logprob)
-                assert diff <= 1e-5, f"step {step}: logprob differs by {diff:.2e}"
+                assert diff <= 3e-5, f"step {step}: logprob differs by {diff:.2e}"
