@@ -724,7 +724,9 @@ typedef struct {
  * time per row doubled above 16 rows at K = 576 (16 x 576 x 4 = 36 KB; 24 rows: 54 KB)
  * and above 8 at K = 1536. Tiles are ROW_TILE_BYTES of activations (at least MR rows),
  * run over blocks of ROW_TILE_N weight rows (re-read from L1/L2 once per tile). The
- * sums of each output are formed in the same order, so results are unchanged. */
+ * sums of each output are formed in the same order, so results are unchanged.
+ * FLOWENGINE_CPU_ROW_TILE_KB (read once) overrides the budget for measurements
+ * (benchmarks/cpu_quant_rows.py): 0 = tiles of MR rows, a huge value = no tiling. */
 #define ROW_TILE_BYTES (40 * 1024)
 #define ROW_TILE_N 64
 

@@ -1,0 +1,85 @@
+"""Quantized CPU matmul by activation rows: the C kernel (`_cpu_ops.linear`) against
+dequantize + torch's GEMM (the path above DEQUANT_MIN_ROWS), for the default model's
+weight shapes (SmolLM2-135M: gate_up, down, qkv, the tied Q8_0 LM head). Random packed
+weights (the kernels' time does not depend on the values); best of a few calls per
+figure, the two paths alternated per shape and row count, all rounds in one process.
+
+    PYTHONPATH=. python benchmarks/cpu_quant_rows.py --rows 16,32,64,128,512 --threads 1,2
+    (--shapes q4_1:3072x576,q4_1:576x1536 to restrict; FLOWENGINE_CPU_ROW_TILE_KB=N
+    overrides the float32 body's 40 KB activation tile: 0 = tiles of 8 rows, 1000000 =
+    no tiling, the body before session 27's fix)
+
+Prints a markdown table: ms per call of each path and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flowengine import _cpu_ops as ops
+from flowengine.model.layers.quant_linear import FORMATS, QuantizedWeight
+
+DEFAULT_SHAPES = "q4_1:3072x576,q4_1:576x1536,q4_1:960x576,q8_0:49152x576"
+
+
+def packed(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    nb = k // 32
+    if fmt == "q8_0":
+        return (torch.randint(-127, 127, (n, k), dtype=torch.int8),
+                (torch.rand(n, nb) * 0.01).half())
+    return (torch.randint(0, 255, (n, k // 2), dtype=torch.uint8),
+            (torch.rand(n, nb * FORMATS[fmt][2]) * 0.01).half())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="16,32,64,128,256,512")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
+    threads = [int(t) for t in a.threads.split(",")]
+    shapes = []
+    for s in a.shapes.split(","):
+        fmt, nk = s.split(":")
+        n, k = nk.split("x")
+        shapes.append((fmt, int(n), int(k)))
+    best: dict[tuple, float] = {}
+    for _ in range(a.rounds):
+        for fmt, n, k in shapes:
+            qs, sc = packed(fmt, n, k)
+            w = QuantizedWeight(fmt, qs, sc)
+            for m in rows:
+                x = torch.randn(m, k)
+                out = torch.empty(m, n)
+                for th in threads:
+                    torch.set_num_threads(th)
+                    calls = 2 if n * m > 49152 * 32 else 6
+                    for path in ("kernel", "dequant"):
+                        for _ in range(calls):
+                            t0 = time.perf_counter()
+                            if path == "kernel":
+                                ops.linear(FORMATS[fmt][0], x.data_ptr(), m, k, qs.data_ptr(),
+                                           sc.data_ptr(), n, out.data_ptr(), th)
+                            else:
+                                F.linear(x, w.dequantize())
+                            dt = time.perf_counter() - t0
+                            key = (fmt, n, k, m, th, path)
+                            best[key] = min(best.get(key, 1e9), dt)
+    print("| weight | rows | threads | kernel ms | dequant + GEMM ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for fmt, n, k in shapes:
+        for m in rows:
+            for th in threads:
+                kt, dt = best[(fmt, n, k, m, th, "kernel")], best[(fmt, n, k, m, th, "dequant")]
+                print(f"| {fmt} {n}x{k} | {m} | {th} | {kt * 1e3:.2f} | {dt * 1e3:.2f} | "
+                      f"{dt / kt:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
