@@ -130,8 +130,11 @@ def test_online_int8_round_trip():
     blocks = w.view(33, 4, 32)
     step = blocks.abs().amax(-1, keepdim=True) / 127  # one quantization step per block
     err = (deq.view(33, 4, 32) - blocks).abs()
-    # Half a step of rounding, plus the float16 rounding of the scale (<= 127 * 2^-11 d).
-    assert bool((err <= step * (0.5 + 127 * 2.0 ** -11) + 1e-7).all())
+    # Half a step of rounding, plus the float16 rounding of the scale: 127 |d16 - d|
+    # (<= 127 * 2^-11 d for a normal float16; more where d < 2^-14 is subnormal, e.g.
+    # d = 7.7e-6 for a row scaled by a small torch.rand: the test failed ~1 run in 15)
+    d16 = packed.scales.float().view(33, 4, 1)
+    assert bool((err <= step * (0.5 + 2.0 ** -11) + 127 * (d16 - step).abs() + 1e-7).all())
     assert torch.equal(deq[3, :32], torch.zeros(32))
     x = torch.randn(4, 128)
     torch.testing.assert_close(weight.matmul(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
