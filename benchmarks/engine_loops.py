@@ -139,6 +139,21 @@ def idle_between_steps(steps: list[StepLog]) -> float:
     return idle / total
 
 
+def busy_and_wall(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by the union of the sorted, non-empty (start, end) `spans`, time
+    from the first start to the last end), in the spans' unit: a profile's kernel
+    busy time and the wall time it spans."""
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, max(e for _, e in spans) - spans[0][0]
+
+
 def profiler_idle(run_window: Callable[[], object]) -> float | None:
     """Fraction of wall time between the first kernel start and the last kernel end
     with no kernel running, from torch.profiler over `run_window()`; None when the
@@ -152,13 +167,5 @@ def profiler_idle(run_window: Callable[[], object]) -> float | None:
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0)
     if not spans:
         return None
-    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    wall = max(e for _, e in spans) - spans[0][0]
+    busy, wall = busy_and_wall(spans)
     return 1.0 - busy / wall

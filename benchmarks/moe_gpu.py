@@ -54,6 +54,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_loops import busy_and_wall  # noqa: E402
 from gpu_bench import copy_bandwidth_gbs, device_step_ms  # noqa: E402
 
 from flowengine.kernels import fused_moe as fused_moe_module  # noqa: E402
@@ -261,15 +262,7 @@ def profile_steps(step, steps: int, step_ms: float, label: str, trace: str | Non
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    wall = max(e for _, e in spans) - spans[0][0]
+    busy, wall = busy_and_wall(spans)
     rows = sorted(((sum(v) / steps, len(v) / steps, name) for name, v in by_name.items()),
                   reverse=True)
     kinds: dict[str, list[float]] = {}
