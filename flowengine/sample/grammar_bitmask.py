@@ -96,6 +96,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     logits.index_copy_(0, rows, sub)
 
 
+# Logits dtypes numpy shares memory with (bfloat16 has none: the torch path serves it).
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
 def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
                        structured_req_ids: list[str], data: bytes) -> None:
     """Apply a plan's bitmask (`StepPlan.grammar_bitmask`, one row per id of
@@ -108,7 +112,7 @@ def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
     pairs = [(k, index[rid]) for k, rid in enumerate(structured_req_ids) if rid in index]
     if not pairs:
         return
-    if logits.device.type == "cpu":
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
         _apply_on_host(logits, data, len(structured_req_ids), pairs)
     else:
         _apply_on_device(logits, data, len(structured_req_ids), pairs)
@@ -131,7 +135,7 @@ def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
 
 def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
                    pairs: list[tuple[int, int]]) -> None:
-    """`apply_plan_bitmask` for logits on the CPU, in numpy: the words unpacked (one
+    """`apply_plan_bitmask` for float32/float16/float64 logits on the CPU, in numpy: the words unpacked (one
     pass, no [K, W, 32] int32 intermediate) into the disallowed mask, then -inf written
     where it is set, single-threaded. torch's element-wise ops over a 49k-token row go
     to its intra-op threads, and on a loaded machine a wake-up of those can wait for a
@@ -152,17 +156,6 @@ def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
         disallowed = np.ones((len(mask_rows), vocab_size), dtype=bool)
         disallowed[:, :bits.shape[1]] = bits == 0
     in_order = len(pairs) == logits.shape[0] and all(k == r for k, r in pairs)
-    if logits.dtype not in (torch.float32, torch.float16, torch.float64):  # no numpy dtype
-        mask = torch.from_numpy(disallowed)
-        with torch.inference_mode():
-            if in_order:
-                logits.masked_fill_(mask, float("-inf"))
-                return
-            rows = torch.tensor([r for _, r in pairs], dtype=torch.int64)
-            sub = logits.index_select(0, rows)
-            sub.masked_fill_(mask, float("-inf"))
-            logits.index_copy_(0, rows, sub)
-        return
     values = logits.numpy()  # shares the tensor's memory
     if in_order:
         np.copyto(values, -np.inf, where=disallowed)

@@ -1,7 +1,7 @@
 """The host-side fast paths of a constrained step (CPU runner, one step at a time).
 
 - `apply_plan_bitmask` on CPU logits (numpy unpack, -inf written by numpy; bfloat16
-  by one masked fill) sets exactly the
+  logits take the tensor path) sets exactly the
   logits that the tensor path (`apply_token_bitmask`, the device path) sets, for every
   row mapping: all rows in order, a subset, a shuffled order, ids that do not sample,
   and masks shorter or longer than the vocabulary.
