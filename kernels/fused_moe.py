@@ -412,6 +412,121 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
+# Router GEMV fused into the routing (`route_topk_gemv`): up to this many tokens (decode
+# sizes; past them one cuBLAS GEMM for the logits is the better launch).
+ROUTER_GEMV_MAX_TOKENS = 16  # FusedMoE.router_counter's length
+ROUTER_BLOCK_E = 4  # experts (logit rows) per program
+
+
+@triton.jit
+def _router_gemv_topk_kernel(
+    weights_ptr,  # [T, TOP_K] float32
+    ids_ptr,  # [T, TOP_K] int64
+    logits_ptr,  # [T, E] float32 scratch: x's-dtype-rounded logits
+    counter_ptr,  # [>= T] int32, zero between launches (the last program re-zeroes it)
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, K] router weight, x's dtype
+    E,
+    K,
+    x_stride: tl.int64,
+    w_stride: tl.int64,
+    TOP_K: tl.constexpr,
+    PAIRS: tl.constexpr,  # next power of two >= TOP_K
+    BLOCK_E: tl.constexpr,  # logit rows per program
+    BLOCK_K: tl.constexpr,
+    E_PADDED: tl.constexpr,  # next power of two >= E
+    RENORMALIZE: tl.constexpr,
+):
+    # Programs (t, j) compute logits j * BLOCK_E .. of token t, rounded to x's dtype as
+    # the unfused nn.Linear stores them; the last of token t's programs to finish (an
+    # acq_rel counter, the "last block reduces" pattern) runs the softmax top-k of
+    # `_route_topk_kernel` over the E logits and re-zeroes the counter.
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_valid = offs_e < E
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_valid = offs_k + k0 < K
+        xv = tl.load(x_ptr + t * x_stride + k0 + offs_k, mask=k_valid, other=0.0)
+        w = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * w_stride + k0 + offs_k[None, :],
+                    mask=e_valid[:, None] & k_valid[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+    logit = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + t * E + offs_e, logit, mask=e_valid)
+    tl.debug_barrier()  # every thread's stores precede the release below
+    done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if done == tl.num_programs(1) - 1:
+        tl.store(counter_ptr + t, 0)
+        offs = tl.arange(0, E_PADDED)
+        valid = offs < E
+        # .cg: read through L2, where the other programs' stores are.
+        x = tl.load(logits_ptr + t * E + offs, mask=valid, other=-float("inf"),
+                    cache_modifier=".cg")
+        p = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        probs = p / tl.sum(p, axis=0)
+        work = tl.where(valid, probs, -1.0)
+        slots = tl.arange(0, PAIRS)
+        sel_w = tl.zeros([PAIRS], dtype=tl.float32)
+        sel_i = tl.zeros([PAIRS], dtype=tl.int64)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(work, axis=0)
+            idx = tl.min(tl.where(work == best, offs, E_PADDED), axis=0)
+            sel_w = tl.where(slots == j, best, sel_w)
+            sel_i = tl.where(slots == j, idx.to(tl.int64), sel_i)
+            work = tl.where(offs == idx, -2.0, work)
+        if RENORMALIZE:
+            sel_w = sel_w / tl.sum(sel_w, axis=0)
+        keep = slots < TOP_K
+        tl.store(weights_ptr + t * TOP_K + slots, sel_w, mask=keep)
+        tl.store(ids_ptr + t * TOP_K + slots, sel_i, mask=keep)
+
+
+def route_topk_gemv(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+                    renormalize: bool, counter: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk(x @ router_weight.T, ...)` in one launch: the router GEMV (logits
+    rounded to x's dtype, as nn.Linear leaves them) and the softmax top-k, for decode
+    sizes (T <= ROUTER_GEMV_MAX_TOKENS; the caller picks).
+
+    Args:
+        x: [T, hidden] float32/float16/bfloat16, contiguous rows.
+        router_weight: [E, hidden], x's dtype.
+        counter: [>= T] int32 on x's device, all zero (a persistent buffer: the kernel
+            leaves it zero again, so a CUDA graph can replay it).
+
+    Returns:
+        (topk_weights [T, top_k] float32, topk_ids [T, top_k] int64), as `route_topk`.
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("router_weight", router_weight, ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_tensor("counter", counter, ndim=1, dtypes=(torch.int32,), device=x.device)
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    if router_weight.shape[1] != hidden or x.stride(1) != 1 or router_weight.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} and router_weight {tuple(router_weight.shape)} "
+                         "must share hidden with contiguous rows")
+    if counter.shape[0] < num_tokens:
+        raise ValueError(f"counter has {counter.shape[0]} entries for {num_tokens} tokens")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    if num_tokens:
+        logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        block_e = min(ROUTER_BLOCK_E, triton.next_power_of_2(num_experts))
+        _router_gemv_topk_kernel[(num_tokens, triton.cdiv(num_experts, block_e))](
+            weights, ids, logits, counter, x, router_weight, num_experts, hidden,
+            x.stride(0), router_weight.stride(0), TOP_K=top_k,
+            PAIRS=max(2, triton.next_power_of_2(top_k)), BLOCK_E=block_e,
+            BLOCK_K=min(2048, max(16, triton.next_power_of_2(hidden))),
+            E_PADDED=max(16, triton.next_power_of_2(num_experts)),
+            RENORMALIZE=renormalize, num_warps=4,
+        )
+    return weights, ids
+
+
 # Tile configuration of one launch: vLLM's fused-MoE config keys.
 MoeConfig = dict[str, int]
 

@@ -338,3 +338,37 @@ def test_route_topk_takes_the_lowest_expert_among_ties(device) -> None:
     assert route_topk(logits[:0], 2, True)[1].shape == (0, 2)
     with pytest.raises(ValueError, match="top_k"):
         route_topk(logits, 7, True)
+
+
+@pytest.mark.parametrize(("t", "e", "k", "h", "renorm"), [(1, 128, 8, 64, True),
+                                                           (3, 10, 2, 48, True),
+                                                           (5, 60, 4, 40, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_gemv_equals_linear_then_select_experts(t, e, k, h, renorm, dtype,
+                                                           device) -> None:
+    # The router GEMV fused into the routing launch against F.linear in x's dtype (float32
+    # reference for float32 inputs) then torch's softmax top-k; the counter is left zero
+    # so a second launch (a CUDA-graph replay) routes the same.
+    from flowengine.kernels.fused_moe import route_topk_gemv
+    from flowengine.model.layers.moe import select_experts
+
+    x = torch.randn(t, h, device=device).to(dtype)
+    w = (torch.randn(e, h, device=device) * 0.3).to(dtype)
+    counter = torch.zeros(16, dtype=torch.int32, device=device)
+    logits = torch.nn.functional.linear(x.float(), w.float())
+    for _ in range(2):
+        weights, ids = route_topk_gemv(x, w, k, renorm, counter)
+        assert torch.equal(counter, torch.zeros_like(counter))
+        want_w, want_ids = select_experts(logits.to(dtype), k, renorm)
+        got = logits.to(dtype).gather(1, ids)
+        if dtype == torch.float32:  # summation order differs: compare the picked logits
+            torch.testing.assert_close(got, logits.gather(1, want_ids), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(weights, want_w, atol=1e-5, rtol=1e-4)
+        else:  # a bf16 rounding of a logit may flip near ties: the picked ones are top-k
+            kth = logits.to(dtype).float().topk(k, -1).values[:, -1:]
+            assert bool((got.float() >= kth - 0.02 * kth.abs() - 1e-2).all())
+            torch.testing.assert_close(weights.sum(-1) if renorm else weights,
+                                       want_w.sum(-1) if renorm else want_w,
+                                       atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="counter"):
+        route_topk_gemv(x, w, k, renorm, counter[:0])

@@ -136,12 +136,35 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", torch.empty(
             num_experts if self.placement is not None else 0, dtype=torch.int32),
             persistent=False)
+        # [ROUTER_GEMV_MAX_TOKENS] int32 zeros: the fused router launch's per-token
+        # counter (`route_topk_gemv`), zeroed by init_buffers, left zero by each launch.
+        self.register_buffer("router_counter", torch.empty(16, dtype=torch.int32),
+                             persistent=False)
 
     def init_buffers(self) -> None:
-        """Fill `expert_map` on the module's device (the loader calls this after
-        `to_empty`)."""
+        """Fill `expert_map` and zero `router_counter` on the module's device (the loader
+        calls this after `to_empty`)."""
         if self.placement is not None:
             self.expert_map.copy_(self.placement.expert_map(self.expert_map.device))
+        self.router_counter.zero_()
+
+    def route_and_forward(self, x: torch.Tensor, router_weight: torch.Tensor
+                          ) -> torch.Tensor:
+        """forward(x, x @ router_weight.T), with the router GEMV fused into the routing
+        launch on CUDA at decode sizes (T <= ROUTER_GEMV_MAX_TOKENS)."""
+        from flowengine.kernels.fused_moe import ROUTER_GEMV_MAX_TOKENS
+
+        if (not x.is_cuda or x.shape[0] > ROUTER_GEMV_MAX_TOKENS
+                or router_weight.dtype != x.dtype or not x.is_contiguous()):
+            return self(x, F.linear(x, router_weight))
+        from flowengine.kernels.fused_moe import fused_moe, route_topk_gemv
+
+        expert_map = self.expert_map if self.placement is not None else None
+        topk_weights, topk_ids = route_topk_gemv(x, router_weight, self.top_k,
+                                                 self.renormalize, self.router_counter)
+        out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                        expert_map)
+        return self.tp.all_reduce(out)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] and router_logits [T, num_experts] -> [T, hidden], x's dtype,
@@ -219,7 +242,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], x's dtype."""
-        out = self.experts(x, self.gate(x))
+        if self.gate.bias is None:
+            out = self.experts.route_and_forward(x, self.gate.weight)
+        else:
+            out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
