@@ -56,6 +56,55 @@ def _rotate_halves(
 
 
 @triton.jit
+def _norm_halves(
+    x1,  # [heads, HALF_PADDED] fp32, the first halves (0 past HALF)
+    x2,  # [heads, HALF_PADDED] fp32, the second halves
+    w_ptr,  # [2 * HALF] the per-head RMSNorm weight
+    eps,  # float32
+    dtype: tl.constexpr,  # the activation dtype
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
+    """Qwen3's per-head q/k RMSNorm of both halves, rounded as kernels/rms_norm.py (and
+    transformers' RMSNorm) round: normalised row to `dtype`, times the weight, to
+    `dtype`; returned as fp32."""
+    offs_d = tl.arange(0, HALF_PADDED)
+    d_mask = offs_d < HALF
+    mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    inv = tl.rsqrt(mean_sq + eps)[:, None]
+    w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    y1 = ((x1 * inv).to(dtype).to(tl.float32) * w1[None, :]).to(dtype).to(tl.float32)
+    y2 = ((x2 * inv).to(dtype).to(tl.float32) * w2[None, :]).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _rotate_normed_halves(
+    ptrs,  # [heads, HALF_PADDED] pointers to the first halves of the heads
+    mask,  # [heads, HALF_PADDED]
+    cos,  # [HALF_PADDED] fp32
+    sin,  # [HALF_PADDED] fp32
+    w_ptr,  # [2 * HALF] RMSNorm weight (read when QK_NORM)
+    eps,
+    dtype: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
+    """`_rotate_halves`, after the per-head RMSNorm when QK_NORM."""
+    if QK_NORM:
+        x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = _norm_halves(x1, x2, w_ptr, eps, dtype, HALF, HALF_PADDED)
+        out1 = x1 * cos[None, :] - x2 * sin[None, :]
+        out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    else:
+        out1, out2 = _rotate_halves(ptrs, mask, cos, sin, HALF)
+    return out1, out2
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # [num_tokens, num_heads, head_dim], rows of this program's token
     stride_token,  # int64
@@ -196,6 +245,9 @@ def _rotary_and_cache_kernel(
     cache_stride_offset: tl.int64,
     cache_stride_head: tl.int64,
     rope_stride: tl.int64,
+    q_norm_ptr,  # [head_dim] q RMSNorm weight (read when QK_NORM)
+    k_norm_ptr,  # [head_dim] k RMSNorm weight (read when QK_NORM)
+    norm_eps,  # float32
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     NUM_Q_HEADS_PADDED: tl.constexpr,
@@ -204,21 +256,28 @@ def _rotary_and_cache_kernel(
     HALF_PADDED: tl.constexpr,  # power of 2
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     FP8_MAX: tl.constexpr,  # > 0: the cache is E4M3; clamp to +-FP8_MAX before the cast
+    QK_NORM: tl.constexpr,  # per-head RMSNorm of q and k before the rotation (Qwen3)
 ):
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, token, rope_stride, HALF, HALF_PADDED)
-    _rotate_heads(
-        query_ptr, query_stride_token, query_stride_head, token, cos, sin,
-        NUM_Q_HEADS, NUM_Q_HEADS_PADDED, HALF, HALF_PADDED,
-    )
+    dtype = query_ptr.dtype.element_ty
+    offs_d = tl.arange(0, HALF_PADDED)
+    offs_q = tl.arange(0, NUM_Q_HEADS_PADDED)
+    q_mask = (offs_q[:, None] < NUM_Q_HEADS) & (offs_d[None, :] < HALF)
+    q_ptrs = (query_ptr + token * query_stride_token + offs_q[:, None] * query_stride_head
+              + offs_d[None, :])
+    q1, q2 = _rotate_normed_halves(q_ptrs, q_mask, cos, sin, q_norm_ptr, norm_eps, dtype,
+                                   HALF, HALF_PADDED, QK_NORM)
+    tl.store(q_ptrs, q1.to(dtype), mask=q_mask)
+    tl.store(q_ptrs + HALF, q2.to(dtype), mask=q_mask)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
     offs_h = tl.arange(0, NUM_KV_HEADS_PADDED)
-    offs_d = tl.arange(0, HALF_PADDED)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HALF)
     k_ptrs = key_ptr + token * key_stride_token + offs_h[:, None] * key_stride_head + offs_d[None, :]
-    out1, out2 = _rotate_halves(k_ptrs, mask, cos, sin, HALF)
+    out1, out2 = _rotate_normed_halves(k_ptrs, mask, cos, sin, k_norm_ptr, norm_eps, dtype,
+                                       HALF, HALF_PADDED, QK_NORM)
     # Round to the activation dtype first, as rotary_embedding followed by
     # reshape_and_cache would store it: the cached key is the same bits either way.
     out1 = out1.to(key_ptr.dtype.element_ty)
@@ -253,9 +312,14 @@ def rotary_embedding_and_cache(
     slot_mapping: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """rotary_embedding + reshape_and_cache in one launch: rotate `query` in place, and
     write the rotated keys and the values into `kv_cache` at `slot_mapping`.
+
+    qk_norm: (q_weight [head_dim], k_weight [head_dim], eps): Qwen3's per-head RMSNorm
+    of q and k applied first in the same launch (two launches less a layer), rounded as
+    `rms_norm` followed by this function would round; None: no norm.
 
     The cache ends up bit for bit as `rotary_embedding(positions, query, key, ...)`
     followed by `reshape_and_cache(key, value, kv_cache, slot_mapping)` leaves it
@@ -315,6 +379,15 @@ def rotary_embedding_and_cache(
         )
     if cos_cache.stride(0) != sin_cache.stride(0):
         raise ValueError("cos_cache and sin_cache must have the same row stride")
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        check_tensor("q_norm weight", q_w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+        check_tensor("k_norm weight", k_w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+        if q_w.shape[0] != head_dim or k_w.shape[0] != head_dim:
+            raise ValueError(f"q/k norm weights {tuple(q_w.shape)}, {tuple(k_w.shape)} "
+                             f"must be [{head_dim}]")
+    else:
+        q_w, k_w, eps = cos_cache, cos_cache, 0.0  # not read
     if num_tokens == 0:
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -325,6 +398,7 @@ def rotary_embedding_and_cache(
         value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         cos_cache.stride(0),
+        q_w, k_w, float(eps),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         NUM_Q_HEADS_PADDED=triton.next_power_of_2(num_q_heads),
@@ -333,4 +407,5 @@ def rotary_embedding_and_cache(
         HALF_PADDED=triton.next_power_of_2(half),
         BLOCK_SIZE=kv_cache.shape[2],
         FP8_MAX=FP8_E4M3_MAX if kv_cache.dtype == torch.float8_e4m3fn else 0.0,
+        QK_NORM=qk_norm is not None,
     )

@@ -152,3 +152,46 @@ def test_rotary_and_cache_rejects_mismatched_cache(device: torch.device) -> None
     positions = torch.tensor([0, 1], device=device)
     with pytest.raises(ValueError, match="kv_cache shape"):
         rotary_embedding_and_cache(positions, q, k, k.clone(), cache, slots, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_cache_with_qk_norm_equals_norm_then_rotary(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    """Qwen3's per-head q/k RMSNorm fused in front of the rotation: q and the cached k
+    against the float32 torch reference (RMSNorm rounded to the activation dtype as
+    transformers' RMSNorm rounds, then the rotation); float32 to 1e-5, bf16 to one bf16
+    rounding of the rotated value."""
+    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 5, 4, 2, 64, 16, 3
+    eps = 1e-6
+    cos, sin = build_rope_cache(head_dim, 4096, 1000000.0, device=device)
+    qkv = (torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim,
+                       device=device) * 3).to(dtype)
+    q_end, k_end = num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
+    q = qkv[:, :q_end].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    q_w = (1 + 0.5 * torch.randn(head_dim, device=device)).to(dtype)
+    k_w = (1 + 0.5 * torch.randn(head_dim, device=device)).to(dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, device=device,
+                        dtype=dtype)
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        return (w.float() * normed.float()).to(dtype).float()
+
+    want_q = ref_rotary(norm(q, q_w), positions, cos, sin)
+    want_k = ref_rotary(norm(k, k_w), positions, cos, sin)
+    rotary_embedding_and_cache(positions, q, k, v, cache, slots, cos, sin,
+                               qk_norm=(q_w, k_w, eps))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(q.float(), want_q, rtol=tol, atol=tol)
+    flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim).float()
+    assert_close(flat[0, slots], want_k, rtol=tol, atol=tol)
+    assert torch.equal(flat[1, slots], v.float())
+    with pytest.raises(ValueError, match="norm weights"):
+        rotary_embedding_and_cache(positions, q, k, v, cache, slots, cos, sin,
+                                   qk_norm=(q_w[:8], k_w, eps))

@@ -79,6 +79,8 @@ class TritonAttentionBackend:
     name = "triton"
     # forward() takes `rotary=` and applies RoPE in the same launch as the KV write.
     fuses_rotary = True
+    # ... and, given `qk_norm=`, Qwen3's per-head q/k RMSNorm in that launch too.
+    fuses_qk_norm = True
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Write k/v into `kv_cache` at `meta.slot_mapping`, then attend.
 
@@ -120,6 +123,8 @@ class TritonAttentionBackend:
                 sin likewise) when q and k are not rotated yet: one kernel rotates q in
                 place and writes the rotated k with v into the cache (k itself is left
                 as it is); None: q and k come rotated.
+            qk_norm: (q_weight, k_weight, eps) with `rotary`: per-head RMSNorm of q and
+                k before the rotation, in the same launch (kernels/rotary.py).
 
         Returns:
             [T, num_heads, head_dim] in q's dtype; rows of padding tokens (beyond
@@ -133,7 +138,7 @@ class TritonAttentionBackend:
         else:
             positions, cos, sin = rotary
             rotary_embedding_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping,
-                                       cos, sin)
+                                       cos, sin, qk_norm=qk_norm)
         is_decode_only = meta.max_query_len == 1
         on_decode_kernel = uses_decode_kernel(meta.max_query_len,
                                               q.shape[1] // kv_cache.shape[3])

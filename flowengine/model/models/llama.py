@@ -97,19 +97,29 @@ class LlamaAttention(nn.Module):
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and not self.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        # A backend that fuses RoPE into its KV write takes the tables (one launch less).
+        # A backend that fuses RoPE into its KV write takes the tables (one launch less),
+        # and Qwen3's per-head q/k RMSNorm too when it can (two less).
         tables = (rotary.kernel_tables(positions, q)
                   if getattr(self.attn_backend, "fuses_rotary", False) else None)
+        per_head_norm = self.qk_norm and not self.qk_norm_full
+        fused_norm = None
+        if (per_head_norm and tables is not None and type(self.q_norm) is RMSNorm
+                and getattr(self.attn_backend, "fuses_qk_norm", False)):
+            fused_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        elif per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if tables is None:
             q, k = rotary.rotate_qk(positions, q, k)
             attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale,
                                              **self.attn_kwargs)
-        else:
+        elif fused_norm is None:
             attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale,
                                              rotary=tables, **self.attn_kwargs)
+        else:
+            attn = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale,
+                                             rotary=tables, qk_norm=fused_norm,
+                                             **self.attn_kwargs)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
 
