@@ -160,6 +160,9 @@ DECODE_TILES = {
     "gu4x256/dn4x256": {"gate_up_n": 4},
     "gu8x512/dn4x256": {"gate_up_k": 512},
     "gu8x256/dn4x512": {"down_k": 512},
+    "gu8x256w8/dn4x256": {"gate_up_warps": 8},
+    "gu8x256/dn4x256w4": {"down_warps": 4},
+    "gu4x512/dn2x512": {"gate_up_n": 4, "gate_up_k": 512, "down_n": 2, "down_k": 512},
 }
 
 

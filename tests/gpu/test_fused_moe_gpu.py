@@ -120,3 +120,64 @@ def test_expert_parallel_halves_sum_to_the_whole(model: str) -> None:
                                expert_map=emap).float())
     ref = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
     assert (parts[0] + parts[1] - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+def test_router_gemv_topk_full_shape_in_a_cuda_graph(num_tokens: int) -> None:
+    # Qwen3-30B-A3B's router (2048 -> 128, top-8, renormalised) in one launch against
+    # F.linear in bf16 then select_experts; captured in a graph and replayed with new
+    # inputs, so the counter must come back to zero every launch.
+    from flowengine.kernels.fused_moe import route_topk_gemv
+
+    e, k, h, _ = SHAPES["qwen3-30b-a3b"]
+    w = (torch.randn(e, h, device="cuda") * h ** -0.5).bfloat16()
+    x = torch.randn(num_tokens, h, device="cuda").bfloat16()
+    counter = torch.zeros(16, dtype=torch.int32, device="cuda")
+    route_topk_gemv(x, w, k, True, counter)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_topk_gemv(x, w, k, True, counter)
+    for _ in range(3):
+        x.copy_(torch.randn(num_tokens, h, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        logits = torch.nn.functional.linear(x, w).float()
+        want_w, want_ids = select_experts(logits, k, True)
+        assert torch.equal(counter, torch.zeros_like(counter))
+        kth = logits.topk(k, -1).values[:, -1:]
+        assert bool((logits.gather(1, ids) >= kth - 2e-2).all())
+        torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens, device="cuda"))
+        agree = (ids == want_ids).float().mean().item()
+        assert agree > 0.9, agree
+
+
+def test_rotary_qk_norm_full_shape_bf16() -> None:
+    # Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128): the fused per-head RMSNorm +
+    # RoPE + KV write against RMSNorm (kernels/rms_norm.py) + rotary_embedding_and_cache.
+    from flowengine.kernels.rms_norm import rms_norm
+    from flowengine.kernels.rope_cache import build_rope_cache
+    from flowengine.kernels.rotary import rotary_embedding_and_cache
+
+    t, hq, hkv, d = 7, 32, 4, 128
+    cos, sin = build_rope_cache(d, 40960, 1000000.0, device="cuda")
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda").bfloat16()
+    q_w = (1 + 0.3 * torch.randn(d, device="cuda")).bfloat16()
+    k_w = (1 + 0.3 * torch.randn(d, device="cuda")).bfloat16()
+    positions = torch.randint(0, 40960, (t,), device="cuda")
+    slots = torch.randperm(64, device="cuda")[:t]
+    cache = torch.zeros(2, 4, 16, hkv, d, device="cuda").bfloat16()
+    want_cache = cache.clone()
+
+    def split(a: torch.Tensor):
+        return (a[:, :hq * d].view(t, hq, d), a[:, hq * d:(hq + hkv) * d].view(t, hkv, d),
+                a[:, (hq + hkv) * d:].view(t, hkv, d))
+
+    ref = qkv.clone()
+    q, k, v = split(ref)
+    q_n, k_n = rms_norm(q, q_w, 1e-6), rms_norm(k, k_w, 1e-6)
+    rotary_embedding_and_cache(positions, q_n, k_n, v, want_cache, slots, cos, sin)
+    q, k, v = split(qkv)
+    rotary_embedding_and_cache(positions, q, k, v, cache, slots, cos, sin,
+                               qk_norm=(q_w, k_w, 1e-6))
+    assert (q.float() - q_n.float()).abs().max() <= 2e-2 * q_n.float().abs().max()
+    assert (cache.float() - want_cache.float()).abs().max() <= 2e-2 * want_cache.float().abs().max()
