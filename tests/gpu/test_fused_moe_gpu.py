@@ -174,7 +174,7 @@ def test_rotary_qk_norm_full_shape_bf16() -> None:
 
     ref = qkv.clone()
     q, k, v = split(ref)
-    q_n, k_n = rms_norm(q, q_w, 1e-6), rms_norm(k, k_w, 1e-6)
+    q_n, k_n = rms_norm(q.contiguous(), q_w, 1e-6), rms_norm(k.contiguous(), k_w, 1e-6)
     rotary_embedding_and_cache(positions, q_n, k_n, v, want_cache, slots, cos, sin)
     q, k, v = split(qkv)
     rotary_embedding_and_cache(positions, q, k, v, cache, slots, cos, sin,
