@@ -59,7 +59,7 @@ from gpu_bench import copy_bandwidth_gbs, device_step_ms  # noqa: E402
 
 from flowengine.kernels import fused_moe as fused_moe_module  # noqa: E402
 from flowengine.kernels.fused_moe import config_file_name, default_config, fused_moe  # noqa: E402
-from flowengine.model.layers.moe import FusedMoE, select_experts  # noqa: E402
+from flowengine.model.layers.moe import FusedMoE, SparseMoeBlock, select_experts  # noqa: E402
 
 # Qwen/Qwen3-30B-A3B's config.json, architecture fields only.
 QWEN3_30B_A3B = {
@@ -324,12 +324,17 @@ def decode_step(runner, batch: int, context: int, iters: int = 50,
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     picked: list[int] = []
 
-    def hook(module, args) -> None:
-        _, ids = select_experts(args[1], module.top_k, module.renormalize)
+    # On the block (its experts route with the router GEMV fused in at decode sizes,
+    # `FusedMoE.route_and_forward`, so FusedMoE.forward is not called there).
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+    def hook(block, args) -> None:
+        logits = torch.nn.functional.linear(args[0], block.gate.weight)
+        _, ids = select_experts(logits, block.experts.top_k, block.experts.renormalize)
         picked.append(int(ids.unique().numel()))
 
     inputs = runner.input_batch.prepare(states, [1] * batch)
-    handles = [m.register_forward_pre_hook(hook) for m in moes]
+    handles = [m.register_forward_pre_hook(hook) for m in blocks]
     try:
         model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata)
     finally:

@@ -144,11 +144,14 @@ def test_router_gemv_topk_full_shape_in_a_cuda_graph(num_tokens: int) -> None:
         logits = torch.nn.functional.linear(x, w).float()
         want_w, want_ids = select_experts(logits, k, True)
         assert torch.equal(counter, torch.zeros_like(counter))
-        kth = logits.topk(k, -1).values[:, -1:]
-        assert bool((logits.gather(1, ids) >= kth - 2e-2).all())
+        # bf16 logits (steps of 1/128 near 1) tie often among 128 experts and a rounding
+        # may flip near ties, and torch.topk orders ties its own way (seen: 6 of 8
+        # positions equal at T = 1), so: the picked logits, in order, are the top-k
+        # values to a bf16 step, and their weights the reference's to 2e-2.
+        got = logits.gather(1, ids)
+        torch.testing.assert_close(got, logits.gather(1, want_ids), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(weights, want_w, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens, device="cuda"))
-        agree = (ids == want_ids).float().mean().item()
-        assert agree > 0.9, agree
 
 
 def test_rotary_qk_norm_full_shape_bf16() -> None:
