@@ -150,19 +150,17 @@ def tune(bw_gbs: float, buckets: tuple[int, ...]) -> tuple[list[dict], dict[str,
 # Mixtral's 3 were not measured: kernels/fused_moe.py decode_pair_limit).
 DECODE_TOKENS = {"mixtral-8x7b": (1, 2, 3, 4), "qwen3-30b-a3b": (1, 2, 4, 8, 16, 32)}
 # name (gate/up then down tiles, BLOCK_N x BLOCK_K) -> fused_moe_module.DecodeTiles
-# fields; "default": DEFAULT_DECODE_TILES (gu8x256/dn4x256); "s26": session 26's default
-# at Qwen3's T = 1. The 2026-12-02 14:55 run (docs/benchmarks.md) had gu8x256/dn8x128 as
-# its default and the variants relative to it.
+# fields; "default": DEFAULT_DECODE_TILES (gu4x256/dn4x256 since the 2026-12-02 20:15
+# run, docs/benchmarks.md session 28); "s26": session 26's default at Qwen3's T = 1;
+# the others change one or two fields from the default.
 DECODE_TILES = {
     "default": {},
-    "gu8x256/dn8x128": {"down_n": 8, "down_k": 128},
+    "gu8x256/dn4x256": {"gate_up_n": 8},  # session 27's default
     "s26": {"gate_up_n": 16, "gate_up_k": 128, "down_n": 16, "down_k": 64},
-    "gu4x256/dn4x256": {"gate_up_n": 4},
-    "gu8x512/dn4x256": {"gate_up_k": 512},
-    "gu8x256/dn4x512": {"down_k": 512},
-    "gu8x256w8/dn4x256": {"gate_up_warps": 8},
-    "gu8x256/dn4x256w4": {"down_warps": 4},
-    "gu4x512/dn2x512": {"gate_up_n": 4, "gate_up_k": 512, "down_n": 2, "down_k": 512},
+    "gu4x512/dn4x256": {"gate_up_k": 512},
+    "gu4x256w8/dn4x256": {"gate_up_warps": 8},
+    "gu4x256/dn4x256w4": {"down_warps": 4},
+    "gu2x512/dn4x256": {"gate_up_n": 2, "gate_up_k": 512},
 }
 
 

@@ -304,9 +304,12 @@ class DecodeTiles:
     (benchmarks/moe_gpu.py --decode-compare, docs/benchmarks.md), one layer at T = 1,
     ms: session 26's tiles (gate/up 16 x 128, down 16 x 64) 0.057; gate/up 8 x 256 with
     down 8 x 128 0.039; with down 4 x 256 0.031 (Mixtral 0.226 -> 0.191), and no slower
-    at T = 4 .. 16 either (T = 2: 0.058 against 0.056)."""
+    at T = 4 .. 16 either (T = 2: 0.058 against 0.056). Session 28 (2026-12-02 20:15
+    UTC): gate/up 4 x 256 with down 4 x 256, Qwen3 T = 1 / 2 / 4 / 8 / 16: 0.0296 /
+    0.0505 / 0.0788 / 0.1330 / 0.2323 against gate/up 8 x 256's 0.0342 / 0.0572 /
+    0.0844 / 0.1383 / 0.2421; Mixtral T = 1 0.1940 against 0.1894, T = 2 / 3 faster."""
 
-    gate_up_n: int = 8
+    gate_up_n: int = 4
     gate_up_k: int = 256
     gate_up_warps: int = 4
     down_n: int = 4
