@@ -22,7 +22,8 @@ I tile) that reads its expert id on the device, SiLU-and-mul fused in, then a do
 per (token, hidden tile) that sums the token's k weighted pairs, all k in one
 [k, BLOCK_N, BLOCK_K] load per step. Same rounding as the grouped path; two launches,
 no host sync. `route_topk` is the router's softmax top-k in one
-launch (torch takes five).
+launch (torch takes five); `route_topk_gemv` adds the router GEMV to that launch at
+decode sizes (the last program of a token, by an atomic counter, picks the top k).
 """
 
 from __future__ import annotations

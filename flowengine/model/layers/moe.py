@@ -16,8 +16,9 @@ expert's intermediate dimension (vLLM's default split) and the block ends in one
 all-reduce. With expert parallelism (`--enable-expert-parallel`,
 flowengine/distributed/expert_parallel.py) each rank holds E / N whole experts instead,
 computes only the pairs routed to them, and the same all-reduce sums the ranks' parts.
-On CUDA the router's softmax top-k (`route_topk`) and the experts run in the fused
-Triton kernels (flowengine/kernels/fused_moe.py); elsewhere `select_experts` and
+On CUDA the router's softmax top-k (`route_topk`; up to 16 tokens with the router
+GEMV in the same launch, `route_topk_gemv`) and the experts run in the fused Triton
+kernels (flowengine/kernels/fused_moe.py); elsewhere `select_experts` and
 `fused_moe_torch`.
 """
 
