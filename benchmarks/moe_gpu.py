@@ -222,7 +222,7 @@ KERNEL_KINDS = (
     ("moe decode gate/up", ("_decode_gate_up",)), ("moe decode down", ("_decode_down",)),
     ("moe grouped", ("_grouped_gemm", "silu_and_mul", "argsort", "scatter", "searchsorted",
                      "cumsum")),
-    ("router top-k", ("route_topk",)),
+    ("router top-k (+ GEMV at decode sizes)", ("route_topk", "_router_gemv_topk")),
     ("attention", ("decode_attention", "paged_attention", "attention")),
     ("rotary / KV write", ("rope", "rotary", "reshape_and_cache", "cache")),
     ("norm", ("rms_norm",)),
