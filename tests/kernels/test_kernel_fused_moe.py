@@ -372,3 +372,18 @@ def test_route_topk_gemv_equals_linear_then_select_experts(t, e, k, h, renorm, d
                                        atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="counter"):
         route_topk_gemv(x, w, k, renorm, counter[:0])
+
+
+def test_sparse_moe_block_routes_through_route_and_forward_on_cpu() -> None:
+    # Off CUDA the fused-router entry point is the unfused router + FusedMoE.forward.
+    from flowengine.distributed.tp_group import SINGLE_RANK
+    from flowengine.model.layers.moe import FusedMoE, SparseMoeBlock
+
+    block = SparseMoeBlock(FusedMoE(6, 2, 16, 8, True, SINGLE_RANK))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    block.experts.init_buffers()
+    x = torch.randn(3, 16)
+    want = block.experts(x, torch.nn.functional.linear(x, block.gate.weight))
+    torch.testing.assert_close(block(x), want)
+    assert torch.equal(block.experts.router_counter, torch.zeros(16, dtype=torch.int32))
