@@ -176,7 +176,8 @@ def _load_table(device_name: str) -> dict:
 
 
 def _m_bucket(m: int) -> int:
-    return 1 if m <= 1 else (2 if m <= 2 else (4 if m <= 4 else 8))
+    """Swept row counts: 1 (decode) and 8 (small verify batches, also used for 2..7)."""
+    return 1 if m <= 1 else 8
 
 
 def table_entry(fmt: str, m: int, n: int, k: int, device: torch.device) -> dict | None:
