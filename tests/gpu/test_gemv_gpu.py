@@ -1,0 +1,50 @@
+"""Decode GEMVs (kernels/gemv.py) at Llama-3.1-8B shapes on CUDA, heuristic / table
+configs, against float32 references; bound as tests/kernels/test_kernel_gemv.py (bf16
+output rounding 2**-8 |y| plus 2**-16 |x| |W| for the fp32 sums over K <= 14336)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowengine.kernels.gemv import dense_gemv, w4a16_gemv
+from flowengine.kernels.w4a16 import w4a16_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "w4a16", "w4a16_act"])
+def test_gemv_full_shapes(fmt, m, n, k):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if fmt in ("bf16", "fp8"):
+        w = torch.randn(n, k, device="cuda")
+        scale = None
+        if fmt == "fp8":
+            w = (w * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            scale = torch.rand(n, device="cuda") * 0.01 + 1e-3
+            wf = w.float() * scale[:, None]
+        else:
+            w = w.to(torch.bfloat16)
+            wf = w.float()
+        out = dense_gemv(x, w, None, scale)
+        ref = x.float() @ wf.t()
+        absref = x.float().abs() @ wf.abs().t()
+    else:
+        g = k // 128
+        qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
+        sc = (torch.rand(g, n, device="cuda") * 0.02 + 0.005).to(torch.bfloat16)
+        qz = torch.randint(0, 16, (g, n), dtype=torch.uint8, device="cuda")
+        gi = None
+        if fmt == "w4a16_act":
+            gi = (torch.arange(k, device="cuda", dtype=torch.int32) // 128)[
+                torch.randperm(k, device="cuda")].contiguous()
+        out = w4a16_gemv(x, qw, sc, qz, gi, 128)
+        ref = w4a16_reference(x, qw, sc, qz, gi, 128)
+        absref = (w4a16_reference(x.float().abs(), qw, sc, torch.zeros_like(qz), gi, 128)
+                  - w4a16_reference(x.float().abs(), torch.zeros_like(qw), sc, qz, gi, 128))
+    assert not torch.isnan(out).any()
+    err = (out.float() - ref).abs()
+    bound = 2.0**-8 * ref.abs() + 2.0**-16 * absref + 1e-4
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3e}"

@@ -1,0 +1,104 @@
+"""Decode GEMVs (kernels/gemv.py) against float32 torch references: dense (float16 /
+bfloat16 / float32 weights), FP8 E4M3 per-channel and W4A16 (GPTQ / AWQ canonical
+layout, with and without act-order), M in 1..8, on CPU under TRITON_INTERPRET=1 (small
+shapes), on CUDA otherwise.
+
+Tolerance, per element: the kernels take products and sums in float32 and round the
+output once to x's dtype, so |y - y_ref| <= eps * |y_ref| + 2**-16 * (|x| @ |W|^T) +
+1e-5, eps the unit roundoff of x's dtype (2**-11 float16, 2**-8 bfloat16, 0 float32);
+2**-16 covers float32 summation over K <= 1024 in any order (K 2**-24 = 2**-14 worst
+case, ~sqrt(K) 2**-24 in practice). For W4A16 without act-order the kernel sums
+s (sum q x - z sum x): |W| is then bounded by (|q| + |z|) s, not |q - z| s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowengine.kernels.gemv import dense_gemv, w4a16_gemv
+from flowengine.kernels.w4a16 import w4a16_reference
+
+UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
+SUM_EPS = 2.0**-16
+
+
+def _poisoned_check(out, ref, bound):
+    assert not torch.isnan(out).any(), "output has NaN (an unwritten element?)"
+    err = (out.float() - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3e}"
+
+
+def _dtypes(device):
+    # The interpreter on CPU has no bfloat16 arithmetic in numpy.
+    return [torch.float16, torch.float32] if device.type == "cpu" else [
+        torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split"), [(1, 48, 256, 2), (3, 40, 192, 1),
+                                                    (8, 64, 320, 3), (1, 17, 100, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_gemv_matches_reference(m, n, k, split, bias, device):
+    for dtype in _dtypes(device):
+        x = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
+        b = torch.randn(n, device=device).to(dtype) if bias else None
+        out = dense_gemv(x, w, b, config=(16, 64, split, 4, 2))
+        ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+        bound = UNIT[dtype] * ref.abs() + SUM_EPS * (x.float().abs() @ w.float().abs().t()
+                                                     ) + 1e-5
+        assert out.shape == (m, n) and out.dtype == dtype
+        _poisoned_check(out, ref, bound)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 48, 256), (5, 32, 192)])
+def test_fp8_gemv_matches_reference(m, n, k, device):
+    w = (torch.randn(n, k, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, device=device) * 0.01 + 1e-3
+    for dtype in _dtypes(device):
+        x = torch.randn(m, k, device=device).to(dtype)
+        out = dense_gemv(x, w, None, scale, config=(16, 64, 2, 4, 2))
+        wf = w.float() * scale[:, None]
+        ref = x.float() @ wf.t()
+        bound = UNIT[dtype] * ref.abs() + SUM_EPS * (x.float().abs() @ wf.abs().t()) + 1e-5
+        _poisoned_check(out, ref, bound)
+
+
+def _random_int4(n, k, group_size, act_order, device):
+    groups = -(-k // group_size)
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device)
+    qzeros = torch.randint(0, 17, (groups, n), dtype=torch.uint8, device=device)
+    scales = (torch.rand(groups, n, device=device) * 0.02 + 0.005).to(torch.float16)
+    g_idx = None
+    if act_order:
+        plain = torch.arange(k, device=device, dtype=torch.int32) // group_size
+        g_idx = plain[torch.randperm(k, device=device)].contiguous()
+    return qweight, scales, qzeros, g_idx
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group_size", "split", "block_k"), [
+    (1, 64, 256, 128, 2, 128), (1, 40, 384, 128, 1, 64), (4, 64, 256, 64, 2, 64),
+    (8, 32, 512, 128, 3, 128), (2, 48, 96, 32, 1, 32)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16_gemv_matches_reference(m, n, k, group_size, split, block_k, act_order, device):
+    qweight, scales, qzeros, g_idx = _random_int4(n, k, group_size, act_order, device)
+    for dtype in _dtypes(device):
+        x = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(n, device=device).to(dtype)
+        out = w4a16_gemv(x, qweight, scales, qzeros, g_idx, group_size, b,
+                         config=(16, block_k, split, 4, 2))
+        ref = w4a16_reference(x, qweight, scales, qzeros, g_idx, group_size, b)
+        q_abs = w4a16_reference(x.float().abs(), qweight, scales, torch.zeros_like(qzeros),
+                                g_idx, group_size)  # |x| @ (q s)
+        z_abs = w4a16_reference(x.float().abs(), torch.zeros_like(qweight), scales, qzeros,
+                                g_idx, group_size).neg()  # |x| @ (z s)
+        bound = UNIT[dtype] * ref.abs() + SUM_EPS * (q_abs + z_abs) + 1e-5
+        _poisoned_check(out, ref, bound)
+
+
+def test_gemv_rejects_bad_shapes(device):
+    x = torch.randn(9, 64, device=device)
+    with pytest.raises(ValueError):
+        dense_gemv(x, torch.randn(16, 64, device=device))
+    with pytest.raises(ValueError):
+        dense_gemv(torch.randn(2, 64, device=device), torch.randn(16, 72, device=device))
