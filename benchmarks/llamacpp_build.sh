@@ -4,6 +4,11 @@
 #
 #   benchmarks/llamacpp_build.sh            # prints the binary's path
 #   LLAMACPP_CACHE=/path benchmarks/llamacpp_build.sh
+#   LLAMACPP_CACHE=/path-noamx LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+#     -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+#     -DGGML_AVX512_BF16=ON" benchmarks/llamacpp_build.sh
+#       # a build without ggml's AMX backend, which segfaulted on an AMX CPU (session 28,
+#       # docs/benchmarks.md); the later arguments override the defaults below
 #
 # Needs pip (for `pip download` of the sdist), cmake, make and a C/C++ compiler; no
 # other downloads (the sdist carries vendor/llama.cpp). The build runs under
@@ -39,7 +44,7 @@ if [[ ! -f "${BUILD}/CMakeCache.txt" ]]; then
     # user building llama.cpp here would get. No CURL (no downloads at run time), no tests.
     cmake -S "${LLAMA}" -B "${BUILD}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >&2
+        -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF ${LLAMACPP_CMAKE_ARGS:-} >&2
 fi
 nice -n 15 make -C "${BUILD}" -j2 llama-server >&2
 cp "$(find "${BUILD}" -name llama-server -type f -perm -u+x | head -n 1)" "${BIN}"
