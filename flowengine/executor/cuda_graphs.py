@@ -16,6 +16,20 @@ verified by a replay instead of an eager forward.
 
 The split-KV decode kernel's split count is a launch parameter, so it is fixed per
 captured size (from the size and max_model_len) while capturing.
+
+Mixed steps (prefill chunks with decodes; vLLM v1's FULL cudagraph mode for a unified
+attention backend): `MixedCudaGraphs` captures one graph per *token* count in
+`mixed_capture_sizes` (the decode sizes up to 512, then coarser steps up to
+max_num_batched_tokens), each over min(tokens, max_num_seqs) request rows, with the
+attention backend set to `unified_only`: every layer's attention is the unified paged
+kernel, whose grid (`num_tokens // BLOCK_Q + num_reqs` programs, a program finds its
+request in `query_start_loc` on the device) and tile (the prefill tile, fixed because
+max_query_len > 1) depend only on the padded shapes, never on how the tokens are split
+among the requests. So any step of at most T tokens (and so at most T requests) with
+some request computing more than one token replays the graph of the nearest T >= its
+token count: padding requests are empty (zero new tokens, seq_len 0; their programs
+exit at once), padding tokens have slot -1 and zero output rows. Steps above the
+largest size run eagerly.
 """
 
 from __future__ import annotations
@@ -50,6 +64,24 @@ def capture_sizes_for(max_num_seqs: int, max_num_tokens: int,
         if size >= max_num_seqs:
             break
     return chosen
+
+
+def mixed_capture_sizes(max_num_seqs: int, max_num_tokens: int,
+                        sizes: Sequence[int] = CAPTURE_SIZES) -> list[int]:
+    """Token counts of the mixed-step graphs: `sizes` from 2 up to 512 (vLLM's list),
+    then every 64 up to 1024 and every 128 beyond, none above max_num_tokens; the
+    largest is max_num_tokens itself when it lies between two steps, so every step the
+    scheduler can form (<= max_num_batched_tokens) replays a graph.
+    (max_num_seqs bounds the request rows of each graph, not the list.)"""
+    del max_num_seqs
+    chosen = [s for s in sorted(sizes) if 2 <= s <= min(512, max_num_tokens)]
+    size = 512
+    while size < max_num_tokens:
+        size += 64 if size < 1024 else 128
+        chosen.append(min(size, max_num_tokens))
+    if max_num_tokens >= 2 and (not chosen or chosen[-1] < max_num_tokens):
+        chosen.append(max_num_tokens)
+    return sorted(set(chosen))
 
 
 def padded_batch_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
@@ -98,22 +130,25 @@ class DecodeCudaGraphs:
         # is set to return them (LlamaModel.aux_hidden_state_layers).
         self._aux: dict[int, list[torch.Tensor]] = {}
 
+    def _prepare_capture(self, size: int) -> None:
+        """Set what the attention backend fixes per graph (the decode kernel's splits)."""
+        from flowengine.kernels.decode_attention import choose_num_kv_splits
+
+        self.attn_backend.num_kv_splits = choose_num_kv_splits(
+            size, self.kv_caches[0].shape[3], self.max_seq_len, self.kv_caches[0].device)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs then reuse the shared
         memory pool). Raises RuntimeError naming the size whose capture failed."""
-        from flowengine.kernels.decode_attention import choose_num_kv_splits
-
         device = self.kv_caches[0].device
-        num_kv_heads = self.kv_caches[0].shape[3]
         pool = torch.cuda.graph_pool_handle()
         saved_splits = self.attn_backend.num_kv_splits
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(device)[0]
         try:
             for size in reversed(self.sizes):
-                self.attn_backend.num_kv_splits = choose_num_kv_splits(
-                    size, num_kv_heads, self.max_seq_len, device)
+                self._prepare_capture(size)
                 try:
                     self._capture_one(size, pool)
                 except Exception as exc:
@@ -123,11 +158,23 @@ class DecodeCudaGraphs:
                     ) from exc
         finally:
             self.attn_backend.num_kv_splits = saved_splits
+            self._end_capture()
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d %s CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
                     len(self.sizes), self._kind, self.sizes[0], self.sizes[-1],
                     time.perf_counter() - start, used / 2**20)
+
+    def _end_capture(self) -> None:
+        pass
+
+    def _capture_inputs(self, size: int) -> tuple[object, object]:
+        """(StepInputs, AttentionMetadata) of the all-padding step captured for `size`."""
+        q = self.tokens_per_req
+        inputs = self.input_batch.prepare([], [], pad_to=size * q, pad_reqs_to=size)
+        meta = dataclasses.replace(inputs.attn_metadata, max_query_len=q,
+                                   max_seq_len=self.max_seq_len)
+        return inputs, meta
 
     @property
     def _kind(self) -> str:
@@ -137,10 +184,7 @@ class DecodeCudaGraphs:
         # An all-padding batch: kernels launch with the graph's shapes and exit early.
         # (Verification graphs: the attention output is zeroed whole on each replay,
         # since the padding count the backend reads on the host is 0 at capture.)
-        q = self.tokens_per_req
-        inputs = self.input_batch.prepare([], [], pad_to=size * q, pad_reqs_to=size)
-        meta = dataclasses.replace(inputs.attn_metadata, max_query_len=q,
-                                   max_seq_len=self.max_seq_len)
+        inputs, meta = self._capture_inputs(size)
         args = (inputs.input_ids, inputs.positions, self.kv_caches, meta)
         wants_aux = bool(getattr(self.model.model, "aux_hidden_state_layers", ()))
         kwargs = {"aux_hidden_states": []} if wants_aux else {}
@@ -166,3 +210,48 @@ class DecodeCudaGraphs:
         """The auxiliary hidden states of the latest replay of `size` (static buffers),
         or None when the graphs were captured without them."""
         return self._aux.get(size)
+
+
+class MixedCudaGraphs(DecodeCudaGraphs):
+    """One captured model forward per token count for mixed prefill + decode steps
+    (module docstring). `sizes` are token counts; the graph of T tokens has
+    min(T, max_num_reqs) request rows. Replay with the token count (`replay(T)`), after
+    `InputBatch.prepare(..., pad_to=T, pad_reqs_to=reqs_for(T))`.
+
+    Args: as DecodeCudaGraphs (tokens_per_req is not used), plus
+        max_num_reqs: the most requests a step can have (max_num_seqs).
+    """
+
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], input_batch: InputBatch,
+                 attn_backend: object, max_seq_len: int, sizes: Sequence[int],
+                 max_num_reqs: int) -> None:
+        super().__init__(model, kv_caches, input_batch, attn_backend, max_seq_len, sizes)
+        self.max_num_reqs = max_num_reqs
+        self._saved_unified = False
+
+    def reqs_for(self, size: int) -> int:
+        """Request rows of the graph of `size` tokens."""
+        return min(size, self.max_num_reqs)
+
+    @property
+    def _kind(self) -> str:
+        return "mixed"
+
+    def _prepare_capture(self, size: int) -> None:
+        # The unified kernel for every layer, with the prefill tile (max_query_len > 1):
+        # its launch depends on the padded shapes only.
+        if not self._saved_unified:
+            self._saved_unified = True
+            self._unified_before = self.attn_backend.unified_only
+        self.attn_backend.unified_only = True
+
+    def _end_capture(self) -> None:
+        if self._saved_unified:
+            self.attn_backend.unified_only = self._unified_before
+            self._saved_unified = False
+
+    def _capture_inputs(self, size: int) -> tuple[object, object]:
+        inputs = self.input_batch.prepare([], [], pad_to=size, pad_reqs_to=self.reqs_for(size))
+        meta = dataclasses.replace(inputs.attn_metadata, max_query_len=max(2, size),
+                                   max_seq_len=self.max_seq_len)
+        return inputs, meta

@@ -12,6 +12,8 @@ Beyond `ModelRunner` (which it extends, so the StepPlan protocol is the same):
   tokens reach the host (DESIGN.md §5). Until then the host copy of the request holds
   a placeholder;
 * decode-only steps replay CUDA graphs (cuda_graphs.py) padded to a captured size;
+  mixed steps (prefill chunks with decodes) replay the mixed graphs, padded to a
+  captured token count (FULL mode; `cudagraph_mode`);
 * sampling on the device with the shared Sampler: one device-to-host copy per step.
 
 `launch(plan, sampler)` is the device path; `execute_model(plan)` (logits out, the
@@ -27,6 +29,7 @@ Stages before the last return no logits; the memory profile runs the stage's par
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +42,9 @@ from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
 from flowengine.executor.cuda_graphs import (
     CAPTURE_SIZES,
     DecodeCudaGraphs,
+    MixedCudaGraphs,
     capture_sizes_for,
+    mixed_capture_sizes,
     padded_batch_size,
 )
 from flowengine.executor.cuda_stage import StageProfileModel, stage_runs_eagerly
@@ -61,6 +66,8 @@ from flowengine.sample.sampler import Sampler
 from flowengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,11 @@ class CudaModelRunner(ModelRunner):
         enforce_eager: never capture CUDA graphs.
         capture_sizes: candidate decode graph sizes (default vLLM's list); those up to
             the first >= max_num_seqs and <= max_num_batched_tokens are captured.
+        cudagraph_mode: vLLM's names: "FULL" (default; decode graphs and mixed-step
+            graphs, cuda_graphs.MixedCudaGraphs) or "FULL_DECODE_ONLY" (decode and
+            verification graphs only; mixed steps eager). The environment variable
+            FLOWENGINE_CUDAGRAPH_MODE, when set, overrides the argument (side-by-side
+            benchmarks of the served path).
 
     Attributes:
         decode_batch_sizes: ascending sizes that decode-only steps are padded to (the
@@ -106,6 +118,10 @@ class CudaModelRunner(ModelRunner):
             steps of speculative decoding (`capture_verification_graphs`): a step with
             more than one and at most verify_query_len tokens per request is padded to
             the nearest size (requests) x verify_query_len (tokens).
+        mixed_sizes, mixed_graphs: token counts that mixed steps (some request computes
+            more than one token; not a verification step) are padded to, and their
+            MixedCudaGraphs (empty / None: mixed steps run eagerly). mixed_sizes may be
+            set without graphs, to exercise the padding eagerly on the CPU.
         last_sampled: [num_slots] int64 device tensor, each request's latest sampled id.
     """
 
@@ -128,7 +144,13 @@ class CudaModelRunner(ModelRunner):
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         pp: PipelineStage = SINGLE_STAGE,
+        cudagraph_mode: str = "FULL",
     ) -> None:
+        cudagraph_mode = os.environ.get("FLOWENGINE_CUDAGRAPH_MODE", cudagraph_mode)
+        if cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, "
+                             f"got {cudagraph_mode!r}")
+        self.cudagraph_mode = cudagraph_mode
         self.enforce_eager = enforce_eager
         self.capture_sizes = capture_sizes_for(max_num_seqs, max_num_batched_tokens,
                                                capture_sizes)
@@ -139,6 +161,8 @@ class CudaModelRunner(ModelRunner):
         self.verify_query_len = 0
         self.verify_batch_sizes: list[int] = []
         self.verify_graphs: DecodeCudaGraphs | None = None
+        self.mixed_sizes: list[int] = []
+        self.mixed_graphs: MixedCudaGraphs | None = None
         self._pending: list[PendingStep] = []
         # launch() and a PendingStep's result() may run in different threads (the
         # Executor actor's launcher and resolver): both change request states under this lock.
@@ -204,6 +228,14 @@ class CudaModelRunner(ModelRunner):
         graphs.capture()
         self.graphs = graphs
         self.decode_batch_sizes = list(self.capture_sizes)
+        if self.cudagraph_mode == "FULL":
+            sizes = mixed_capture_sizes(self.max_num_seqs, self.max_num_batched_tokens)
+            mixed = MixedCudaGraphs(self.model, self.kv_caches, self.input_batch, backend,
+                                    self.model_config.max_model_len, sizes,
+                                    self.max_num_seqs)
+            mixed.capture()
+            self.mixed_graphs = mixed
+            self.mixed_sizes = sizes
 
     def capture_verification_graphs(self, num_speculative_tokens: int) -> None:
         """Capture verification graphs of k + 1 tokens per request for the decode graph
@@ -277,6 +309,12 @@ class CudaModelRunner(ModelRunner):
             if pad_reqs_to is not None:
                 pad_to = pad_reqs_to * self.verify_query_len
                 graphs = self.verify_graphs
+        elif self.mixed_sizes and longest > 1:
+            # A mixed step: padded to the nearest captured token count.
+            pad_to = padded_batch_size(sum(num_scheduled), self.mixed_sizes)
+            if pad_to is not None:
+                pad_reqs_to = min(pad_to, self.max_num_seqs)
+                graphs = self.mixed_graphs
         extra = {} if pad_reqs_to is None else {"pad_reqs_to": pad_reqs_to}
         inputs = self.input_batch.prepare(states, num_scheduled, pad_to=pad_to, **extra)
         if inputs.attn_metadata.max_seq_len > self.model_config.max_model_len:
@@ -290,7 +328,8 @@ class CudaModelRunner(ModelRunner):
                 0, inputs.gather_dst, self.last_sampled.index_select(0, inputs.gather_src))
         aux = None
         if pad_to is not None and graphs is not None:
-            size = pad_to if pad_reqs_to is None else pad_reqs_to
+            size = (pad_to if pad_reqs_to is None or graphs is self.mixed_graphs
+                    else pad_reqs_to)
             hidden = graphs.replay(size)
             aux = graphs.aux_outputs(size)
         else:

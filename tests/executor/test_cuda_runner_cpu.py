@@ -18,6 +18,7 @@ from flowengine.executor.cuda_graphs import (
     CAPTURE_SIZES,
     DecodeCudaGraphs,
     capture_sizes_for,
+    mixed_capture_sizes,
     padded_batch_size,
 )
 from flowengine.executor.cuda_runner import CudaModelRunner
@@ -257,3 +258,62 @@ def test_cuda_runner_takes_every_model_runner_argument() -> None:
     base = set(inspect.signature(ModelRunner.__init__).parameters)
     cuda = set(inspect.signature(CudaModelRunner.__init__).parameters)
     assert base - cuda == set()
+
+
+def test_mixed_capture_sizes_cover_every_step_up_to_the_token_budget() -> None:
+    sizes = mixed_capture_sizes(256, 2048)
+    assert sizes[:4] == [2, 4, 8, 16] and 512 in sizes
+    assert [s for s in sizes if 512 < s <= 1024] == list(range(576, 1025, 64))
+    assert [s for s in sizes if s > 1024] == list(range(1152, 2049, 128))
+    assert mixed_capture_sizes(8, 12) == [2, 4, 8, 12]
+    assert mixed_capture_sizes(256, 700) == [*[s for s in CAPTURE_SIZES if 2 <= s <= 512],
+                                             576, 640, 700]
+    for budget in (12, 700, 2048, 8192):
+        sizes = mixed_capture_sizes(256, budget)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == budget
+        for n in range(2, budget + 1):
+            padded = padded_batch_size(n, sizes)
+            assert padded is not None and n <= padded
+            assert padded - n < max(64, n // 4)  # padding stays a small fraction
+
+
+def _mixed_spy(runner: CudaModelRunner) -> list[tuple[int, int | None, int | None, int]]:
+    """Record (tokens, pad_to, pad_reqs_to, longest) of every prepared step."""
+    prepare = runner.input_batch.prepare
+    steps: list[tuple[int, int | None, int | None, int]] = []
+
+    def spy(states: list[RequestState], num: list[int], *, pad_to: int | None = None,
+            pad_reqs_to: int | None = None):
+        steps.append((sum(num), pad_to, pad_reqs_to, max(num)))
+        return prepare(states, num, pad_to=pad_to, pad_reqs_to=pad_reqs_to)
+
+    runner.input_batch.prepare = spy  # type: ignore[method-assign]
+    return steps
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_mixed_steps_match_the_sync_runner(model_config: ModelConfig,
+                                                  reference: tuple, backend: str) -> None:
+    """Mixed steps (chunked prefill, prefix-cache hits, decodes) padded as for the
+    mixed CUDA graphs: tokens padded to a mixed size, requests to min(size,
+    max_num_seqs). With the Triton backend (interpreted on the CPU) in `unified_only`
+    mode, as captured: every attention is the unified kernel over padded requests;
+    same tokens as the plain runner."""
+    kwargs = {}
+    if backend == "triton":
+        from flowengine.model.attention.triton_backend import TritonAttentionBackend
+
+        attn = TritonAttentionBackend(num_kv_splits=2)
+        attn.unified_only = True
+        kwargs["attn_backend"] = attn
+    runner = CudaModelRunner(model_config, CacheConfig(BLOCK, 40), CPU, torch.float32,
+                             max_num_batched_tokens=12, max_num_seqs=8, **kwargs)
+    runner.decode_batch_sizes = [1, 2, 4, 8]
+    runner.mixed_sizes = mixed_capture_sizes(8, 12)
+    steps = _mixed_spy(runner)
+    tokens, _, _ = _generate(Executor(runner, Sampler(seed=1)), 2)
+    assert tokens == reference[0]
+    mixed = [s for s in steps if s[3] > 1]
+    assert mixed and all(pad_to == padded_batch_size(n, runner.mixed_sizes)
+                         and pad_reqs == min(pad_to, 8) for n, pad_to, pad_reqs, _ in mixed)
+    assert any(pad_to > n for n, pad_to, _, _ in mixed)  # some were padded

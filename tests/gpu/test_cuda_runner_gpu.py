@@ -188,3 +188,104 @@ def test_sampling_features_with_two_steps_in_flight(small_llm: LLM) -> None:
     overlapped = _drive(small_llm, _mixed_requests(prompts, "overlap-"), 2)
     assert overlapped == sync
     assert small_llm.engine.executor.runner.num_pending_steps == 0
+
+
+def _mixed_plans(seed: int, prompts: list[list[int]], budget: int, shared: int):
+    """Plans of random mixed steps: each step decodes every prefilled request and
+    gives the rest of the budget to prefill chunks of random length (requests arrive
+    over time); requests 1.. reuse request 0's first `shared` tokens from the prefix
+    cache (their blocks, num_computed_tokens = shared) once request 0 has computed them.
+    Yields (plan, request indices in plan order) lazily: the caller appends the
+    sampled ids before asking for the next plan."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0)
+    blocks_of: dict[int, list[int]] = {}
+    computed: dict[int, int] = {}
+    next_block = 0
+    waiting = list(range(len(prompts)))
+    step = 0
+    while waiting or any(computed[i] < len(prompts[i]) + 6 for i in computed):
+        new, cached, num = [], [], []
+        left = budget
+        for i in sorted(computed):
+            total = len(prompts[i]) + 6  # 6 decode steps after the prompt
+            if computed[i] >= total or left == 0:
+                continue
+            if computed[i] >= len(prompts[i]):
+                n = 1
+            else:
+                n = int(min(left, len(prompts[i]) - computed[i], rng.integers(1, 97)))
+            cached.append(CachedRequestData(str(i), [], computed[i]))
+            num.append(n)
+            left -= n
+        while waiting and left > 0 and rng.random() < 0.7:
+            i = waiting[0]
+            if i > 0 and 0 not in computed:
+                break
+            if i > 0 and computed[0] < shared:
+                break
+            waiting.pop(0)
+            prompt = prompts[i]
+            start = shared if i > 0 else 0
+            own = -(-(len(prompt) + 8) // 16) - start // 16
+            ids = (blocks_of[0][:start // 16] if start else []) + list(
+                range(next_block, next_block + own))
+            next_block += own
+            blocks_of[i] = ids
+            n = int(min(left, len(prompt) - start, rng.integers(1, 129)))
+            new.append(NewRequestData(str(i), prompt, len(prompt), params, ids, start))
+            computed[i] = start
+            num.append(n)
+            left -= n
+        if not num:
+            continue
+        # num holds the cached requests' counts, then the new ones'; a plan lists
+        # new_reqs first.
+        order = [int(r.req_id) for r in new] + [int(c.req_id) for c in cached]
+        plan = StepPlan(step, new, cached, num[len(cached):] + num[:len(cached)])
+        for i, n in zip(order, plan.num_scheduled_tokens, strict=True):
+            computed[i] += n
+        step += 1
+        yield plan, order
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_step_graphs_match_eager(model_path: str, seed: int) -> None:
+    """Random mixes of prefill chunks (lengths 1..128), prefix-cache hits and decodes:
+    the mixed-step CUDA graphs (padded to a token count, unified attention kernel)
+    give the eager forward's logits and greedy ids on every step."""
+    config = ModelConfig.from_pretrained(model_path, 1024)
+    prompts = [p[:200 + 37 * i] for i, p in enumerate(shared_prefix_prompts(3)[:7])]
+    runners = {}
+    for eager in (True, False):
+        runner = CudaModelRunner(config, CacheConfig(16, 512), CUDA, torch.bfloat16,
+                                 max_num_batched_tokens=256, max_num_seqs=8,
+                                 enforce_eager=eager, capture_sizes=(1, 2, 4, 8))
+        runner.capture_cuda_graphs()
+        runners[eager] = runner
+    graphs = runners[False].mixed_graphs
+    assert graphs is not None and runners[False].mixed_sizes[-1] == 256
+    replayed: list[int] = []
+    replay = graphs.replay
+    graphs.replay = lambda size: replayed.append(size) or replay(size)  # type: ignore[method-assign]
+    num_steps = 0
+    for plan, _ in _mixed_plans(seed, prompts, 256, 64):
+        outs = {eager: r.execute_model(plan) for eager, r in runners.items()}
+        assert outs[True].req_ids == outs[False].req_ids
+        if not outs[True].req_ids:
+            continue
+        for row in range(len(outs[True].req_ids)):
+            err = logits_error(outs[False].logits[row], outs[True].logits[row])
+            assert err[0] <= 0.25 and err[1] <= 0.05, f"step {plan.step_id} row {row}: {err}"
+        ids = outs[True].logits.argmax(-1).tolist()
+        assert outs[False].logits.argmax(-1).tolist() == ids, f"step {plan.step_id}"
+        for r in runners.values():
+            for rid, tok in zip(outs[True].req_ids, ids, strict=True):
+                r.append_sampled(rid, [tok])
+        num_steps += 1
+    mixed = replayed
+    print(f"seed {seed}: {num_steps} sampled steps, mixed replays at sizes {sorted(set(mixed))}")
+    assert len(mixed) >= 5
+    del runners
+    gc.collect()
+    torch.cuda.empty_cache()

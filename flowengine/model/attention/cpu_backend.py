@@ -107,7 +107,9 @@ def _decode_plan(meta: AttentionMetadata, q: torch.Tensor
             if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
                 block_tables = block_tables.to(torch.int32).contiguous()
             seq_lens = meta.seq_lens_cpu.to(torch.int32)
-            if num_tokens == num_reqs:  # one token each, in request order
+            # One token each, in request order (max_query_len too: a padded step can
+            # have as many rows as tokens with a request of two and an empty one).
+            if num_tokens == num_reqs and meta.max_query_len == 1:
                 idx = torch.arange(num_reqs, dtype=torch.int64)
                 plan = (idx, idx, seq_lens.contiguous(), block_tables)
             else:

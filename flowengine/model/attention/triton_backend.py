@@ -74,6 +74,12 @@ class TritonAttentionBackend:
             decode kernel, overriding the choice from batch size and context length; set
             it when capturing CUDA graphs, whose launch shapes must not change between
             replays. 1 never splits.
+
+    Attributes:
+        unified_only: while True, every step with max_query_len > 1 runs the unified
+            kernel (not the decode kernel for short queries), whose grid and tile then
+            depend on the padded shapes only; set while capturing the mixed-step CUDA
+            graphs (cuda_graphs.MixedCudaGraphs), False otherwise.
     """
 
     name = "triton"
@@ -90,6 +96,7 @@ class TritonAttentionBackend:
     ) -> None:
         self.split_kv_min_seq_len = split_kv_min_seq_len
         self.num_kv_splits = num_kv_splits
+        self.unified_only = False
 
     def forward(
         self,
@@ -140,8 +147,9 @@ class TritonAttentionBackend:
             rotary_embedding_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping,
                                        cos, sin, qk_norm=qk_norm)
         is_decode_only = meta.max_query_len == 1
-        on_decode_kernel = uses_decode_kernel(meta.max_query_len,
-                                              q.shape[1] // kv_cache.shape[3])
+        on_decode_kernel = is_decode_only or (
+            not self.unified_only
+            and uses_decode_kernel(meta.max_query_len, q.shape[1] // kv_cache.shape[3]))
         if out is None:
             out = torch.empty_like(q)
         if is_decode_only:
