@@ -354,6 +354,31 @@ def _fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 @triton.jit
+def _softmax_topk_store(x, offs, valid, t, weights_ptr, ids_ptr, BLOCK: tl.constexpr,
+                        TOP_K: tl.constexpr, PAIRS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Softmax over one token's router logits x [BLOCK] (float32, -inf where not valid),
+    the TOP_K largest probabilities (ties to the lower expert id), renormalised by their
+    sum when RENORMALIZE; stores row t of weights [T, TOP_K] and ids [T, TOP_K]."""
+    p = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    probs = p / tl.sum(p, axis=0)
+    work = tl.where(valid, probs, -1.0)
+    slots = tl.arange(0, PAIRS)
+    sel_w = tl.zeros([PAIRS], dtype=tl.float32)
+    sel_i = tl.zeros([PAIRS], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(work, axis=0)
+        idx = tl.min(tl.where(work == best, offs, BLOCK), axis=0)
+        sel_w = tl.where(slots == j, best, sel_w)
+        sel_i = tl.where(slots == j, idx.to(tl.int64), sel_i)
+        work = tl.where(offs == idx, -2.0, work)
+    if RENORMALIZE:
+        sel_w = sel_w / tl.sum(sel_w, axis=0)
+    keep = slots < TOP_K
+    tl.store(weights_ptr + t * TOP_K + slots, sel_w, mask=keep)
+    tl.store(ids_ptr + t * TOP_K + slots, sel_i, mask=keep)
+
+
+@triton.jit
 def _route_topk_kernel(
     weights_ptr,  # [T, TOP_K] float32
     ids_ptr,  # [T, TOP_K] int64
@@ -373,23 +398,8 @@ def _route_topk_kernel(
     valid = offs < E
     x = tl.load(logits_ptr + t * logits_stride + offs, mask=valid,
                 other=-float("inf")).to(tl.float32)
-    p = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    probs = p / tl.sum(p, axis=0)
-    work = tl.where(valid, probs, -1.0)
-    slots = tl.arange(0, PAIRS)
-    sel_w = tl.zeros([PAIRS], dtype=tl.float32)
-    sel_i = tl.zeros([PAIRS], dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(work, axis=0)
-        idx = tl.min(tl.where(work == best, offs, BLOCK_E), axis=0)
-        sel_w = tl.where(slots == j, best, sel_w)
-        sel_i = tl.where(slots == j, idx.to(tl.int64), sel_i)
-        work = tl.where(offs == idx, -2.0, work)
-    if RENORMALIZE:
-        sel_w = sel_w / tl.sum(sel_w, axis=0)
-    keep = slots < TOP_K
-    tl.store(weights_ptr + t * TOP_K + slots, sel_w, mask=keep)
-    tl.store(ids_ptr + t * TOP_K + slots, sel_i, mask=keep)
+    _softmax_topk_store(x, offs, valid, t, weights_ptr, ids_ptr, BLOCK_E, TOP_K, PAIRS,
+                        RENORMALIZE)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -468,23 +478,8 @@ def _router_gemv_topk_kernel(
         # .cg: read through L2, where the other programs' stores are.
         x = tl.load(logits_ptr + t * E + offs, mask=valid, other=-float("inf"),
                     cache_modifier=".cg")
-        p = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        probs = p / tl.sum(p, axis=0)
-        work = tl.where(valid, probs, -1.0)
-        slots = tl.arange(0, PAIRS)
-        sel_w = tl.zeros([PAIRS], dtype=tl.float32)
-        sel_i = tl.zeros([PAIRS], dtype=tl.int64)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(work, axis=0)
-            idx = tl.min(tl.where(work == best, offs, E_PADDED), axis=0)
-            sel_w = tl.where(slots == j, best, sel_w)
-            sel_i = tl.where(slots == j, idx.to(tl.int64), sel_i)
-            work = tl.where(offs == idx, -2.0, work)
-        if RENORMALIZE:
-            sel_w = sel_w / tl.sum(sel_w, axis=0)
-        keep = slots < TOP_K
-        tl.store(weights_ptr + t * TOP_K + slots, sel_w, mask=keep)
-        tl.store(ids_ptr + t * TOP_K + slots, sel_i, mask=keep)
+        _softmax_topk_store(x.to(tl.float32), offs, valid, t, weights_ptr, ids_ptr, E_PADDED,
+                            TOP_K, PAIRS, RENORMALIZE)
 
 
 def route_topk_gemv(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
