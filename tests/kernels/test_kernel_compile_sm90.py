@@ -76,7 +76,12 @@ KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("rotary", "_rotary_and_cache_kernel",
      {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "NUM_Q_HEADS_PADDED": 32,
       "NUM_KV_HEADS_PADDED": 8, "HALF": 64, "HALF_PADDED": 64, "BLOCK_SIZE": 16,
-      "FP8_MAX": 0.0}),
+      "FP8_MAX": 0.0, "QK_NORM": False}),
+    # Qwen3-30B-A3B: per-head q/k RMSNorm fused in front of the rotation.
+    ("rotary", "_rotary_and_cache_kernel",
+     {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 4, "NUM_Q_HEADS_PADDED": 32,
+      "NUM_KV_HEADS_PADDED": 4, "HALF": 64, "HALF_PADDED": 64, "BLOCK_SIZE": 16,
+      "FP8_MAX": 0.0, "QK_NORM": True}),
     ("activation", "_silu_and_mul_kernel", {"INTERMEDIATE_SIZE": 14336, "BLOCK": 1024}),
     # --quantization fp8 at Llama-3-8B's down_proj shape (K 14336).
     ("fp8_linear", "_per_token_quant_kernel",
@@ -96,7 +101,7 @@ FP8_KERNELS: list[tuple[str, str, dict[str, object]]] = [
     ("rotary", "_rotary_and_cache_kernel",
      {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "NUM_Q_HEADS_PADDED": 32,
       "NUM_KV_HEADS_PADDED": 8, "HALF": 64, "HALF_PADDED": 64, "BLOCK_SIZE": 16,
-      "FP8_MAX": 448.0}),
+      "FP8_MAX": 448.0, "QK_NORM": False}),
     ("paged_attention", "_paged_attention_kernel",
      {**LLAMA_ATTN, "QPK": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "WIDEN_FP16": True,
       "SLIDING": False, "SOFT_CAP": False}),
@@ -127,7 +132,7 @@ POINTER_TYPES = {
     "partial_ptr": "*fp32", "topk_ids_ptr": "*i64", "ids_ptr": "*i64",
     "weights_ptr": "*fp32", "expert_map_ptr": "*i32",
 }
-SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "sliding_window": "i32", "E": "i32",
+SCALAR_TYPES = {"num_reqs": "i32", "scale": "fp32", "eps": "fp32", "norm_eps": "fp32", "sliding_window": "i32", "E": "i32",
                 "soft_cap": "fp32", "num_pairs": "i32", "N": "i32", "K": "i32", "M": "i32",
                 "INTER": "i32"}
 
