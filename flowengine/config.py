@@ -17,7 +17,7 @@ from typing import Any, Literal
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
-Placement = Literal["inproc", "multiproc"]
+Placement = Literal["auto", "inproc", "multiproc"]
 Runner = Literal["auto", "generate", "pooling"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
@@ -83,7 +83,10 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     device: Device = "auto"
     enforce_eager: bool = False
-    placement: Placement = "inproc"  # tensor/data/pipeline_parallel_size > 1 run "multiproc"
+    # "inproc": every actor in one process; "multiproc": engine and executor processes
+    # over shared-memory rings (always so when tensor/data/pipeline_parallel_size > 1).
+    # "auto": see `settle_placement`.
+    placement: Placement = "auto"
     async_scheduling: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
@@ -124,7 +127,7 @@ class EngineArgs:
         self.validate()
         if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1
                 or self.pipeline_parallel_size > 1
-                or self.distributed_executor_backend == "ray") and self.placement == "inproc":
+                or self.distributed_executor_backend == "ray") and self.placement != "multiproc":
             # One process per rank, one group per replica (Ray: actors under a driver
             # process): always multiproc.
             object.__setattr__(self, "placement", "multiproc")
@@ -229,6 +232,28 @@ class EngineArgs:
             value = getattr(self, name)
             if value not in allowed.__args__:
                 raise ValueError(f"{name} must be one of {allowed.__args__}, got {value!r}")
+
+
+def settle_placement(args: EngineArgs, device: str, *, frontend: bool) -> EngineArgs:
+    """`args` with placement "auto" made concrete; any other placement is returned as is.
+
+    "auto" is "multiproc" for an `AsyncEngine` (`flowengine serve`, `submit()`;
+    frontend=True) on CUDA: in one process the HTTP routes, detokenizer and streamer
+    share a GIL with the step loop and the device waits on them (H200, SmolLM2 shapes at
+    concurrency 256: served / offline 0.28 in process against 0.66 multiproc, in
+    docs/benchmarks.md), which is why vLLM also runs its engine core in a process of its
+    own. It is "inproc" on the CPU (the executor's threads want the cores a second
+    process would take) and for the offline `LLM` (frontend=False: no HTTP to overlap).
+
+    Args:
+        args: the engine arguments.
+        device: the resolved device, "cuda" or "cpu".
+        frontend: True for an `AsyncEngine`, False for `LLM`.
+    """
+    if args.placement != "auto":
+        return args
+    placement = "multiproc" if frontend and device == "cuda" else "inproc"
+    return dataclasses.replace(args, placement=placement)
 
 
 def validate_executor_backend(backend: str | None) -> None:

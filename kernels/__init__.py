@@ -5,8 +5,9 @@ repository root is on ``sys.path`` (``python -m pytest`` or ``python -m flowengi
 from a checkout) it is also importable as a top-level ``kernels``, the name of an
 unrelated PyPI package that transformers (>= 5.25) imports at start-up. Imported under
 that name, this module hands the import over to the installed package, found on
-``sys.path`` without the repository root, and raises ModuleNotFoundError where none is
-installed, as if this folder were not there.
+``sys.path`` without the repository root. Where none is installed it stays this empty
+module, with no ``__version__``: transformers (5.17) imports the name to read a version
+when no distribution metadata exists, and takes "N/A" as "not available".
 """
 
 if __name__ == "kernels":
@@ -18,8 +19,7 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)

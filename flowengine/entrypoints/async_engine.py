@@ -31,7 +31,7 @@ from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
-from flowengine.config import EngineArgs
+from flowengine.config import EngineArgs, settle_placement
 from flowengine.engine.gc_utils import (
     freeze_startup_heap,
     raise_gen0_threshold,
@@ -173,6 +173,10 @@ class AsyncEngine:
         from flowengine.engine.builder import load_engine_tokenizer, make_input_processor, resolve
 
         self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
+        settled = settle_placement(self.args, self.resolved.device, frontend=True)
+        if settled is not self.args:  # "auto" made concrete for this device
+            self.args = settled
+            self.resolved = replace(self.resolved, args=settled)
         self.model_name = self.resolved.served_model_names[0]
         self.max_model_len = self.resolved.max_model_len
         self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)

@@ -109,7 +109,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    "install flowengine[ray])")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--placement", default="inproc", choices=["inproc", "multiproc"])
+    g.add_argument("--placement", default="auto", choices=["auto", "inproc", "multiproc"],
+                   help="inproc: all actors in one process; multiproc: engine and executor "
+                   "processes over shared-memory rings; auto (default): multiproc for the "
+                   "server on CUDA, inproc on the CPU")
     g.add_argument("--async-scheduling", action="store_true", help="plan step N+1 during step N")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--max-logprobs", type=int, default=20)

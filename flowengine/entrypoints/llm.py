@@ -56,7 +56,7 @@ class LLM:
         self._background = None
         self._stats = None  # StatLoggerActor, made on first use unless disable_log_stats
         self._num_tokens = [0, 0]  # prompt tokens added, tokens generated (in process)
-        if self.engine_args.placement == "inproc":
+        if self.engine_args.placement in ("inproc", "auto"):  # auto: settle_placement
             self.engine = build_engine_core(self.resolved)
         else:
             # Same actors and processes as the server: requests go through submit().
