@@ -115,16 +115,21 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
     | tee -a "$out/summary.md"
   cp "/tmp/serve_$label.log" "$out/" 2>/dev/null
 }
-runs=${SERVE_RUNS:-inproc_async inproc_async_2clients multiproc_async multiproc_async_2clients multiproc_sync}
+# A label is a configuration, with _Nclients for N client processes sharing the load:
+# default (no flags: the placement "auto" picks multiproc on CUDA), inproc_async,
+# multiproc_async, multiproc_sync; e.g. SERVE_RUNS="default_4clients inproc_async".
+runs=${SERVE_RUNS:-default_4clients inproc_async_4clients multiproc_async_4clients multiproc_sync}
 for r in $runs; do
-  case $r in
-    inproc_async) serve_once inproc_async 1 --async-scheduling ;;
-    inproc_async_2clients) serve_once inproc_async_2clients 2 --async-scheduling ;;
-    multiproc_async) serve_once multiproc_async 1 --async-scheduling --placement multiproc ;;
-    multiproc_async_2clients)
-      serve_once multiproc_async_2clients 2 --async-scheduling --placement multiproc ;;
-    multiproc_sync) serve_once multiproc_sync 1 --placement multiproc ;;
+  base=$r clients=1
+  if [[ $r =~ ^(.*)_([0-9]+)clients$ ]]; then base=${BASH_REMATCH[1]} clients=${BASH_REMATCH[2]}; fi
+  case $base in
+    default) flags=() ;;
+    inproc_async) flags=(--async-scheduling --placement inproc) ;;
+    multiproc_async) flags=(--async-scheduling --placement multiproc) ;;
+    multiproc_sync) flags=(--placement multiproc) ;;
+    *) say "unknown run $r (skipped)"; continue ;;
   esac
+  serve_once "$r" "$clients" "${flags[@]}"
 done
 
 [ -z "${SKIP_DEVICE:-}${SKIP_DEVICE_STEP:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
