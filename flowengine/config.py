@@ -248,7 +248,8 @@ def settle_placement(args: EngineArgs, device: str, *, frontend: bool) -> Engine
     Args:
         args: the engine arguments.
         device: the resolved device, "cuda" or "cpu".
-        frontend: True for an `AsyncEngine`, False for `LLM`.
+        frontend: True for an `AsyncEngine`; False for `LLM`, and for an `AsyncEngine`
+            given a `core_factory` (its core is built in this process).
     """
     if args.placement != "auto":
         return args

@@ -173,7 +173,9 @@ class AsyncEngine:
         from flowengine.engine.builder import load_engine_tokenizer, make_input_processor, resolve
 
         self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
-        settled = settle_placement(self.args, self.resolved.device, frontend=True)
+        # A core_factory builds the core in this process (`flowengine bench pipeline`).
+        settled = settle_placement(self.args, self.resolved.device,
+                                   frontend=self._core_factory is None)
         if settled is not self.args:  # "auto" made concrete for this device
             self.args = settled
             self.resolved = replace(self.resolved, args=settled)
