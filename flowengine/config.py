@@ -87,7 +87,9 @@ class EngineArgs:
     # over shared-memory rings (always so when tensor/data/pipeline_parallel_size > 1).
     # "auto": see `settle_placement`.
     placement: Placement = "auto"
-    async_scheduling: bool = False
+    # Plan step N+1 while step N runs (DESIGN.md §5; vLLM's --async-scheduling). None:
+    # where it helps, as vLLM enables it by default: see `settle_placement`.
+    async_scheduling: bool | None = None
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
     # Grammar library for structured outputs (vLLM's --structured-outputs-backend).
@@ -235,7 +237,8 @@ class EngineArgs:
 
 
 def settle_placement(args: EngineArgs, device: str, *, frontend: bool) -> EngineArgs:
-    """`args` with placement "auto" made concrete; any other placement is returned as is.
+    """`args` with placement "auto" and async_scheduling None made concrete; `args`
+    itself when both are set already.
 
     "auto" is "multiproc" for an `AsyncEngine` (`flowengine serve`, `submit()`;
     frontend=True) on CUDA: in one process the HTTP routes, detokenizer and streamer
@@ -245,16 +248,26 @@ def settle_placement(args: EngineArgs, device: str, *, frontend: bool) -> Engine
     own. It is "inproc" on the CPU (the executor's threads want the cores a second
     process would take) and for the offline `LLM` (frontend=False: no HTTP to overlap).
 
+    async_scheduling None is True for an `AsyncEngine` on CUDA without pipeline
+    parallelism (which keeps one step per stage in flight instead), as vLLM turns it on
+    by default: the scheduler plans step N+1 while the device runs step N (H200, the
+    server's default placement: served / offline 0.41 without it, 0.55 with it, in
+    docs/benchmarks.md). It is False on the CPU, where the step is the device and
+    nothing is left to overlap, and for `LLM`.
+
     Args:
         args: the engine arguments.
         device: the resolved device, "cuda" or "cpu".
         frontend: True for an `AsyncEngine`; False for `LLM`, and for an `AsyncEngine`
             given a `core_factory` (its core is built in this process).
     """
-    if args.placement != "auto":
-        return args
-    placement = "multiproc" if frontend and device == "cuda" else "inproc"
-    return dataclasses.replace(args, placement=placement)
+    if args.placement == "auto":
+        placement = "multiproc" if frontend and device == "cuda" else "inproc"
+        args = dataclasses.replace(args, placement=placement)
+    if args.async_scheduling is None:
+        on = frontend and device == "cuda" and args.pipeline_parallel_size == 1
+        args = dataclasses.replace(args, async_scheduling=on)
+    return args
 
 
 def validate_executor_backend(backend: str | None) -> None:

@@ -113,7 +113,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
                    help="inproc: all actors in one process; multiproc: engine and executor "
                    "processes over shared-memory rings; auto (default): multiproc for the "
                    "server on CUDA, inproc on the CPU")
-    g.add_argument("--async-scheduling", action="store_true", help="plan step N+1 during step N")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 during step N (default: on for the server on CUDA "
+                   "without pipeline parallelism, off on the CPU)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument(

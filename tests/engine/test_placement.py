@@ -1,5 +1,6 @@
-"""placement "auto" (the default): multiproc for the server on CUDA, inproc on the CPU and
-for the offline LLM; an explicit placement is kept (config.settle_placement)."""
+"""placement "auto" and async_scheduling None (the defaults): multiproc with async
+scheduling for the server on CUDA, inproc without it on the CPU and for the offline LLM;
+explicit values are kept (config.settle_placement)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,35 @@ from flowengine.config import EngineArgs, settle_placement
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
 
 
-@pytest.mark.parametrize(("device", "frontend", "want"), [
-    ("cuda", True, "multiproc"),
-    ("cpu", True, "inproc"),
-    ("cuda", False, "inproc"),
-    ("cpu", False, "inproc"),
+@pytest.mark.parametrize(("device", "frontend", "want", "want_async"), [
+    ("cuda", True, "multiproc", True),
+    ("cpu", True, "inproc", False),
+    ("cuda", False, "inproc", False),
+    ("cpu", False, "inproc", False),
 ])
-def test_auto_settles_by_device_and_caller(device: str, frontend: bool, want: str) -> None:
+def test_auto_settles_by_device_and_caller(device: str, frontend: bool, want: str,
+                                           want_async: bool) -> None:
     args = EngineArgs(model="m", max_num_seqs=7)
-    assert args.placement == "auto"
+    assert (args.placement, args.async_scheduling) == ("auto", None)
     settled = settle_placement(args, device, frontend=frontend)
-    assert settled.placement == want
+    assert (settled.placement, settled.async_scheduling) == (want, want_async)
     assert (settled.model, settled.max_num_seqs) == ("m", 7)  # nothing else changes
 
 
 @pytest.mark.parametrize("placement", ["inproc", "multiproc"])
-def test_an_explicit_placement_is_kept(placement: str) -> None:
-    args = EngineArgs(placement=placement)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_explicit_values_are_kept(placement: str, async_scheduling: bool) -> None:
+    args = EngineArgs(placement=placement, async_scheduling=async_scheduling)
     for device in ("cuda", "cpu"):
         assert settle_placement(args, device, frontend=True) is args
+
+
+def test_pipeline_parallel_keeps_async_scheduling_off() -> None:
+    args = EngineArgs(pipeline_parallel_size=2)
+    settled = settle_placement(args, "cuda", frontend=True)
+    assert (settled.placement, settled.async_scheduling) == ("multiproc", False)
+    with pytest.raises(ValueError, match="turn async_scheduling off"):
+        EngineArgs(pipeline_parallel_size=2, async_scheduling=True)
 
 
 def test_parallel_sizes_still_force_multiproc_and_cli_default_is_auto() -> None:
@@ -38,6 +49,9 @@ def test_parallel_sizes_still_force_multiproc_and_cli_default_is_auto() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_args_from(parser.parse_args([])).placement == "auto"
+    assert engine_args_from(parser.parse_args([])).async_scheduling is None
+    for flag, want in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        assert engine_args_from(parser.parse_args([flag])).async_scheduling is want
     assert engine_args_from(parser.parse_args(["--placement", "inproc"])).placement == "inproc"
     with pytest.raises(SystemExit):
         parser.parse_args(["--placement", "nowhere"])
