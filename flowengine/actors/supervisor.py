@@ -272,6 +272,7 @@ class Supervisor:
             # fails (flowengine/executor/ray_executor.py): the group restarts as usual.
             roles = [("ray_driver", 0), ("engine", 0)]
         env = dict(os.environ)
+        python = worker_python(env)
         if roles[0][0] == "ray_driver":
             env[RAY_LOCAL_PIDS_ENV] = self._ray_pids_file
         # A fresh rendezvous per group: a restarted group must not meet the old one.
@@ -281,7 +282,7 @@ class Supervisor:
         for role, rank in roles:
             cfg = ProcConfig(role, self.resolved.args, self.rings, rank, self.generation,
                              dist_init_method, self.limits.ready_timeout_s, self.dp_rank)
-            cmd = [sys.executable, "-m", "flowengine.actors.procs", msgspec.json.encode(cfg).decode()]
+            cmd = [*python, msgspec.json.encode(cfg).decode()]
             self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         logger.info("%sgeneration %d: started pids %s",
                     f"data-parallel replica {self.dp_rank}: "
@@ -475,6 +476,28 @@ class Supervisor:
         for seg in self._segments.values():
             seg.close()  # the owner's close unlinks the segment and its semaphores
         self._segments = {}
+
+
+def worker_python(env: dict[str, str]) -> list[str]:
+    """The command (without its ProcConfig argument) that starts an engine or executor
+    process importing the same `flowengine` as this process; may prepend to
+    env["PYTHONPATH"].
+
+    `python -m` would put the working directory first on the child's sys.path, and a
+    clone's root holds the source tree, without the compiled extensions, beside a
+    `pip install .` that has them: the children then died at start-up
+    (`cannot import name '_ring'`). So the child runs with `-P` (Python >= 3.11: no
+    working directory on sys.path), and only where this process imported flowengine from
+    the working directory itself (an editable install, or a source tree run from its
+    root) does that directory go on PYTHONPATH, as before.
+    """
+    import flowengine
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(flowengine.__file__)))
+    if os.path.abspath(os.getcwd()) == root:
+        rest = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = root if not rest else os.pathsep.join([root, rest])
+    return [sys.executable, "-P", "-m", "flowengine.actors.procs"]
 
 
 def free_port() -> int:
