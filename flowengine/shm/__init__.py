@@ -10,6 +10,19 @@
 
 from __future__ import annotations
 
+try:
+    from flowengine.shm import _ring  # noqa: F401  (the compiled part of the rings)
+except ImportError as exc:  # a source tree whose C extensions were never built
+    import os as _os
+
+    raise ImportError(
+        f"flowengine.shm._ring, the compiled extension of the shared-memory rings, is "
+        f"missing from {_os.path.dirname(_os.path.abspath(__file__))}: this flowengine is "
+        "a source tree without its C extensions built. Install it (bash "
+        "scripts/install.sh, or pip install -e . / pip install .); after a plain pip "
+        "install ., start Python outside the clone (python -m puts the working "
+        "directory first on sys.path)") from exc
+
 from flowengine.shm.broadcast import BroadcastWriter, create_broadcast_ring
 from flowengine.shm.codec import Channel, MessageChannel
 from flowengine.shm.errors import (
