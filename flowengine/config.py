@@ -85,10 +85,10 @@ class EngineArgs:
     enforce_eager: bool = False
     # "inproc": every actor in one process; "multiproc": engine and executor processes
     # over shared-memory rings (always so when tensor/data/pipeline_parallel_size > 1).
-    # "auto": see `settle_placement`.
+    # "auto": see `settle_defaults`.
     placement: Placement = "auto"
     # Plan step N+1 while step N runs (DESIGN.md §5; vLLM's --async-scheduling). None:
-    # where it helps, as vLLM enables it by default: see `settle_placement`.
+    # where it helps, as vLLM enables it by default: see `settle_defaults`.
     async_scheduling: bool | None = None
     scheduling_policy: SchedulingPolicy = "fcfs"
     max_logprobs: int = 20
@@ -236,7 +236,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {allowed.__args__}, got {value!r}")
 
 
-def settle_placement(args: EngineArgs, device: str, *, frontend: bool) -> EngineArgs:
+def settle_defaults(args: EngineArgs, device: str, *, frontend: bool) -> EngineArgs:
     """`args` with placement "auto" and async_scheduling None made concrete; `args`
     itself when both are set already.
 

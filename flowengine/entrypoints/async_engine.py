@@ -31,7 +31,7 @@ from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
-from flowengine.config import EngineArgs, settle_placement
+from flowengine.config import EngineArgs, settle_defaults
 from flowengine.engine.gc_utils import (
     freeze_startup_heap,
     raise_gen0_threshold,
@@ -174,7 +174,7 @@ class AsyncEngine:
 
         self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
         # A core_factory builds the core in this process (`flowengine bench pipeline`).
-        settled = settle_placement(self.args, self.resolved.device,
+        settled = settle_defaults(self.args, self.resolved.device,
                                    frontend=self._core_factory is None)
         if settled is not self.args:  # "auto" made concrete for this device
             self.args = settled

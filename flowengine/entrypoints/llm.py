@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
-from flowengine.config import EngineArgs
+from flowengine.config import EngineArgs, settle_defaults
 from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
@@ -50,13 +51,17 @@ class LLM:
         engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.resolved = resolve(self.engine_args)
+        # placement "auto" -> inproc, async_scheduling None -> off (no HTTP to overlap)
+        self.engine_args = settle_defaults(self.engine_args, self.resolved.device,
+                                           frontend=False)
+        self.resolved = replace(self.resolved, args=self.engine_args)
         self.tokenizer = load_engine_tokenizer(self.resolved)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self._ids = itertools.count()
         self._background = None
         self._stats = None  # StatLoggerActor, made on first use unless disable_log_stats
         self._num_tokens = [0, 0]  # prompt tokens added, tokens generated (in process)
-        if self.engine_args.placement in ("inproc", "auto"):  # auto: settle_placement
+        if self.engine_args.placement == "inproc":
             self.engine = build_engine_core(self.resolved)
         else:
             # Same actors and processes as the server: requests go through submit().

@@ -1,6 +1,6 @@
 """placement "auto" and async_scheduling None (the defaults): multiproc with async
 scheduling for the server on CUDA, inproc without it on the CPU and for the offline LLM;
-explicit values are kept (config.settle_placement)."""
+explicit values are kept (config.settle_defaults)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from flowengine.config import EngineArgs, settle_placement
+from flowengine.config import EngineArgs, settle_defaults
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
 
 
@@ -22,7 +22,7 @@ def test_auto_settles_by_device_and_caller(device: str, frontend: bool, want: st
                                            want_async: bool) -> None:
     args = EngineArgs(model="m", max_num_seqs=7)
     assert (args.placement, args.async_scheduling) == ("auto", None)
-    settled = settle_placement(args, device, frontend=frontend)
+    settled = settle_defaults(args, device, frontend=frontend)
     assert (settled.placement, settled.async_scheduling) == (want, want_async)
     assert (settled.model, settled.max_num_seqs) == ("m", 7)  # nothing else changes
 
@@ -32,12 +32,12 @@ def test_auto_settles_by_device_and_caller(device: str, frontend: bool, want: st
 def test_explicit_values_are_kept(placement: str, async_scheduling: bool) -> None:
     args = EngineArgs(placement=placement, async_scheduling=async_scheduling)
     for device in ("cuda", "cpu"):
-        assert settle_placement(args, device, frontend=True) is args
+        assert settle_defaults(args, device, frontend=True) is args
 
 
 def test_pipeline_parallel_keeps_async_scheduling_off() -> None:
     args = EngineArgs(pipeline_parallel_size=2)
-    settled = settle_placement(args, "cuda", frontend=True)
+    settled = settle_defaults(args, "cuda", frontend=True)
     assert (settled.placement, settled.async_scheduling) == ("multiproc", False)
     with pytest.raises(ValueError, match="turn async_scheduling off"):
         EngineArgs(pipeline_parallel_size=2, async_scheduling=True)
