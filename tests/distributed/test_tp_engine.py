@@ -63,6 +63,22 @@ async def _stream(engine: AsyncEngine, prompt: str) -> list[int]:
     return ids
 
 
+def test_async_scheduling_with_tp2_equals_tp1(tiny_llama: str, tiny_reference) -> None:
+    """Two steps in flight over two ranks (the server's default on CUDA): rank 1 follows
+    plans whose inputs hold placeholders for tokens sampled on rank 0."""
+    async def main() -> list[list[int]]:
+        engine = AsyncEngine(tiny_llama, tensor_parallel_size=2, max_model_len=256,
+                             async_scheduling=True)
+        await engine.start()
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(_stream(engine, p) for p in PROMPTS)), timeout=300)
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    assert asyncio.run(main()) == tiny_reference
+
+
 def test_killed_rank_restarts_the_group(tiny_llama: str, tiny_reference) -> None:
     async def main() -> tuple[list[list[int]], int]:
         engine = AsyncEngine(tiny_llama, tensor_parallel_size=2, max_model_len=256)
