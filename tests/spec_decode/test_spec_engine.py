@@ -97,3 +97,16 @@ def test_drafts_were_accepted_and_blocks_freed(runs) -> None:
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == \
         stats.spec_decode_num_accepted_tokens_total
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_async_scheduling_in_engine_processes_equals_no_speculation(default_model_path,
+                                                                    reference) -> None:
+    """n-gram drafts with two steps in flight in the engine processes (the server's
+    default on CUDA): the same tokens, finish and stop reasons and texts."""
+    spec = LLM(default_model_path, speculative_config=SPEC, placement="multiproc",
+               async_scheduling=True)
+    try:
+        got = _run(spec)
+    finally:
+        spec.shutdown()
+    assert [out[:4] for out in got] == [ref[:4] for ref in reference]
