@@ -51,10 +51,13 @@ class LLM:
         engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.resolved = resolve(self.engine_args)
-        # placement "auto" -> inproc, async_scheduling None -> off (no HTTP to overlap)
+        # placement "auto" -> inproc, async_scheduling None -> off (no HTTP to overlap),
+        # in the caller's args and in the resolved ones (which resolve() changed: the
+        # model pinned, GGUF quantization, ...).
         self.engine_args = settle_defaults(self.engine_args, self.resolved.device,
                                            frontend=False)
-        self.resolved = replace(self.resolved, args=self.engine_args)
+        self.resolved = replace(self.resolved, args=settle_defaults(
+            self.resolved.args, self.resolved.device, frontend=False))
         self.tokenizer = load_engine_tokenizer(self.resolved)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self._ids = itertools.count()
