@@ -17,6 +17,7 @@ from flowengine.config import (
     CacheConfig,
     EngineArgs,
     SchedulerConfig,
+    settle_defaults,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ class ResolvedEngine:
     pooler_config: Any = None
 
 
-def resolve(args: EngineArgs) -> ResolvedEngine:
-    """Find the model files and settle the limits. Raises ValueError with what to change."""
+def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
+    """Find the model files and settle the limits, and placement "auto" and
+    async_scheduling None for the device (`settle_defaults`; frontend: True for an
+    `AsyncEngine` that builds its own engine). Raises ValueError with what to change."""
     import torch
 
     from flowengine.model.model_config import ModelConfig
@@ -79,6 +82,7 @@ def resolve(args: EngineArgs) -> ResolvedEngine:
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     args = _resolve_quantization(args, device, resolved.gguf_file)
+    args = settle_defaults(args, device, frontend=frontend)
     budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 0)
     if not args.enable_chunked_prefill:
         budget = max(budget, max_model_len)

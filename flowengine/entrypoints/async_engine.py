@@ -172,14 +172,12 @@ class AsyncEngine:
     async def _start(self) -> None:
         from flowengine.engine.builder import load_engine_tokenizer, make_input_processor, resolve
 
-        self.resolved = await anyio.to_thread.run_sync(resolve, self.args)
-        # "auto" made concrete for this device, in the caller's args and in the resolved
-        # ones (which resolve() changed: the model pinned, GGUF quantization, ...). A
-        # core_factory builds the core in this process (`flowengine bench pipeline`).
+        # A core_factory builds the core in this process (`flowengine bench pipeline`).
         frontend = self._core_factory is None
+        self.resolved = await anyio.to_thread.run_sync(
+            lambda: resolve(self.args, frontend=frontend))
+        # The caller's args with the same placement and async scheduling as resolved's.
         self.args = settle_defaults(self.args, self.resolved.device, frontend=frontend)
-        self.resolved = replace(self.resolved, args=settle_defaults(
-            self.resolved.args, self.resolved.device, frontend=frontend))
         self.model_name = self.resolved.served_model_names[0]
         self.max_model_len = self.resolved.max_model_len
         self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)

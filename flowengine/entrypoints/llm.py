@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -50,14 +49,9 @@ class LLM:
 
         engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.resolved = resolve(self.engine_args)
-        # placement "auto" -> inproc, async_scheduling None -> off (no HTTP to overlap),
-        # in the caller's args and in the resolved ones (which resolve() changed: the
-        # model pinned, GGUF quantization, ...).
+        self.resolved = resolve(self.engine_args)  # "auto" -> inproc, no async scheduling
         self.engine_args = settle_defaults(self.engine_args, self.resolved.device,
                                            frontend=False)
-        self.resolved = replace(self.resolved, args=settle_defaults(
-            self.resolved.args, self.resolved.device, frontend=False))
         self.tokenizer = load_engine_tokenizer(self.resolved)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self._ids = itertools.count()
