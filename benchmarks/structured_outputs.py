@@ -223,6 +223,8 @@ async def run_async_once(engine, prompt: str, batch: int, output_len: int, const
     num_steps = max(core.num_steps - steps_before, 1) if core is not None else 1
     return {"tok_s": tokens / wall,
             "tpot_ms": 1e3 * statistics.mean((b - a) / (n - 1) for n, a, b in runs),
+            # mean time to the first token over the batch, from the batch's submission
+            "ttft_ms": 1e3 * statistics.mean(a - t for _, a, _ in runs),
             # the scheduler's process is not this one in the multiproc placement
             "mask_ms": 1e3 * sum(masks) / num_steps if core is not None else float("nan")}
 
@@ -517,6 +519,12 @@ def _report(args, results, load_before, load_after, tokenizer, vocab_size: int,
             line += (f" {alt:.1f} | {alt / free:.3f} | "
                      f"{med(batch, 'json-inline', 'tpot_ms'):.2f} |")
         print(line)
+    if any("ttft_ms" in r for rs in results.values() for r in rs):
+        print("\n| batch | unconstrained mean TTFT ms | JSON-schema mean TTFT ms | difference |")
+        print("|---|---|---|---|")
+        for batch in args.batch_sizes:
+            free, con = med(batch, "free", "ttft_ms"), med(batch, "json", "ttft_ms")
+            print(f"| {batch} | {free:.1f} | {con:.1f} | {con - free:+.1f} |")
     if any("forward_ms" in r for rs in results.values() for r in rs):
         print("\n| batch | part (ms per step, medians) | unconstrained | JSON-schema | difference |")
         print("|---|---|---|---|---|")

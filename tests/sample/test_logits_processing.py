@@ -32,7 +32,8 @@ def test_logit_bias_adds_to_the_logits_before_greedy_choice(device: str) -> None
     runner_up = int(logits[1].topk(2).indices[1])
     states = [
         SamplingState(_greedy(logit_bias={low: 100.0}), [1], []),
-        SamplingState(_greedy(logit_bias={top1: -100.0, 7: 0.0}), [1], []),
+        # (the zero bias on another token than top1: {top1: -100, top1: 0} is {top1: 0})
+        SamplingState(_greedy(logit_bias={top1: -100.0, (top1 + 1) % V: 0.0}), [1], []),
         SamplingState(_greedy(), [1], []),
     ]
     out = Sampler()(logits, states)

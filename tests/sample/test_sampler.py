@@ -187,3 +187,23 @@ def test_shape_mismatch_is_reported() -> None:
     md = SamplingMetadata.from_states([SamplingState(SamplingParams(), [1], [])], VOCAB, "cpu")
     with pytest.raises(ValueError, match="do not match the sampling metadata"):
         Sampler().sample(torch.randn(2, VOCAB), md)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_random_sampling_draws_from_the_tempered_softmax(device: str, seeded: bool) -> None:
+    """The exponential race picks token i with probability softmax(logits / T)_i: 6,000
+    rows of one 8-token distribution (unseeded: one batch generator; seeded: each row
+    its own seed), counts against the expected ones by Pearson's chi-squared (7 degrees
+    of freedom; 35 is exceeded with probability ~1e-5 by a correct sampler)."""
+    rows, temperature = 6000, 0.8
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])
+    logits = base.repeat(rows, 1).to(device)
+    states = [SamplingState(SamplingParams(temperature=temperature,
+                                           seed=i if seeded else None), [1], [])
+              for i in range(rows)]
+    ids = Sampler(seed=1234)(logits, states).sampled_token_ids.cpu()
+    counts = torch.bincount(ids, minlength=8).double()
+    expected = rows * torch.softmax(base.double() / temperature, dim=0)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 35.0, (chi2, counts.tolist(), expected.tolist())

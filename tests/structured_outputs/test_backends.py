@@ -137,6 +137,32 @@ def test_unsupported_schema_features_are_named():
         validate_structured_outputs(StructuredOutputsParams(json=schema), "auto")
 
 
+def test_validation_is_cached_per_constraint_and_names_each_callers_field(monkeypatch):
+    """The frontend checks a repeated (backend, kind, spec, options) once; a cached
+    failure still names the field of the request that repeats it."""
+    from flowengine.structured_outputs import xgrammar_backend
+
+    calls = []
+    real = xgrammar_backend.validate_xgrammar
+    monkeypatch.setattr(xgrammar_backend, "validate_xgrammar",
+                        lambda *a: (calls.append(a), real(*a))[1])
+    good = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                       "x-cache-test": len(calls)})
+    for _ in range(3):
+        assert validate_structured_outputs(StructuredOutputsParams(json=good)) == "xgrammar"
+    assert len(calls) == 1
+    bad = '{"type": "object", "properties": {"a": {"type": "strin"}}}'
+    for field in ("response_format.json_schema.schema", "guided_json", None):
+        with pytest.raises(ValueError) as info:
+            validate_structured_outputs(StructuredOutputsParams(json=bad), "xgrammar",
+                                        field=field)
+        assert str(info.value).startswith(field or "structured_outputs.json")
+    assert len(calls) == 2
+    # the options are part of the key: a different option is checked again
+    validate_structured_outputs(StructuredOutputsParams(json=good, disable_any_whitespace=True))
+    assert len(calls) == 3
+
+
 def test_strict_format_patterns_are_exactly_the_format_checkers():
     import datetime
     import ipaddress
