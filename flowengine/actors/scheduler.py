@@ -208,9 +208,12 @@ class SchedulerActor:
     def _plan_during_grammar_work(self) -> StepPlan | None:
         """The next plan while a step's grammar work runs in its worker thread, when
         the plan may go out (a step is free and its bitmask is deferred anyway: async
-        scheduling, not pipeline stages); None otherwise (the loop plans as usual)."""
+        scheduling, not pipeline stages) and no constrained request waits to be admitted
+        (a plan made now could not admit it, and planning early at every step would
+        starve it); None otherwise: the loop plans as usual after the work."""
         if (len(self._in_flight) >= self.max_steps_in_flight
-                or not self.scheduler.defer_grammar_bitmask):
+                or not self.scheduler.defer_grammar_bitmask
+                or self.core.num_compiling_grammars):
             return None
         start = time.perf_counter()
         plan = self.core.schedule()

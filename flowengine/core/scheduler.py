@@ -388,9 +388,10 @@ class Scheduler:
             if self.in_flight.num_placeholders(request):
                 return  # preempted with tokens in flight: resume it with them (docstring)
             if grammars is not None and request.sampling_params.structured_outputs is not None:
-                if self._grammar_work_out:
-                    # The matchers are the worker's until finish_grammar_work: admit it
-                    # (make its matcher) in a later step (take_grammar_work).
+                if self._grammar_work_out and not grammars.has_matcher(request.request_id):
+                    # The matchers are the worker's until finish_grammar_work: make this
+                    # one's (admit it) in a later step (take_grammar_work). A preempted
+                    # request has its matcher and resumes.
                     index += 1
                     continue
                 status = grammars.poll(request)
@@ -644,10 +645,11 @@ class Scheduler:
 
         While it runs, the driver may send the step's deltas on (they are final but for a
         refused token, which `finish_grammar_work` fails with a delta of its own) and may
-        plan the next step (`schedule`, which then admits no constrained request: making
-        a matcher would race the worker; a request refused meanwhile has its row left out
-        of later bitmasks and its tokens dropped, as one finished with steps in flight).
-        It must not apply another step, nor finish or abort requests."""
+        plan the next step (`schedule`, which then admits no constrained request that
+        still needs its matcher: making one would race the worker; a request refused
+        meanwhile has its row left out of later bitmasks and its tokens dropped, as one
+        finished with steps in flight). It must not apply another step, nor finish or
+        abort requests."""
         if not self._grammar_backlog:
             return None
         advance, self._grammar_backlog = self._grammar_backlog, []
