@@ -237,12 +237,29 @@ def test_offload_rows_setting(monkeypatch):
         scheduler_actor.grammar_offload_rows()
 
 
+class _PollingManager(RuleManager):
+    """Makes a request's matcher when the scheduler polls it, as the real manager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self.pending[request.request_id] = request
+
+    def poll(self, request: Request) -> str | None:
+        if self.pending.pop(request.request_id, None) is not None:
+            super().add_request(request)
+        return None
+
+
 def test_no_constrained_request_is_admitted_while_the_grammar_work_runs(
         model_config: ModelConfig) -> None:  # noqa: F811
     """A plan made while a step's grammar work is out (the Scheduler actor plans the
-    next step meanwhile) admits unconstrained requests but no constrained one, whose
+    next step meanwhile) admits unconstrained requests but no constrained one whose
     matcher would be made beside the worker; the next plan after the work admits it."""
-    scheduler = _scheduler(RuleManager())
+    scheduler = _scheduler(_PollingManager())
     executor = Executor(_runner(model_config, ModelRunner), Sampler(seed=1))
     plan = scheduler.schedule()
     assert set(plan.scheduled_req_ids) == {"0", "1", "2", "3"}
