@@ -19,7 +19,6 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any
 
 import anyio
 
@@ -141,7 +140,18 @@ class SchedulerActor:
                 self.busy_s += time.perf_counter() - start
                 if plan is None:
                     break  # nothing to run; its finished ids go with the next plan
-                await self._send_plan(plan)
+                await self.steps.send_async(plan)
+                self._in_flight.append(plan)
+                if plan.pending_structured_output_tokens:
+                    # Let the executor launch the forward first (in-process it is a task
+                    # of this loop, woken by the send), then fill the bitmask while the
+                    # device runs it; the bitmask follows before the next plan.
+                    await anyio.sleep(0)
+                    start = time.perf_counter()
+                    grammar_outputs = core.fill_grammar_bitmasks()
+                    self.busy_s += time.perf_counter() - start
+                    for grammar_output in grammar_outputs:
+                        await self.steps.send_async(grammar_output)
             if not self._in_flight:
                 # Unfinished requests but nothing schedulable: wait for news, or, while
                 # grammars compile (in worker threads), look again soon.
@@ -154,20 +164,6 @@ class SchedulerActor:
             await self._apply(await self.results.recv_async())
         await self.steps.send_async(Shutdown())
 
-    async def _send_plan(self, plan: StepPlan) -> None:
-        await self.steps.send_async(plan)
-        self._in_flight.append(plan)
-        if plan.pending_structured_output_tokens:
-            # Let the executor launch the forward first (in-process it is a task of this
-            # loop, woken by the send), then fill the bitmask while the device runs it;
-            # the bitmask follows before the next plan.
-            await anyio.sleep(0)
-            start = time.perf_counter()
-            grammar_outputs = self.core.fill_grammar_bitmasks()
-            self.busy_s += time.perf_counter() - start
-            for grammar_output in grammar_outputs:
-                await self.steps.send_async(grammar_output)
-
     async def _apply(self, result: StepResult) -> None:
         plan = self._in_flight.popleft()
         if result.step_id != plan.step_id:
@@ -175,50 +171,21 @@ class SchedulerActor:
         start = time.perf_counter()
         deltas = self.core.update(plan, result)
         work = self.core.take_grammar_work()
-        early: StepPlan | None = None
         if work is not None:
-            # While the matchers advance and the next bitmask fills in a worker thread
-            # (the grammar library releases the GIL), this loop sends the step's outputs
-            # and plans the step after the one in flight: the executor, which waits for
-            # that bitmask to sample, then gets the bitmask and the next plan back to
-            # back (the plan is no longer behind the grammar work). No requests are taken
-            # in meanwhile (an abort would touch the matchers: take_grammar_work).
+            # The step's outputs go first (processed while the matchers advance in a
+            # worker thread; the grammar library releases the GIL), then the bitmask.
             self.busy_s += time.perf_counter() - start
-            outcome: list[Any] = []
-
-            async def advance() -> None:
-                outcome.append(await anyio.to_thread.run_sync(work))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(advance)
-                await self._emit(deltas)
-                early = self._plan_during_grammar_work()
+            await self._emit(deltas)
+            outcome = await anyio.to_thread.run_sync(work)
             start = time.perf_counter()
-            deltas = self.core.finish_grammar_work(outcome[0])  # refused tokens' failures
+            deltas = self.core.finish_grammar_work(outcome)  # refused tokens' failures
         grammar_outputs = self.core.take_grammar_outputs()
         self.busy_s += time.perf_counter() - start
         # First the bitmasks that the executor waits for to sample the next step (its
-        # forward already runs), then the plan planned meanwhile, then the outputs.
+        # forward already runs), then the outputs; both before the next plan.
         for grammar_output in grammar_outputs:
             await self.steps.send_async(grammar_output)
-        if early is not None:
-            await self._send_plan(early)
         await self._emit(deltas)
-
-    def _plan_during_grammar_work(self) -> StepPlan | None:
-        """The next plan while a step's grammar work runs in its worker thread, when
-        the plan may go out (a step is free and its bitmask is deferred anyway: async
-        scheduling, not pipeline stages) and no constrained request waits to be admitted
-        (a plan made now could not admit it, and planning early at every step would
-        starve it); None otherwise: the loop plans as usual after the work."""
-        if (len(self._in_flight) >= self.max_steps_in_flight
-                or not self.scheduler.defer_grammar_bitmask
-                or self.core.num_compiling_grammars):
-            return None
-        start = time.perf_counter()
-        plan = self.core.schedule()
-        self.busy_s += time.perf_counter() - start
-        return plan
 
     async def _emit(self, deltas: list[RequestDelta]) -> None:
         if deltas:

@@ -388,12 +388,6 @@ class Scheduler:
             if self.in_flight.num_placeholders(request):
                 return  # preempted with tokens in flight: resume it with them (docstring)
             if grammars is not None and request.sampling_params.structured_outputs is not None:
-                if self._grammar_work_out and not grammars.has_matcher(request.request_id):
-                    # The matchers are the worker's until finish_grammar_work: make this
-                    # one's (admit it) in a later step (take_grammar_work). A preempted
-                    # request has its matcher and resumes.
-                    index += 1
-                    continue
                 status = grammars.poll(request)
                 if status == "compiling":
                     index += 1  # WAITING_FOR_FSM: the requests behind it go first
@@ -644,12 +638,8 @@ class Scheduler:
         this scheduler). None when there is nothing to do off the thread.
 
         While it runs, the driver may send the step's deltas on (they are final but for a
-        refused token, which `finish_grammar_work` fails with a delta of its own) and may
-        plan the next step (`schedule`, which then admits no constrained request that
-        still needs its matcher: making one would race the worker; a request refused
-        meanwhile has its row left out of later bitmasks and its tokens dropped, as one
-        finished with steps in flight). It must not apply another step, nor finish or
-        abort requests."""
+        refused token, which `finish_grammar_work` fails with a delta of its own) and
+        must not plan or apply another step."""
         if not self._grammar_backlog:
             return None
         advance, self._grammar_backlog = self._grammar_backlog, []

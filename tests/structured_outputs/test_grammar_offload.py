@@ -107,19 +107,15 @@ def _scheduler(manager) -> Scheduler:
     return scheduler
 
 
-def _generate_offloaded(executor: Executor, manager,
-                        plan_early: bool = False) -> tuple[dict, dict, list]:
+def _generate_offloaded(executor: Executor, manager) -> tuple[dict, list]:
     """The Scheduler actor's loop with two steps in flight and the grammar work in a
-    worker thread, synchronously otherwise. plan_early: as the actor, plan the next
-    step while the worker runs (the scheduler and the worker touch it at once), and
-    launch it right after the bitmask the worker made."""
+    worker thread, synchronously otherwise."""
     scheduler = _scheduler(manager)
     pool = ThreadPoolExecutor(1)
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     outputs = []
     in_flight: deque = deque()  # [plan, forward or None, handle or None]
-    plans_during_work: list[bool] = []
 
     def sample(grammars):
         for grammar in grammars:
@@ -128,44 +124,33 @@ def _generate_offloaded(executor: Executor, manager,
             assert entry[2] is None
             entry[2] = executor.launch_sampling(entry[1], grammar)
 
-    def launch(plan):
-        if plan.pending_structured_output_tokens:
-            in_flight.append([plan, executor.launch_forward(plan), None])
-            sample(scheduler.fill_grammar_bitmasks())
-        else:
-            in_flight.append([plan, None, executor.launch(plan)])
-
     while scheduler.has_unfinished_requests() or in_flight:
         while len(in_flight) < 2:
             plan = scheduler.schedule()
             if not plan.num_scheduled_tokens:
                 break
-            launch(plan)
+            if plan.pending_structured_output_tokens:
+                in_flight.append([plan, executor.launch_forward(plan), None])
+                sample(scheduler.fill_grammar_bitmasks())
+            else:
+                in_flight.append([plan, None, executor.launch(plan)])
         plan, _, handle = in_flight.popleft()
         deltas = scheduler.update_from_output(plan, handle.result())
         work = scheduler.take_grammar_work()
-        early = None
         if work is not None:
             future = pool.submit(work)
             if in_flight:  # nothing may be applied while the work runs
                 with pytest.raises(ValueError, match="before the grammar work"):
                     scheduler.update_from_output(in_flight[0][0],
                                                  StepResult(in_flight[0][0].step_id, []))
-            if plan_early:
-                early = scheduler.schedule()
-                plans_during_work.append(bool(early.num_scheduled_tokens))
             deltas += scheduler.finish_grammar_work(future.result())
         for delta in deltas:
             tokens.setdefault(delta.req_id, []).extend(delta.new_token_ids)
             if delta.error is not None:
                 errors[delta.req_id] = delta.error
         sample(scheduler.take_grammar_outputs())
-        if early is not None and early.num_scheduled_tokens:
-            launch(early)
         assert not in_flight or in_flight[0][2] is not None
     pool.shutdown()
-    if plan_early:
-        assert sum(plans_during_work) >= 5  # the early plans did run steps
     return tokens, errors, outputs
 
 
@@ -189,11 +174,10 @@ def test_offloaded_grammar_work_gives_the_same_tokens(
             expected.setdefault(delta.req_id, []).extend(delta.new_token_ids)
     assert {rid: len(t) for rid, t in expected.items()} == {"0": 9, "1": 12, "2": 7, "3": 10}
 
-    for cls, plan_early in ((CudaModelRunner, False), (ModelRunner, False),
-                            (CudaModelRunner, True), (ModelRunner, True)):
+    for cls in (CudaModelRunner, ModelRunner):
         tokens, errors, outputs = _generate_offloaded(
-            Executor(_runner(model_config, cls), Sampler(seed=1)), RuleManager(), plan_early)
-        assert tokens == expected and not errors, (cls.__name__, plan_early)
+            Executor(_runner(model_config, cls), Sampler(seed=1)), RuleManager())
+        assert tokens == expected and not errors, cls.__name__
         assert len(outputs) >= 9 and all(o.grammar_bitmask for o in outputs)
         for rid in ("0", "2", "3"):
             for i, t in enumerate(tokens[rid]):
@@ -211,13 +195,9 @@ class _RefusingManager(RuleManager):
         return super().accept_tokens(request_id, token_ids)
 
 
-@pytest.mark.parametrize("plan_early", [False, True])
-def test_a_refused_token_fails_only_its_request(
-        model_config: ModelConfig, plan_early: bool) -> None:  # noqa: F811
-    # plan_early: the request is refused after the next step was planned with it
+def test_a_refused_token_fails_only_its_request(model_config: ModelConfig) -> None:  # noqa: F811
     tokens, errors, outputs = _generate_offloaded(
-        Executor(_runner(model_config, ModelRunner), Sampler(seed=1)), _RefusingManager(),
-        plan_early)
+        Executor(_runner(model_config, ModelRunner), Sampler(seed=1)), _RefusingManager())
     assert set(errors) == {"0"} and "does not match the grammar" in errors["0"]
     assert len(tokens["0"]) == 3  # its third token was delivered, then the error
     assert {rid: len(tokens[rid]) for rid in ("1", "2", "3")} == {"1": 12, "2": 7, "3": 10}
@@ -235,45 +215,3 @@ def test_offload_rows_setting(monkeypatch):
     monkeypatch.setenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", "-1")
     with pytest.raises(ValueError, match="FLOWENGINE_GRAMMAR_OFFLOAD_ROWS"):
         scheduler_actor.grammar_offload_rows()
-
-
-class _PollingManager(RuleManager):
-    """Makes a request's matcher when the scheduler polls it, as the real manager."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: dict[str, Request] = {}
-
-    def add_request(self, request: Request) -> None:
-        if request.sampling_params.structured_outputs is not None:
-            self.pending[request.request_id] = request
-
-    def poll(self, request: Request) -> str | None:
-        if self.pending.pop(request.request_id, None) is not None:
-            super().add_request(request)
-        return None
-
-
-def test_no_constrained_request_is_admitted_while_the_grammar_work_runs(
-        model_config: ModelConfig) -> None:  # noqa: F811
-    """A plan made while a step's grammar work is out (the Scheduler actor plans the
-    next step meanwhile) admits unconstrained requests but no constrained one whose
-    matcher would be made beside the worker; the next plan after the work admits it."""
-    scheduler = _scheduler(_PollingManager())
-    executor = Executor(_runner(model_config, ModelRunner), Sampler(seed=1))
-    plan = scheduler.schedule()
-    assert set(plan.scheduled_req_ids) == {"0", "1", "2", "3"}
-    forward = executor.launch_forward(plan)
-    (grammar,) = scheduler.fill_grammar_bitmasks()
-    scheduler.update_from_output(plan, executor.launch_sampling(forward, grammar).result())
-    work = scheduler.take_grammar_work()
-    assert work is not None
-    so = StructuredOutputsParams(regex=".*")
-    for rid, params in (("late-constrained", SamplingParams(max_tokens=3, structured_outputs=so)),
-                        ("late-free", SamplingParams(max_tokens=3))):
-        scheduler.add_request(Request(rid, [5, 6, 7], params, eos_token_id=None, max_tokens=3))
-    early = scheduler.schedule()  # while the work is out
-    assert "late-free" in early.scheduled_req_ids
-    assert "late-constrained" not in early.scheduled_req_ids
-    scheduler.finish_grammar_work(work())
-    assert "late-constrained" in scheduler.schedule().scheduled_req_ids
