@@ -187,6 +187,45 @@ def test_async_scheduling_decodes_a_constrained_request_in_every_step(default_mo
     asyncio.run(main())
 
 
+def test_a_constrained_request_is_admitted_while_others_keep_the_grammar_work_going(
+        default_model_path, monkeypatch):
+    # With the grammar work in the Scheduler actor's worker thread at every step (offload
+    # from 1 row), a constrained request that arrives while another decodes starts within
+    # a few steps, not after the other finishes (a version that planned each next step
+    # during the grammar work, where no matcher may be made, starved it).
+    monkeypatch.setenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", "1")
+
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=512, placement="inproc",
+                             async_scheduling=True)
+        await engine.start()
+        try:
+            long = SamplingParams(temperature=0, max_tokens=96, structured_outputs=(
+                StructuredOutputsParams(regex="[a-z ]{2000}")))
+            short = SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+                StructuredOutputsParams(regex="[a-z]{2,4}")))
+            progress = []
+
+            async def run_long():
+                async for out in engine.submit("Write a long story.", long,
+                                               output_kind=RequestOutputKind.DELTA):
+                    progress.append(len(out.outputs[0].token_ids))
+                return sum(progress)
+
+            background = asyncio.create_task(run_long())
+            while sum(progress) < 8:
+                await asyncio.sleep(0.005)
+            ids = await _stream(engine, "Say a short word.", short)
+            long_tokens_when_short_done = sum(progress)
+            assert 1 <= len(ids) <= 8
+            assert await background == 96
+            assert long_tokens_when_short_done < 96 - 16, long_tokens_when_short_done
+        finally:
+            await engine.shutdown(drain_timeout_s=10)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(("placement", "async_scheduling"),
                          [("inproc", False), ("multiproc", True)])
 def test_async_engine_placements_and_restart(default_model_path, reference, placement,
