@@ -48,6 +48,17 @@ logger = logging.getLogger(__name__)
 # only keeps a runaway sender from queueing device work without end.
 MAX_UNRESOLVED_STEPS = 4
 
+# A step that computes on the host (a CPU forward) of at most this many tokens runs
+# inline on the event loop rather than through `blocking`: a decode step of a few
+# requests. Measured on the 2-core development CPU, one stream of the default model
+# through `flowengine serve` (docs/benchmarks.md, session 30): median TPOT 8.8 against
+# 9.35 ms in a worker thread, faster in 13 of 18 alternated pairs (the thread hop's
+# wake-ups, and the loop's work competing with the forward's threads for the cores,
+# cost more than doing that work after the step).
+# Larger steps (prefill chunks) go to the thread, so the server stays responsive during
+# them; a decode step blocks the loop for one step's time.
+INLINE_STEP_TOKENS = 64
+
 
 def _error_result(plan: StepPlan, exc: BaseException) -> StepResult:
     return StepResult(plan.step_id, [], error=f"{type(exc).__name__}: {exc}")
@@ -69,6 +80,9 @@ class ExecutorActor:
         wait: runs the resolution of a step whose tokens are still on the device;
             defaults to a worker thread (the wait releases the GIL, so the launcher
             keeps launching meanwhile).
+        inline_step_tokens: a host-computed launch of at most this many scheduled
+            tokens runs inline instead of through `blocking` (INLINE_STEP_TOKENS; 0:
+            never).
 
     A failed step becomes a StepResult with `error` set (its requests finish with
     "error", the engine keeps serving). Under tensor parallelism only an invalid plan
@@ -84,8 +98,10 @@ class ExecutorActor:
         results: Channel | None,
         blocking: Callable[..., Awaitable[Any]] = run_blocking,
         wait: Callable[..., Awaitable[Any]] = run_blocking,
+        inline_step_tokens: int = INLINE_STEP_TOKENS,
     ) -> None:
         self.executor = executor
+        self.inline_step_tokens = inline_step_tokens
         self.steps = steps
         self.results = results
         self._blocking = blocking
@@ -176,7 +192,7 @@ class ExecutorActor:
         loop (see `blocking`); a failure becomes a CompletedStep with the error."""
         start = time.perf_counter()
         try:
-            if self._launch_inline:
+            if self._launch_inline or sum(plan.num_scheduled_tokens) <= self.inline_step_tokens:
                 return launch(*args)
             return await self._blocking(launch, *args)
         except Exception as exc:

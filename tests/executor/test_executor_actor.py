@@ -193,3 +193,37 @@ async def _test_a_launch_that_only_enqueues_device_work_runs_on_the_loop() -> No
 def test_completed_step_handle_is_done_at_once() -> None:
     handle = CompletedStep(StepResult(7, []))
     assert handle.done() and handle.step_id == 7 and handle.result() == StepResult(7, [])
+
+
+def test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker() -> None:
+    anyio.run(_test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker)
+
+
+async def _test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker() -> None:
+    # A CPU launch computes the step before returning. Up to INLINE_STEP_TOKENS scheduled
+    # tokens (a decode step) it runs on the loop; a larger one (a prefill chunk) through
+    # `blocking`, so the loop keeps serving while it computes.
+    from flowengine.actors.executor import INLINE_STEP_TOKENS
+
+    through_blocking: list[int] = []
+
+    async def recording(fn, *args):
+        through_blocking.append(args[0].step_id)
+        return fn(*args)
+
+    executor = _ScriptedExecutor(set(), set())
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=recording)
+    sizes = {0: [1] * 4, 1: [INLINE_STEP_TOKENS], 2: [INLINE_STEP_TOKENS, 1], 3: [512]}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        for step_id, tokens in sizes.items():
+            plan = _plan(step_id)
+            plan.num_scheduled_tokens = tokens
+            await steps.send_async(plan)
+            await _wait_for(lambda s=step_id: s in executor.handles)
+            executor.handles[step_id].release()
+            with anyio.fail_after(30):
+                assert (await results.recv_async()).step_id == step_id
+        await steps.send_async(Shutdown())
+    assert through_blocking == [2, 3]
