@@ -18,7 +18,8 @@ the decode steps, every step after the first, which prefills the batch). With
 --async-scheduling, the served path: `AsyncEngine` (in-process, or `--placement multiproc`:
 scheduler and executor in their own processes) with two steps in flight,
 where a constrained step's forward is launched before its bitmask is filled (docs/
-design.md, "Structured outputs"); TPOT = mean over requests of (last token time - first
+design.md, "Structured outputs"); `--engine async` without --async-scheduling: the same
+engine with one step in flight (what `flowengine serve` runs on the CPU). There TPOT = mean over requests of (last token time - first
 token time) / (tokens - 1), as vLLM's benchmarks define it. mask = the CPU time the
 scheduler spent filling bitmasks, per step. Then the compile time of each of the 30
 schemas of tests/data/json_schemas.json on a fresh backend (no cache), xgrammar or
@@ -369,8 +370,12 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="AsyncEngine with two steps in flight")
+    parser.add_argument("--engine", choices=("llm", "async"), default="llm",
+                        help="llm: the offline LLM, one step at a time; async: AsyncEngine "
+                        "(implied by --async-scheduling; without it one step in flight, the "
+                        "CPU server's default)")
     parser.add_argument("--placement", choices=("inproc", "multiproc"), default="inproc",
-                        help="with --async-scheduling: the AsyncEngine's placement (multiproc: "
+                        help="with the AsyncEngine: its placement (multiproc: "
                         "the scheduler and the executor in processes of their own, so the "
                         "matchers' advance and fill do not share the executor's GIL; no mask "
                         "column)")
@@ -396,7 +401,7 @@ def main() -> None:
     if args.fill_only:
         _main_fill(args)
         return
-    if args.async_scheduling:
+    if args.async_scheduling or args.engine == "async":
         asyncio.run(_main(args))
     else:
         _main_llm(args)
@@ -449,8 +454,8 @@ def _main_llm(args) -> None:
 async def _main(args) -> None:
     from flowengine.entrypoints.async_engine import AsyncEngine
 
-    engine = AsyncEngine(**_engine_args(args), async_scheduling=True, disable_log_stats=True,
-                         placement=args.placement)
+    engine = AsyncEngine(**_engine_args(args), async_scheduling=args.async_scheduling,
+                         disable_log_stats=True, placement=args.placement)
     await engine.start()
     try:
         tokenizer = engine.tokenizer
@@ -480,7 +485,9 @@ async def _main(args) -> None:
         load_after = os.getloadavg()
         _report(args, results, load_before, load_after, tokenizer,
                 engine.resolved.model_config.vocab_size,
-                f"AsyncEngine {args.placement}, async scheduling (2 steps in flight)")
+                f"AsyncEngine {args.placement}, " + ("async scheduling (2 steps in flight)"
+                                                     if args.async_scheduling
+                                                     else "one step in flight"))
     finally:
         await engine.shutdown(drain_timeout_s=30)
 

@@ -49,15 +49,17 @@ logger = logging.getLogger(__name__)
 MAX_UNRESOLVED_STEPS = 4
 
 # A step that computes on the host (a CPU forward) of at most this many tokens runs
-# inline on the event loop rather than through `blocking`: a decode step of a few
-# requests. Measured on the 2-core development CPU, one stream of the default model
-# through `flowengine serve` (docs/benchmarks.md, session 30): median TPOT 8.8 against
-# 9.35 ms in a worker thread, faster in 13 of 18 alternated pairs (the thread hop's
-# wake-ups, and the loop's work competing with the forward's threads for the cores,
-# cost more than doing that work after the step).
-# Larger steps (prefill chunks) go to the thread, so the server stays responsive during
-# them; a decode step blocks the loop for one step's time.
-INLINE_STEP_TOKENS = 64
+# inline on the event loop rather than through `blocking`. Measured on the 2-core
+# development CPU through `flowengine serve` (docs/benchmarks.md, session 30), inline
+# against a worker thread: one stream, median TPOT 8.8 against 9.35 ms (13 of 18
+# alternated pairs faster: the thread hop's wake-ups, and the loop's work competing
+# with the forward's threads for the cores, cost more than doing that work after the
+# step); 4 streams even (2 pairs: 203.7 / 215.2 against 198.8 / 230.6 output tok/s);
+# 16 streams slower (293.6 / 279.9 against 303.5 / 304.0), where the loop's work per
+# step grows with the streams and overlapping it with the forward pays. So only a
+# one-token step (one decode row) runs inline; prefill chunks always take the thread,
+# so the server stays responsive during them.
+INLINE_STEP_TOKENS = 1
 
 
 def _error_result(plan: StepPlan, exc: BaseException) -> StepResult:

@@ -201,8 +201,8 @@ def test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker() -> No
 
 async def _test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker() -> None:
     # A CPU launch computes the step before returning. Up to INLINE_STEP_TOKENS scheduled
-    # tokens (a decode step) it runs on the loop; a larger one (a prefill chunk) through
-    # `blocking`, so the loop keeps serving while it computes.
+    # tokens (one decode row) it runs on the loop; a larger one (more rows, a prefill
+    # chunk) through `blocking`, so the loop keeps serving while it computes.
     from flowengine.actors.executor import INLINE_STEP_TOKENS
 
     through_blocking: list[int] = []
@@ -214,7 +214,8 @@ async def _test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker(
     executor = _ScriptedExecutor(set(), set())
     steps, results = InprocChannel(), InprocChannel()
     actor = ExecutorActor(executor, steps, results, blocking=recording)
-    sizes = {0: [1] * 4, 1: [INLINE_STEP_TOKENS], 2: [INLINE_STEP_TOKENS, 1], 3: [512]}
+    sizes = {0: [1] * INLINE_STEP_TOKENS, 1: [INLINE_STEP_TOKENS], 2: [INLINE_STEP_TOKENS, 1],
+             3: [512]}
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
         for step_id, tokens in sizes.items():
