@@ -150,12 +150,12 @@ class Sampler:
 def _exponential_(q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Fill `q` (float32, in place) with Exp(1) draws from `generator`.
 
-    On CUDA torch's `exponential_` is one fused kernel. On the CPU it costs ~0.8 ms for
-    one 49,152-token row (measured, torch 2.13, one draw at a time), ~15% of a batch-1
-    decode step of the default model, so there the draws are -log(U) with U uniform on
-    [0, 1) (inverse transform sampling), ~0.13 ms: the same distribution. U = 0 gives
-    +inf, which the race reads as probability 0 for that token (an event of
-    probability 2**-24 per token).
+    On CUDA torch's `exponential_` is one fused kernel. On the CPU it took 0.77 ms for
+    one 49,152-token row (torch 2.13, measured alone) against 0.13 ms for -log(U) with
+    U uniform on [0, 1) (inverse transform sampling: the same distribution), so the CPU
+    draws that way (end to end ~0.3 ms less per token of the default model at batch 1,
+    docs/benchmarks.md). U = 0 gives +inf, which the race reads as probability 0 for
+    that token (an event of probability 2**-24 per token).
     """
     if q.device.type == "cuda":
         return q.exponential_(generator=generator)

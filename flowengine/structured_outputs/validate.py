@@ -31,7 +31,8 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str = 
         raise ValueError(f"structured outputs backend must be one of {BACKEND_NAMES}, "
                          f"got {backend!r}")
     kind, spec = params.kind, params.spec
-    chosen, error = _check(backend, kind, spec, grammar_options(params))
+    check = _check if len(spec) <= _CACHED_SPEC_CHARS else _check.__wrapped__
+    chosen, error = check(backend, kind, spec, grammar_options(params))
     if error is not None:
         if field is not None:
             error = error.replace(f"structured_outputs.{kind}", field, 1)
@@ -42,6 +43,11 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str = 
 # Clients send the same schema with every request (an agent's tool set, a batch of
 # extractions): parsing it costs ~0.2 ms, which 128 concurrent requests would pay one
 # after another on the frontend's loop. The check depends only on these four values.
+# Specs longer than _CACHED_SPEC_CHARS are checked every time, so the cache holds at
+# most 256 x 64 KiB whatever clients send.
+_CACHED_SPEC_CHARS = 64 * 1024
+
+
 @functools.lru_cache(maxsize=256)
 def _check(backend: str, kind: str, spec: str,
            options: GrammarOptions) -> tuple[str, str | None]:

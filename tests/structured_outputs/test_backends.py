@@ -161,6 +161,11 @@ def test_validation_is_cached_per_constraint_and_names_each_callers_field(monkey
     # the options are part of the key: a different option is checked again
     validate_structured_outputs(StructuredOutputsParams(json=good, disable_any_whitespace=True))
     assert len(calls) == 3
+    # a spec over 64 KiB is checked every time (the cache's size stays bounded)
+    huge = json.dumps({"type": "object", "description": "x" * (64 * 1024)})
+    for _ in range(2):
+        validate_structured_outputs(StructuredOutputsParams(json=huge))
+    assert len(calls) == 5
 
 
 def test_strict_format_patterns_are_exactly_the_format_checkers():
