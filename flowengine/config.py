@@ -270,6 +270,14 @@ def settle_defaults(args: EngineArgs, device: str, *, frontend: bool) -> EngineA
     return args
 
 
+def with_settled_defaults(args: EngineArgs, settled: EngineArgs) -> EngineArgs:
+    """`args` with the placement and async_scheduling that `settled` (the args `resolve`
+    settled with `settle_defaults`) holds: a caller keeps its own args but the one
+    decision `resolve` made."""
+    return dataclasses.replace(args, placement=settled.placement,
+                               async_scheduling=settled.async_scheduling)
+
+
 def validate_executor_backend(backend: str | None) -> None:
     """Check --distributed-executor-backend (vLLM's values "mp", "ray", "uni"; None is
     "mp"). Raises ValueError for an unknown value, ImportError naming the extra to

@@ -31,7 +31,7 @@ from flowengine.actors.ingress import IngressActor
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
-from flowengine.config import EngineArgs, settle_defaults
+from flowengine.config import EngineArgs, with_settled_defaults
 from flowengine.engine.gc_utils import (
     freeze_startup_heap,
     raise_gen0_threshold,
@@ -176,8 +176,8 @@ class AsyncEngine:
         frontend = self._core_factory is None
         self.resolved = await anyio.to_thread.run_sync(
             lambda: resolve(self.args, frontend=frontend))
-        # The caller's args with the same placement and async scheduling as resolved's.
-        self.args = settle_defaults(self.args, self.resolved.device, frontend=frontend)
+        # The caller's args with the placement and async scheduling resolve() settled.
+        self.args = with_settled_defaults(self.args, self.resolved.args)
         self.model_name = self.resolved.served_model_names[0]
         self.max_model_len = self.resolved.max_model_len
         self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)

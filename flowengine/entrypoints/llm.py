@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
-from flowengine.config import EngineArgs, settle_defaults
+from flowengine.config import EngineArgs, with_settled_defaults
 from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
@@ -50,8 +50,7 @@ class LLM:
         engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.resolved = resolve(self.engine_args)  # "auto" -> inproc, no async scheduling
-        self.engine_args = settle_defaults(self.engine_args, self.resolved.device,
-                                           frontend=False)
+        self.engine_args = with_settled_defaults(self.engine_args, self.resolved.args)
         self.tokenizer = load_engine_tokenizer(self.resolved)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
         self._ids = itertools.count()
