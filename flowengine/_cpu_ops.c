@@ -399,6 +399,18 @@ VNNI static void vnni_prepare_row(int fmt, const float *x, int64_t K, vnni_act *
                           8),                                                             \
         (w), _mm512_loadu_si512((bp) + 128))
 
+/* FLOWENGINE_CPU_VNNI_ONE_ROW=1: the one-weight-row body below instead of
+ * vnni_rows_nr (for comparisons). */
+static int vnni_multi_rows(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("FLOWENGINE_CPU_VNNI_ONE_ROW");
+        cached = !(v != NULL && *v && strcmp(v, "0") != 0);
+    }
+    return cached;
+}
+
 /* Weight rows n0..n1 against R activation rows (R a constant after inlining). */
 VNNI static inline __attribute__((always_inline)) void
 vnni_rows(int fmt, const vnni_act *a, int R, int64_t K, const uint8_t *qs, const uint16_t *sc,
@@ -456,10 +468,148 @@ vnni_rows(int fmt, const vnni_act *a, int R, int64_t K, const uint8_t *qs, const
     }
 }
 
+/* The upper eight floats of v (AVX512F only). */
+VNNI static inline __attribute__((always_inline)) __m256 hi256_ps(__m512 v)
+{
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* Sums of four vectors: lane j of the result is the sum of v[j]'s lanes. */
+VNNI static inline __attribute__((always_inline)) __m128 sum4_ps(__m512 v0, __m512 v1,
+                                                                  __m512 v2, __m512 v3)
+{
+    __m256 a0 = _mm256_add_ps(_mm512_castps512_ps256(v0), hi256_ps(v0));
+    __m256 a1 = _mm256_add_ps(_mm512_castps512_ps256(v1), hi256_ps(v1));
+    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(v2), hi256_ps(v2));
+    __m256 a3 = _mm256_add_ps(_mm512_castps512_ps256(v3), hi256_ps(v3));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* The same products as vnni_rows for NR weight rows at a time (R activation rows, both
+ * constants after inlining): each pair's activation bytes are loaded once for the NR
+ * rows, the NR x R dot-product chains are independent, a row's float16 scales are
+ * converted where they are used, and the NR sums of an activation row end in one
+ * reduction. Per output the products and their order are vnni_rows' up to the final
+ * horizontal sum. */
+#ifndef VNNI_PREFETCH_GROUPS
+#define VNNI_PREFETCH_GROUPS 4
+#endif
+VNNI static inline __attribute__((always_inline)) void
+vnni_rows_nr(int fmt, const vnni_act *a, int R, int NR, int64_t K, const uint8_t *qs,
+             const uint16_t *sc, int64_t n, float *out, int64_t N)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    const int64_t npair = a->npair, full = nb / 2;
+    const int64_t sstep = fmt == FMT_Q4_1 ? 4 : 2; /* scale halves per pair */
+    const __m512i idx = fmt == FMT_Q8_0
+        ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+        : fmt == FMT_Q4_1 ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
+                          : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4][VNNI_MAX_ROWS];
+    __m128 macc[4][VNNI_MAX_ROWS]; /* the m (Q4_1) or -8 d (Q4_0) terms */
+    for (int j = 0; j < NR; j++)
+        for (int r = 0; r < R; r++) {
+            acc[j][r] = _mm512_setzero_ps();
+            macc[j][r] = _mm_setzero_ps();
+        }
+    for (int64_t p = 0; p < npair; p++) {
+        const __mmask8 smask = p < full ? (__mmask8)((1u << sstep) - 1)
+                                        : (__mmask8)((1u << (sstep / 2)) - 1);
+        __m512i w[4];
+        __m512 d[4];
+        __m128 s4[4];
+        if (NR > 1) { /* rows read side by side defeat the hardware prefetcher: the
+                       * group VNNI_PREFETCH_GROUPS ahead, spread over the pairs */
+            const int64_t pb = fmt == FMT_Q8_0 ? 64 : 32; /* weight bytes per pair */
+            const char *next = (const char *)(qs + (n + NR * VNNI_PREFETCH_GROUPS) * qrow);
+            for (int64_t o = 0; o < NR * pb; o += 64)
+                _mm_prefetch(next + p * NR * pb + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)(sc + (n + NR * VNNI_PREFETCH_GROUPS) * srow) + p * NR * sstep * 2,
+                         _MM_HINT_T0);
+        }
+        for (int j = 0; j < NR; j++) {
+            const uint8_t *rq = qs + (n + j) * qrow;
+            if (fmt == FMT_Q8_0) {
+                w[j] = p < full ? _mm512_loadu_si512(rq + 64 * p)
+                                : _mm512_maskz_loadu_epi8(0xffffffffull, rq + 64 * p);
+                w[j] = _mm512_xor_si512(w[j], flip);
+            } else {
+                __m256i raw = p < full ? _mm256_loadu_si256((const __m256i *)(rq + 32 * p))
+                                       : _mm256_maskz_loadu_epi8(0xffff, rq + 32 * p);
+                w[j] = _mm512_broadcast_i64x4(raw);
+                w[j] = _mm512_and_si512(_mm512_mask_srli_epi16(w[j], 0xffff0000u, w[j], 4), nib);
+            }
+            s4[j] = _mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, sc + (n + j) * srow + sstep * p));
+            d[j] = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s4[j]));
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *bp = a->bytes + (r * npair + p) * 192;
+            const __m512 sa = _mm512_loadu_ps(a->s + (r * npair + p) * 16);
+            __m512i corr = _mm512_setzero_si512();
+            if (fmt == FMT_Q8_0)
+                corr = _mm512_loadu_si512(a->corr + (r * npair + p) * 16);
+            __m128 xs4 = _mm_setzero_ps();
+            if (fmt == FMT_Q4_1)
+                xs4 = _mm_loadu_ps(a->xs + r * a->nxs + 4 * p);
+            else if (fmt == FMT_Q4_0)
+                xs4 = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->xs + r * a->nxs + 2 * p)));
+            for (int j = 0; j < NR; j++) {
+                __m512i i = VNNI_DOT(w[j], bp);
+                if (fmt == FMT_Q8_0)
+                    i = _mm512_sub_epi32(i, corr);
+                acc[j][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), sa), d[j],
+                                            acc[j][r]);
+                if (fmt != FMT_Q8_0)
+                    macc[j][r] = _mm_fmadd_ps(s4[j], xs4, macc[j][r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (NR == 4) {
+            __m128 m = _mm_hadd_ps(_mm_hadd_ps(macc[0][r], macc[1][r]),
+                                   _mm_hadd_ps(macc[2][r], macc[3][r]));
+            _mm_storeu_ps(out + r * N + n,
+                          _mm_add_ps(sum4_ps(acc[0][r], acc[1][r], acc[2][r], acc[3][r]), m));
+        } else {
+            for (int j = 0; j < NR; j++) {
+                __m128 m = _mm_hadd_ps(macc[j][r], macc[j][r]);
+                out[r * N + n + j] = _mm512_reduce_add_ps(acc[j][r])
+                                     + _mm_cvtss_f32(_mm_hadd_ps(m, m));
+            }
+        }
+    }
+}
+
 VNNI static void vnni_rows_any(int fmt, const vnni_act *a, int64_t M, int64_t K,
                                const uint8_t *qs, const uint16_t *sc, int64_t n0, int64_t n1,
                                float *out, int64_t N)
 {
+    if (vnni_multi_rows()) {
+        int64_t n = n0;
+        switch (M) { /* R and NR constants in each copy: the accumulators stay in registers */
+        case 1:
+            for (; n + 4 <= n1; n += 4)
+                vnni_rows_nr(fmt, a, 1, 4, K, qs, sc, n, out, N);
+            for (; n < n1; n++)
+                vnni_rows_nr(fmt, a, 1, 1, K, qs, sc, n, out, N);
+            break;
+        case 2:
+            for (; n + 2 <= n1; n += 2)
+                vnni_rows_nr(fmt, a, 2, 2, K, qs, sc, n, out, N);
+            for (; n < n1; n++)
+                vnni_rows_nr(fmt, a, 2, 1, K, qs, sc, n, out, N);
+            break;
+        default:
+            for (; n + 2 <= n1; n += 2)
+                vnni_rows_nr(fmt, a, 3, 2, K, qs, sc, n, out, N);
+            for (; n < n1; n++)
+                vnni_rows_nr(fmt, a, 3, 1, K, qs, sc, n, out, N);
+            break;
+        }
+        return;
+    }
     switch (M) { /* R constant in each copy: the accumulators stay in registers */
     case 1: vnni_rows(fmt, a, 1, K, qs, sc, n0, n1, out, N); break;
     case 2: vnni_rows(fmt, a, 2, K, qs, sc, n0, n1, out, N); break;
@@ -546,7 +696,8 @@ static struct {
     _Atomic uint32_t done;           /* chunks finished (futex word of the caller) */
     _Atomic int caller_waiting;
     uint32_t gen;
-} pool = {PTHREAD_MUTEX_INITIALIZER, 0, (uint64_t)POOL_IDLE, NULL, NULL, 0, 0, 0, 0, 0, 0, 0};
+    _Atomic double quiet_until;      /* pool_now_us() before which workers do not poll */
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, (uint64_t)POOL_IDLE, NULL, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts)
 {
@@ -577,11 +728,66 @@ static int64_t pool_run_chunks(void)
     }
 }
 
+static double pool_now_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+/* A gap this long between two clock reads of a polling worker means it was
+ * descheduled (another process wants its core); then no worker polls for
+ * POOL_QUIET_US, they sleep at once, which is what gets a sleeping thread the core
+ * promptly when it is woken for work (a thread that polled has used its share). */
+#define POOL_PREEMPTED_US 50
+#define POOL_QUIET_US 200000
+
+/* How long a worker polls for the next job before it sleeps, microseconds:
+ * FLOWENGINE_CPU_POOL_SPIN_US, default POOL_SPIN_US. */
+#define POOL_SPIN_US 100
+static double pool_spin_us(void)
+{
+    static double cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("FLOWENGINE_CPU_POOL_SPIN_US");
+        cached = v != NULL && *v ? atof(v) : POOL_SPIN_US;
+        if (cached < 0)
+            cached = 0;
+    }
+    return cached;
+}
+
 static void *pool_worker(void *arg)
 {
     const int index = (int)(intptr_t)arg;
     uint32_t seen = atomic_load(&pool.wake_seq);
+    const double spin = pool_spin_us();
     for (;;) {
+        if (spin > 0 && atomic_load(&pool.wake_seq) == seen
+            && pool_now_us() >= atomic_load(&pool.quiet_until)) {
+            double t0 = pool_now_us(), last = t0;
+            for (int i = 0; atomic_load(&pool.wake_seq) == seen; i++) {
+#if HAVE_X86
+                _mm_pause();
+#endif
+                if ((i & 63) == 63) {
+                    const double t = pool_now_us();
+                    if (t - last > POOL_PREEMPTED_US) { /* descheduled: the core is shared */
+                        atomic_store(&pool.quiet_until, t + POOL_QUIET_US);
+                        break;
+                    }
+                    if (t - t0 > spin)
+                        break;
+                    last = t;
+                }
+            }
+        }
+        if (atomic_load(&pool.wake_seq) != seen) {
+            seen = atomic_load(&pool.wake_seq);
+            if (index < atomic_load(&pool.job_workers))
+                pool_run_chunks();
+            continue;
+        }
         atomic_fetch_add(&pool.sleepers, 1);
         while (atomic_load(&pool.wake_seq) == seen)
             futex(&pool.wake_seq, FUTEX_WAIT, seen, NULL);
@@ -716,6 +922,7 @@ typedef struct {
     int64_t N;
     float *out;
     const void *act; /* vnni_act */
+    int64_t chunk;   /* weight rows per pool chunk */
 } linear_job;
 
 /* Cache blocking of the float32 bodies (more than VNNI_MAX_ROWS rows): each weight row
@@ -778,10 +985,21 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
     }
 }
 
+/* Weight rows per chunk: about LINEAR_CHUNKS_PER_THREAD chunks per thread (each claim
+ * is an atomic on a line the threads share), at least LINEAR_CHUNK rows, a multiple of
+ * 16 (no two threads write one cache line of a one-row output). */
+#define LINEAR_CHUNKS_PER_THREAD 4
+static int64_t linear_chunk_rows(int64_t N, int nth)
+{
+    int64_t want = (N + (int64_t)nth * LINEAR_CHUNKS_PER_THREAD - 1) / ((int64_t)nth * LINEAR_CHUNKS_PER_THREAD);
+    want = (want + 15) / 16 * 16;
+    return want < LINEAR_CHUNK ? LINEAR_CHUNK : want;
+}
+
 static void linear_chunk(const void *ctx, int64_t c)
 {
     const linear_job *j = (const linear_job *)ctx;
-    int64_t n0 = c * LINEAR_CHUNK, n1 = n0 + LINEAR_CHUNK;
+    int64_t n0 = c * j->chunk, n1 = n0 + j->chunk;
     linear_rows_any(j, n0, n1 < j->N ? n1 : j->N);
 }
 
@@ -814,7 +1032,7 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
             vnni_prepare_row(fmt, x + r * K, K, &act, r);
     }
 #endif
-    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL};
+    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth)};
 #if HAVE_X86
     job.act = vnni ? &act : NULL;
 #endif
@@ -831,7 +1049,7 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
             linear_rows_any(&job, n0, n1);
         }
     } else {
-        pool_run(linear_chunk, &job, (N + LINEAR_CHUNK - 1) / LINEAR_CHUNK, nth);
+        pool_run(linear_chunk, &job, (N + job.chunk - 1) / job.chunk, nth);
     }
 #if HAVE_X86
     free(buf);

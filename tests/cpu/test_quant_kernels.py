@@ -205,6 +205,35 @@ def test_vnni_matmul_within_activation_rounding(fmt, k, rows):
     assert bool((err <= bound).all()), f"seed {seed}: worst err/bound {(err / bound).max():.3f}"
 
 
+_ONE_ROW = """
+import torch, sys
+sys.path.insert(0, {here!r})
+from test_quant_kernels import _gguf_weight, _vnni_bound
+for fmt in ("q4_0", "q4_1", "q8_0"):
+    for k in (32, 608):
+        w, ref = _gguf_weight(fmt, 83, k, 7)
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, k)
+            err = (w.matmul(x).double() - x.double() @ ref.double().t()).abs()
+            assert bool((err <= _vnni_bound(fmt, x, ref)).all()), (fmt, k, rows)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in
+                    __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
+                    reason="no AVX512-VNNI on this CPU")
+def test_one_weight_row_vnni_body_still_correct():
+    # FLOWENGINE_CPU_VNNI_ONE_ROW=1 (kept for comparisons) takes the body that runs one
+    # weight row at a time instead of 4 (1 activation row) or 2 (2-3 rows).
+    env = dict(os.environ, FLOWENGINE_CPU_VNNI_ONE_ROW="1")
+    code = _ONE_ROW.format(here=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
+
+
 _NO_VNNI = """
 import torch, sys
 sys.path.insert(0, {here!r})
