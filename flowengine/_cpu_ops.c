@@ -1262,9 +1262,68 @@ AVX512 static inline __m512 exp_avx512(__m512 x)
 /* Float32 cache, head_dim a multiple of 16 (up to MAX_D): 16 positions at a time,
  * their scores for the group's query heads first, then one vector exp and one
  * rescale per chunk (the online softmax by chunks), then the weighted V rows. */
-AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
+/* Lane j of the result: the sum of the 16 lanes of t[j] (a 16 x 16 transpose-add in 4
+ * levels, ~3 instructions per sum where a horizontal reduction of each takes ~8 and a
+ * long dependency chain). */
+AVX512 static inline __m512 sum16_ps(const __m512 *t)
 {
-    const int64_t G = a->hq / a->hkv, d = a->d, nv = d / 16, bs = a->block_size;
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: t[2i]'s partial sums, 8-15: t[2i+1]'s */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit block k: 4 partial sums of t[4i + k] */
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* block k: 2 sums of t[8i + k], then 2 of t[8i + 4 + k] */
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+    /* block k: t[k], t[4 + k], t[8 + k], t[12 + k] */
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),
+                             _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, r);
+}
+
+/* acc[0..NV) = corr acc + sum_j p[j] V row j (rows[j] + plane), NV = head_dim / 16 a
+ * constant after inlining: the accumulators stay in registers (in memory, each
+ * position's FMAs waited on the previous store), in two sets for even and odd j. */
+AVX512 static inline __attribute__((always_inline)) void
+pv_accumulate(__m512 *acc, float corr, const float *p, const float *const *rows, int64_t plane,
+              int64_t n, int NV)
+{
+    __m512 r0[MAX_D / 16], r1[MAX_D / 16];
+    const __m512 vc = _mm512_set1_ps(corr);
+    for (int c = 0; c < NV; c++) {
+        r0[c] = _mm512_mul_ps(acc[c], vc);
+        r1[c] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+        const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+        const float *v0 = rows[j] + plane, *v1 = rows[j + 1] + plane;
+        for (int c = 0; c < NV; c++) {
+            r0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), r0[c]);
+            r1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), r1[c]);
+        }
+    }
+    if (j < n) {
+        const __m512 p0 = _mm512_set1_ps(p[j]);
+        const float *v0 = rows[j] + plane;
+        for (int c = 0; c < NV; c++)
+            r0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), r0[c]);
+    }
+    for (int c = 0; c < NV; c++)
+        acc[c] = _mm512_add_ps(r0[c], r1[c]);
+}
+
+/* Float32 cache and queries, head_dim a multiple of 16: 16 positions at a time, their
+ * scores summed by sum16_ps, one vector exp per 16, and the next 16 positions' K and V
+ * rows prefetched (a context's blocks lie anywhere in the cache, out of the hardware
+ * prefetcher's reach). */
+AVX512 static inline __attribute__((always_inline)) void
+attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
+{
+    const int64_t G = a->hq / a->hkv, d = a->d, bs = a->block_size;
     const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
     const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
     const float *cache = (const float *)a->cache;
@@ -1281,24 +1340,62 @@ AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t 
         den[g] = 0.f;
     }
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    /* positions walk the block table: (blk, off) of the next row, no division per row */
+    int64_t blk = start / bs, off = start % bs;
+#define KV_NEXT(dst)                                                                    \
+    do {                                                                                \
+        (dst) = cache + (((int64_t)bt[blk] * bs + off) * a->hkv + h) * d;                \
+        if (++off == bs) {                                                              \
+            off = 0;                                                                    \
+            blk++;                                                                      \
+        }                                                                               \
+    } while (0)
+    const float *rows[32]; /* this chunk's 16 rows, then the next chunk's */
+    const int64_t first = len - start < 16 ? len - start : 16;
+    for (int64_t j = 0; j < first; j++)
+        KV_NEXT(rows[16 + j]);
     for (int64_t j0 = start; j0 < len; j0 += 16) {
         const int64_t n = len - j0 < 16 ? len - j0 : 16;
-        const float *rows[16];
         for (int64_t j = 0; j < n; j++)
-            rows[j] = cache + (((int64_t)bt[(j0 + j) / bs] * bs + (j0 + j) % bs) * a->hkv + h) * d;
+            rows[j] = rows[16 + j];
+        const int64_t nn = len - j0 - 16 < 16 ? len - j0 - 16 : 16;
+        for (int64_t j = 0; j < nn; j++) { /* the next chunk's rows, prefetched */
+            KV_NEXT(rows[16 + j]);
+            const char *k = (const char *)rows[16 + j];
+            for (int64_t o = 0; o < d * 4; o += 64) {
+                _mm_prefetch(k + o, _MM_HINT_T0);
+                _mm_prefetch(k + plane * 4 + o, _MM_HINT_T0);
+            }
+        }
         const __mmask16 live = (__mmask16)((1u << n) - 1);
         for (int64_t g = 0; g < G; g++) {
-            float sc[16];
-            for (int64_t j = 0; j < n; j++) {
-                __m512 t = _mm512_mul_ps(_mm512_loadu_ps(q[g]), _mm512_loadu_ps(rows[j]));
-                for (int64_t c = 1; c < nv; c++)
-                    t = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
-                                        _mm512_loadu_ps(rows[j] + 16 * c), t);
-                sc[j] = _mm512_reduce_add_ps(t);
-                if (a->soft_cap > 0.f)
-                    sc[j] = a->soft_cap * tanhf(sc[j] / a->soft_cap);
+            __m512 t[16];
+            for (int64_t j = 0; j < 16; j++) {
+                if (j >= n) {
+                    t[j] = _mm512_setzero_ps();
+                    continue;
+                }
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(q[g]), _mm512_loadu_ps(rows[j]));
+                __m512 u = _mm512_setzero_ps(); /* two chains: half the latency */
+                for (int64_t c = 1; c < nv; c++) {
+                    if (c % 2)
+                        u = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
+                                            _mm512_loadu_ps(rows[j] + 16 * c), u);
+                    else
+                        v = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
+                                            _mm512_loadu_ps(rows[j] + 16 * c), v);
+                }
+                t[j] = _mm512_add_ps(v, u);
             }
-            __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc);
+            __m512 s = sum16_ps(t);
+            if (a->soft_cap > 0.f) {
+                float sc[16];
+                _mm512_storeu_ps(sc, s);
+                for (int64_t j = 0; j < n; j++)
+                    sc[j] = a->soft_cap * tanhf(sc[j] / a->soft_cap);
+                s = _mm512_loadu_ps(sc);
+            }
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
             float cmax = _mm512_reduce_max_ps(s);
             float m_new = cmax > mx[g] ? cmax : mx[g];
             float corr = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
@@ -1307,22 +1404,26 @@ AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t 
             mx[g] = m_new;
             float pj[16];
             _mm512_storeu_ps(pj, pv);
-            __m512 vc = _mm512_set1_ps(corr);
-            for (int64_t c = 0; c < nv; c++)
-                acc[g][c] = _mm512_mul_ps(acc[g][c], vc);
-            for (int64_t j = 0; j < n; j++) {
-                __m512 pb = _mm512_set1_ps(pj[j]);
-                const float *vr = rows[j] + plane;
-                for (int64_t c = 0; c < nv; c++)
-                    acc[g][c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vr + 16 * c), acc[g][c]);
-            }
+            pv_accumulate(acc[g], corr, pj, rows, plane, n, nv);
         }
     }
+#undef KV_NEXT
     for (int64_t g = 0; g < G; g++) {
         float *o = (float *)a->out + (tok * a->hq + h * G + g) * d;
         __m512 inv = _mm512_set1_ps(den[g] > 0.f ? 1.f / den[g] : 0.f);
         for (int64_t c = 0; c < nv; c++)
             _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+/* attend_one_f32_nv with head_dim / 16 a constant for the common head sizes (64, 128):
+ * loops over it unrolled, accumulators in registers. */
+AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
+{
+    switch (a->d / 16) {
+    case 4: attend_one_f32_nv(a, i, h, 4); break;
+    case 8: attend_one_f32_nv(a, i, h, 8); break;
+    default: attend_one_f32_nv(a, i, h, a->d / 16); break;
     }
 }
 
