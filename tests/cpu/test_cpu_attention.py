@@ -21,11 +21,11 @@ pytestmark = pytest.mark.skipif(not kernels_available(), reason="flowengine._cpu
 BLOCK = 16
 
 
-def _case(dtype, hq, hkv, d, lens):
+def _case(dtype, hq, hkv, d, lens, block=BLOCK):
     num_reqs = len(lens)
-    max_blocks = -(-max(lens) // BLOCK)
+    max_blocks = -(-max(lens) // block)
     num_blocks = num_reqs * max_blocks + 3
-    cache = torch.randn(2, num_blocks, BLOCK, hkv, d).to(dtype)
+    cache = torch.randn(2, num_blocks, block, hkv, d).to(dtype)
     block_tables = torch.randperm(num_blocks)[:num_reqs * max_blocks].view(
         num_reqs, max_blocks).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -60,6 +60,21 @@ def test_matches_reference(dtype, hq, hkv, d):
     # float32: rounding of the online softmax; bfloat16: one rounding of the output.
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
     torch.testing.assert_close(out[1:].float(), ref[1:].float(), **tol)
+
+
+@pytest.mark.parametrize("block", [1, 8, 32])
+@pytest.mark.parametrize("window", [None, 21])
+def test_other_block_sizes(block, window):
+    # The float32 body walks the block table position by position (block, offset);
+    # windows start mid-block.
+    lens = [1, 7, 8, 9, 33, 100, 129]
+    cache, bt, seq_lens, q, tok_idx = _case(torch.float32, 9, 3, 64, lens, block)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, bt, seq_lens, tok_idx, torch.arange(len(lens)), 0.125, out,
+                           sliding_window=window)
+    ref = _reference(q, cache, bt, seq_lens, tok_idx, 0.125, window=window)
+    assert torch.isnan(out[0]).all()
+    torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("soft_cap,window", [(30.0, None), (None, 20), (50.0, 7)])
