@@ -277,6 +277,134 @@ AVX512 static void linear_rows_avx512(int fmt, const float *x, int64_t M, int64_
     }
 }
 
+/* ---- the panel body (PANEL_MIN_ROWS or more activation rows)
+ *
+ * 16 weight rows at a time are dequantized into a float32 panel stored transposed,
+ * wt[k][16], so that one vector holds the 16 rows' weights at column k; then
+ *     acc[m] += x[m][k] * wt[k]     (x[m][k] broadcast from memory inside the FMA)
+ * for up to PANEL_MB activation rows at once gives 16 outputs of row m per vector: no
+ * horizontal sums, one weight load per PANEL_MB FMAs, and the panel (16 x K floats, in
+ * L1/L2) is reused by every tile of activation rows. The dequantization (the same
+ * values as dequant_block_avx512) and a 16 x 16 transpose cost ~10 instructions per
+ * 16 weights, paid once per panel whatever the number of rows. Each output is one
+ * float32 chain over k in order. */
+#define PANEL_MB 16
+
+/* dst[c * 16 + r] = src[r * stride + c] for r < 16, c < 16. */
+AVX512 static inline void transpose16_ps(const float *src, int64_t stride, float *dst)
+{
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm512_loadu_ps(src + i * stride);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    /* r[4i + j]: rows 4i..4i+3, column j of each 128-bit lane (lane l: column 4l + j) */
+    for (int j = 0; j < 4; j++) {
+        __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);      /* lanes 0, 2 | 0, 2 */
+        __m512 b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);      /* lanes 1, 3 | 1, 3 */
+        __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        __m512 e = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+        /* columns j (lane 0), 8 + j (lane 2) and 4 + j (1), 12 + j (3) */
+        _mm512_storeu_ps(dst + j * 16, _mm512_shuffle_f32x4(a, c, 0x88));
+        _mm512_storeu_ps(dst + (8 + j) * 16, _mm512_shuffle_f32x4(a, c, 0xDD));
+        _mm512_storeu_ps(dst + (4 + j) * 16, _mm512_shuffle_f32x4(b, e, 0x88));
+        _mm512_storeu_ps(dst + (12 + j) * 16, _mm512_shuffle_f32x4(b, e, 0xDD));
+    }
+}
+
+/* wt[k * 16 + r] = weight (n0 + r, k) for r < np (<= 16), 0 for the rows past np. */
+AVX512 static void dequant_panel_avx512(int fmt, const uint8_t *qs, const uint16_t *sc,
+                                        int64_t K, int64_t n0, int64_t np, float *wt)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[16][srow];
+    float blk[16 * 32];
+    for (int64_t r = 0; r < np; r++)
+        row_scales_avx512(sc + (n0 + r) * srow, srow, scf[r]);
+    if (np < 16)
+        memset(blk + np * 32, 0, (size_t)(16 - np) * 32 * sizeof(float));
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t r = 0; r < np; r++) {
+            __m512 lo, hi;
+            dequant_block_avx512(fmt, qs + (n0 + r) * qrow, scf[r], b, &lo, &hi);
+            _mm512_storeu_ps(blk + r * 32, lo);
+            _mm512_storeu_ps(blk + r * 32 + 16, hi);
+        }
+        transpose16_ps(blk, 32, wt + b * QK * 16);
+        transpose16_ps(blk + 16, 32, wt + (b * QK + 16) * 16);
+    }
+}
+
+/* out[m0 + r][n0 .. n0 + np) for r < TR (a constant after inlining, <= PANEL_MB):
+ * xt = the activation tile packed [K][16] (column k of its rows at xt + 16 k), so every
+ * broadcast operand is one pointer plus a constant. */
+AVX512 static inline __attribute__((always_inline)) void
+panel_tile(const float *xt, int64_t K, const float *wt, int64_t m0, const int TR, int64_t n0,
+           int64_t np, float *out, int64_t N)
+{
+    __m512 acc[PANEL_MB];
+    for (int r = 0; r < TR; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w = _mm512_loadu_ps(wt + k * 16);
+        for (int r = 0; r < TR; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xt[k * 16 + r]), w, acc[r]);
+    }
+    const __mmask16 live = (__mmask16)((1u << np) - 1);
+    for (int r = 0; r < TR; r++)
+        _mm512_mask_storeu_ps(out + (m0 + r) * N + n0, live, acc[r]);
+}
+
+/* xp[t][k][r] = x[(16 t + r) K + k] (0 past row M): the activations in tiles of 16 rows,
+ * transposed (floats: ceil(M / 16) * 16 * K). */
+AVX512 static void pack_activations_avx512(const float *x, int64_t M, int64_t K, float *xp)
+{
+    float tmp[16 * 16];
+    for (int64_t t = 0; t * 16 < M; t++) {
+        const int64_t rows = M - t * 16 < 16 ? M - t * 16 : 16;
+        float *dst = xp + t * 16 * K;
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+            if (rows == 16) {
+                transpose16_ps(x + t * 16 * K + k0, K, dst + k0 * 16);
+                continue;
+            }
+            memset(tmp, 0, sizeof(tmp));
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(tmp + r * 16, x + (t * 16 + r) * K + k0, 16 * sizeof(float));
+            transpose16_ps(tmp, 16, dst + k0 * 16);
+        }
+    }
+}
+
+/* Weight rows n0..n1 against all M activation rows (packed by pack_activations_avx512
+ * into xp) through 16-row weight panels; wt: 16 x K floats of scratch. */
+AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int64_t K,
+                                        const uint8_t *qs, const uint16_t *sc, int64_t n0,
+                                        int64_t n1, float *out, int64_t N, float *wt)
+{
+    for (int64_t n = n0; n < n1; n += 16) {
+        const int64_t np = n1 - n < 16 ? n1 - n : 16;
+        dequant_panel_avx512(fmt, qs, sc, K, n, np, wt);
+        for (int64_t m0 = 0; m0 < M; m0 += PANEL_MB) {
+            const float *xt = xp + m0 * K;
+            switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
+#define TILE(mr) case mr: panel_tile(xt, K, wt, m0, mr, n, np, out, N); break;
+            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+            TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14) TILE(15) TILE(16)
+#undef TILE
+            }
+        }
+    }
+}
+
 AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_t *sc,
                                        int64_t K, int64_t n0, int64_t n1, float *out)
 {
@@ -923,6 +1051,7 @@ typedef struct {
     float *out;
     const void *act; /* vnni_act */
     int64_t chunk;   /* weight rows per pool chunk */
+    const float *xp; /* the panel body's packed activations, or NULL */
 } linear_job;
 
 /* Cache blocking of the float32 bodies (more than VNNI_MAX_ROWS rows): each weight row
@@ -948,6 +1077,35 @@ static int64_t row_tile(int64_t K)
     return t < MR ? MR : t;
 }
 
+/* From how many activation rows the float32 matmul runs the panel body
+ * (linear_panels_avx512); FLOWENGINE_CPU_PANEL_MIN_ROWS overrides (0: never). */
+#define PANEL_MIN_ROWS 14
+static int64_t panel_min_rows(void)
+{
+    static int64_t cached = -1;
+    if (cached < 0) {
+        const char *v = getenv("FLOWENGINE_CPU_PANEL_MIN_ROWS");
+        cached = v != NULL && *v ? atoll(v) : PANEL_MIN_ROWS;
+        if (cached <= 0)
+            cached = INT64_MAX;
+    }
+    return cached;
+}
+
+/* This thread's panel scratch of at least `floats` floats (kept for the thread's life;
+ * NULL when it cannot be allocated). */
+static float *panel_buffer(int64_t floats)
+{
+    static __thread float *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (cap < floats) {
+        free(buf);
+        buf = (float *)aligned_alloc(64, (size_t)(floats + 15) / 16 * 64);
+        cap = buf != NULL ? floats : 0;
+    }
+    return buf;
+}
+
 static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
 {
     if (n0 >= n1)
@@ -960,6 +1118,15 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
     }
 #endif
     const int64_t M = j->M, K = j->K, N = j->N, tile = row_tile(K);
+#if HAVE_X86
+    if (j->xp != NULL) {
+        float *wt = panel_buffer(16 * K);
+        if (wt != NULL) {
+            linear_panels_avx512(j->fmt, j->xp, M, K, j->qs, j->sc, n0, n1, j->out, N, wt);
+            return;
+        }
+    }
+#endif
     if (M <= tile) {
 #if HAVE_X86
         if (j->avx)
@@ -1032,7 +1199,17 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
             vnni_prepare_row(fmt, x + r * K, K, &act, r);
     }
 #endif
-    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth)};
+    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth),
+                      NULL};
+    float *xp = NULL;
+#if HAVE_X86
+    if (!vnni && avx && M >= panel_min_rows() && K % 16 == 0) {
+        xp = (float *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(float));
+        if (xp != NULL)
+            pack_activations_avx512(x, M, K, xp);
+        job.xp = xp;
+    }
+#endif
 #if HAVE_X86
     job.act = vnni ? &act : NULL;
 #endif
@@ -1054,6 +1231,7 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
 #if HAVE_X86
     free(buf);
 #endif
+    free(xp);
     (void)avx;
     return 0;
 }
@@ -1822,6 +2000,8 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
         return NULL;
     if (rows >= 1 && rows <= VNNI_MAX_ROWS && use_vnni())
         return PyUnicode_FromString("avx512-vnni");
+    if (use_avx512() && rows >= panel_min_rows())
+        return PyUnicode_FromString("avx512-panels");
     return PyUnicode_FromString(use_avx512() ? "avx512" : "c");
 }
 
@@ -1845,7 +2025,8 @@ static PyMethodDef methods[] = {
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
      "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
     {"linear_path", py_linear_path, METH_VARARGS,
-     "linear_path(rows): the body a matmul of that many activation rows runs."},
+     "linear_path(rows): the body a matmul of that many activation rows runs "
+     "('avx512-vnni', 'avx512-panels', 'avx512' or 'c'; K a multiple of 16 for panels)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -74,19 +74,54 @@ def test_matmul_matches_float64(fmt, rows):
     assert err <= bound, f"seed {seed}: error {err} > {bound}"
 
 
+_ROW_TILES = """
+import torch, sys
+sys.path.insert(0, {here!r})
+from test_quant_kernels import _gguf_weight, REL_TOL
+for fmt in ("q4_0", "q4_1", "q8_0"):
+    for k in (576, 1536):
+        seed = {seed}
+        weight, ref = _gguf_weight(fmt, 150, k, seed)  # 3 weight blocks, a short last one
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(seed))
+        out = weight.matmul(x)
+        parts = torch.cat([weight.matmul(x[i:i + 8]) for i in range(0, 40, 8)])
+        assert torch.equal(out, parts), (fmt, k, seed)
+        expected = x.double() @ ref.double().t()
+        bound = REL_TOL * k ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+        assert (out.double() - expected).abs().max().item() <= bound, (fmt, k, seed)
+print("ok")
+"""
+
+
+def test_row_tiles_same_bits_as_untiled():
+    """The row-tiled float32 body (FLOWENGINE_CPU_PANEL_MIN_ROWS=0: no panels) runs more
+    than a tile's rows (40 KB of activations: 16 rows of 576 features, 8 of 1536) tile by
+    tile over blocks of 64 weight rows; every output is summed in the same order, so 40
+    rows at once equal five calls of 8 rows bit for bit, and the rows above a tile match
+    float64."""
+    env = dict(os.environ, FLOWENGINE_CPU_PANEL_MIN_ROWS="0")
+    code = _ROW_TILES.format(here=os.path.dirname(os.path.abspath(__file__)),
+                             seed=int(torch.randint(0, 2**31, ()).item()))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k", [576, 1536])
-def test_row_tiles_same_bits_as_untiled(fmt, k):
-    """The float32 body runs more than a tile's rows (40 KB of activations: 16 rows of
-    576 features, 8 of 1536) tile by tile over blocks of 64 weight rows; every output is
-    summed in the same order, so 40 rows at once equal five calls of 8 rows bit for bit,
-    and the rows above a tile match float64."""
+def test_panel_rows_same_bits_in_any_split(fmt, k):
+    """From PANEL_MIN_ROWS (14) activation rows the float32 matmul runs the panel body:
+    16 weight rows dequantized and transposed, every output one float32 chain over k in
+    order, whichever tile of 16 activation rows it falls in. So 40 rows at once equal
+    20 + 20 and 14 + 26 bit for bit, with 150 weight rows (a short last panel), and
+    match float64."""
     seed = int(torch.randint(0, 2**31, ()).item())
-    weight, ref = _gguf_weight(fmt, 150, k, seed)  # 3 weight blocks, a short last one
+    weight, ref = _gguf_weight(fmt, 150, k, seed)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(seed))
     out = weight.matmul(x)
-    parts = torch.cat([weight.matmul(x[i:i + 8]) for i in range(0, 40, 8)])
-    assert torch.equal(out, parts), f"seed {seed}"
+    assert torch.equal(out, torch.cat([weight.matmul(x[:20]), weight.matmul(x[20:])]))
+    assert torch.equal(out, torch.cat([weight.matmul(x[:14]), weight.matmul(x[14:])]))
     expected = x.double() @ ref.double().t()
     bound = REL_TOL * k ** 0.5 * x.abs().max().item() * ref.abs().max().item()
     assert (out.double() - expected).abs().max().item() <= bound, f"seed {seed}"

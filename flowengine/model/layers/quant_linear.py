@@ -14,13 +14,15 @@ materialising them: the C kernels of flowengine/_cpu_ops.c. For 1-3 activation r
 on a CPU with AVX512-VNNI they quantize each 32-value block of the activations to
 three int8 levels (x = s (2^16 h + 2^8 m + l), relative error 6e-8 of the block's
 largest value for Q4, 2.4e-7 for Q8_0: float32's accuracy) and multiply with integer
-dot products (vpdpbusd); otherwise they dequantize one block at a time into
-registers, for up to 8 activation rows at once. Larger batches (prefill)
-dequantize the matrix into a float32 scratch and use torch's GEMM, whose register
-tiling beats a dot-product kernel there. The dequantized values are exactly
-gguf.quants.dequantize's, so results differ from float32 over the dequantized
-matrix only by the order of the sums (and, on the VNNI path, by the activations'
-rounding to 24 bits per block).
+dot products (vpdpbusd), 4 weight rows per pass; for up to 13 rows they dequantize
+one block at a time into registers, for up to 8 activation rows at once; from 14 rows
+(batched decode, prefill) 16 weight rows at a time are dequantized into a small
+transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
+sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). Above
+DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
+The dequantized values are exactly gguf.quants.dequantize's, so results differ from
+float32 over the dequantized matrix only by the order of the sums (and, on the VNNI
+path, by the activations' rounding to 24 bits per block).
 
 `int8` (online, from a float checkpoint) quantizes to the q8_0 layout: symmetric, one
 float16 scale per 32 weights of a row (llama.cpp's quantize_row_q8_0 rounding).
@@ -54,7 +56,10 @@ BLOCK = 32
 # i.e. 1.12-7.5x faster at every row count measured; the ratio falls slowly with the
 # rows (the GEMM amortises its dequantization), so above the largest measured count the
 # dequantizing path stays. (It was 16: the unblocked float32 body read its activations
-# from L2 above 16 rows of 576 features and took 2x the time per row.)
+# from L2 above 16 rows of 576 features and took 2x the time per row.) Since session 31
+# the panel body takes 14+ rows at ~1.7x that body's rate from 64 rows (docs/
+# benchmarks.md), so the margin over dequantize + GEMM only grew; not re-measured above
+# 2048 rows.
 DEQUANT_MIN_ROWS = 2048
 
 
@@ -75,16 +80,23 @@ _OPS = None  # the module once imported (a decode step makes ~120 matmul calls)
 
 def kernel_paths() -> str:
     """Which C bodies the quantized matmuls run on this CPU, in words (chosen at run
-    time from cpuid; FLOWENGINE_CPU_NO_VNNI=1 / FLOWENGINE_CPU_NO_AVX512=1 opt out)."""
+    time from cpuid; FLOWENGINE_CPU_NO_VNNI=1 / FLOWENGINE_CPU_NO_AVX512=1 /
+    FLOWENGINE_CPU_PANEL_MIN_ROWS=0 opt out)."""
     ops = _ops()
-    one, many = ops.linear_path(1), ops.linear_path(DEQUANT_MIN_ROWS)
-    if one == "avx512-vnni":
-        rows = max(r for r in range(1, DEQUANT_MIN_ROWS + 1) if ops.linear_path(r) == one)
-        return (f"1-{rows} activation rows: AVX512-VNNI integer dot products (activations "
-                f"as three int8 levels, float32 accuracy); {rows + 1}-{DEQUANT_MIN_ROWS} "
-                f"rows: {many} float32; more: dequantize + torch GEMM")
-    return (f"1-{DEQUANT_MIN_ROWS} activation rows: {'AVX-512' if one == 'avx512' else 'portable C'}"
-            f" float32 (no AVX512-VNNI, or FLOWENGINE_CPU_NO_VNNI=1); more: dequantize + torch GEMM")
+    names = {"avx512-vnni": "AVX512-VNNI integer dot products (activations as three int8 "
+                            "levels, float32 accuracy)",
+             "avx512": "AVX-512 float32 dot products",
+             "avx512-panels": "AVX-512 float32, 16-row dequantized panels",
+             "c": "portable C float32"}
+    parts, start, path = [], 1, ops.linear_path(1)
+    for rows in range(2, DEQUANT_MIN_ROWS + 2):
+        nxt = ops.linear_path(rows) if rows <= DEQUANT_MIN_ROWS else None
+        if nxt != path:
+            span = f"{start}" if start == rows - 1 else f"{start}-{rows - 1}"
+            parts.append(f"{span} activation rows: {names.get(path, path)}")
+            start, path = rows, nxt
+    parts.append("more: dequantize + torch GEMM")
+    return "; ".join(parts)
 
 
 def _log_path_once() -> None:
