@@ -620,6 +620,11 @@ VNNI static inline __attribute__((always_inline)) __m128 sum4_ps(__m512 v0, __m5
  * converted where they are used, and the NR sums of an activation row end in one
  * reduction. Per output the products and their order are vnni_rows' up to the final
  * horizontal sum. */
+/* Prefetch distance in groups of NR weight rows. Measured (session 31, one thread, 100
+ * MB of weights cycled, median of 7, us per call; groups 1 / 2 / 4 / 6 / 8):
+ * q4_1 1536x576 29-33 / 29-31 / 24-26 / 26-27 / 25-26; 576x1536 23-25 / 23-25 /
+ * 24-25 / 26 / 28; q8_0 49152x576 1257-1355 / 1210-1247 / 906-1056 / 1004-1211 /
+ * 1098-1270; without prefetching the 4-row body took 54-56 / 82-95 / 1992-2164. */
 #ifndef VNNI_PREFETCH_GROUPS
 #define VNNI_PREFETCH_GROUPS 4
 #endif
@@ -864,14 +869,27 @@ static double pool_now_us(void)
 }
 
 /* A gap this long between two clock reads of a polling worker means it was
- * descheduled (another process wants its core); then no worker polls for
+ * descheduled (another process or thread wants its core); then no worker polls for
  * POOL_QUIET_US, they sleep at once, which is what gets a sleeping thread the core
- * promptly when it is woken for work (a thread that polled has used its share). */
+ * promptly when it is woken for work (a thread that polled has used its share).
+ * 200 ms at first: then the structured-outputs worker thread of the in-process
+ * AsyncEngine (a third thread on 2 cores) stopped the polling for most of a
+ * constrained batch-32 run (JSON/free 0.913 against 0.973 without polling); 20 ms:
+ * 0.955-0.970, and the single stream with a CPU-bound neighbour on core 0 5.7-6.3
+ * ms/token against 3.7-4.2 idle (200 ms: 7.4-8.4). */
 #define POOL_PREEMPTED_US 50
-#define POOL_QUIET_US 200000
+#define POOL_QUIET_US 20000
 
 /* How long a worker polls for the next job before it sleeps, microseconds:
- * FLOWENGINE_CPU_POOL_SPIN_US, default POOL_SPIN_US. */
+ * FLOWENGINE_CPU_POOL_SPIN_US, default POOL_SPIN_US. A futex wake-up of a sleeping
+ * worker took 7-22 us (median; mean 30-70 us) on the 2-vCPU machine of session 31, as
+ * long as a whole batch-1 matmul, so a sleeping pool barely helped: a 1536 x 576 Q4_1
+ * matmul took 34 us on 2 threads and on 1. Polling 100 us (the gap between a decode
+ * step's calls is far shorter; between steps the Python work is longer, so the workers
+ * sleep there): 128-token greedy decode 4.7-5.4 ms/token against 6.5-7.6 (spin 0), 4
+ * alternated pairs; with a CPU-bound process on core 0 and the quiet rule below
+ * (200 ms then) 7.4-8.4 against 7.5-8.0 (without the quiet rule polling made it
+ * 10.9-15.8). */
 #define POOL_SPIN_US 100
 static double pool_spin_us(void)
 {
@@ -1837,6 +1855,14 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
 #define DL_COLS 15
 
 #if HAVE_X86
+/* p[i] = -inf for the set bits i of `banned` (32 floats). */
+AVX512 static inline void mask_store_ninf_avx512(float *p, uint32_t banned)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    _mm512_mask_storeu_ps(p, (__mmask16)(banned & 0xffff), ninf);
+    _mm512_mask_storeu_ps(p + 16, (__mmask16)(banned >> 16), ninf);
+}
+
 AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, float *out)
 {
     int64_t i = 0;
@@ -1986,6 +2012,60 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* apply_token_bitmask(logits, num_rows, vocab, row_stride, words, num_words, pairs,
+ *     num_pairs): for each pair (k, r) of the int64 [num_pairs, 2] table, logits[r * row_stride
+ * + t] = -inf (float32) for every token t < vocab whose bit t of bitmask row k
+ * (int32 words [num_rows, num_words], bit t % 32 of word t / 32) is 0; tokens past the
+ * words are disallowed. A structured-output step's mask at batch 1 took ~0.1 ms in
+ * numpy (unpack every bit, then a masked copy); here a 49k-token row is ~1.5k word
+ * tests and masked stores. */
+static PyObject *py_apply_token_bitmask(PyObject *self, PyObject *args)
+{
+    unsigned long long lp, wp, pp;
+    long long num_rows, vocab, stride, num_words, num_pairs;
+    if (!PyArg_ParseTuple(args, "KLLLKLKL", &lp, &num_rows, &vocab, &stride, &wp, &num_words,
+                          &pp, &num_pairs))
+        return NULL;
+    const int64_t *pairs = (const int64_t *)(uintptr_t)pp;
+    if (vocab < 0 || num_words < 0 || stride < vocab || num_pairs < 0) {
+        PyErr_SetString(PyExc_ValueError, "apply_token_bitmask: bad shapes");
+        return NULL;
+    }
+    for (int64_t i = 0; i < num_pairs; i++)
+        if (pairs[2 * i] < 0 || pairs[2 * i] >= num_rows || pairs[2 * i + 1] < 0) {
+            PyErr_SetString(PyExc_IndexError, "apply_token_bitmask: row out of range");
+            return NULL;
+        }
+    float *logits = (float *)(uintptr_t)lp;
+    const uint32_t *words = (const uint32_t *)(uintptr_t)wp;
+    const float ninf = -INFINITY;
+    for (int64_t i = 0; i < num_pairs; i++) {
+        const uint32_t *w = words + pairs[2 * i] * num_words;
+        float *row = logits + pairs[2 * i + 1] * stride;
+        const int64_t full = vocab / 32 < num_words ? vocab / 32 : num_words;
+        int64_t t = 0;
+        for (int64_t j = 0; j < full; j++, t += 32) {
+            uint32_t banned = ~w[j];
+            if (banned == 0)
+                continue;
+#if HAVE_X86
+            if (use_avx512()) {
+                mask_store_ninf_avx512(row + t, banned);
+                continue;
+            }
+#endif
+            while (banned) {
+                row[t + __builtin_ctz(banned)] = ninf;
+                banned &= banned - 1;
+            }
+        }
+        for (; t < vocab; t++) /* a partial last word, and tokens past the words */
+            if (t / 32 >= num_words || !((w[t / 32] >> (t % 32)) & 1u))
+                row[t] = ninf;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_avx512(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(use_avx512());
@@ -2024,6 +2104,9 @@ static PyMethodDef methods[] = {
      "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
      "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
+    {"apply_token_bitmask", py_apply_token_bitmask, METH_VARARGS,
+     "apply_token_bitmask(logits_ptr, num_rows, vocab, row_stride, words_ptr, num_words, "
+     "pairs_ptr, num_pairs): -inf where a grammar bitmask row disallows a token."},
     {"linear_path", py_linear_path, METH_VARARGS,
      "linear_path(rows): the body a matmul of that many activation rows runs "
      "('avx512-vnni', 'avx512-panels', 'avx512' or 'c'; K a multiple of 16 for panels)."},

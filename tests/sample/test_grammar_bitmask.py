@@ -56,3 +56,31 @@ def test_apply_plan_bitmask_maps_request_ids_to_rows():
 def test_bitmask_bytes_must_split_into_rows():
     with pytest.raises(ValueError, match="does not split into 3 rows"):
         bitmask_to_device(bytes(8), 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the C loop; numpy
+@pytest.mark.parametrize("vocab_size", [64, 100, 130, 49152])
+def test_apply_plan_bitmask_on_host_matches_reference(dtype, vocab_size):
+    # CPU logits: float32 through flowengine._cpu_ops.apply_token_bitmask, other float
+    # dtypes through numpy; random words (all-zero and all-one words included), a mask
+    # shorter than the vocabulary (130), rows out of order, one id not sampling.
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    num_words = (vocab_size + 31) // 32 - (1 if vocab_size == 130 else 0)
+    words = torch.randint(-(1 << 31), 1 << 31, (3, num_words), generator=gen,
+                          dtype=torch.int64).to(torch.int32)
+    words[0, 0], words[1, -1] = 0, -1
+    logits = torch.randn(4, vocab_size, generator=gen, dtype=dtype)
+    expected = _reference(logits, words[[2, 0]], [1, 3]) if vocab_size < 1000 else None
+    before = logits.clone()
+    apply_plan_bitmask(logits, ["a", "c", "x", "b"], ["b", "y", "c"], words.numpy().tobytes())
+    bits = ((words.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1)
+    allowed = torch.zeros(3, vocab_size, dtype=torch.bool)
+    n = min(vocab_size, bits.shape[1])
+    allowed[:, :n] = bits[:, :n].bool()
+    for k, r in ((0, 3), (2, 1)):  # "b" -> row 3, "c" -> row 1; "y" does not sample
+        assert torch.equal(torch.isinf(logits[r]), ~allowed[k])
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])  # rows without a constraint
+    finite = torch.isfinite(logits)
+    assert torch.equal(logits[finite], before[finite])  # allowed logits untouched
+    if expected is not None:  # the per-token loop (small vocabularies)
+        assert torch.equal(logits, expected)
