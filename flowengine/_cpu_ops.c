@@ -2012,8 +2012,9 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* apply_token_bitmask(logits, num_rows, vocab, row_stride, words, num_words, pairs,
- *     num_pairs): for each pair (k, r) of the int64 [num_pairs, 2] table, logits[r * row_stride
+/* apply_token_bitmask(logits, logit_rows, num_rows, vocab, row_stride, words, num_words,
+ *     pairs, num_pairs): for each pair (k, r) of the int64 [num_pairs, 2] table (k <
+ * num_rows, r < logit_rows, else IndexError and nothing written), logits[r * row_stride
  * + t] = -inf (float32) for every token t < vocab whose bit t of bitmask row k
  * (int32 words [num_rows, num_words], bit t % 32 of word t / 32) is 0; tokens past the
  * words are disallowed. A structured-output step's mask at batch 1 took ~0.1 ms in
@@ -2022,9 +2023,9 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
 static PyObject *py_apply_token_bitmask(PyObject *self, PyObject *args)
 {
     unsigned long long lp, wp, pp;
-    long long num_rows, vocab, stride, num_words, num_pairs;
-    if (!PyArg_ParseTuple(args, "KLLLKLKL", &lp, &num_rows, &vocab, &stride, &wp, &num_words,
-                          &pp, &num_pairs))
+    long long logit_rows, num_rows, vocab, stride, num_words, num_pairs;
+    if (!PyArg_ParseTuple(args, "KLLLLKLKL", &lp, &logit_rows, &num_rows, &vocab, &stride, &wp,
+                          &num_words, &pp, &num_pairs))
         return NULL;
     const int64_t *pairs = (const int64_t *)(uintptr_t)pp;
     if (vocab < 0 || num_words < 0 || stride < vocab || num_pairs < 0) {
@@ -2032,7 +2033,8 @@ static PyObject *py_apply_token_bitmask(PyObject *self, PyObject *args)
         return NULL;
     }
     for (int64_t i = 0; i < num_pairs; i++)
-        if (pairs[2 * i] < 0 || pairs[2 * i] >= num_rows || pairs[2 * i + 1] < 0) {
+        if (pairs[2 * i] < 0 || pairs[2 * i] >= num_rows || pairs[2 * i + 1] < 0
+            || pairs[2 * i + 1] >= logit_rows) {
             PyErr_SetString(PyExc_IndexError, "apply_token_bitmask: row out of range");
             return NULL;
         }
@@ -2105,7 +2107,8 @@ static PyMethodDef methods[] = {
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
      "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
     {"apply_token_bitmask", py_apply_token_bitmask, METH_VARARGS,
-     "apply_token_bitmask(logits_ptr, num_rows, vocab, row_stride, words_ptr, num_words, "
+     "apply_token_bitmask(logits_ptr, logit_rows, num_rows, vocab, row_stride, words_ptr, "
+     "num_words, "
      "pairs_ptr, num_pairs): -inf where a grammar bitmask row disallows a token."},
     {"linear_path", py_linear_path, METH_VARARGS,
      "linear_path(rows): the body a matmul of that many activation rows runs "

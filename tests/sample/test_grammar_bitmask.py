@@ -84,3 +84,17 @@ def test_apply_plan_bitmask_on_host_matches_reference(dtype, vocab_size):
     assert torch.equal(logits[finite], before[finite])  # allowed logits untouched
     if expected is not None:  # the per-token loop (small vocabularies)
         assert torch.equal(logits, expected)
+
+
+def test_c_bitmask_rejects_rows_out_of_range():
+    ops = pytest.importorskip("flowengine._cpu_ops")
+    import numpy as np
+
+    logits = torch.zeros(2, 64)
+    words = np.zeros((1, 2), dtype=np.int32)
+    for pair in ((0, 2), (1, 0), (-1, 0)):  # logits row past 2; bitmask row past 1
+        table = np.asarray([pair], dtype=np.int64)
+        with pytest.raises(IndexError, match="out of range"):
+            ops.apply_token_bitmask(logits.data_ptr(), 2, 1, 64, 64, words.ctypes.data, 2,
+                                    table.ctypes.data, 1)
+    assert torch.equal(logits, torch.zeros(2, 64))  # nothing written
