@@ -57,6 +57,14 @@ enum { FMT_Q4_0 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
 #define QK 32 /* weights per block */
 #define MR 8  /* activation rows per pass over a weight row */
 
+/* The number in environment variable `name`, or `dflt` when it is unset or empty (the
+ * switches of this file read theirs once and keep it). */
+static double env_number(const char *name, double dflt)
+{
+    const char *v = getenv(name);
+    return v != NULL && *v ? atof(v) : dflt;
+}
+
 static inline float fp16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -895,8 +903,7 @@ static double pool_spin_us(void)
 {
     static double cached = -1;
     if (cached < 0) {
-        const char *v = getenv("FLOWENGINE_CPU_POOL_SPIN_US");
-        cached = v != NULL && *v ? atof(v) : POOL_SPIN_US;
+        cached = env_number("FLOWENGINE_CPU_POOL_SPIN_US", POOL_SPIN_US);
         if (cached < 0)
             cached = 0;
     }
@@ -1102,8 +1109,7 @@ static int64_t panel_min_rows(void)
 {
     static int64_t cached = -1;
     if (cached < 0) {
-        const char *v = getenv("FLOWENGINE_CPU_PANEL_MIN_ROWS");
-        cached = v != NULL && *v ? atoll(v) : PANEL_MIN_ROWS;
+        cached = (int64_t)env_number("FLOWENGINE_CPU_PANEL_MIN_ROWS", PANEL_MIN_ROWS);
         if (cached <= 0)
             cached = INT64_MAX;
     }

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowengine.model.layers.quant_linear import kernels_available
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 # Pinned host buffers for the bitmask's host-to-device copy, reused round robin per
 # device; each with the event of its last copy (a buffer is rewritten only once the
@@ -133,15 +135,6 @@ def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
     apply_token_bitmask(logits, bitmask, rows.to(logits.device, non_blocking=True))
 
 
-def _cpu_ops():
-    """flowengine._cpu_ops, or None when the C extension is not built."""
-    try:
-        from flowengine import _cpu_ops as ops
-    except ImportError:
-        return None
-    return ops
-
-
 def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
                    pairs: list[tuple[int, int]]) -> None:
     """`apply_plan_bitmask` for float32/float16/float64 logits on the CPU: float32 rows
@@ -156,9 +149,10 @@ def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,
         raise ValueError(f"a grammar bitmask of {len(data)} bytes does not split into "
                          f"{num_rows} rows of int32 words")
     vocab_size = logits.shape[1]
-    ops = _cpu_ops()
-    if ops is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+    if logits.dtype == torch.float32 and logits.stride(1) == 1 and kernels_available():
         # the C loop (flowengine/_cpu_ops.c): ~0.1 ms less per step than numpy at batch 1
+        from flowengine import _cpu_ops as ops
+
         table = np.asarray(pairs, dtype=np.int64)
         ops.apply_token_bitmask(logits.data_ptr(), logits.shape[0], num_rows, vocab_size,
                                 logits.stride(0),

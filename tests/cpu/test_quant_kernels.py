@@ -27,6 +27,10 @@ from flowengine.model.layers.quant_linear import (
 )
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="flowengine._cpu_ops not built")
+_needs_vnni = pytest.mark.skipif(
+    not kernels_available()
+    or "avx512-vnni" not in __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
+    reason="no AVX512-VNNI on this CPU")
 
 FORMATS = ["q4_0", "q4_1", "q8_0"]
 # |ours - float64| <= REL_TOL * sqrt(K) * max|x| * max|w|: float32 sums of K products in
@@ -47,6 +51,18 @@ def _gguf_weight(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, 
     ref = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(n, k))
     packed = pack_gguf_blocks(raw, fmt, k)
     return QuantizedWeight(fmt, packed.qs, packed.scales), ref
+
+
+def _run_ok(script: str, env_name: str, env_value: str, **fields) -> None:
+    """Run `script` (a template with {here} and `fields`) in a fresh interpreter with
+    one environment variable set (the C extension reads its switches once, at first
+    use); the script must print "ok"."""
+    env = dict(os.environ, **{env_name: env_value})
+    code = script.format(here=os.path.dirname(os.path.abspath(__file__)), **fields)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -99,13 +115,8 @@ def test_row_tiles_same_bits_as_untiled():
     tile over blocks of 64 weight rows; every output is summed in the same order, so 40
     rows at once equal five calls of 8 rows bit for bit, and the rows above a tile match
     float64."""
-    env = dict(os.environ, FLOWENGINE_CPU_PANEL_MIN_ROWS="0")
-    code = _ROW_TILES.format(here=os.path.dirname(os.path.abspath(__file__)),
-                             seed=int(torch.randint(0, 2**31, ()).item()))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "ok"
+    _run_ok(_ROW_TILES, "FLOWENGINE_CPU_PANEL_MIN_ROWS", "0",
+            seed=int(torch.randint(0, 2**31, ()).item()))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -193,12 +204,7 @@ print("ok")
 
 
 def test_portable_body_without_avx512():
-    env = dict(os.environ, FLOWENGINE_CPU_NO_AVX512="1")
-    code = _PORTABLE.format(here=os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "ok"
+    _run_ok(_PORTABLE, "FLOWENGINE_CPU_NO_AVX512", "1")
 
 
 # The VNNI path's activation quantization (flowengine/_cpu_ops.c): each 32-value block
@@ -217,9 +223,7 @@ def _vnni_bound(fmt: str, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return 0.5 * step @ wabs.t() + 5e-6 * (x.double().abs() @ ref.double().abs().t())
 
 
-@pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in
-                    __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
-                    reason="no AVX512-VNNI on this CPU")
+@_needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k", [32, 576, 608])  # 1 block; even; odd block count
 @pytest.mark.parametrize("rows", [1, 2, 3])
@@ -255,18 +259,11 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in
-                    __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
-                    reason="no AVX512-VNNI on this CPU")
+@_needs_vnni
 def test_one_weight_row_vnni_body_still_correct():
     # FLOWENGINE_CPU_VNNI_ONE_ROW=1 (kept for comparisons) takes the body that runs one
     # weight row at a time instead of 4 (1 activation row) or 2 (2-3 rows).
-    env = dict(os.environ, FLOWENGINE_CPU_VNNI_ONE_ROW="1")
-    code = _ONE_ROW.format(here=os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "ok"
+    _run_ok(_ONE_ROW, "FLOWENGINE_CPU_VNNI_ONE_ROW", "1")
 
 
 _NO_VNNI = """
@@ -286,14 +283,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not kernels_available() or "avx512-vnni" not in
-                    __import__("flowengine._cpu_ops", fromlist=["x"]).linear_path(1),
-                    reason="no AVX512-VNNI on this CPU")
+@_needs_vnni
 def test_float_body_when_vnni_is_off():
     # FLOWENGINE_CPU_NO_VNNI=1: batches of 1-3 rows take the AVX-512 float32 body.
-    env = dict(os.environ, FLOWENGINE_CPU_NO_VNNI="1")
-    code = _NO_VNNI.format(here=os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "ok"
+    _run_ok(_NO_VNNI, "FLOWENGINE_CPU_NO_VNNI", "1")
