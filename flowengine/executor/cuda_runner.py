@@ -63,7 +63,6 @@ from flowengine.model.attention.backend import AttentionBackend
 from flowengine.model.model_config import ModelConfig
 from flowengine.sample.grammar_bitmask import apply_plan_bitmask
 from flowengine.sample.sampler import Sampler
-from flowengine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +82,6 @@ class LaunchedForward:
     sample_req_ids: list[str]
     sample_slots: torch.Tensor | None
     logits: torch.Tensor | None
-
-
-def reads_token_values(params: SamplingParams) -> bool:
-    """Whether sampling this request reads the values of its earlier tokens (the
-    penalties and multi-token bad words do; min_tokens and per-request seeds only
-    count them)."""
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0
-            or any(len(w) > 1 for w in params.bad_words_token_ids or ()))
 
 
 class CudaModelRunner(ModelRunner):
@@ -418,14 +408,14 @@ class CudaModelRunner(ModelRunner):
         if logits is None:
             return PendingStep.empty(forward.step_id)
         sampled_states = [self.requests[rid] for rid in forward.sample_req_ids]
-        if any(s.placeholder_indices for s in sampled_states) and any(
-                reads_token_values(s.sampling_params) for s in sampled_states):
+        if any(s.reads_token_values for s in sampled_states) and any(
+                s.placeholder_indices for s in sampled_states):
             self.flush()
         # Structured outputs: the bitmask (filled from accepted tokens only, so no
         # placeholder is involved), applied before sampling and logprobs.
         apply_plan_bitmask(logits, forward.sample_req_ids, grammar.structured_output_req_ids,
                            grammar.grammar_bitmask)
-        output = sampler(logits, [s.sampling_state() for s in sampled_states])
+        output = sampler(logits, sampled_states)  # a RequestState is a sampling state
         self.last_sampled.index_copy_(0, forward.sample_slots, output.sampled_token_ids)
         host_output, event = copy_to_host(output)
         placeholders = []

@@ -60,10 +60,15 @@ class RequestState:
     token_slot: int = -1
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_draft_tokens: int = 0
+    # metadata.static_row of sampling_params, cached by SamplingMetadata.from_states.
+    sampling_row: tuple | None = field(default=None, repr=False, compare=False)
+    # Whether sampling reads the values of earlier tokens (reads_token_values).
+    reads_token_values: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None and self.num_computed_tokens == 0:
             self.prompt_logprobs = []
+        self.reads_token_values = reads_token_values(self.sampling_params)
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs] | None:
         """The prompt logprobs once all num_prompt_tokens - 1 are collected (then
@@ -77,6 +82,10 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
 
     def sampling_state(self) -> SamplingState:
         """The sampler's view of this request. The prompt is copied only when the
@@ -108,6 +117,15 @@ class StepInputs:
     gather_src: torch.Tensor | None
     num_tokens: int
     num_reqs: int
+
+
+def reads_token_values(params: SamplingParams) -> bool:
+    """Whether sampling this request reads the values of its earlier tokens (the
+    penalties and multi-token bad words do; min_tokens and per-request seeds only
+    count them)."""
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+            or any(len(w) > 1 for w in params.bad_words_token_ids or ()))
 
 
 _I64 = (np.int64, torch.int64)
@@ -212,28 +230,54 @@ class InputBatch:
         width = self.max_blocks_per_req
         block_tables = b["block_tables"][:rows * width].reshape(rows, width)
         block_tables.fill(0)
-        input_ids = b["input_ids"]
+        # One pass over the requests in plain Python (list appends), then one numpy
+        # write per buffer: a numpy call per request costs more than the request's work.
+        bs = self.block_size
+        step_ids: list[int] = []  # the tokens computed, in order
+        table_ids: list[int] = []  # every request's block table, concatenated
+        table_lens: list[int] = []
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
         sample_slots: list[int] = []
         gather_dst: list[int] = []
         gather_src: list[int] = []
-        for i, state in enumerate(states):
-            start, end = int(qsl[i]), int(qsl[i + 1])
+        end = 0
+        for state, num in zip(states, num_scheduled, strict=True):
+            start = end
+            end += num
             first = state.num_computed_tokens
-            last = first + end - start
-            self._check(state, first, last, end > start)
-            input_ids[start:end] = state.token_ids[first:last]
-            if state.placeholder_indices:
-                gather = self._placeholder_in(state, first, last)
+            last = first + num
+            token_ids = state.token_ids
+            block_ids = state.block_ids
+            if (num < 1 or last > len(token_ids) or len(block_ids) > width
+                    or last > len(block_ids) * bs):
+                self._check(state, first, last, num > 0)
+            if num == 1:
+                step_ids.append(token_ids[first])
+            else:
+                step_ids += token_ids[first:last]
+            placeholders = state.placeholder_indices
+            if placeholders:
+                if len(placeholders) == 1 and state.token_slot >= 0:  # the usual case
+                    gather = placeholders[0] if first <= placeholders[0] < last else None
+                else:
+                    gather = self._placeholder_in(state, first, last)
                 if gather is not None:
                     gather_dst.append(start + gather - first)
                     gather_src.append(state.token_slot)
-            block_tables[i, :len(state.block_ids)] = state.block_ids
-            if last == len(state.token_ids):  # the step ends at the last known token
+            table_ids += block_ids
+            table_lens.append(len(block_ids))
+            if last == len(token_ids):  # the step ends at the last known token
                 sample_rows.append(end - 1)
                 sample_req_ids.append(state.req_id)
                 sample_slots.append(state.token_slot)
+        input_ids = b["input_ids"]
+        input_ids[:num_tokens] = step_ids
+        if table_ids:
+            lens = np.asarray(table_lens, dtype=np.int64)
+            table_rows = np.repeat(np.arange(num_reqs), lens)
+            table_cols = np.arange(len(table_ids)) - np.repeat(np.cumsum(lens) - lens, lens)
+            block_tables[table_rows, table_cols] = table_ids
 
         req_idx = np.repeat(np.arange(num_reqs), n_sched)
         positions = b["positions"][:num_tokens]

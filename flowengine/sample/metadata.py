@@ -58,6 +58,34 @@ def _bad_word_bans(words: list[list[int]], output_token_ids: list[int], vocab_si
     return sorted(t for t in banned if t < vocab_size)
 
 
+def static_row(params: SamplingParams, vocab_size: int) -> tuple:
+    """A request's per-row sampling values that do not change between its steps:
+    (vocab_size, is_greedy, temperature, top_k, top_p, min_p, repetition, frequency and
+    presence penalties, number of logprobs, whether the row needs per-row edits), with
+    the neutral values of `SamplingMetadata` for greedy rows."""
+    p = params
+    greedy = p.is_greedy
+    special = bool(p.bad_words_token_ids or p.allowed_token_ids is not None or p.logit_bias
+                   or (not greedy and p.seed is not None) or p.min_tokens > 0)
+    return (vocab_size, greedy, 1.0 if greedy else p.temperature,
+            vocab_size if greedy or p.top_k <= 0 else min(p.top_k, vocab_size),
+            1.0 if greedy else p.top_p, 0.0 if greedy else p.min_p, p.repetition_penalty,
+            p.frequency_penalty, p.presence_penalty,
+            vocab_size if p.logprobs == -1 else p.logprobs, special)
+
+
+def _static_row(state: SamplingState, vocab_size: int) -> tuple:
+    """static_row of the state's params, kept on the state when it has a
+    `sampling_row` slot (the executor's RequestState lives as long as its request, so
+    the row is computed once, not every step)."""
+    row = getattr(state, "sampling_row", None)
+    if row is None or row[0] != vocab_size:
+        row = static_row(state.sampling_params, vocab_size)
+        if hasattr(state, "sampling_row"):
+            state.sampling_row = row
+    return row
+
+
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Pinned host memory makes the host-to-device copy asynchronous on CUDA.
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
@@ -161,6 +189,9 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Batch `states` (one per logits row, in row order) for a `[R, vocab_size]` step.
 
+        A state is a `SamplingState` or any object with its four attributes (the
+        executor passes its `RequestState`s, which also keep their `static_row`).
+
         Stop/EOS ids outside [0, vocab_size) are ignored by min_tokens masking: the
         model cannot produce them anyway; so are such ids in logit_bias,
         allowed_token_ids and bad words (the input processor refuses them for the
@@ -169,17 +200,16 @@ class SamplingMetadata:
         device = torch.device(device)
         num_reqs = len(states)
         v = vocab_size
-        greedy = [s.sampling_params.is_greedy for s in states]
+        rows = [_static_row(s, v) for s in states]
+        (_, greedy, temps, top_ks, top_ps, min_ps, reps, freqs, press, num_logprobs,
+         special) = (list(c) for c in zip(*rows, strict=True)) if rows else tuple([] for _ in range(11))
         all_greedy = all(greedy)
         all_random = not any(greedy)
 
-        temps, top_ks, top_ps, min_ps = [], [], [], []
-        reps, freqs, press = [], [], []
         mt_rows: list[int] = []
         mt_ids: list[int] = []
         seeded_rows: list[int] = []
         row_seeds: list[int] = []
-        num_logprobs: list[int | None] = []
         bw_rows: list[int] = []
         bw_ids: list[int] = []
         al_rows: list[int] = []
@@ -188,16 +218,11 @@ class SamplingMetadata:
         lb_rows: list[int] = []
         lb_ids: list[int] = []
         lb_vals: list[float] = []
-        for row, (s, is_greedy) in enumerate(zip(states, greedy, strict=True)):
+        # Only the rows whose params use per-row edits (bad words, allowed ids, logit
+        # bias, a seed, min_tokens) are visited again.
+        for row in (i for i, x in enumerate(special) if x) if any(special) else ():
+            s = states[row]
             p = s.sampling_params
-            temps.append(1.0 if is_greedy else p.temperature)
-            top_ks.append(v if is_greedy or p.top_k <= 0 else min(p.top_k, v))
-            top_ps.append(1.0 if is_greedy else p.top_p)
-            min_ps.append(0.0 if is_greedy else p.min_p)
-            reps.append(p.repetition_penalty)
-            freqs.append(p.frequency_penalty)
-            press.append(p.presence_penalty)
-            num_logprobs.append(v if p.logprobs == -1 else p.logprobs)
             if p.bad_words_token_ids:
                 ids = _bad_word_bans(p.bad_words_token_ids, s.output_token_ids, v)
                 bw_rows.extend([row] * len(ids))
@@ -213,7 +238,7 @@ class SamplingMetadata:
                         lb_rows.append(row)
                         lb_ids.append(t)
                         lb_vals.append(bias)
-            if not is_greedy and p.seed is not None:
+            if not greedy[row] and p.seed is not None:
                 seeded_rows.append(row)
                 row_seeds.append(step_seed(p.seed, len(s.output_token_ids)))
             if len(s.output_token_ids) < p.min_tokens:
