@@ -38,6 +38,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from flowengine.actors.base import Channel, run_blocking
+from flowengine.engine import step_trace
 from flowengine.executor.executor import CompletedStep, Executor, StepHandle
 from flowengine.messages import GrammarOutput, Shutdown, StepPlan, StepResult
 
@@ -159,6 +160,8 @@ class ExecutorActor:
                 if isinstance(msg, GrammarOutput):
                     raise RuntimeError(f"the grammar bitmask of step {msg.step_id} arrived "
                                        "without its plan")
+                if step_trace.ENABLED:
+                    step_trace.mark("ex_plan", msg.step_id, len(msg.num_scheduled_tokens))
                 now = time.perf_counter()
                 if not self.num_launched:
                     self._first_launch = now
@@ -171,6 +174,8 @@ class ExecutorActor:
                         return  # Shutdown while the step waited for its bitmask
                 else:
                     handle = await self._launch(msg, self.executor.launch, msg)
+                if step_trace.ENABLED:
+                    step_trace.mark("ex_launched", msg.step_id)
                 await handles.send(handle)
 
     async def _launch_pending(self, plan: StepPlan) -> StepHandle | None:
@@ -179,9 +184,13 @@ class ExecutorActor:
         fills and sends this step's `GrammarOutput`; sampling waits for that (the
         resolver keeps sending results meanwhile). None on Shutdown."""
         forward = await self._launch(plan, self.executor.launch_forward, plan)
+        if step_trace.ENABLED:
+            step_trace.mark("ex_forward_launched", plan.step_id)
         grammar = await self.steps.recv_async()
         if isinstance(grammar, Shutdown):
             return None
+        if step_trace.ENABLED:
+            step_trace.mark("ex_grammar", grammar.step_id)
         if not isinstance(grammar, GrammarOutput) or grammar.step_id != plan.step_id:
             raise RuntimeError(f"step {plan.step_id} waits for its grammar bitmask, got "
                                f"{type(grammar).__name__} {getattr(grammar, 'step_id', '')}")
@@ -222,6 +231,8 @@ class ExecutorActor:
                     result = StepResult(handle.step_id, [],
                                         error=f"{type(exc).__name__}: {exc}")
                 self.resolve_s += time.perf_counter() - start
+                if step_trace.ENABLED:
+                    step_trace.mark("ex_resolved", handle.step_id)
                 await self.results.send_async(result)
 
     # ------------------------------------------------------------------ ranks 1..N-1

@@ -202,9 +202,15 @@ def main(argv: list[str] | None = None) -> int:
 
         run_driver(cfg)
         return 0
+    from flowengine.engine import step_trace
+
+    step_trace.start(f"{cfg.role}{cfg.rank}")
     coro = engine_main(cfg) if cfg.role == "engine" else executor_main(cfg)
-    with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
-        runner.run(coro)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
+            runner.run(coro)
+    finally:
+        step_trace.dump()
     return 0
 
 

@@ -23,6 +23,7 @@ from collections import deque
 import anyio
 
 from flowengine.actors.base import Channel
+from flowengine.engine import step_trace
 from flowengine.engine.engine_core import EngineCore
 from flowengine.messages import (
     AbortRequest,
@@ -141,6 +142,8 @@ class SchedulerActor:
                 if plan is None:
                     break  # nothing to run; its finished ids go with the next plan
                 await self.steps.send_async(plan)
+                if step_trace.ENABLED:
+                    step_trace.mark("sc_plan_sent", plan.step_id)
                 self._in_flight.append(plan)
                 if plan.pending_structured_output_tokens:
                     # Let the executor launch the forward first (in-process it is a task
@@ -152,6 +155,8 @@ class SchedulerActor:
                     self.busy_s += time.perf_counter() - start
                     for grammar_output in grammar_outputs:
                         await self.steps.send_async(grammar_output)
+                        if step_trace.ENABLED:
+                            step_trace.mark("sc_grammar_sent", grammar_output.step_id)
             if not self._in_flight:
                 # Unfinished requests but nothing schedulable: wait for news, or, while
                 # grammars compile (in worker threads), look again soon.
@@ -168,15 +173,23 @@ class SchedulerActor:
         plan = self._in_flight.popleft()
         if result.step_id != plan.step_id:
             raise RuntimeError(f"result of step {result.step_id} arrived for step {plan.step_id}")
+        if step_trace.ENABLED:
+            step_trace.mark("sc_result", plan.step_id)
         start = time.perf_counter()
         deltas = self.core.update(plan, result)
+        if step_trace.ENABLED:
+            step_trace.mark("sc_updated", plan.step_id)
         work = self.core.take_grammar_work()
         if work is not None:
             # The step's outputs go first (processed while the matchers advance in a
             # worker thread; the grammar library releases the GIL), then the bitmask.
             self.busy_s += time.perf_counter() - start
             await self._emit(deltas)
+            if step_trace.ENABLED:
+                step_trace.mark("sc_outputs_sent", plan.step_id)
             outcome = await anyio.to_thread.run_sync(work)
+            if step_trace.ENABLED:
+                step_trace.mark("sc_grammar_done", plan.step_id)
             start = time.perf_counter()
             deltas = self.core.finish_grammar_work(outcome)  # refused tokens' failures
         grammar_outputs = self.core.take_grammar_outputs()
@@ -185,6 +198,8 @@ class SchedulerActor:
         # forward already runs), then the outputs; both before the next plan.
         for grammar_output in grammar_outputs:
             await self.steps.send_async(grammar_output)
+            if step_trace.ENABLED:
+                step_trace.mark("sc_grammar_sent", grammar_output.step_id)
         await self._emit(deltas)
 
     async def _emit(self, deltas: list[RequestDelta]) -> None:
