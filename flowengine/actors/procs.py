@@ -125,6 +125,7 @@ async def engine_main(cfg: ProcConfig) -> None:
         max_steps_in_flight=pp if pp > 1 else 2 if cfg.engine_args.async_scheduling else 1,
         async_scheduling=cfg.engine_args.async_scheduling and pp == 1,
         generation=cfg.generation,
+        offload_grammar=False,  # nothing else runs on this loop (scheduler.py)
     )
     freeze_startup_heap()
     # The ready message: the frontend resubmits in-flight requests after it.

@@ -40,13 +40,20 @@ logger = logging.getLogger(__name__)
 
 # Constrained rows of a result from which the Scheduler actor advances their matchers
 # and fills the next bitmask in a worker thread (below it the thread hand-off costs
-# more than the work): FLOWENGINE_GRAMMAR_OFFLOAD_ROWS, 0 for never.
+# more than the work): FLOWENGINE_GRAMMAR_OFFLOAD_ROWS, 0 for never. In process only:
+# there the frontend's detokenizer runs on the same loop meanwhile. In an engine
+# process of its own nothing else waits for the loop, and the thread only adds its
+# hand-offs to the chain the next step's sampling waits for: on the H200 (batch 128,
+# JSON schema, docs/benchmarks.md session 32) inline gave 0.917-0.956 of unconstrained
+# throughput against 0.796-0.888 with the thread, 3 alternated pairs. So the engine
+# process passes default=None (inline) unless the variable is set.
 GRAMMAR_OFFLOAD_ROWS = 32
 
 
-def grammar_offload_rows() -> int | None:
+def grammar_offload_rows(default: int | None = GRAMMAR_OFFLOAD_ROWS) -> int | None:
+    """FLOWENGINE_GRAMMAR_OFFLOAD_ROWS if set, else `default`; None for never."""
     env = os.environ.get("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS")
-    value = GRAMMAR_OFFLOAD_ROWS if not env else int(env)
+    value = (default or 0) if not env else int(env)
     if value < 0:
         raise ValueError(f"FLOWENGINE_GRAMMAR_OFFLOAD_ROWS must be >= 0, got {env!r}")
     return value or None
@@ -68,6 +75,9 @@ class SchedulerActor:
         async_scheduling: plan on placeholder tokens; None: when
             max_steps_in_flight > 1.
         generation: the engine restart count, stamped on every EngineOutputs.
+        offload_grammar: whether results with many constrained rows advance their
+            matchers in a worker thread (`grammar_offload_rows`); False: inline, unless
+            FLOWENGINE_GRAMMAR_OFFLOAD_ROWS says otherwise (the engine process).
 
     Raises ValueError when max_steps_in_flight < 1.
     """
@@ -83,6 +93,7 @@ class SchedulerActor:
         max_steps_in_flight: int = 1,
         async_scheduling: bool | None = None,
         generation: int = 0,
+        offload_grammar: bool = True,
     ) -> None:
         self.core = core
         self.scheduler = core.scheduler
@@ -108,7 +119,8 @@ class SchedulerActor:
         # A result with many constrained rows: their matchers advance and the next
         # bitmask is filled in a worker thread while this loop sends the step's outputs
         # on (in-process, the detokenizer runs on this loop meanwhile); see _apply.
-        self.scheduler.grammar_offload_rows = grammar_offload_rows()
+        self.scheduler.grammar_offload_rows = grammar_offload_rows(
+            GRAMMAR_OFFLOAD_ROWS if offload_grammar else None)
         self.generation = generation
         self.busy_s = 0.0  # time in schedule() and update()
         self._in_flight: deque[StepPlan] = deque()

@@ -210,8 +210,12 @@ def test_a_refused_token_fails_only_its_request(model_config: ModelConfig) -> No
 def test_offload_rows_setting(monkeypatch):
     monkeypatch.delenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", raising=False)
     assert scheduler_actor.grammar_offload_rows() == scheduler_actor.GRAMMAR_OFFLOAD_ROWS
+    # The engine process's default: inline unless the variable is set.
+    assert scheduler_actor.grammar_offload_rows(None) is None
     monkeypatch.setenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", "0")
     assert scheduler_actor.grammar_offload_rows() is None
+    monkeypatch.setenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", "48")
+    assert scheduler_actor.grammar_offload_rows(None) == 48
     monkeypatch.setenv("FLOWENGINE_GRAMMAR_OFFLOAD_ROWS", "-1")
     with pytest.raises(ValueError, match="FLOWENGINE_GRAMMAR_OFFLOAD_ROWS"):
         scheduler_actor.grammar_offload_rows()
