@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -207,3 +208,32 @@ def test_random_sampling_draws_from_the_tempered_softmax(device: str, seeded: bo
     expected = rows * torch.softmax(base.double() / temperature, dim=0)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 35.0, (chi2, counts.tolist(), expected.tolist())
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the fused race is a Triton kernel (CUDA or TRITON_INTERPRET=1)")
+def test_the_fused_race_draws_the_unfused_tokens(monkeypatch) -> None:
+    """The one-kernel race (Sampler._race_fused, CUDA's path for batches without top-k,
+    top-p and min-p) picks the same token as the torch path for seeded rows (the same
+    counter-based U), follows the argmax for greedy rows in a mixed batch, and draws
+    unseeded rows from the tempered softmax (chi-squared, as the test above)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = 48
+    logits = (torch.randn(rows, VOCAB) * 2).to(device)
+    states = [SamplingState(SamplingParams(temperature=0.0 if i % 5 == 0 else 0.7 + i / 100,
+                                           seed=None if i % 5 == 0 else 1000 + i), [1],
+                            list(range(i % 7)))
+              for i in range(rows)]
+    unfused = Sampler(seed=1)(logits, states).sampled_token_ids
+    monkeypatch.setattr(Sampler, "_can_fuse", staticmethod(lambda logits, metadata: True))
+    fused = Sampler(seed=1)(logits, states).sampled_token_ids
+    assert torch.equal(fused, unfused)
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5], device=device)
+    many = 6000
+    draws = [SamplingState(SamplingParams(temperature=0.8, seed=None if i % 2 else i), [1], [])
+             for i in range(many)]
+    ids = Sampler(seed=7)(base.repeat(many, 1), draws).sampled_token_ids.cpu()
+    counts = torch.bincount(ids, minlength=8).double()
+    expected = many * torch.softmax(base.cpu().double() / 0.8, dim=0)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 35.0, (chi2, counts.tolist())
