@@ -124,7 +124,12 @@ _ROWS_IN_ORDER: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _fused_kernel():
-    """flowengine.kernels.sampling's apply_token_bitmask_ where Triton imports, else None."""
+    """flowengine.kernels.sampling's apply_token_bitmask_ with FLOWENGINE_FUSED_SAMPLING=1
+    where Triton imports, else None."""
+    from flowengine.sample.sampler import FUSED_SAMPLING
+
+    if not FUSED_SAMPLING:
+        return None
     try:
         from flowengine.kernels.sampling import apply_token_bitmask_
     except ImportError:  # pragma: no cover - Triton is a dependency where CUDA is

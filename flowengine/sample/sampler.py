@@ -11,9 +11,10 @@ Pipeline, in vLLM's order:
    with probability probs[i] / sum(probs) (the Gumbel-max trick in exponential form),
    with no normalisation, no cumsum and no host sync.
 
-On CUDA, for a batch without top-k, top-p or min-p, step 4 (and the greedy rows'
-argmax) is one Triton kernel (`kernels/sampling.py`: argmax(l / T - log q), the same
-race without the softmax); the grammar bitmask before it is one kernel too.
+With FLOWENGINE_FUSED_SAMPLING=1, on CUDA, for a batch without top-k, top-p or min-p,
+step 4 (and the greedy rows' argmax) is one Triton kernel (`kernels/sampling.py`:
+argmax(l / T - log q), the same race without the softmax); the grammar bitmask before
+it is one kernel too.
 
 Seeded rows draw q from a counter-based generator (`seeded_exponential`): a pure
 function of (`step_seed(seed, num_output_tokens)`, token id), computed for all seeded
@@ -131,7 +132,7 @@ class Sampler:
     @staticmethod
     def _can_fuse(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
         """Whether the race runs as one kernel (`kernels/sampling.py`): on CUDA, for a
-        batch without top-k, top-p or min-p (FLOWENGINE_FUSED_SAMPLING=0: never)."""
+        batch without top-k, top-p or min-p, with FLOWENGINE_FUSED_SAMPLING=1."""
         return (logits.device.type == "cuda" and FUSED_SAMPLING
                 and metadata.top_k is None and metadata.top_p is None
                 and metadata.min_p is None and _race_kernel() is not None)
@@ -180,8 +181,12 @@ class Sampler:
         return probs.div_(q).argmax(dim=-1)
 
 
-# The race as one Triton kernel on CUDA where it applies (Sampler._can_fuse).
-FUSED_SAMPLING = os.environ.get("FLOWENGINE_FUSED_SAMPLING", "1") != "0"
+# The race and the grammar bitmask as Triton kernels on CUDA where they apply
+# (Sampler._can_fuse, grammar_bitmask._apply_on_device): FLOWENGINE_FUSED_SAMPLING=1.
+# Off by default until measured on a GPU: written in session 32 after its last H200
+# call, checked under the Triton interpreter only (tests/kernels/test_kernel_sampling.py,
+# tests/sample/test_sampler.py run them on CUDA where one is present).
+FUSED_SAMPLING = os.environ.get("FLOWENGINE_FUSED_SAMPLING", "0") == "1"
 
 
 def _race_kernel():
