@@ -237,3 +237,27 @@ def test_the_fused_race_draws_the_unfused_tokens(monkeypatch) -> None:
     expected = many * torch.softmax(base.cpu().double() / 0.8, dim=0)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 35.0, (chi2, counts.tolist())
+
+
+def test_request_states_batch_like_sampling_states() -> None:
+    """The executor hands its RequestStates to the sampler: the metadata equals the one
+    built from SamplingStates, and each state's static row is computed once."""
+    from flowengine.executor.input_batch import RequestState
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=3),
+              SamplingParams(temperature=1.2, min_tokens=4, logprobs=2),
+              SamplingParams(temperature=0.9, repetition_penalty=1.3, top_p=0.8)]
+    reqs = [RequestState(str(i), [1, 2, 3, 4, 5 + i], 3, p, 2, [0], 5)
+            for i, p in enumerate(params)]
+    plain = [r.sampling_state() for r in reqs]
+    for _ in range(2):
+        got = SamplingMetadata.from_states(reqs, VOCAB, "cpu")
+        want = SamplingMetadata.from_states(plain, VOCAB, "cpu")
+        for field in SamplingMetadata.__dataclass_fields__:
+            a, b = getattr(got, field), getattr(want, field)
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), field
+    rows = [r.sampling_row for r in reqs]
+    assert all(row is not None and row[0] == VOCAB for row in rows)
+    SamplingMetadata.from_states(reqs, VOCAB, "cpu")
+    assert all(r.sampling_row is row for r, row in zip(reqs, rows, strict=True))
+    assert [r.reads_token_values for r in reqs] == [False, False, False, True]
