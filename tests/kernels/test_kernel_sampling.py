@@ -60,16 +60,14 @@ def test_race_matches_the_torch_reference(dtype: torch.dtype, device: torch.devi
     assert exponential_race(dead, keys[:2]).tolist() == [0, 0]  # torch.argmax's answer
 
 
-@pytest.mark.parametrize("consecutive_keys", [False, True])
-def test_race_draws_from_the_tempered_softmax(consecutive_keys: bool,
-                                               device: torch.device) -> None:
-    """6,000 rows of one 8-token distribution at T = 0.8; Pearson's chi-squared with 7
-    degrees of freedom exceeds 35 with probability ~1e-5 for a correct sampler.
-    Consecutive keys are what seeded requests with seeds 0, 1, 2, ... give."""
-    rows, temperature = 6000, 0.8
-    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5], device=device)
-    keys = (torch.arange(rows, device=device) * 1_000_003 if consecutive_keys
-            else torch.randint(0, 2**62, (rows,), device=device))
+def test_race_draws_from_the_tempered_softmax(device: torch.device) -> None:
+    """2,000 rows of one 8-token distribution at T = 0.8, keys 0, 1e6+3, 2(1e6+3), ...
+    (what seeded requests with seeds 0, 1, 2, ... give: the hardest case for a counter
+    generator); Pearson's chi-squared with 7 degrees of freedom exceeds 35 with
+    probability ~1e-5 for a correct sampler (smallest expected count ~12)."""
+    rows, temperature = 2000, 0.8
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5, 1.5], device=device)
+    keys = torch.arange(rows, device=device) * 1_000_003
     ids = exponential_race(base.repeat(rows, 1), keys,
                            torch.full((rows,), 1 / temperature, device=device))
     counts = torch.bincount(ids.cpu(), minlength=8).double()

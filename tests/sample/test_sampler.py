@@ -228,8 +228,8 @@ def test_the_fused_race_draws_the_unfused_tokens(monkeypatch) -> None:
     monkeypatch.setattr(Sampler, "_can_fuse", staticmethod(lambda logits, metadata: True))
     fused = Sampler(seed=1)(logits, states).sampled_token_ids
     assert torch.equal(fused, unfused)
-    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5], device=device)
-    many = 6000
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5, 1.5], device=device)
+    many = 2000  # the interpreter runs one program per row; smallest expected count ~12
     draws = [SamplingState(SamplingParams(temperature=0.8, seed=None if i % 2 else i), [1], [])
              for i in range(many)]
     ids = Sampler(seed=7)(base.repeat(many, 1), draws).sampled_token_ids.cpu()
