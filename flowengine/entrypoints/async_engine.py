@@ -238,8 +238,10 @@ class AsyncEngine:
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
         from flowengine.actors.executor import ExecutorActor
         from flowengine.actors.scheduler import SchedulerActor
+        from flowengine.engine import step_trace
         from flowengine.engine.builder import build_engine_core
 
+        step_trace.start("inproc")  # FLOWENGINE_STEP_TRACE: this process's file at exit
         factory = self._core_factory or build_engine_core
         core = await anyio.to_thread.run_sync(factory, self.resolved)
         self.core = core
