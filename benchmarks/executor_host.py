@@ -110,7 +110,6 @@ def _run(model_config: ModelConfig, num_requests: int, prompt_len: int, output_l
                 break
             if profile is not None:
                 profile.enable()
-            t2 = clock()
             wire = plan_codec[0].encode(plan)
             t3 = clock()
             received = plan_codec[1].decode(wire)
@@ -122,7 +121,6 @@ def _run(model_config: ModelConfig, num_requests: int, prompt_len: int, output_l
             decode = (len(plan.num_scheduled_tokens) == num_requests
                       and max(plan.num_scheduled_tokens) == 1)
             in_flight.append((plan, handle, decode, t1 - t0, t4 - t3, t5 - t4))
-            del t2
         plan, handle, decode, sched_s, plan_s, launch_s = in_flight.popleft()
         if profile is not None:
             profile.enable()

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from flowengine.model.layers.quant_linear import kernels_available
+from flowengine.sample import sampler
+from flowengine.sample.metadata import to_device
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 # Pinned host buffers for the bitmask's host-to-device copy, reused round robin per
@@ -123,26 +125,13 @@ def apply_plan_bitmask(logits: torch.Tensor, sample_req_ids: list[str],
 _ROWS_IN_ORDER: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _fused_kernel():
-    """flowengine.kernels.sampling's apply_token_bitmask_ with FLOWENGINE_FUSED_SAMPLING=1
-    where Triton imports, else None."""
-    from flowengine.sample.sampler import FUSED_SAMPLING
-
-    if not FUSED_SAMPLING:
-        return None
-    try:
-        from flowengine.kernels.sampling import apply_token_bitmask_
-    except ImportError:  # pragma: no cover - Triton is a dependency where CUDA is
-        return None
-    return apply_token_bitmask_
-
-
 @torch.inference_mode()  # logits are inference tensors (the forward ran in that mode)
 def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
                      pairs: list[tuple[int, int]]) -> None:
     bitmask = bitmask_to_device(data, num_rows, logits.device)
-    kernel = _fused_kernel() if logits.device.type == "cuda" else None
-    if kernel is not None:
+    kernels = (sampler.fused_kernels()
+               if logits.device.type == "cuda" and sampler.FUSED_SAMPLING else None)
+    if kernels is not None:
         # One Triton kernel (kernels/sampling.py) instead of ~8 torch ops: each op costs
         # ~10-15 us of host time on the H200's host (session 32), and at batch 128 the
         # mask is on the path the next step's sampling waits for.
@@ -156,9 +145,8 @@ def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
             table = [-1] * num_rows
             for k, r in pairs:
                 table[k] = r
-            rows = torch.tensor(table, dtype=torch.int64, pin_memory=True).to(
-                device, non_blocking=True)
-        kernel(logits, bitmask, rows)
+            rows = to_device(table, torch.int64, device)
+        kernels.apply_token_bitmask_(logits, bitmask, rows)
         return
     mask_rows = [k for k, _ in pairs]
     if len(mask_rows) != num_rows:
@@ -166,9 +154,8 @@ def _apply_on_device(logits: torch.Tensor, data: bytes, num_rows: int,
     if len(pairs) == logits.shape[0] and all(k == r for k, r in pairs):
         apply_token_bitmask(logits, bitmask, None)  # every row constrained, in order
         return
-    rows = torch.tensor([r for _, r in pairs], dtype=torch.int64,
-                        pin_memory=logits.device.type == "cuda")
-    apply_token_bitmask(logits, bitmask, rows.to(logits.device, non_blocking=True))
+    apply_token_bitmask(logits, bitmask,
+                        to_device([r for _, r in pairs], torch.int64, logits.device))
 
 
 def _apply_on_host(logits: torch.Tensor, data: bytes, num_rows: int,

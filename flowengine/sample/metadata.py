@@ -86,15 +86,16 @@ def _static_row(state: SamplingState, vocab_size: int) -> tuple:
     return row
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Pinned host memory makes the host-to-device copy asynchronous on CUDA.
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`; on CUDA copied from pinned host memory, so
+    the copy is asynchronous (no host sync)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return _to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
+    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
 
 
 @dataclass(slots=True)
@@ -275,29 +276,29 @@ class SamplingMetadata:
             vocab_size=v,
             all_greedy=all_greedy,
             all_random=all_random,
-            temperature=_to_device(temps, f32, device) if use_temp else None,
-            is_greedy=None if all_greedy or all_random else _to_device(greedy, torch.bool, device),
-            top_k=_to_device(top_ks, torch.int64, device) if use_top_k else None,
-            top_p=_to_device(top_ps, f32, device) if use_top_p else None,
-            min_p=_to_device(min_ps, f32, device) if use_min_p else None,
+            temperature=to_device(temps, f32, device) if use_temp else None,
+            is_greedy=None if all_greedy or all_random else to_device(greedy, torch.bool, device),
+            top_k=to_device(top_ks, torch.int64, device) if use_top_k else None,
+            top_p=to_device(top_ps, f32, device) if use_top_p else None,
+            min_p=to_device(min_ps, f32, device) if use_min_p else None,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
-            repetition_penalties=_to_device(reps, f32, device) if use_rep else None,
-            frequency_penalties=_to_device(freqs, f32, device) if use_freq else None,
-            presence_penalties=_to_device(press, f32, device) if use_pres else None,
-            min_tokens_rows=_to_device(mt_rows, torch.int64, device) if mt_rows else None,
-            min_tokens_token_ids=_to_device(mt_ids, torch.int64, device) if mt_rows else None,
-            bad_words_rows=_to_device(bw_rows, torch.int64, device) if bw_rows else None,
-            bad_words_token_ids=_to_device(bw_ids, torch.int64, device) if bw_rows else None,
-            allowed_rows=_to_device(al_rows, torch.int64, device) if al_rows else None,
-            allowed_pair_rows=_to_device(al_pair_rows, torch.int64, device) if al_rows else None,
-            allowed_pair_ids=_to_device(al_pair_ids, torch.int64, device) if al_rows else None,
-            logit_bias_rows=_to_device(lb_rows, torch.int64, device) if lb_rows else None,
-            logit_bias_token_ids=_to_device(lb_ids, torch.int64, device) if lb_rows else None,
-            logit_bias_values=_to_device(lb_vals, f32, device) if lb_rows else None,
+            repetition_penalties=to_device(reps, f32, device) if use_rep else None,
+            frequency_penalties=to_device(freqs, f32, device) if use_freq else None,
+            presence_penalties=to_device(press, f32, device) if use_pres else None,
+            min_tokens_rows=to_device(mt_rows, torch.int64, device) if mt_rows else None,
+            min_tokens_token_ids=to_device(mt_ids, torch.int64, device) if mt_rows else None,
+            bad_words_rows=to_device(bw_rows, torch.int64, device) if bw_rows else None,
+            bad_words_token_ids=to_device(bw_ids, torch.int64, device) if bw_rows else None,
+            allowed_rows=to_device(al_rows, torch.int64, device) if al_rows else None,
+            allowed_pair_rows=to_device(al_pair_rows, torch.int64, device) if al_rows else None,
+            allowed_pair_ids=to_device(al_pair_ids, torch.int64, device) if al_rows else None,
+            logit_bias_rows=to_device(lb_rows, torch.int64, device) if lb_rows else None,
+            logit_bias_token_ids=to_device(lb_ids, torch.int64, device) if lb_rows else None,
+            logit_bias_values=to_device(lb_vals, f32, device) if lb_rows else None,
             seeded_rows=seeded_rows,
             row_seeds=row_seeds,
             num_logprobs=num_logprobs,
-            logprob_rows=_to_device(lp_rows, torch.int64, device) if lp_rows else None,
+            logprob_rows=to_device(lp_rows, torch.int64, device) if lp_rows else None,
             max_num_logprobs=max(num_logprobs[i] for i in lp_rows) if lp_rows else None,
         )

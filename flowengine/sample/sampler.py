@@ -30,7 +30,7 @@ import os
 import torch
 
 from flowengine.sample.filters import apply_min_p, apply_top_k_top_p
-from flowengine.sample.metadata import SamplingMetadata, SamplingState
+from flowengine.sample.metadata import SamplingMetadata, SamplingState, to_device
 from flowengine.sample.output import LogprobsTensors, SamplerOutput
 from flowengine.sample.penalties import (
     apply_allowed_token_ids,
@@ -135,7 +135,7 @@ class Sampler:
         batch without top-k, top-p or min-p, with FLOWENGINE_FUSED_SAMPLING=1."""
         return (logits.device.type == "cuda" and FUSED_SAMPLING
                 and metadata.top_k is None and metadata.top_p is None
-                and metadata.min_p is None and _race_kernel() is not None)
+                and metadata.min_p is None and fused_kernels() is not None)
 
     def _race_fused(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """The exponential race of `_sample_random` (greedy rows too) in one kernel:
@@ -147,15 +147,17 @@ class Sampler:
         device = logits.device
         seeded = metadata.seeded_rows
         if len(seeded) == metadata.num_reqs:
-            keys = _pinned_to(metadata.row_seeds, device)
+            keys = to_device(metadata.row_seeds, torch.int64, device)
         else:
             keys = torch.randint(0, 2**62, (metadata.num_reqs,), dtype=torch.int64,
                                  device=device, generator=self._batch_generator(device))
             if seeded:
-                keys[_pinned_to(seeded, device)] = _pinned_to(metadata.row_seeds, device)
+                keys[to_device(seeded, torch.int64, device)] = to_device(
+                    metadata.row_seeds, torch.int64, device)
         inv_temperature = (None if metadata.temperature is None
                            else metadata.temperature.reciprocal())
-        return _race_kernel()(logits, keys, inv_temperature, metadata.is_greedy)
+        return fused_kernels().exponential_race(logits, keys, inv_temperature,
+                                                metadata.is_greedy)
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race. `logits` [R, V]
@@ -173,8 +175,7 @@ class Sampler:
         else:
             q = _exponential_(torch.empty_like(probs), self._batch_generator(device))
             if seeded:
-                rows = torch.tensor(seeded, dtype=torch.int64, pin_memory=device.type == "cuda")
-                q[rows.to(device, non_blocking=True)] = seeded_exponential(
+                q[to_device(seeded, torch.int64, device)] = seeded_exponential(
                     metadata.row_seeds, probs.shape[1], device)
         # Exp(1) can round to 0; a tiny floor keeps 0-probability tokens at 0 instead of NaN.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
@@ -189,19 +190,14 @@ class Sampler:
 FUSED_SAMPLING = os.environ.get("FLOWENGINE_FUSED_SAMPLING", "0") == "1"
 
 
-def _race_kernel():
-    """flowengine.kernels.sampling.exponential_race where Triton imports, else None."""
+def fused_kernels():
+    """The module flowengine.kernels.sampling where Triton imports, else None (the
+    callers gate its use on FUSED_SAMPLING)."""
     try:
-        from flowengine.kernels.sampling import exponential_race
+        from flowengine.kernels import sampling
     except ImportError:  # pragma: no cover - Triton is a dependency where CUDA is
         return None
-    return exponential_race
-
-
-def _pinned_to(values: list[int], device: torch.device) -> torch.Tensor:
-    """`values` as int64 on `device`, copied from pinned memory without a host sync."""
-    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+    return sampling
 
 
 # splitmix64's constants (Steele, Lea and Flood, "Fast splittable pseudorandom number
@@ -238,8 +234,7 @@ def seeded_exponential(row_seeds: list[int], vocab_size: int,
     if counters is None:
         counters = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _GAMMA
         _TOKEN_COUNTERS[(device, vocab_size)] = counters
-    seeds = torch.tensor(row_seeds, dtype=torch.int64, pin_memory=device.type == "cuda")
-    seeds = seeds.to(device, non_blocking=True).unsqueeze(1)
+    seeds = to_device(row_seeds, torch.int64, device).unsqueeze(1)
     out = torch.empty(len(row_seeds), vocab_size, dtype=torch.float32, device=device)
     chunk = _SEEDED_CHUNK.get(device.type, 1 << 24)
     cols = min(vocab_size, chunk)
