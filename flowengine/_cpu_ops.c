@@ -2093,6 +2093,325 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
     return PyUnicode_FromString(use_avx512() ? "avx512" : "c");
 }
 
+/* ------------------------------------------------------------------ sampling
+ * sample_rows: one token per row of float32 logits [R, V] by the sampler's pipeline
+ * after its masks and penalties (flowengine/sample/sampler.py): temperature, top-k,
+ * top-p, min-p, then the exponential race in Gumbel form,
+ *     argmax_t  s_t - log(-log U(key, t)),   s_t = logits[t] / T,
+ * over the tokens the filters keep (greedy rows: argmax_t logits[t]). U is the
+ * counter-based generator of `seeded_exponential`: splitmix64's output function of
+ * key + (t + 1) * gamma, its top 24 bits as [0, 1) (Steele, Lea and Flood, OOPSLA
+ * 2014); so a row drawn with key = its step seed takes the token the torch path takes
+ * with the same q. Ties go to the lowest index (torch.argmax's rule); a row whose
+ * logits are all -inf gives token 0.
+ *
+ * Filters, in s (all ties at a threshold kept): top-k keeps s >= the k-th largest;
+ * top-p walks the kept tokens from the most likely, keeping each while the mass before
+ * it is < p of the total (vLLM's semantics: the smallest set whose mass reaches p),
+ * found by bucketing s by its distance to the maximum (1/16 nat per bucket), then
+ * sorting only the bucket where the mass crosses p; min-p keeps s >= max + log(min_p).
+ * One pass per row over V when no filter applies; the torch ops it replaces took
+ * 0.5-1 ms per 49k-token row on this project's 2-core CPU and ~2 ms inside a step,
+ * where every op woke torch's intra-op threads (docs/benchmarks.md, session 33). */
+#define SM_GAMMA 0x9E3779B97F4A7C15ULL
+#define SM_MIX1 0xBF58476D1CE4E5B9ULL
+#define SM_MIX2 0x94D049BB133111EBULL
+#define TOPP_BINS 1024 /* 1/16 nat each: 64 nats, the last bin takes the rest */
+
+static inline float sm_uniform(uint64_t key, int64_t t)
+{
+    uint64_t z = key + (uint64_t)(t + 1) * SM_GAMMA;
+    z = (z ^ (z >> 30)) * SM_MIX1;
+    z = (z ^ (z >> 27)) * SM_MIX2;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+typedef struct {
+    const float *logits;
+    int64_t vocab, stride;
+    const float *inv_t;    /* [R] or NULL (1) */
+    const int64_t *top_k;  /* [R] or NULL; k <= 0 or k >= V: no top-k */
+    const float *top_p;    /* [R] or NULL; p >= 1: no top-p */
+    const float *min_p;    /* [R] or NULL; min_p <= 0: no min-p */
+    const uint64_t *keys;  /* [R] */
+    const uint8_t *greedy; /* [R] or NULL */
+    int64_t *out;          /* [R] */
+    int failed;            /* set when a row's scratch could not be allocated */
+} sample_ctx;
+
+static int64_t argmax_first(const float *l, int64_t V)
+{
+    int64_t best = 0;
+    for (int64_t t = 1; t < V; t++)
+        if (l[t] > l[best])
+            best = t;
+    return best;
+}
+
+static float kth_largest(float *a, int64_t n, int64_t k) /* a is scrambled */
+{
+    int64_t lo = 0, hi = n - 1, want = k - 1; /* index in descending order */
+    while (lo < hi) {
+        float pivot = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                float tmp = a[i]; a[i] = a[j]; a[j] = tmp;
+                i++; j--;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+static int desc_float(const void *x, const void *y)
+{
+    float a = *(const float *)x, b = *(const float *)y;
+    return (a < b) - (a > b);
+}
+
+/* The top-p threshold in s over the tokens with s >= thr; -inf keeps them all. */
+static float top_p_threshold(const float *l, float it, int64_t V, float thr, float mx, float p,
+                             float *scratch)
+{
+    double mass[TOPP_BINS] = {0};
+    double total = 0;
+    for (int64_t t = 0; t < V; t++) {
+        float s = l[t] * it;
+        if (!(s >= thr) || s == -INFINITY)
+            continue;
+        double d = (double)(mx - s) * 16.0;
+        int b = d < TOPP_BINS - 1 ? (int)d : TOPP_BINS - 1;
+        float w = expf(s - mx);
+        mass[b] += w;
+        total += w;
+    }
+    double target = (double)p * total, before = 0;
+    int cross = -1;
+    for (int b = 0; b < TOPP_BINS; b++) {
+        if (before + mass[b] >= target) { cross = b; break; }
+        before += mass[b];
+    }
+    if (cross < 0)
+        return -INFINITY;
+    int64_t n = 0;
+    for (int64_t t = 0; t < V; t++) {
+        float s = l[t] * it;
+        if (!(s >= thr) || s == -INFINITY)
+            continue;
+        double d = (double)(mx - s) * 16.0;
+        int b = d < TOPP_BINS - 1 ? (int)d : TOPP_BINS - 1;
+        if (b == cross)
+            scratch[n++] = s;
+    }
+    qsort(scratch, (size_t)n, sizeof(float), desc_float);
+    float last = scratch[0];
+    for (int64_t i = 0; i < n && before < target; i++) {
+        last = scratch[i];
+        before += exp((double)(scratch[i] - mx));
+    }
+    return last;
+}
+
+#if HAVE_X86
+#define AVX512DQ __attribute__((target("avx512f,avx512dq,fma")))
+/* log(x) for x > 0 (finite), 16 lanes: Cephes' logf (x = m 2^e, m in [sqrt(1/2),
+ * sqrt(2)), a degree-9 polynomial in m - 1), ~1 ulp; the race needs no more. */
+AVX512DQ static inline __m512 log_ps(__m512 x)
+{
+    __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_zero); /* [0.5, 1) */
+    __m512 e = _mm512_add_ps(_mm512_getexp_ps(x), _mm512_set1_ps(1.0f));
+    __mmask16 small = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+    e = _mm512_mask_sub_ps(e, small, e, _mm512_set1_ps(1.0f));
+    m = _mm512_mask_add_ps(m, small, m, m);
+    __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+    __m512 z = _mm512_mul_ps(f, f);
+    __m512 y = _mm512_set1_ps(7.0376836292E-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993E-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174E-1f));
+    y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
+    y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+    y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));
+}
+
+AVX512DQ static inline __m512i splitmix_epi64(__m512i z)
+{
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)),
+                           _mm512_set1_epi64((long long)SM_MIX1));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)),
+                           _mm512_set1_epi64((long long)SM_MIX2));
+    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
+/* The race over [0, n16) (a multiple of 16): the best score and its index. */
+AVX512DQ static void race_avx512(const float *l, float it, int64_t n16, float thr,
+                                 uint64_t key, float *best_score, int64_t *best_index)
+{
+    const __m512i step = _mm512_set1_epi64((long long)(16 * SM_GAMMA));
+    __m512i za = _mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1), zb;
+    za = _mm512_add_epi64(_mm512_set1_epi64((long long)key),
+                          _mm512_mullo_epi64(za, _mm512_set1_epi64((long long)SM_GAMMA)));
+    zb = _mm512_add_epi64(za, _mm512_set1_epi64((long long)(8 * SM_GAMMA)));
+    const __m512 vit = _mm512_set1_ps(it), vthr = _mm512_set1_ps(thr);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(1.0f / 16777216.0f);
+    __m512 best = ninf;
+    __m512i best_t = _mm512_setzero_si512();
+    __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t t = 0; t < n16; t += 16) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(l + t), vit);
+        __mmask16 keep = _mm512_cmp_ps_mask(s, vthr, _CMP_GE_OQ)
+                         & _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_OQ);
+        __m512i ha = _mm512_srli_epi64(splitmix_epi64(za), 40);
+        __m512i hb = _mm512_srli_epi64(splitmix_epi64(zb), 40);
+        za = _mm512_add_epi64(za, step);
+        zb = _mm512_add_epi64(zb, step);
+        if (!keep)
+            continue;
+        __m512 u = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(ha)),
+                                      _mm512_cvtepi64_ps(hb), 1);
+        u = _mm512_mul_ps(u, scale);
+        keep &= _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
+        __m512 q = _mm512_sub_ps(_mm512_setzero_ps(), log_ps(_mm512_mask_blend_ps(
+                                      keep, _mm512_set1_ps(0.5f), u)));
+        __m512 score = _mm512_sub_ps(s, log_ps(q));
+        __mmask16 better = _mm512_mask_cmp_ps_mask(keep, score, best, _CMP_GT_OQ);
+        best = _mm512_mask_blend_ps(better, best, score);
+        best_t = _mm512_mask_blend_epi32(better, best_t,
+                                         _mm512_add_epi32(lanes, _mm512_set1_epi32((int)t)));
+    }
+    float bs[16];
+    int32_t bt[16];
+    _mm512_storeu_ps(bs, best);
+    _mm512_storeu_si512((void *)bt, best_t);
+    for (int i = 0; i < 16; i++)
+        if (bs[i] > *best_score || (bs[i] == *best_score && bs[i] != -INFINITY
+                                     && bt[i] < *best_index)) {
+            *best_score = bs[i];
+            *best_index = bt[i];
+        }
+}
+
+static int use_avx512dq(void)
+{
+    static int cached = -1;
+    if (cached < 0)
+        cached = use_avx512() && __builtin_cpu_supports("avx512dq");
+    return cached;
+}
+#endif
+
+static int64_t race_row(const float *l, float it, int64_t V, float thr, uint64_t key)
+{
+    float best = -INFINITY;
+    int64_t best_t = 0, t = 0;
+#if HAVE_X86
+    if (use_avx512dq() && V < ((int64_t)1 << 31)) {
+        t = V / 16 * 16;
+        race_avx512(l, it, t, thr, key, &best, &best_t);
+    }
+#endif
+    for (; t < V; t++) {
+        float s = l[t] * it;
+        if (!(s >= thr) || s == -INFINITY)
+            continue;
+        float u = sm_uniform(key, t);
+        if (u <= 0.0f)
+            continue;
+        float score = s - logf(-logf(u));
+        if (score > best) {
+            best = score;
+            best_t = t;
+        }
+    }
+    return best_t;
+}
+
+static void sample_row(const void *vctx, int64_t r)
+{
+    sample_ctx *c = (sample_ctx *)vctx;
+    const float *l = c->logits + r * c->stride;
+    const int64_t V = c->vocab;
+    if (c->greedy && c->greedy[r]) {
+        c->out[r] = argmax_first(l, V);
+        return;
+    }
+    const float it = c->inv_t ? c->inv_t[r] : 1.0f;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < V; t++) {
+        float s = l[t] * it;
+        mx = s > mx ? s : mx;
+    }
+    if (mx == -INFINITY) {
+        c->out[r] = 0;
+        return;
+    }
+    float thr = -INFINITY;
+    const int64_t k = c->top_k ? c->top_k[r] : 0;
+    const float p = c->top_p ? c->top_p[r] : 1.0f, mp = c->min_p ? c->min_p[r] : 0.0f;
+    if ((k > 0 && k < V) || p < 1.0f) {
+        float *scratch = malloc((size_t)V * sizeof(float));
+        if (!scratch) {
+            c->failed = 1;
+            c->out[r] = 0;
+            return;
+        }
+        if (k > 0 && k < V) {
+            for (int64_t t = 0; t < V; t++)
+                scratch[t] = l[t] * it;
+            thr = kth_largest(scratch, V, k);
+        }
+        if (p < 1.0f) {
+            float tp = top_p_threshold(l, it, V, thr, mx, p, scratch);
+            thr = tp > thr ? tp : thr;
+        }
+        free(scratch);
+    }
+    if (mp > 0.0f) {
+        float tm = mx + logf(mp);
+        thr = tm > thr ? tm : thr;
+    }
+    c->out[r] = race_row(l, it, V, thr, c->keys[r]);
+}
+
+/* sample_rows(logits, rows, vocab, row_stride, inv_t, top_k, top_p, min_p, keys, greedy,
+ * out, num_threads): pointers (0 for an absent optional array), see above. */
+static PyObject *py_sample_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long lp, itp, kp, pp, mpp, keyp, gp, op;
+    long long R, V, stride;
+    int nth;
+    if (!PyArg_ParseTuple(args, "KLLLKKKKKKKi", &lp, &R, &V, &stride, &itp, &kp, &pp, &mpp,
+                          &keyp, &gp, &op, &nth))
+        return NULL;
+    if (R < 0 || V < 1 || stride < V || nth < 1 || !lp || !keyp || !op) {
+        PyErr_SetString(PyExc_ValueError, "sample_rows: bad shapes or pointers");
+        return NULL;
+    }
+    sample_ctx c = {(const float *)(uintptr_t)lp, V, stride, (const float *)(uintptr_t)itp,
+                    (const int64_t *)(uintptr_t)kp, (const float *)(uintptr_t)pp,
+                    (const float *)(uintptr_t)mpp, (const uint64_t *)(uintptr_t)keyp,
+                    (const uint8_t *)(uintptr_t)gp, (int64_t *)(uintptr_t)op, 0};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(sample_row, &c, R, nth < R ? nth : (int)R);
+    Py_END_ALLOW_THREADS
+    if (c.failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(fmt, x_ptr, M, K, qs_ptr, scales_ptr, N, out_ptr, num_threads): out[M, N] "
@@ -2112,6 +2431,10 @@ static PyMethodDef methods[] = {
      "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
      "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
+    {"sample_rows", py_sample_rows, METH_VARARGS,
+     "sample_rows(logits_ptr, rows, vocab, row_stride, inv_t_ptr, top_k_ptr, top_p_ptr, "
+     "min_p_ptr, keys_ptr, greedy_ptr, out_ptr, num_threads): one token per row (temperature, "
+     "top-k, top-p, min-p, the exponential race on splitmix64 keys); 0 for an absent array"},
     {"apply_token_bitmask", py_apply_token_bitmask, METH_VARARGS,
      "apply_token_bitmask(logits_ptr, logit_rows, num_rows, vocab, row_stride, words_ptr, "
      "num_words, "

@@ -11,10 +11,13 @@ Pipeline, in vLLM's order:
    with probability probs[i] / sum(probs) (the Gumbel-max trick in exponential form),
    with no normalisation, no cumsum and no host sync.
 
-On CUDA, for a batch without top-k, top-p or min-p (FLOWENGINE_FUSED_SAMPLING=0 turns it off),
-step 4 (and the greedy rows' argmax) is one Triton kernel (`kernels/sampling.py`:
-argmax(l / T - log q), the same race without the softmax); the grammar bitmask before
-it is one kernel too.
+On CUDA, for a batch without top-k, top-p or min-p, step 4 (and the greedy rows' argmax)
+is one Triton kernel (`kernels/sampling.py`: argmax(l / T - log q), the same race
+without the softmax); the grammar bitmask before it is one kernel too. On the CPU,
+step 4 with its filters is one C call over the rows (`flowengine._cpu_ops.sample_rows`,
+Sampler._race_on_host). Both draw q from the counter-based generator below with a key
+per row, so a seeded row takes the same token on every path.
+FLOWENGINE_FUSED_SAMPLING=0 turns both off (the torch ops of `_sample_random`).
 
 Seeded rows draw q from a counter-based generator (`seeded_exponential`): a pure
 function of (`step_seed(seed, num_output_tokens)`, token id), computed for all seeded
@@ -117,6 +120,8 @@ class Sampler:
             sampled = logits.argmax(dim=-1)
         elif self._can_fuse(logits, metadata):
             sampled = self._race_fused(logits, metadata)
+        elif self._can_race_on_host(logits):
+            sampled = self._race_on_host(logits, metadata)
         else:
             greedy = None if metadata.all_random else logits.argmax(dim=-1)
             random = self._sample_random(logits if owned else logits.clone(), metadata)
@@ -144,20 +149,57 @@ class Sampler:
         seed, or for unseeded rows a value from the batch generator (one device op).
         Each op costs ~10-15 us of host time on the H200's host (session 32): the
         unfused path is ~8 ops plus ~15 for seeded rows."""
-        device = logits.device
-        seeded = metadata.seeded_rows
-        if len(seeded) == metadata.num_reqs:
-            keys = to_device(metadata.row_seeds, torch.int64, device)
-        else:
-            keys = torch.randint(0, 2**62, (metadata.num_reqs,), dtype=torch.int64,
-                                 device=device, generator=self._batch_generator(device))
-            if seeded:
-                keys[to_device(seeded, torch.int64, device)] = to_device(
-                    metadata.row_seeds, torch.int64, device)
         inv_temperature = (None if metadata.temperature is None
                            else metadata.temperature.reciprocal())
-        return fused_kernels().exponential_race(logits, keys, inv_temperature,
-                                                metadata.is_greedy)
+        return fused_kernels().exponential_race(logits, self._race_keys(metadata, logits.device),
+                                                inv_temperature, metadata.is_greedy)
+
+    def _race_keys(self, metadata: SamplingMetadata, device: torch.device) -> torch.Tensor:
+        """[R] int64 keys of the counter-based race: a seeded row's step seed, for the
+        others a value from the batch generator (one op for all of them)."""
+        seeded = metadata.seeded_rows
+        if len(seeded) == metadata.num_reqs:
+            return to_device(metadata.row_seeds, torch.int64, device)
+        keys = torch.randint(0, 2**62, (metadata.num_reqs,), dtype=torch.int64,
+                             device=device, generator=self._batch_generator(device))
+        if seeded:
+            keys[to_device(seeded, torch.int64, device)] = to_device(
+                metadata.row_seeds, torch.int64, device)
+        return keys
+
+    @staticmethod
+    def _can_race_on_host(logits: torch.Tensor) -> bool:
+        """Whether the CPU's C sampler (`flowengine._cpu_ops.sample_rows`) takes the
+        batch: float32 CPU logits with unit stride over the vocabulary, the extension
+        built, unless FLOWENGINE_FUSED_SAMPLING=0."""
+        return (logits.device.type == "cpu" and FUSED_SAMPLING and logits.stride(1) == 1
+                and logits.stride(0) >= logits.shape[1] and cpu_ops() is not None)
+
+    def _race_on_host(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and the race of `_sample_random` (greedy
+        rows their argmax) in one C call over the rows, on the executor's threads: the
+        same tokens as the torch ops for seeded rows (up to float rounding at a
+        filter's threshold or between two near-equal scores), the same distribution
+        for the others. The torch ops woke torch's intra-op threads once per op, ~2 ms
+        per step at batch 1 on the 2-core CPU (docs/benchmarks.md, session 33)."""
+        m = metadata
+        keys = self._race_keys(m, logits.device)
+        inv_t = None if m.temperature is None else m.temperature.reciprocal()
+        greedy = None if m.is_greedy is None else m.is_greedy.to(torch.uint8)
+        out = torch.empty(m.num_reqs, dtype=torch.int64)
+
+        # Kept alive until the call returns (their pointers are read there).
+        arrays = [None if a is None else a.contiguous()
+                  for a in (inv_t, m.top_k, m.top_p, m.min_p, keys, greedy)]
+
+        def ptr(i: int) -> int:
+            return 0 if arrays[i] is None else arrays[i].data_ptr()
+
+        cpu_ops().sample_rows(logits.data_ptr(), m.num_reqs, logits.shape[1],
+                              logits.stride(0), ptr(0), ptr(1), ptr(2), ptr(3), ptr(4),
+                              ptr(5), out.data_ptr(),
+                              torch.get_num_threads())
+        return out
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race. `logits` [R, V]
@@ -189,6 +231,15 @@ class Sampler:
 # the torch ops (docs/benchmarks.md, "Session 33"); tests/kernels/test_kernel_sampling.py
 # and tests/sample passed on that H100.
 FUSED_SAMPLING = os.environ.get("FLOWENGINE_FUSED_SAMPLING", "1") != "0"
+
+
+def cpu_ops():
+    """The C extension flowengine._cpu_ops (built by pip install), else None."""
+    try:
+        from flowengine import _cpu_ops
+    except ImportError:  # pragma: no cover - a source tree without the build
+        return None
+    return _cpu_ops
 
 
 def fused_kernels():

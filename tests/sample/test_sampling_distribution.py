@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import flowengine.sample.sampler as sampler_module
 from flowengine.sample.metadata import SamplingState
 from flowengine.sample.sampler import Sampler
 from flowengine.sampling_params import SamplingParams
@@ -44,6 +45,12 @@ def check(counts: torch.Tensor, perm: torch.Tensor, weights: list[float]) -> Non
         q = w / total
         sigma = math.sqrt(NUM_DRAWS * q * (1 - q))
         assert abs(count - NUM_DRAWS * q) <= 5 * sigma, (j, count, NUM_DRAWS * q, sigma)
+
+
+@pytest.fixture(autouse=True, params=["kernels", "torch-ops"])
+def sampling_path(request, monkeypatch) -> None:
+    """Every test on both CPU paths: the C sampler (the default) and the torch ops."""
+    monkeypatch.setattr(sampler_module, "FUSED_SAMPLING", request.param == "kernels")
 
 
 @pytest.fixture

@@ -1,0 +1,109 @@
+"""The CPU's C sampler (`flowengine._cpu_ops.sample_rows`, Sampler._race_on_host)
+against the torch ops it replaces (Sampler._sample_random): for seeded rows both draw
+the same counter-based noise, so they must pick the same token, filters included;
+greedy rows take the argmax; rows the masks leave one token or none behave as torch's
+argmax does. The distributions of unseeded rows are checked by
+test_sampling_distribution.py, which runs both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flowengine.sample.sampler as sampler_module
+from flowengine.sample.metadata import SamplingState
+from flowengine.sample.sampler import Sampler, cpu_ops
+from flowengine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="flowengine._cpu_ops is not built")
+
+FILTERS = [
+    {"temperature": 1.0},
+    {"temperature": 0.7},
+    {"temperature": 0.8, "top_k": 20},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 1.3, "top_p": 0.5, "top_k": 100},
+    {"temperature": 1.0, "min_p": 0.1},
+    {"temperature": 0.9, "top_p": 0.95, "min_p": 0.05},
+    {"temperature": 1.0, "top_k": 1},
+]
+
+
+def _both(logits: torch.Tensor, states: list[SamplingState], monkeypatch) -> tuple:
+    monkeypatch.setattr(sampler_module, "FUSED_SAMPLING", True)
+    c_path = Sampler(seed=3)(logits, states).sampled_token_ids
+    monkeypatch.setattr(sampler_module, "FUSED_SAMPLING", False)
+    torch_path = Sampler(seed=3)(logits, states).sampled_token_ids
+    return c_path, torch_path
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_seeded_rows_pick_the_torch_paths_token(filters: dict, monkeypatch) -> None:
+    """6 batches x 48 rows, a 5,003-token vocabulary (not a multiple of the C loop's 16
+    lanes), logits of a 3x-scaled normal: every row's token is the torch path's."""
+    gen = torch.Generator().manual_seed(11)
+    for batch in range(6):
+        logits = torch.randn(48, 5003, generator=gen) * 3
+        states = [SamplingState(SamplingParams(seed=batch * 100 + i, **filters), [1],
+                                list(range(i % 5))) for i in range(48)]
+        c_path, torch_path = _both(logits, states, monkeypatch)
+        assert torch.equal(c_path, torch_path), (batch, (c_path != torch_path).nonzero())
+
+
+def test_mixed_batch_with_greedy_rows_strided_logits_and_masks(monkeypatch) -> None:
+    """Greedy rows among seeded ones, logits that are a view with a row stride wider
+    than the vocabulary, allowed_token_ids leaving a few tokens and one leaving one."""
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(40, 3100, generator=gen) * 2
+    logits = wide[:, :3000]
+    assert logits.stride(0) == 3100
+    states = []
+    for i in range(40):
+        allowed = [7] if i == 3 else ([1, 50, 2999, 1234] if i % 4 == 1 else None)
+        params = SamplingParams(temperature=0.0 if i % 3 == 0 else 0.5 + i / 40,
+                                top_p=0.8 if i % 6 == 2 else 1.0,
+                                seed=None if i % 3 == 0 else 7 + i, allowed_token_ids=allowed)
+        states.append(SamplingState(params, [1], []))
+    c_path, torch_path = _both(logits, states, monkeypatch)
+    assert torch.equal(c_path, torch_path)
+    greedy_rows = [i for i in range(40) if i % 3 == 0 and i % 4 != 1 and i != 3]
+    assert torch.equal(c_path[greedy_rows], logits[greedy_rows].argmax(dim=-1))
+    assert int(c_path[3]) == 7
+    for i in range(1, 40, 4):
+        assert int(c_path[i]) in (1, 50, 2999, 1234)
+
+
+def test_direct_call_edge_rows() -> None:
+    """sample_rows itself: a row of -inf gives token 0 (torch.argmax's answer); top-k
+    1 and a 0.0 top-p-like tiny p keep the maximum only; ties of the maximum under
+    greedy go to the lowest index; a bad shape is a ValueError."""
+    ops = cpu_ops()
+    logits = torch.randn(4, 100)
+    logits[0] = float("-inf")
+    logits[3, 10] = logits[3, 60] = 50.0
+    keys = torch.arange(4, dtype=torch.int64) * 977
+    top_k = torch.tensor([100, 1, 100, 100])
+    top_p = torch.tensor([1.0, 1.0, 1e-6, 1.0])
+    greedy = torch.tensor([0, 0, 0, 1], dtype=torch.uint8)
+    out = torch.full((4,), -1, dtype=torch.int64)
+    ops.sample_rows(logits.data_ptr(), 4, 100, 100, 0, top_k.data_ptr(), top_p.data_ptr(), 0,
+                    keys.data_ptr(), greedy.data_ptr(), out.data_ptr(), 2)
+    assert out.tolist() == [0, int(logits[1].argmax()), int(logits[2].argmax()), 10]
+    with pytest.raises(ValueError):
+        ops.sample_rows(logits.data_ptr(), 4, 100, 50, 0, 0, 0, 0, keys.data_ptr(), 0,
+                        out.data_ptr(), 1)
+
+
+def test_the_scalar_body_picks_the_same_tokens() -> None:
+    """FLOWENGINE_CPU_NO_AVX512=1 (read once per process) takes the scalar loop with
+    libm's logf instead of the AVX-512 body: the seeded test above, in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLOWENGINE_CPU_NO_AVX512="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_seeded_rows_pick_the_torch_paths_token"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert f"{len(FILTERS)} passed" in proc.stdout
