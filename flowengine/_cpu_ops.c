@@ -2137,14 +2137,45 @@ typedef struct {
     const uint64_t *keys;  /* [R] */
     const uint8_t *greedy; /* [R] or NULL */
     int64_t *out;          /* [R] */
+    int all_greedy;        /* every row takes its argmax (the other arrays unread) */
     int failed;            /* set when a row's scratch could not be allocated */
 } sample_ctx;
 
+#if HAVE_X86
+/* The first index of the maximum of l[0, V), 16 lanes a pass: the maximum, then the
+ * first lane equal to it. */
+AVX512 static int64_t argmax_first_avx512(const float *l, int64_t V)
+{
+    const int64_t n16 = V / 16 * 16;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n16; t += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(l + t));
+    float mx = _mm512_reduce_max_ps(vmax);
+    for (int64_t t = n16; t < V; t++)
+        mx = l[t] > mx ? l[t] : mx;
+    const __m512 vm = _mm512_set1_ps(mx);
+    for (int64_t t = 0; t < n16; t += 16) {
+        __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(l + t), vm, _CMP_EQ_OQ);
+        if (eq)
+            return t + __builtin_ctz(eq);
+    }
+    for (int64_t t = n16; t < V; t++)
+        if (l[t] == mx)
+            return t;
+    return 0; /* every logit NaN */
+}
+#endif
+
+/* The first index of the maximum (torch.argmax's tie rule); NaN logits are skipped. */
 static int64_t argmax_first(const float *l, int64_t V)
 {
+#if HAVE_X86
+    if (use_avx512())
+        return argmax_first_avx512(l, V);
+#endif
     int64_t best = 0;
     for (int64_t t = 1; t < V; t++)
-        if (l[t] > l[best])
+        if (l[t] > l[best] || l[best] != l[best])
             best = t;
     return best;
 }
@@ -2344,7 +2375,7 @@ static void sample_row(const void *vctx, int64_t r)
     sample_ctx *c = (sample_ctx *)vctx;
     const float *l = c->logits + r * c->stride;
     const int64_t V = c->vocab;
-    if (c->greedy && c->greedy[r]) {
+    if (c->all_greedy || (c->greedy && c->greedy[r])) {
         c->out[r] = argmax_first(l, V);
         return;
     }
@@ -2387,7 +2418,8 @@ static void sample_row(const void *vctx, int64_t r)
 }
 
 /* sample_rows(logits, rows, vocab, row_stride, inv_t, top_k, top_p, min_p, keys, greedy,
- * out, num_threads): pointers (0 for an absent optional array), see above. */
+ * out, num_threads): pointers (0 for an absent optional array), see above; greedy = 1
+ * (not a pointer) takes every row's argmax, and keys may then be 0. */
 static PyObject *py_sample_rows(PyObject *self, PyObject *args)
 {
     unsigned long long lp, itp, kp, pp, mpp, keyp, gp, op;
@@ -2396,14 +2428,15 @@ static PyObject *py_sample_rows(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KLLLKKKKKKKi", &lp, &R, &V, &stride, &itp, &kp, &pp, &mpp,
                           &keyp, &gp, &op, &nth))
         return NULL;
-    if (R < 0 || V < 1 || stride < V || nth < 1 || !lp || !keyp || !op) {
+    if (R < 0 || V < 1 || stride < V || nth < 1 || !lp || !op || (!keyp && gp != 1)) {
         PyErr_SetString(PyExc_ValueError, "sample_rows: bad shapes or pointers");
         return NULL;
     }
     sample_ctx c = {(const float *)(uintptr_t)lp, V, stride, (const float *)(uintptr_t)itp,
                     (const int64_t *)(uintptr_t)kp, (const float *)(uintptr_t)pp,
                     (const float *)(uintptr_t)mpp, (const uint64_t *)(uintptr_t)keyp,
-                    (const uint8_t *)(uintptr_t)gp, (int64_t *)(uintptr_t)op, 0};
+                    gp == 1 ? NULL : (const uint8_t *)(uintptr_t)gp, (int64_t *)(uintptr_t)op,
+                    gp == 1, 0};
     Py_BEGIN_ALLOW_THREADS
     pool_run(sample_row, &c, R, nth < R ? nth : (int)R);
     Py_END_ALLOW_THREADS
@@ -2434,7 +2467,8 @@ static PyMethodDef methods[] = {
     {"sample_rows", py_sample_rows, METH_VARARGS,
      "sample_rows(logits_ptr, rows, vocab, row_stride, inv_t_ptr, top_k_ptr, top_p_ptr, "
      "min_p_ptr, keys_ptr, greedy_ptr, out_ptr, num_threads): one token per row (temperature, "
-     "top-k, top-p, min-p, the exponential race on splitmix64 keys); 0 for an absent array"},
+     "top-k, top-p, min-p, the exponential race on splitmix64 keys); 0 for an absent array, "
+     "greedy_ptr 1 for an all-greedy batch"},
     {"apply_token_bitmask", py_apply_token_bitmask, METH_VARARGS,
      "apply_token_bitmask(logits_ptr, logit_rows, num_rows, vocab, row_stride, words_ptr, "
      "num_words, "

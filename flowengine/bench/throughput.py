@@ -44,8 +44,12 @@ def random_prompts(num: int, input_len: int, vocab_size: int, special: set[int],
     return [[rng.choice(allowed) for _ in range(input_len)] for _ in range(num)]
 
 
-def run_flowengine(llm, prompts: list[list[int]], output_len: int) -> Result:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def run_flowengine(llm, prompts: list[list[int]], output_len: int, temperature: float = 0.0,
+                   top_p: float = 1.0) -> Result:
+    """Time `llm.generate` over `prompts` (token ids), `output_len` tokens each
+    (ignore_eos), greedy by default."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len,
+                            ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -119,6 +123,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of every request")
     p.add_argument("--hf", action="store_true", help="also run transformers generate")
     p.add_argument(
         "--hf-backend",
@@ -143,7 +150,7 @@ def main(argv: list[str]) -> int:
     prompts = random_prompts(
         ns.num_prompts, ns.input_len, llm.resolved.model_config.vocab_size, special, ns.prompt_seed
     )
-    results = [run_flowengine(llm, prompts, ns.output_len)]
+    results = [run_flowengine(llm, prompts, ns.output_len, ns.temperature, ns.top_p)]
     print(f"flowengine: {results[0].row()}", flush=True)  # before transformers runs
     if ns.hf:
         llm.shutdown()

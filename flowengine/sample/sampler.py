@@ -117,7 +117,8 @@ class Sampler:
                 )
 
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = (self._argmax_on_host(logits) if self._can_race_on_host(logits)
+                       else logits.argmax(dim=-1))
         elif self._can_fuse(logits, metadata):
             sampled = self._race_fused(logits, metadata)
         elif self._can_race_on_host(logits):
@@ -174,6 +175,16 @@ class Sampler:
         built, unless FLOWENGINE_FUSED_SAMPLING=0."""
         return (logits.device.type == "cpu" and FUSED_SAMPLING and logits.stride(1) == 1
                 and logits.stride(0) >= logits.shape[1] and cpu_ops() is not None)
+
+    @staticmethod
+    def _argmax_on_host(logits: torch.Tensor) -> torch.Tensor:
+        """[R] int64: each row's first maximum (torch.argmax's rule), one C call over
+        the rows on the executor's threads (greedy = 1: every row greedy)."""
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        cpu_ops().sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                              logits.stride(0), 0, 0, 0, 0, 0, 1, out.data_ptr(),
+                              torch.get_num_threads())
+        return out
 
     def _race_on_host(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and the race of `_sample_random` (greedy

@@ -94,16 +94,34 @@ def test_direct_call_edge_rows() -> None:
                         out.data_ptr(), 1)
 
 
+def test_all_greedy_batch_is_torch_argmax() -> None:
+    """An all-greedy batch (one C call, greedy = 1): torch.argmax's token in every row,
+    ties of the maximum to the lowest index (within and across 16-lane groups and in
+    the tail), a row of -inf to token 0, a vocabulary of 4,099 and a row stride."""
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(9, 4200, generator=gen)
+    logits = wide[:, :4099]
+    logits[1, 5] = logits[1, 9] = 40.0        # a tie inside one group
+    logits[2, 17] = logits[2, 4000] = 40.0    # across groups
+    logits[3, 4097] = logits[3, 4098] = 40.0  # in the tail past the last full group
+    logits[4] = float("-inf")
+    states = [SamplingState(SamplingParams(temperature=0.0), [1], []) for _ in range(9)]
+    got = Sampler()(logits, states).sampled_token_ids
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[1:5].tolist() == [5, 17, 4097, 0]
+
+
 def test_the_scalar_body_picks_the_same_tokens() -> None:
-    """FLOWENGINE_CPU_NO_AVX512=1 (read once per process) takes the scalar loop with
-    libm's logf instead of the AVX-512 body: the seeded test above, in a subprocess."""
+    """FLOWENGINE_CPU_NO_AVX512=1 (read once per process) takes the scalar loops (libm's
+    logf) instead of the AVX-512 bodies: the seeded and greedy tests, in a subprocess."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, FLOWENGINE_CPU_NO_AVX512="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"{__file__}::test_seeded_rows_pick_the_torch_paths_token"],
+                           f"{__file__}::test_seeded_rows_pick_the_torch_paths_token",
+                           f"{__file__}::test_all_greedy_batch_is_torch_argmax"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert f"{len(FILTERS)} passed" in proc.stdout
+    assert f"{len(FILTERS) + 1} passed" in proc.stdout
