@@ -27,6 +27,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -2102,14 +2103,15 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
  * counter-based generator of `seeded_exponential`: splitmix64's output function of
  * key + (t + 1) * gamma, its top 24 bits as [0, 1) (Steele, Lea and Flood, OOPSLA
  * 2014); so a row drawn with key = its step seed takes the token the torch path takes
- * with the same q. Ties go to the lowest index (torch.argmax's rule); a row whose
- * logits are all -inf gives token 0.
+ * with the same q. Scores are relative to the row's maximum. Ties go to the lowest index
+ * (torch.argmax's rule); a row whose logits are all -inf gives token 0; a kept token
+ * whose U is 0 (q = inf) is drawn only when every other kept token's U is 0 too.
  *
  * Filters, in s (all ties at a threshold kept): top-k keeps s >= the k-th largest;
  * top-p walks the kept tokens from the most likely, keeping each while the mass before
  * it is < p of the total (vLLM's semantics: the smallest set whose mass reaches p),
  * found by bucketing s by its distance to the maximum (1/16 nat per bucket), then
- * sorting only the bucket where the mass crosses p; min-p keeps s >= max + log(min_p).
+ * sorting only the bucket where the mass crosses p; min-p keeps s - max >= log(min_p).
  * One pass per row over V when no filter applies; the torch ops it replaces took
  * 0.5-1 ms per 49k-token row on this project's 2-core CPU and ~2 ms inside a step,
  * where every op woke torch's intra-op threads (docs/benchmarks.md, session 33). */
@@ -2149,7 +2151,7 @@ AVX512 static int64_t argmax_first_avx512(const float *l, int64_t V)
     const int64_t n16 = V / 16 * 16;
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n16; t += 16)
-        vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(l + t));
+        vmax = _mm512_max_ps(_mm512_loadu_ps(l + t), vmax); /* a NaN lane keeps vmax */
     float mx = _mm512_reduce_max_ps(vmax);
     for (int64_t t = n16; t < V; t++)
         mx = l[t] > mx ? l[t] : mx;
@@ -2288,8 +2290,9 @@ AVX512DQ static inline __m512i splitmix_epi64(__m512i z)
 }
 
 /* The race over [0, n16) (a multiple of 16): the best score and its index. */
-AVX512DQ static void race_avx512(const float *l, float it, int64_t n16, float thr,
-                                 uint64_t key, float *best_score, int64_t *best_index)
+AVX512DQ static void race_avx512(const float *l, float it, int64_t n16, float thr, float mx,
+                                 float thr_d, uint64_t key, float *best_score,
+                                 int64_t *best_index)
 {
     const __m512i step = _mm512_set1_epi64((long long)(16 * SM_GAMMA));
     __m512i za = _mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1), zb;
@@ -2297,13 +2300,17 @@ AVX512DQ static void race_avx512(const float *l, float it, int64_t n16, float th
                           _mm512_mullo_epi64(za, _mm512_set1_epi64((long long)SM_GAMMA)));
     zb = _mm512_add_epi64(za, _mm512_set1_epi64((long long)(8 * SM_GAMMA)));
     const __m512 vit = _mm512_set1_ps(it), vthr = _mm512_set1_ps(thr);
+    const __m512 vmx = _mm512_set1_ps(mx), vthr_d = _mm512_set1_ps(thr_d);
+    const __m512 lowest = _mm512_set1_ps(-FLT_MAX);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(1.0f / 16777216.0f);
     __m512 best = ninf;
     __m512i best_t = _mm512_setzero_si512();
     __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t t = 0; t < n16; t += 16) {
         __m512 s = _mm512_mul_ps(_mm512_loadu_ps(l + t), vit);
+        __m512 d = _mm512_sub_ps(s, vmx);
         __mmask16 keep = _mm512_cmp_ps_mask(s, vthr, _CMP_GE_OQ)
+                         & _mm512_cmp_ps_mask(d, vthr_d, _CMP_GE_OQ)
                          & _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_OQ);
         __m512i ha = _mm512_srli_epi64(splitmix_epi64(za), 40);
         __m512i hb = _mm512_srli_epi64(splitmix_epi64(zb), 40);
@@ -2314,10 +2321,12 @@ AVX512DQ static void race_avx512(const float *l, float it, int64_t n16, float th
         __m512 u = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(ha)),
                                       _mm512_cvtepi64_ps(hb), 1);
         u = _mm512_mul_ps(u, scale);
-        keep &= _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
+        __mmask16 drawn = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);
         __m512 q = _mm512_sub_ps(_mm512_setzero_ps(), log_ps(_mm512_mask_blend_ps(
-                                      keep, _mm512_set1_ps(0.5f), u)));
-        __m512 score = _mm512_sub_ps(s, log_ps(q));
+                                      keep & drawn, _mm512_set1_ps(0.5f), u)));
+        /* U = 0 (q = inf, probability 2^-24): the lowest finite score, so the token
+         * loses to every other kept token but still beats the filtered ones. */
+        __m512 score = _mm512_mask_blend_ps(drawn, lowest, _mm512_sub_ps(d, log_ps(q)));
         __mmask16 better = _mm512_mask_cmp_ps_mask(keep, score, best, _CMP_GT_OQ);
         best = _mm512_mask_blend_ps(better, best, score);
         best_t = _mm512_mask_blend_epi32(better, best_t,
@@ -2344,24 +2353,26 @@ static int use_avx512dq(void)
 }
 #endif
 
-static int64_t race_row(const float *l, float it, int64_t V, float thr, uint64_t key)
+/* The race over the tokens with s >= thr (s-domain filters) and s - mx >= thr_d (min-p);
+ * scores are taken relative to the maximum mx, where float32 keeps the precision of the
+ * logits at any temperature (l / T of 1e6 would round a score to 1/16 nat). */
+static int64_t race_row(const float *l, float it, int64_t V, float thr, float mx, float thr_d,
+                        uint64_t key)
 {
     float best = -INFINITY;
     int64_t best_t = 0, t = 0;
 #if HAVE_X86
     if (use_avx512dq() && V < ((int64_t)1 << 31)) {
         t = V / 16 * 16;
-        race_avx512(l, it, t, thr, key, &best, &best_t);
+        race_avx512(l, it, t, thr, mx, thr_d, key, &best, &best_t);
     }
 #endif
     for (; t < V; t++) {
-        float s = l[t] * it;
-        if (!(s >= thr) || s == -INFINITY)
+        float s = l[t] * it, d = s - mx;
+        if (!(s >= thr) || !(d >= thr_d) || s == -INFINITY)
             continue;
         float u = sm_uniform(key, t);
-        if (u <= 0.0f)
-            continue;
-        float score = s - logf(-logf(u));
+        float score = u > 0.0f ? d - logf(-logf(u)) : -FLT_MAX; /* as race_avx512 */
         if (score > best) {
             best = score;
             best_t = t;
@@ -2410,11 +2421,9 @@ static void sample_row(const void *vctx, int64_t r)
         }
         free(scratch);
     }
-    if (mp > 0.0f) {
-        float tm = mx + logf(mp);
-        thr = tm > thr ? tm : thr;
-    }
-    c->out[r] = race_row(l, it, V, thr, c->keys[r]);
+    /* min-p: p / p_max >= min_p, i.e. s - mx >= log(min_p) */
+    const float thr_d = mp > 0.0f ? logf(mp) : -INFINITY;
+    c->out[r] = race_row(l, it, V, thr, mx, thr_d, c->keys[r]);
 }
 
 /* sample_rows(logits, rows, vocab, row_stride, inv_t, top_k, top_p, min_p, keys, greedy,

@@ -181,6 +181,8 @@ class Sampler:
         """[R] int64: each row's first maximum (torch.argmax's rule), one C call over
         the rows on the executor's threads (greedy = 1: every row greedy)."""
         out = torch.empty(logits.shape[0], dtype=torch.int64)
+        if not logits.shape[0]:
+            return out
         cpu_ops().sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1],
                               logits.stride(0), 0, 0, 0, 0, 0, 1, out.data_ptr(),
                               torch.get_num_threads())
@@ -194,6 +196,8 @@ class Sampler:
         for the others. The torch ops woke torch's intra-op threads once per op, ~2 ms
         per step at batch 1 on the 2-core CPU (docs/benchmarks.md, session 33)."""
         m = metadata
+        if not m.num_reqs:
+            return torch.empty(0, dtype=torch.int64)
         keys = self._race_keys(m, logits.device)
         inv_t = None if m.temperature is None else m.temperature.reciprocal()
         greedy = None if m.is_greedy is None else m.is_greedy.to(torch.uint8)
@@ -231,7 +235,10 @@ class Sampler:
                 q[to_device(seeded, torch.int64, device)] = seeded_exponential(
                     metadata.row_seeds, probs.shape[1], device)
         # Exp(1) can round to 0; a tiny floor keeps 0-probability tokens at 0 instead of NaN.
-        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        # U = 0 gives q = inf: the ceiling keeps such a token drawable when it is the only
+        # one the filters kept (else every score is 0 and argmax answers token 0).
+        finfo = torch.finfo(torch.float32)
+        q.clamp_(min=finfo.tiny, max=finfo.max)
         return probs.div_(q).argmax(dim=-1)
 
 
@@ -289,7 +296,7 @@ def seeded_exponential(row_seeds: list[int], vocab_size: int,
     Draw (r, t) is a pure function of (row_seeds[r], t): splitmix64's output function
     applied to the counter `row_seeds[r] + (t + 1) * gamma` (mod 2**64), whose top 24
     bits give U in [0, 1), and -log(U). The same on every device and in any batch. U = 0
-    gives +inf, which the exponential race reads as probability 0 (an event of
+    gives +inf, which the exponential race reads as the lowest score (an event of
     probability 2**-24 per token, as for the CPU's unseeded draws). Row seeds are
     `step_seed` values in [0, 2**63).
     """
@@ -320,7 +327,7 @@ def _exponential_(q: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     one 49,152-token row (torch 2.13, measured alone) against 0.13 ms for -log(U) with
     U uniform on [0, 1) (inverse transform sampling: the same distribution), so the CPU
     draws that way (end to end ~0.3 ms less per token of the default model at batch 1,
-    docs/benchmarks.md). U = 0 gives +inf, which the race reads as probability 0 for
+    docs/benchmarks.md). U = 0 gives +inf, which the race reads as the lowest score for
     that token (an event of probability 2**-24 per token).
     """
     if q.device.type == "cuda":

@@ -125,3 +125,24 @@ def test_the_scalar_body_picks_the_same_tokens() -> None:
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert f"{len(FILTERS) + 1} passed" in proc.stdout
+
+
+def test_low_temperature_keeps_its_precision_and_u_zero_keeps_the_only_token(monkeypatch) -> None:
+    """Two equal logits of 100 at temperature 2e-5 (l / T = 5e6): each token half the
+    time (scores taken from the maximum; from l / T itself float32 rounds them to 1/4
+    nat and ties go to token 0: 44% against 50% was measured); and a seeded row whose
+    only kept token draws U = 0 (seed 39,044,000 at step 0, token 9) still gets that
+    token on both paths, not token 0. An empty batch gives an empty result."""
+    logits = torch.full((20_000, 2), 100.0)
+    states = [SamplingState(SamplingParams(temperature=2e-5), [0], [])] * 20_000
+    monkeypatch.setattr(sampler_module, "FUSED_SAMPLING", True)
+    share = float(Sampler(seed=1)(logits, states).sampled_token_ids.float().mean())
+    assert abs(share - 0.5) < 5 * 0.5 / 20_000 ** 0.5, share
+    row = torch.randn(1, 32000, generator=torch.Generator().manual_seed(0))
+    row[0, 9] = 20.0
+    for filters in ({"allowed_token_ids": [9]}, {"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}):
+        state = [SamplingState(SamplingParams(seed=39_044_000, **filters), [1], [])]
+        c_path, torch_path = _both(row, state, monkeypatch)
+        assert c_path.tolist() == torch_path.tolist() == [9], filters
+    monkeypatch.setattr(sampler_module, "FUSED_SAMPLING", True)
+    assert Sampler()(torch.empty(0, 10), []).sampled_token_ids.shape == (0,)
