@@ -2209,6 +2209,16 @@ static int desc_float(const void *x, const void *y)
     return (a < b) - (a > b);
 }
 
+/* The top-p bucket of s (1/16 nat of distance to the maximum mx, the last bucket taking
+ * the rest), or -1 when a filter before top-p (s < thr) or a mask (-inf) dropped it. */
+static inline int top_p_bucket(float s, float thr, float mx)
+{
+    if (!(s >= thr) || s == -INFINITY)
+        return -1;
+    double d = (double)(mx - s) * 16.0;
+    return d < TOPP_BINS - 1 ? (int)d : TOPP_BINS - 1;
+}
+
 /* The top-p threshold in s over the tokens with s >= thr; -inf keeps them all. */
 static float top_p_threshold(const float *l, float it, int64_t V, float thr, float mx, float p,
                              float *scratch)
@@ -2217,10 +2227,9 @@ static float top_p_threshold(const float *l, float it, int64_t V, float thr, flo
     double total = 0;
     for (int64_t t = 0; t < V; t++) {
         float s = l[t] * it;
-        if (!(s >= thr) || s == -INFINITY)
+        int b = top_p_bucket(s, thr, mx);
+        if (b < 0)
             continue;
-        double d = (double)(mx - s) * 16.0;
-        int b = d < TOPP_BINS - 1 ? (int)d : TOPP_BINS - 1;
         float w = expf(s - mx);
         mass[b] += w;
         total += w;
@@ -2236,18 +2245,14 @@ static float top_p_threshold(const float *l, float it, int64_t V, float thr, flo
     int64_t n = 0;
     for (int64_t t = 0; t < V; t++) {
         float s = l[t] * it;
-        if (!(s >= thr) || s == -INFINITY)
-            continue;
-        double d = (double)(mx - s) * 16.0;
-        int b = d < TOPP_BINS - 1 ? (int)d : TOPP_BINS - 1;
-        if (b == cross)
+        if (top_p_bucket(s, thr, mx) == cross)
             scratch[n++] = s;
     }
     qsort(scratch, (size_t)n, sizeof(float), desc_float);
     float last = scratch[0];
     for (int64_t i = 0; i < n && before < target; i++) {
         last = scratch[i];
-        before += exp((double)(scratch[i] - mx));
+        before += expf(scratch[i] - mx); /* as the buckets' masses */
     }
     return last;
 }
