@@ -13,11 +13,16 @@ intermediate.
 race argmax_t softmax(l / T)_t / q_t with q = -log(U) ~ Exp(1): the same draw without
 the softmax. U(key, t) is splitmix64's output function (Steele, Lea and Flood, OOPSLA
 2014) of the counter `key + (t + 1) * 0x9E3779B97F4A7C15` mod 2**64, top 24 bits
-(flowengine/sample/sampler.py `seeded_exponential` computes the same U in torch). U = 0
-gives a score of -inf: that token is never drawn (probability 2**-24 per token). One
-program per row walks the vocabulary in blocks, keeping the first index of the largest
-score (torch.argmax's tie rule); -inf logits (masked tokens) are never drawn unless the
-whole row is -inf (then token 0, as torch.argmax of a row of -inf gives).
+(flowengine/sample/sampler.py `seeded_exponential` computes the same U in torch).
+One program per row walks the vocabulary twice in blocks: first for the row's largest
+l / T, then for the race, whose scores are taken from that maximum (l / T - max, as
+the softmax of the torch path and the CPU's C sampler do), so float32 keeps the
+logits' precision at any temperature (l / T of 5e6 would round a score to 1/4 nat and
+give ties to the lowest index). It keeps the first index of the largest score
+(torch.argmax's tie rule). U = 0 (q = inf, probability 2**-24 per token) gives the
+lowest finite score, so such a token loses to every other kept token but still wins
+when it is the only one. -inf logits (masked tokens) are never drawn unless the whole
+row is -inf (then token 0, as torch.argmax of a row of -inf gives); NaN never.
 """
 
 from __future__ import annotations
@@ -95,6 +100,14 @@ def _race_kernel(
     noisy = 1.0
     if HAS_GREEDY:
         noisy = tl.where(tl.load(greedy_ptr + r) != 0, 0.0, 1.0)
+    # Pass 1 (sampled rows): the row's largest l / T, NaN aside.
+    mx = tl.full([1], float("-inf"), tl.float32)
+    if noisy > 0:
+        for start in range(0, V, BLOCK):
+            tok = start + tl.arange(0, BLOCK).to(tl.int64)
+            x = tl.load(logits_ptr + r * logits_stride + tok, mask=tok < V,
+                        other=float("-inf")).to(tl.float32) * inv_t
+            mx = tl.maximum(mx, tl.max(tl.where(x == x, x, float("-inf")), axis=0))
     best = tl.full([1], float("-inf"), tl.float32)
     best_idx = tl.zeros([1], tl.int64)
     # splitmix64's constants, built from their int64 bit patterns (Triton's literals
@@ -112,9 +125,11 @@ def _race_kernel(
         z = (z ^ (z >> 27)) * mix2
         z = z ^ (z >> 31)
         u = (z >> 40).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-        gumbel = -tl.log(-tl.log(u))  # U = 0: -inf
-        score = tl.where(noisy > 0, x * inv_t + gumbel, x)
-        score = tl.where(live & (score == score), score, float("-inf"))  # NaN: never
+        safe_u = tl.where(u > 0, u, 0.5)
+        race = tl.where(u > 0, (x * inv_t - mx) - tl.log(-tl.log(safe_u)),
+                        -3.4028234663852886e38)  # U = 0: float32's lowest finite value
+        kept = live & (x == x) & (x > float("-inf"))  # NaN and masked tokens: never
+        score = tl.where(kept, tl.where(noisy > 0, race, x), float("-inf"))
         block_best = tl.max(score, axis=0)
         block_idx = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64) + start
         better = block_best > best

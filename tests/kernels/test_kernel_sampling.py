@@ -76,6 +76,31 @@ def test_race_draws_from_the_tempered_softmax(device: torch.device) -> None:
     assert chi2 < 35.0, (chi2, counts.tolist())
 
 
+def test_race_keeps_precision_at_low_temperature_and_a_u_zero_token(device: torch.device) -> None:
+    """Two equal logits of 100 at T = 2e-5 (l / T = 5e6): each token half the time over
+    4,000 keys (scores from the row's maximum; l / T itself would round them to 1/4 nat
+    and give ties to token 0: 44% against 50% was measured on the CPU path), within 5
+    binomial standard deviations. And key 6,611,019,833, whose U at token 1,680 is 0
+    (asserted through `seeded_exponential`), still draws that token when it is the only
+    unmasked one, as the torch path's clamped q does (a score of -inf would give
+    token 0)."""
+    rows = 4000
+    logits = torch.full((rows, 2), 100.0, device=device)
+    keys = torch.arange(rows, device=device) * 1_000_003 + 17
+    share = float(exponential_race(logits, keys, torch.full((rows,), 5e4, device=device))
+                  .float().mean())
+    assert abs(share - 0.5) < 5 * 0.5 / rows ** 0.5, share
+    key, token = 6_611_019_833, 1680
+    assert torch.isinf(seeded_exponential([key], 4096, torch.device("cpu"))[0, token])
+    row = torch.full((1, 4096), float("-inf"), device=device)
+    row[0, token] = 3.0
+    keys = torch.tensor([key], device=device)
+    for inv_t in (None, torch.tensor([1.7], device=device)):
+        assert exponential_race(row, keys, inv_t).tolist() == [token]
+    row[0, 7] = -50.0  # a second kept token beats the U = 0 one, however unlikely it is
+    assert exponential_race(row, keys).tolist() == [7]
+
+
 def test_bad_arguments_are_refused(device: torch.device) -> None:
     logits = torch.randn(3, 64, device=device)
     with pytest.raises(ValueError, match="keys has 2 entries for 3 rows"):
