@@ -395,20 +395,42 @@ AVX512 static void pack_activations_avx512(const float *x, int64_t M, int64_t K,
 
 /* Weight rows n0..n1 against all M activation rows (packed by pack_activations_avx512
  * into xp) through 16-row weight panels; wt: 16 x K floats of scratch. */
+/* Activation rows per block of the panel body: every panel of a thread's weight rows
+ * streams the block's packed activations, and a panel is dequantized once per block.
+ * Without blocks a 2048-row prefill chunk of the 3072 x 576 gate/up matmul streamed
+ * 4.7 MB from L3 per panel, 19% slower per row than 512 rows; blocks sized by bytes
+ * (512 KB) made K = 1536 slower by as much (its panels dequantized 26 times instead
+ * of once). FLOWENGINE_CPU_PANEL_BLOCK_ROWS overrides (0: one block); benchmarks/
+ * cpu_quant_rows.py measures it. Sums are formed in the same order either way. */
+#define PANEL_BLOCK_ROWS 512
+static int64_t panel_block_rows(void)
+{
+    static int64_t rows = -1;
+    if (rows < 0) {
+        rows = (int64_t)env_number("FLOWENGINE_CPU_PANEL_BLOCK_ROWS", PANEL_BLOCK_ROWS);
+        rows = rows <= 0 ? INT64_MAX : (rows + PANEL_MB - 1) / PANEL_MB * PANEL_MB;
+    }
+    return rows;
+}
+
 AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int64_t K,
                                         const uint8_t *qs, const uint16_t *sc, int64_t n0,
                                         int64_t n1, float *out, int64_t N, float *wt)
 {
-    for (int64_t n = n0; n < n1; n += 16) {
-        const int64_t np = n1 - n < 16 ? n1 - n : 16;
-        dequant_panel_avx512(fmt, qs, sc, K, n, np, wt);
-        for (int64_t m0 = 0; m0 < M; m0 += PANEL_MB) {
-            const float *xt = xp + m0 * K;
-            switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
+    const int64_t mb = panel_block_rows();
+    for (int64_t b0 = 0; b0 < M; b0 += mb) {
+        const int64_t b1 = M - b0 < mb ? M : b0 + mb;
+        for (int64_t n = n0; n < n1; n += 16) {
+            const int64_t np = n1 - n < 16 ? n1 - n : 16;
+            dequant_panel_avx512(fmt, qs, sc, K, n, np, wt);
+            for (int64_t m0 = b0; m0 < b1; m0 += PANEL_MB) {
+                const float *xt = xp + m0 * K;
+                switch (b1 - m0 < PANEL_MB ? b1 - m0 : PANEL_MB) {
 #define TILE(mr) case mr: panel_tile(xt, K, wt, m0, mr, n, np, out, N); break;
-            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
-            TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14) TILE(15) TILE(16)
+                TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+                TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14) TILE(15) TILE(16)
 #undef TILE
+                }
             }
         }
     }

@@ -139,6 +139,21 @@ def test_panel_rows_same_bits_in_any_split(fmt, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_panel_blocks_of_activation_rows_same_bits(fmt):
+    """Above PANEL_BLOCK_ROWS (512) activation rows the panel body runs block by block
+    (each panel dequantized once per block): 1,100 rows (blocks of 512, 512 and 76, the
+    last tile short) equal 40-row calls bit for bit, and match float64."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    weight, ref = _gguf_weight(fmt, 150, 576, seed)
+    x = torch.randn(1100, 576, generator=torch.Generator().manual_seed(seed))
+    out = weight.matmul(x)
+    assert torch.equal(out, torch.cat([weight.matmul(c) for c in x.split(40)])), f"seed {seed}"
+    expected = x.double() @ ref.double().t()
+    bound = REL_TOL * 576 ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+    assert (out.double() - expected).abs().max().item() <= bound, f"seed {seed}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_matmul_bf16_input_and_leading_dims(fmt):
     weight, ref = _gguf_weight(fmt, 40, 64, int(torch.randint(0, 2**31, ()).item()))
     x = torch.randn(3, 2, 64).to(torch.bfloat16)
