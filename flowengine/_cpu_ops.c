@@ -393,8 +393,6 @@ AVX512 static void pack_activations_avx512(const float *x, int64_t M, int64_t K,
     }
 }
 
-/* Weight rows n0..n1 against all M activation rows (packed by pack_activations_avx512
- * into xp) through 16-row weight panels; wt: 16 x K floats of scratch. */
 /* Activation rows per block of the panel body: every panel of a thread's weight rows
  * streams the block's packed activations, and a panel is dequantized once per block.
  * Without blocks a 2048-row prefill chunk of the 3072 x 576 gate/up matmul streamed
@@ -413,6 +411,9 @@ static int64_t panel_block_rows(void)
     return rows;
 }
 
+/* Weight rows n0..n1 against all M activation rows (packed by pack_activations_avx512
+ * into xp) through 16-row weight panels (wt: 16 x K floats of scratch), the
+ * activation rows in blocks of panel_block_rows(). */
 AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int64_t K,
                                         const uint8_t *qs, const uint16_t *sc, int64_t n0,
                                         int64_t n1, float *out, int64_t N, float *wt)
