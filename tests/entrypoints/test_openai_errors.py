@@ -233,3 +233,24 @@ def test_no_cors_headers_by_default(server):
     assert AppOptions().allowed_origins == ()
     resp = httpx.get(f"{server.base_url}/version", headers={"origin": "https://evil.example"})
     assert "access-control-allow-origin" not in resp.headers
+
+
+def test_more_prompts_than_the_queue_is_400_not_429():
+    """A request whose prompts alone outnumber the queue can never be admitted: a 429
+    (retry later) would be retried forever, so it is a 400, and nothing is admitted."""
+    engine = FakeEngine()
+    with LiveServer(engine, max_queue_len=2) as live:
+        with httpx.Client(base_url=live.base_url, timeout=30) as http:
+            for beam in (False, True):
+                body = {"prompt": ["a", "b", "c"], "max_tokens": 1}
+                if beam:
+                    body |= {"use_beam_search": True, "n": 2}
+                resp = http.post("/v1/completions", json=body)
+                err = assert_error(resp, 400, param="prompt")
+                assert "3 prompts" in err["message"] and "--max-queue-len" in err["message"]
+                assert "retry-after" not in resp.headers
+            assert engine.submitted == []  # refused before any prompt was admitted
+            ok = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+            assert live.server.context.admission.num_pending == 0
+

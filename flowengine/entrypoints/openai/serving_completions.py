@@ -57,6 +57,22 @@ def split_prompts(prompt: str | list[str | int | list[int]]) -> list[str | list[
     )
 
 
+def _check_fits_queue(ctx: ServingContext, num_prompts: int) -> None:
+    """Raise APIError(400) when the prompts alone outnumber the server's queue.
+
+    Each prompt takes one seat of the queue until its first output; a request with
+    more prompts than seats would get 429 on every retry (and fill the queue for
+    everyone else on the way), so it is refused as it stands."""
+    max_queue_len = ctx.admission.max_queue_len
+    if max_queue_len is not None and num_prompts > max_queue_len:
+        raise bad_request(
+            f"the request has {num_prompts} prompts, over this server's queue of "
+            f"{max_queue_len} requests; send at most {max_queue_len} prompts per request "
+            "(the server's --max-queue-len sets the limit)",
+            "prompt",
+        )
+
+
 def _usage(ctx: ServingContext, streams: Sequence[EngineStream]) -> dict[str, Any]:
     return usage(
         ctx,
@@ -80,6 +96,7 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     params = completion_params(req, ctx.engine.default_sampling_params)
     prompts = split_prompts(req.prompt)
     check_limits(ctx.limits, params, len(prompts), ctx.engine.max_model_len)
+    _check_fits_queue(ctx, len(prompts))
     if req.cache_salt is not None:
         prompts = [
             {
