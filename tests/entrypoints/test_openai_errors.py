@@ -56,6 +56,11 @@ def test_invalid_json(http):
             "messages[0].content[0]",
             "'image_url' is not supported",
         ),
+        (  # a text part without its text: say so, not "type 'text' is not supported"
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+            "a text content part needs its text",
+        ),
     ],
 )
 def test_missing_or_mistyped_fields(http, body, param, text):
@@ -254,3 +259,9 @@ def test_more_prompts_than_the_queue_is_400_not_429():
             assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
             assert live.server.context.admission.num_pending == 0
 
+
+def test_responses_text_part_without_text_names_the_missing_text(http):
+    body = {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}
+    err = assert_error(http.post("/v1/responses", json=body), 400, param="input[0].content[0].text")
+    assert "input_text content part needs its text" in err["message"]
+    assert "not supported" not in err["message"]

@@ -314,11 +314,16 @@ def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, Any]]:
         else:
             texts = []
             for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(
                         f"content part type {part.type!r} is not supported; send text parts "
                         "({'type': 'text', 'text': ...})",
                         f"messages[{i}].content[{j}]",
+                    )
+                if part.text is None:
+                    raise bad_request(
+                        "a text content part needs its text ({'type': 'text', 'text': ...})",
+                        f"messages[{i}].content[{j}].text",
                     )
                 texts.append(part.text)
             text = "\n".join(texts)

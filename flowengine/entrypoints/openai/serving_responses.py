@@ -143,11 +143,17 @@ def _parts_text(parts: str | list[InputContentPart] | None, where: str) -> str:
         return parts or ""
     texts = []
     for j, part in enumerate(parts):
-        if part.type not in TEXT_PART_TYPES or part.text is None:
+        if part.type not in TEXT_PART_TYPES:
             raise bad_request(
                 f"content part type {part.type!r} is not supported; send text parts "
                 "({'type': 'input_text', 'text': ...})",
                 f"{where}[{j}]",
+            )
+        if part.text is None:
+            raise bad_request(
+                f"a {part.type} content part needs its text ({{'type': {part.type!r}, "
+                "'text': ...})",
+                f"{where}[{j}].text",
             )
         texts.append(part.text)
     return "\n".join(texts)
