@@ -100,7 +100,8 @@ class LLM:
 
         `sampling_params` is one SamplingParams for all prompts or one per prompt.
         Every prompt is validated before any runs: a bad one raises ValueError/TypeError
-        and nothing is generated.
+        and nothing is generated. `priority`, if given, has one entry per prompt
+        (ValueError otherwise).
         """
         if isinstance(prompts, Sequence) and not isinstance(prompts, str) and not prompts:
             raise ValueError("the prompt is empty: give a prompt, token ids or a list of them")
@@ -108,6 +109,9 @@ class LLM:
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # one prompt
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give "
+                             "one per prompt (vLLM's rule)")
         processed = [
             self.input_processor.process(
                 str(next(self._ids)),
