@@ -16,7 +16,7 @@ from flowengine.messages import NewRequest
 from flowengine.pooling.config import PoolerConfig
 from flowengine.pooling.params import PoolingParams
 from flowengine.sampling_params import SamplingParams
-from flowengine.tokenize.chat import apply_chat_template
+from flowengine.tokenize.chat import apply_chat_template, encode_text
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...},
 # which may also carry "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
@@ -48,6 +48,15 @@ def validate_cache_salt(cache_salt: object) -> None:
     """Raise ValueError unless `cache_salt` is None or a non-empty string (vLLM's rule)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+
+
+def check_priority(priority: object) -> None:
+    """Raise TypeError unless `priority` is an int (not a bool), ValueError unless it fits
+    int64 (the scheduler orders by it; the rings carry it as int64)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, not {type(priority).__name__}")
+    if not -(2**63) <= priority < 2**63:
+        raise ValueError(f"priority must fit a signed 64-bit integer, got {priority}")
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -117,7 +126,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give at least one character or token")
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, encode_text(self.tokenizer, prompt, "the prompt")
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -203,6 +212,7 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        check_priority(priority)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         validate_cache_salt(cache_salt)

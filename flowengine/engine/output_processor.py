@@ -106,8 +106,18 @@ class OutputProcessor:
         return len(self._requests)
 
     def add_request(self, processed: ProcessedPrompt) -> None:
+        """Know `processed` from now on. Raises ValueError when its id, or the engine-side
+        id of one of its samples (`child_request_id`: "R-i" for n > 1), is in use by a
+        live request or sample: the engine and this processor key samples by those ids,
+        so two of them would share (and lose) each other's outputs."""
         if processed.request_id in self._requests:
             raise ValueError(f"request id {processed.request_id!r} is already in use")
+        children = self._children
+        for child in processed.children:
+            if child.request_id in children:
+                raise ValueError(
+                    f"request id {processed.request_id!r}: its sample id {child.request_id!r} "
+                    f"is already in use by request {children[child.request_id][0]!r}")
         params = processed.sampling_params
         kind = self._forced_kind
         if kind is None:

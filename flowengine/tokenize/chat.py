@@ -241,4 +241,21 @@ def apply_chat_template(
     except TypeError as e:
         # e.g. a chat_template_kwargs key this tokenizer's apply_chat_template refuses
         raise ValueError(f"the chat template cannot be applied with these options: {e}") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(tokenizer, text, "the chat messages", add_special_tokens=False)
+
+
+def encode_text(tokenizer: Any, text: str, what: str, **kwargs: Any) -> list[int]:
+    """`tokenizer.encode(text, **kwargs)` as a list. Raises ValueError naming `what` when
+    `text` holds a lone surrogate (a str that is not Unicode text: the fast tokenizers
+    refuse it with an obscure TypeError); checked only when encode fails, so the usual
+    call costs nothing more."""
+    try:
+        return list(tokenizer.encode(text, **kwargs))
+    except TypeError:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{what}: not valid Unicode text, a lone surrogate "
+                f"{text[exc.start]!r} at character {exc.start}") from None
+        raise

@@ -197,3 +197,23 @@ def test_detokenize_false_gives_no_text(tok) -> None:
     c = out.outputs[0]
     assert (c.text, c.token_ids, c.finish_reason) == ("", ids("hi"), "length")
     assert [e[t].decoded_token for e, t in zip(c.logprobs, c.token_ids, strict=True)] == [None, None]
+
+
+def test_a_sample_id_taken_by_another_request_is_refused(tok) -> None:
+    """Sample i of request R is "R-i" in the engine when n > 1: a request named like a
+    live request's sample (or one whose samples are named like a live request) is
+    refused, in either order; before, both were registered and the first one's sample
+    outputs went to the other, so its caller waited forever."""
+    two = SamplingParams(max_tokens=4, n=2)
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a", two))
+    with pytest.raises(ValueError, match="'a-1' is already in use by request 'a'"):
+        op.add_request(prompt("a-1", PARAMS))
+    op = OutputProcessor(tok, stream=True)
+    op.add_request(prompt("a-1", PARAMS))
+    with pytest.raises(ValueError, match="'a-1' is already in use by request 'a-1'"):
+        op.add_request(prompt("a", two))
+    assert "a" not in op and len(op) == 1  # nothing of the refused request was kept
+    op.add_request(prompt("a-0", PARAMS))  # no clash: accepted
+    outs, _ = op.process([RequestDelta("a-1", ids("x"), finish_reason="length")])
+    assert [o.request_id for o in outs] == ["a-1"]

@@ -1,0 +1,47 @@
+"""InputProcessor: what a Python caller can pass that HTTP bodies cannot (lone
+surrogates, non-int priorities) is refused with a clear error before anything is sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowengine.engine.input_processor import InputProcessor
+from flowengine.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def ip(fresh_byte_bpe_tokenizer) -> InputProcessor:
+    tok = fresh_byte_bpe_tokenizer
+    return InputProcessor(tok, max_model_len=512, vocab_size=len(tok), eos_token_id=None,
+                          chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+
+
+def test_a_lone_surrogate_is_a_clear_value_error(ip) -> None:
+    """A str with a lone surrogate is not Unicode text (JSON bodies cannot carry one,
+    Python callers can): a ValueError naming it and its position, for a prompt and for
+    chat messages, instead of the fast tokenizer's TypeError."""
+    with pytest.raises(ValueError, match=r"the prompt: not valid Unicode text, a lone "
+                                         r"surrogate '\\ud800' at character 2"):
+        ip.process("r1", "ab\ud800c", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="the chat messages: not valid Unicode text"):
+        ip.chat_prompt([{"role": "user", "content": "x\udfff"}])
+    text, ids = ip.tokenize("ab c")  # ordinary text: unchanged
+    assert text == "ab c" and ids == list(ip.tokenizer.encode("ab c"))
+
+
+@pytest.mark.parametrize(("priority", "error", "match"), [
+    ("x", TypeError, "priority must be an int, not str"),
+    (1.5, TypeError, "priority must be an int, not float"),
+    (True, TypeError, "priority must be an int, not bool"),
+    (2**63, ValueError, "priority must fit a signed 64-bit integer"),
+])
+def test_a_priority_that_is_not_an_int64_is_refused(ip, priority, error, match) -> None:
+    with pytest.raises(error, match=match):
+        ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=priority)
+    assert ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=-(2**63)).children
+
+
+def test_ordinary_requests_still_pass(ip) -> None:
+    processed = ip.process("r2", "hello", SamplingParams(max_tokens=2, n=2), priority=3)
+    assert [c.request_id for c in processed.children] == ["r2-0", "r2-1"]
+    assert {c.priority for c in processed.children} == {3}
