@@ -197,6 +197,18 @@ class StepResult(_Msg, tag=True):
 
 
 # ---------------------------------------------------------------- channel "outputs"
+# A request's error that the request itself caused, found in the engine (its
+# constraints leave no token to sample): RequestDelta.error (and so RequestOutput.error)
+# starts with this, and the servers answer it as invalid input (HTTP 400, gRPC
+# INVALID_ARGUMENT), not as an engine failure (500, INTERNAL).
+REQUEST_ERROR_PREFIX = "invalid request: "
+
+
+def is_request_error(error: str | None) -> bool:
+    """Whether `error` (a RequestOutput's) is the request's own fault (see above)."""
+    return error is not None and error.startswith(REQUEST_ERROR_PREFIX)
+
+
 class RequestDelta(_Msg):
     """New tokens of one request since the last output (scheduler -> frontend)."""
 

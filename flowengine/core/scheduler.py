@@ -88,6 +88,7 @@ from flowengine.core.scheduler_state import SchedulerState
 from flowengine.core.spec_tokens import DraftProposer, SpecDecodeState
 from flowengine.core.step_draft import NO_NEW_BLOCKS, StepDraft
 from flowengine.messages import (
+    REQUEST_ERROR_PREFIX,
     GrammarOutput,
     RequestDelta,
     SchedulerStats,
@@ -693,5 +694,14 @@ def _accept_batch(grammars: Any, items: list) -> list[bool]:
 
 
 def _refused(request: Request, delta: RequestDelta) -> str:
-    return (f"structured outputs: token {delta.new_token_ids[-1]} does not match the "
-            f"grammar of request {request.request_id}")
+    """The error of a request whose grammar refused its sampled token. The bitmask lets
+    through only tokens the grammar accepts, so the sampler drew a refused one because
+    nothing was left: the request's own constraints exclude every token its grammar
+    allows (min_tokens holding back an end the grammar requires, allowed_token_ids,
+    bad_words or logit_bias, or a grammar that matches no text). A client error."""
+    return (f"{REQUEST_ERROR_PREFIX}structured outputs: no token satisfies both the grammar "
+            f"and the request's other constraints (min_tokens, allowed_token_ids, bad_words, "
+            f"logit_bias) after {len(request.output_token_ids) - len(delta.new_token_ids)} "
+            f"output tokens, or the grammar matches no text: token {delta.new_token_ids[-1]}, "
+            f"drawn from an empty mask, does not match the grammar of request "
+            f"{request.request_id}")

@@ -20,7 +20,13 @@ import pytest
 import torch
 from core_sim_executor import Finished, collect, make_scheduler
 
-from flowengine.messages import GrammarOutput, SampledTokens, StepPlan, StepResult
+from flowengine.messages import (
+    GrammarOutput,
+    SampledTokens,
+    StepPlan,
+    StepResult,
+    is_request_error,
+)
 from flowengine.request import Request, RequestStatus
 from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 from flowengine.structured_outputs.manager import StructuredOutputManager
@@ -314,6 +320,7 @@ def test_bad_grammar_fails_alone_and_refused_token_fails_the_request(manager, to
     assert "structured_outputs.grammar is invalid" in outputs["bad"].error
     assert outputs["forced"].finish_reason == "error"
     assert "does not match the grammar" in outputs["forced"].error
+    assert is_request_error(outputs["forced"].error)  # answered 400: the request's fault
     assert outputs["cut"].finish_reason == "length" and len(outputs["cut"].token_ids) == 3
 
 

@@ -14,6 +14,7 @@ from openai_helpers import API_KEY, MAX_BODY_BYTES, assert_error, sse_events
 from openai_live_server import LiveServer
 
 from flowengine.entrypoints.openai.app import AppOptions
+from flowengine.messages import REQUEST_ERROR_PREFIX
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -181,6 +182,24 @@ def test_engine_error_before_any_output_is_a_status_not_a_stream(http, engine):
         resp = http.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "stream": True})
         err = assert_error(resp, 500, code="engine_error")
         assert err["message"] == "executor failed: out of memory"
+    finally:
+        engine.first_output_error = None
+
+
+def test_an_error_the_request_caused_in_the_engine_is_a_400(http, engine):
+    """An output error marked as the request's own (REQUEST_ERROR_PREFIX: its
+    constraints left no token to sample) is answered 400 invalid_request_error, without
+    the marker; streamed or not, and on the completions route too."""
+    engine.first_output_error = (REQUEST_ERROR_PREFIX + "structured outputs: no token "
+                                 "satisfies both the grammar and min_tokens")
+    try:
+        for stream in (False, True):
+            err = assert_error(http.post(CHAT, json={"messages": HELLO, "max_tokens": 5,
+                                                     "stream": stream}), 400)
+            assert err["type"] == "invalid_request_error"
+            assert err["message"] == ("structured outputs: no token satisfies both the "
+                                      "grammar and min_tokens")
+        assert_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}), 400)
     finally:
         engine.first_output_error = None
 

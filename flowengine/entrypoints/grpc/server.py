@@ -28,6 +28,7 @@ from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
 from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import Admission
+from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,9 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     self.admission.leave()
                     pending = False
                 if out.error:
+                    if is_request_error(out.error):
+                        raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                        out.error.removeprefix(REQUEST_ERROR_PREFIX))
                     raise GrpcError(grpc.StatusCode.INTERNAL,
                                     f"the request failed in the engine: {out.error}")
                 yield rid, out

@@ -17,6 +17,7 @@ from typing import Any
 
 from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOverloadedError
 from flowengine.entrypoints.openai.errors import APIError, internal_error
+from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -50,6 +51,14 @@ class Admission:
 
     def leave(self) -> None:
         self.num_pending -= 1
+
+
+def output_error(error: str) -> APIError:
+    """The client-facing error for a RequestOutput's `error`: 400 when the request caused
+    it (`is_request_error`: its constraints left no token to sample), else 500."""
+    if is_request_error(error):
+        return APIError(400, error.removeprefix(REQUEST_ERROR_PREFIX))
+    return APIError(500, error, type="server_error", code="engine_error")
 
 
 def engine_error(err: BaseException) -> APIError:
@@ -159,7 +168,7 @@ class EngineStream:
         if first.error is not None:
             # Failed before any output reached the client: answer with a status code.
             await stream.aclose()
-            raise APIError(500, first.error, type="server_error", code="engine_error")
+            raise output_error(first.error)
         return stream
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -177,7 +186,7 @@ class EngineStream:
                 raise engine_error(err) from err
             self._observe(out)
             if out.error is not None:
-                raise APIError(500, out.error, type="server_error", code="engine_error")
+                raise output_error(out.error)
             yield out
 
     def _observe(self, out: RequestOutput) -> None:
