@@ -52,6 +52,9 @@ class ByteTokenizer:
     name_or_path = "fake-bytes"
     chat_template = "role: content lines, then 'assistant:'"
 
+    def __len__(self) -> int:  # the 256 bytes and EOS
+        return EOS + 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 

@@ -49,6 +49,8 @@ def test_tokenize_prompt_and_messages(http):
 def test_detokenize(http):
     resp = http.post("/detokenize", json={"tokens": [104, 105]})
     assert strict(resp.content, rs.DetokenizeResponse).prompt == "hi"
+    err = assert_error(http.post("/detokenize", json={"tokens": [104, 257]}), 400, param="tokens")
+    assert err["message"] == "token id 257 is not in the tokenizer's vocabulary (ids 0..256)"
     assert_error(http.post("/detokenize", json={"tokens": [999]}), 400, param="tokens")
     assert_error(http.post("/detokenize", json={"tokens": [-1]}), 400, param="tokens[0]")
 

@@ -99,6 +99,14 @@ async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
 async def detokenize(ctx: ServingContext, request: APIRequest) -> Response:
     req = ctx.decode(request.raw_body, DetokenizeRequest)
     ctx.resolve_model(req.model)
+    # Hugging Face's fast tokenizers decode an id past their vocabulary to "" without a
+    # word (the model's own vocabulary may be padded past it): refuse it, as prompts'
+    # out-of-vocabulary ids are.
+    size = len(ctx.tokenizer)
+    bad = next((t for t in req.tokens if not 0 <= t < size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is not in the tokenizer's vocabulary "
+                            f"(ids 0..{size - 1})", param="tokens")
     try:
         text = ctx.tokenizer.decode(req.tokens)
     except (ValueError, TypeError, OverflowError, IndexError) as err:
