@@ -56,10 +56,29 @@ def test_full_queue_refuses_a_beam_search_and_a_search_holds_a_seat():
         assert results[0].status_code == 200, results[0].text
         assert len(results[0].json()["choices"]) == 2
         assert admission.num_pending == 0
-        # Two prompts, the queue holds one: the second search is refused, the first is
-        # cancelled (its step requests aborted), and the seat is given back.
+        # Two prompts, the queue holds one: no retry could ever pass, so a 400 before
+        # any prompt is admitted (eaca2c5; was a 429 after admitting the first).
+        resp = http.post("/v1/completions", json={**BEAM, "prompt": ["abc", "xyz"]})
+        assert_error(resp, 400, param="prompt")
+        assert admission.num_pending == 0 and not engine.running
+
+
+def test_a_search_refused_midway_gives_its_seat_back():
+    """Two prompts, the queue holds two with one taken: the first search is admitted,
+    the second refused (429), the first cancelled (its step requests aborted), and its
+    seat is given back."""
+    engine = FakeEngine(step_s=5.0)  # the plain request holds its seat meanwhile
+    with LiveServer(engine, max_queue_len=2) as live, \
+            httpx.Client(base_url=live.base_url, timeout=60) as http:
+        admission = live.server.context.admission
+        first = threading.Thread(target=http.post, args=("/v1/completions",),
+                                 kwargs={"json": {"prompt": "a", "max_tokens": 1}})
+        first.start()
+        wait_until(lambda: admission.num_pending == 1, timeout_s=30)
         resp = http.post("/v1/completions", json={**BEAM, "prompt": ["abc", "xyz"]})
         assert_error(resp, 429, code="queue_full")
+        wait_until(lambda: admission.num_pending <= 1, timeout_s=30)  # the search's seat
+        first.join(30)
         wait_until(lambda: not engine.running, timeout_s=30)
         assert admission.num_pending == 0
 
