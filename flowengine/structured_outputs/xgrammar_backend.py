@@ -161,7 +161,10 @@ class XgrammarBackend:
                                          any_whitespace=not options.disable_any_whitespace,
                                          strict_mode=True)
         if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+            # Any JSON object, as vLLM compiles it: xgrammar's builtin JSON grammar also
+            # takes arrays (and ignores disable_any_whitespace).
+            return c.compile_json_schema('{"type": "object"}',
+                                         any_whitespace=not options.disable_any_whitespace)
         if kind == "regex":
             return c.compile_regex(spec)
         if kind == "choice":

@@ -105,6 +105,29 @@ def test_json_schema_and_grammar(backend, tokenizer, vocab_size):
         assert not bad.accept_token(tokenizer.encode("x", add_special_tokens=False)[0])
 
 
+def test_json_object_is_an_object_only(backend, tokenizer, vocab_size):
+    """json_object is "any JSON object" (OpenAI's response_format json_object, vLLM's
+    '{"type": "object"}' schema): an array or a scalar is refused at its first token
+    (xgrammar's builtin JSON grammar let the model answer `[]`); disable_any_whitespace
+    is honoured (no space before the first key)."""
+    eos = tokenizer.eos_token_id
+    for opts in (OPTS, GrammarOptions(disable_any_whitespace=True)):
+        grammar = backend.compile("json_object", "", opts)
+        first = allowed(grammar.new_matcher([eos]), vocab_size)
+        for text in ("[", "[]", "1", '"', "null", "true"):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert ids[0] not in first, f"{text!r} may start a json_object"
+        text = '{"a": [1, {"b": null}]}' if backend.name == "xgrammar" else '{"a":[1,{"b":null}]}'
+        matcher = grammar.new_matcher([eos])
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.accept_token(t), text
+        assert eos in allowed(matcher, vocab_size)
+    spaced = backend.compile("json_object", "", GrammarOptions(disable_any_whitespace=True))
+    matcher = spaced.new_matcher([eos])
+    assert matcher.accept_token(tokenizer.encode("{", add_special_tokens=False)[0])
+    assert not matcher.accept_token(tokenizer.encode(" ", add_special_tokens=False)[0])
+
+
 def test_invalid_constraints_raise_naming_the_field(backend):
     with pytest.raises(ValueError, match=r"structured_outputs\.regex is invalid"):
         backend.compile("regex", "a(", OPTS)
