@@ -25,6 +25,16 @@ def _count(metrics: str, name: str) -> int:
     return int(float(match.group(1)))
 
 
+def _hold_a_seat(http: httpx.Client, admission) -> threading.Thread:
+    """Start a plain one-token request in a thread and wait until it holds a seat of the
+    queue (it waits for its first token, one fake step); join the thread to end it."""
+    first = threading.Thread(target=http.post, args=("/v1/completions",),
+                             kwargs={"json": {"prompt": "a", "max_tokens": 1}})
+    first.start()
+    wait_until(lambda: admission.num_pending == 1, timeout_s=30)
+    return first
+
+
 def test_full_queue_refuses_a_beam_search_and_a_search_holds_a_seat():
     # The first output comes after one slow step: the seat is held that long (the
     # steps are long enough for a loaded machine to send the next request meanwhile).
@@ -33,10 +43,7 @@ def test_full_queue_refuses_a_beam_search_and_a_search_holds_a_seat():
             httpx.Client(base_url=live.base_url, timeout=60) as http:
         admission = live.server.context.admission
         # A plain request waits for its first token: a beam search is refused.
-        first = threading.Thread(target=http.post, args=("/v1/completions",),
-                                 kwargs={"json": {"prompt": "a", "max_tokens": 1}})
-        first.start()
-        wait_until(lambda: admission.num_pending == 1, timeout_s=30)
+        first = _hold_a_seat(http, admission)
         assert_error(http.post("/v1/completions", json=BEAM), 429, code="queue_full")
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
                 "use_beam_search": True}
@@ -71,10 +78,7 @@ def test_a_search_refused_midway_gives_its_seat_back():
     with LiveServer(engine, max_queue_len=2) as live, \
             httpx.Client(base_url=live.base_url, timeout=60) as http:
         admission = live.server.context.admission
-        first = threading.Thread(target=http.post, args=("/v1/completions",),
-                                 kwargs={"json": {"prompt": "a", "max_tokens": 1}})
-        first.start()
-        wait_until(lambda: admission.num_pending == 1, timeout_s=30)
+        first = _hold_a_seat(http, admission)
         resp = http.post("/v1/completions", json={**BEAM, "prompt": ["abc", "xyz"]})
         assert_error(resp, 429, code="queue_full")
         wait_until(lambda: admission.num_pending <= 1, timeout_s=30)  # the search's seat
