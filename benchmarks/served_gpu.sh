@@ -117,7 +117,8 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
 }
 # A label is a configuration, with _Nclients for N client processes sharing the load:
 # default (no flags: the placement "auto" picks multiproc on CUDA), inproc_async,
-# multiproc_async, multiproc_sync; e.g. SERVE_RUNS="default_4clients inproc_async".
+# multiproc_async, multiproc_sync, ascN (the defaults with --api-server-count N); e.g.
+# SERVE_RUNS="default_4clients asc4_4clients inproc_async".
 runs=${SERVE_RUNS:-default_4clients inproc_async_4clients multiproc_async_4clients multiproc_sync}
 for r in $runs; do
   base=$r clients=1
@@ -127,6 +128,7 @@ for r in $runs; do
     inproc_async) flags=(--async-scheduling --placement inproc) ;;
     multiproc_async) flags=(--async-scheduling --placement multiproc) ;;
     multiproc_sync) flags=(--placement multiproc) ;;
+    asc[0-9]*) flags=(--api-server-count "${base#asc}") ;;  # defaults, N API server processes
     *) say "unknown run $r (skipped)"; continue ;;
   esac
   serve_once "$r" "$clients" "${flags[@]}"

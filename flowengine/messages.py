@@ -44,7 +44,13 @@ class Shutdown(_Msg, tag=True):
     """
 
 
-RequestsMsg = NewRequest | AbortRequest | Shutdown
+class ClientStart(_Msg, tag=True):
+    """First message of an extra API server process (`--api-server-count` > 1) on its
+    own requests ring: the engine aborts what an earlier process of the same index
+    left running (flowengine/engine/client_router.py)."""
+
+
+RequestsMsg = NewRequest | AbortRequest | Shutdown | ClientStart
 
 
 # ---------------------------------------------------------------- channel "steps"

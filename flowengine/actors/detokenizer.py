@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -23,6 +24,10 @@ class DetokenizerActor:
         outputs: inbox of `EngineOutputs` from the scheduler.
         requests: where stop-string matches go, as `AbortRequest`s (frees blocks).
         streamer: where each step's `RequestOutput`s go (`StreamerActor.route`, a call).
+        on_new_generation: an API server without the supervisor (`--api-server-count`
+            > 1): awaited when outputs of a newer engine generation arrive (its ready
+            message comes first), after adopting it, to resubmit this frontend's live
+            requests. None: only `expect_generation` changes the generation.
 
     `register` and `forget` apply at once: the request path (actors/tokenizer.py) and
     aborts run on this actor's event loop, between its batches, and a request is
@@ -36,8 +41,10 @@ class DetokenizerActor:
         requests: Channel,
         streamer: StreamerActor,
         max_model_len: int = 1 << 20,
+        on_new_generation: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.processor = output_processor
+        self.on_new_generation = on_new_generation
         self.outputs = outputs
         self.requests = requests
         self.streamer = streamer
@@ -80,7 +87,10 @@ class DetokenizerActor:
         while True:
             msg: EngineOutputs = await self.outputs.recv_async()
             if msg.generation != self.generation:
-                continue  # from an engine that was replaced; its requests are recomputed
+                if self.on_new_generation is None or msg.generation < self.generation:
+                    continue  # from an engine that was replaced; its requests are recomputed
+                self.generation = msg.generation
+                await self.on_new_generation()
             if self._generation_ready is not None:
                 self._generation_ready.set()
                 self._generation_ready = None

@@ -30,12 +30,31 @@ logger = logging.getLogger(__name__)
 
 
 class RingNames(msgspec.Struct, frozen=True):
-    """Segment names of one engine run's four channels (DESIGN.md §1)."""
+    """Segment names of one engine run's four channels (DESIGN.md §1).
+
+    client_requests, client_outputs: the requests and outputs rings of API server
+    processes 1..N-1 (`flowengine serve --api-server-count N`); empty with one.
+    """
 
     requests: str
     outputs: str
     steps: str
     results: str
+    client_requests: tuple[str, ...] = ()
+    client_outputs: tuple[str, ...] = ()
+
+
+class APIServerAttach(msgspec.Struct, frozen=True):
+    """What API server process `index` (1..N-1 of `--api-server-count N`) needs to
+    join the running engine: its own rings, the engine generation current when it
+    starts, and the KV cache size the engine reported (for the frontend's length
+    limits)."""
+
+    index: int
+    requests: str
+    outputs: str
+    generation: int = 0
+    num_kv_blocks: int = 0
 
 
 class ProcConfig(msgspec.Struct, frozen=True):
@@ -102,8 +121,10 @@ async def engine_main(cfg: ProcConfig) -> None:
         logger.warning("%s: starting %.2f s late", START_DELAY_ENV, delay_s)
         await asyncio.sleep(delay_s)
     resolved = resolve(cfg.engine_args)
-    requests = Channel(RingReader.attach(cfg.rings.requests), RequestsMsg)
-    outputs = Channel(RingWriter.attach(cfg.rings.outputs), EngineOutputs)
+    requests = [Channel(RingReader.attach(name), RequestsMsg)
+                for name in (cfg.rings.requests, *cfg.rings.client_requests)]
+    outputs = [Channel(RingWriter.attach(name), EngineOutputs)
+               for name in (cfg.rings.outputs, *cfg.rings.client_outputs)]
     steps = Channel(BroadcastWriter.attach(cfg.rings.steps), StepsMsg)
     results = Channel(RingReader.attach(cfg.rings.results), ResultsMsg)
     try:
@@ -117,9 +138,11 @@ async def engine_main(cfg: ProcConfig) -> None:
     if not isinstance(ready, ExecutorReady):
         raise RuntimeError(f"expected ExecutorReady from rank 0, got {type(ready).__name__}")
     scheduler = build_scheduler(resolved, ready.num_kv_blocks)
+    requests_in, outputs_out = _client_channels(requests, outputs, scheduler, cfg.generation)
     pp = cfg.engine_args.pipeline_parallel_size
     actor = SchedulerActor(
-        EngineCore(scheduler, None, resolved.max_model_len), requests, steps, results, outputs,
+        EngineCore(scheduler, None, resolved.max_model_len), requests_in, steps, results,
+        outputs_out,
         # Pipeline parallelism: one micro-batch in flight per stage (vLLM's), each
         # request in one of them at a time (no placeholders: async scheduling is off).
         max_steps_in_flight=pp if pp > 1 else 2 if cfg.engine_args.async_scheduling else 1,
@@ -128,11 +151,27 @@ async def engine_main(cfg: ProcConfig) -> None:
         offload_grammar=False,  # nothing else runs on this loop (scheduler.py)
     )
     freeze_startup_heap()
-    # The ready message: the frontend resubmits in-flight requests after it.
-    await outputs.send_async(
+    # The ready message (to every API server): the frontends resubmit in-flight requests
+    # after it.
+    await outputs_out.send_async(
         EngineOutputs([], time.time(), scheduler.make_stats(), cfg.generation)
     )
     await actor.run()
+
+
+def _client_channels(requests: list[Any], outputs: list[Any], scheduler: Any,
+                     generation: int) -> tuple[Any, Any]:
+    """One requests inbox and one outputs outbox over the API servers' rings: the
+    rings themselves with one API server, else the router's channels
+    (flowengine/actors/clients.py)."""
+    if len(requests) == 1:
+        return requests[0], outputs[0]
+    from flowengine.actors.clients import ClientOutputs, ClientRequests
+    from flowengine.engine.client_router import ClientRouter
+
+    router = ClientRouter(len(requests), lambda rid: scheduler.get_request(rid) is not None)
+    outputs_out = ClientOutputs(outputs, router, generation)
+    return ClientRequests(requests, router, outputs_out), outputs_out
 
 
 async def _inline(fn: Any, *args: Any) -> Any:

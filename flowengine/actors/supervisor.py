@@ -20,6 +20,12 @@ Restart handshake (NOTE: the order matters, see DESIGN.md §8):
 5. on the new generation's ready message, resubmit every live request, then open the
    gate (a NewRequest that waited there and was resubmitted is not sent twice).
 
+Other API server processes (`--api-server-count` > 1) have no gate: each resubmits its
+own live requests when its outputs ring brings the new generation's ready message
+(`DetokenizerActor.on_new_generation`). What one of them sent after step 3 reaches the
+new engine as well; the engine keeps one copy of a request id it holds
+(`EngineCore.handle`), and what it sent before step 3 is dropped with the old reader.
+
 Every wait has a limit (`SupervisorLimits`, environment variables): a group that is not
 ready in time is killed and restarted; `max_restarts` failures in a row make the
 engine dead (EngineDeadError), and the server then exits non-zero.
@@ -172,6 +178,9 @@ class Supervisor:
         dp_rank: the data-parallel replica this group serves (its executors drive
             GPUs dp_rank * tensor_parallel_size * pipeline_parallel_size + rank); 0
             without data parallelism.
+        num_api_servers: frontend processes with their own requests and outputs rings
+            (`flowengine serve --api-server-count`); this frontend is the first, the
+            others attach to `rings.client_requests[i - 1]` / `client_outputs[i - 1]`.
     """
 
     def __init__(
@@ -184,8 +193,12 @@ class Supervisor:
         max_restarts: int = 20,
         limits: SupervisorLimits | None = None,
         dp_rank: int = 0,
+        num_api_servers: int = 1,
     ) -> None:
+        if num_api_servers < 1:
+            raise ValueError(f"num_api_servers must be >= 1, got {num_api_servers}")
         self.dp_rank = dp_rank
+        self.num_api_servers = num_api_servers
         self.resolved = resolved
         self._expect_generation = expect_generation
         self._resubmit = resubmit
@@ -221,7 +234,17 @@ class Supervisor:
             "steps": create_broadcast_ring("steps", num_ranks, RING_BYTES["steps"], run_id=self.run_id),
             "results": create_ring("results", RING_BYTES["results"], run_id=self.run_id),
         }
-        self.rings = RingNames(**{k: v.name for k, v in self._segments.items()})
+        for i in range(1, self.num_api_servers):
+            for kind in ("requests", "outputs"):
+                self._segments[f"{kind}{i}"] = create_ring(
+                    f"{kind}{i}", RING_BYTES[kind], run_id=self.run_id)
+        self.rings = RingNames(
+            **{k: self._segments[k].name for k in ("requests", "outputs", "steps", "results")},
+            client_requests=tuple(self._segments[f"requests{i}"].name
+                                  for i in range(1, self.num_api_servers)),
+            client_outputs=tuple(self._segments[f"outputs{i}"].name
+                                 for i in range(1, self.num_api_servers)),
+        )
         self.requests = RequestsGate(
             Channel(RingWriter.attach(self.rings.requests), RequestsMsg))
         self.outputs = Channel(RingReader.attach(self.rings.outputs), EngineOutputs)
@@ -429,6 +452,8 @@ class Supervisor:
             # would read the stream as ended.
             segment.words[CLOSED_W] = 0
         self._segments["requests"].mark_reader_dead(0)
+        for i in range(1, self.num_api_servers):  # the other API servers' rings alike
+            self._segments[f"requests{i}"].mark_reader_dead(0)
 
     def _kill_group(self) -> None:
         for p in self._procs:
@@ -478,10 +503,10 @@ class Supervisor:
         self._segments = {}
 
 
-def worker_python(env: dict[str, str]) -> list[str]:
+def worker_python(env: dict[str, str], module: str = "flowengine.actors.procs") -> list[str]:
     """The command (without its ProcConfig argument) that starts an engine or executor
-    process importing the same `flowengine` as this process; may prepend to
-    env["PYTHONPATH"].
+    process (`module`: another entry point, e.g. an API server process) importing the
+    same `flowengine` as this process; may prepend to env["PYTHONPATH"].
 
     `python -m` would put the working directory first on the child's sys.path, and a
     clone's root holds the source tree, without the compiled extensions, beside a
@@ -497,7 +522,7 @@ def worker_python(env: dict[str, str]) -> list[str]:
     if os.path.abspath(os.getcwd()) == root:
         rest = env.get("PYTHONPATH")
         env["PYTHONPATH"] = root if not rest else os.pathsep.join([root, rest])
-    return [sys.executable, "-P", "-m", "flowengine.actors.procs"]
+    return [sys.executable, "-P", "-m", module]
 
 
 def free_port() -> int:

@@ -28,6 +28,7 @@ import msgspec
 from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
 from flowengine.actors.ingress import IngressActor
+from flowengine.actors.procs import APIServerAttach
 from flowengine.actors.streamer import StreamerActor
 from flowengine.actors.tokenizer import TokenizerActor
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -128,15 +129,28 @@ class AsyncEngine:
     Args:
         model: as for `LLM` (None = default model).
         max_queue_len: requests in flight before `submit` raises EngineOverloadedError.
+        api_server_count: frontend processes the engine serves (`flowengine serve
+            --api-server-count`): this engine is the first and owns the engine
+            processes; `api_server_attach(i)` tells process i how to join. Needs the
+            multiproc placement and one data-parallel replica (ValueError otherwise).
+        attach: join an engine that another process started (API server i >= 1)
+            instead of starting one; its supervisor restarts the engine, this one
+            resubmits its own requests after a restart.
         **engine_args: `EngineArgs` fields (vLLM names); unknown names raise TypeError.
     """
 
     def __init__(
         self, model: str | None = None, *, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
-        core_factory: Callable[[Any], Any] | None = None, **engine_args: Any,
+        core_factory: Callable[[Any], Any] | None = None, api_server_count: int = 1,
+        attach: APIServerAttach | None = None, **engine_args: Any,
     ) -> None:
         self.args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.max_queue_len = max_queue_len
+        if api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
+        self.api_server_count = api_server_count
+        self._attach = attach
+        self._check_api_server_count()
         # Builds the in-process EngineCore from the ResolvedEngine; `flowengine bench
         # pipeline` passes one with a null model. Default: the real model.
         self._core_factory = core_factory
@@ -154,11 +168,22 @@ class AsyncEngine:
         self._startup_num_kv_blocks = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN):
+    def from_engine_args(cls, args: EngineArgs, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+                         **kwargs: Any):
+        """From built EngineArgs; kwargs: `api_server_count`, `attach` (see the class)."""
         engine = cls.__new__(cls)
-        AsyncEngine.__init__(engine, max_queue_len=max_queue_len)
+        AsyncEngine.__init__(engine, max_queue_len=max_queue_len, **kwargs)
         engine.args = args
+        engine._check_api_server_count()
         return engine
+
+    def _check_api_server_count(self) -> None:
+        if self.api_server_count > 1 and (self.args.placement == "inproc"
+                                          or self.args.data_parallel_size > 1):
+            raise ValueError(
+                "api_server_count > 1 needs placement multiproc (or auto) and "
+                f"data_parallel_size 1, got placement {self.args.placement!r} and "
+                f"data_parallel_size {self.args.data_parallel_size}")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -172,6 +197,9 @@ class AsyncEngine:
     async def _start(self) -> None:
         from flowengine.engine.builder import load_engine_tokenizer, make_input_processor, resolve
 
+        if self.api_server_count > 1 and self.args.placement == "auto":
+            # Several frontends share one engine over rings: it needs its own process.
+            self.args = replace(self.args, placement="multiproc")
         # A core_factory builds the core in this process (`flowengine bench pipeline`).
         frontend = self._core_factory is None
         self.resolved = await anyio.to_thread.run_sync(
@@ -181,7 +209,9 @@ class AsyncEngine:
         self.model_name = self.resolved.served_model_names[0]
         self.max_model_len = self.resolved.max_model_len
         self.tokenizer = await anyio.to_thread.run_sync(load_engine_tokenizer, self.resolved)
-        if self.args.placement == "inproc":
+        if self._attach is not None:
+            self.requests, self.outputs, engine_actors = await self._start_attached()
+        elif self.args.placement == "inproc":
             self.requests, self.outputs, engine_actors = await self._start_inproc()
         elif self.args.data_parallel_size > 1:
             self.requests, self.outputs, engine_actors = await self._start_data_parallel()
@@ -193,6 +223,7 @@ class AsyncEngine:
                 expect_generation=lambda g: self.detokenizer.expect_generation(g),
                 resubmit=self._resubmit_after_restart,
                 has_work=self._has_unfinished_requests,
+                num_api_servers=self.api_server_count,
             )
             ready = await self.supervisor.start()
             if ready.stats is not None:
@@ -213,7 +244,10 @@ class AsyncEngine:
             self.requests,
             self.streamer,
             max_model_len=self.max_model_len,
+            on_new_generation=self._resubmit_own if self._attach is not None else None,
         )
+        if self._attach is not None:
+            self.detokenizer.generation = self._attach.generation
         self.tokenizer_actor = TokenizerActor(input_processor, self.detokenizer, self.requests)
         request_logger = None
         if self.args.enable_log_requests:
@@ -234,6 +268,41 @@ class AsyncEngine:
         # Each step's outputs are allocated and freed within the step: no young
         # collection in between (gc_utils.raise_gen0_threshold).
         self._gc_threshold = raise_gen0_threshold(self.args.max_num_seqs)
+
+    async def _start_attached(self) -> tuple[Any, Any, list[Any]]:
+        """API server `attach.index` >= 1: its own rings into the running engine."""
+        from flowengine.messages import ClientStart, EngineOutputs, RequestsMsg
+        from flowengine.shm import Channel as RingChannel
+        from flowengine.shm import RingReader, RingWriter
+
+        attach = self._attach
+        assert attach is not None
+        requests = RingChannel(RingWriter.attach(attach.requests), RequestsMsg)
+        outputs = RingChannel(RingReader.attach(attach.outputs), EngineOutputs)
+        # Whatever an earlier process of this index left in the engine is aborted.
+        await requests.send_async(ClientStart())
+        self._fit_max_model_len(attach.num_kv_blocks)
+        self.supervisors = []
+        return requests, outputs, []
+
+    def api_server_attach(self, index: int) -> APIServerAttach:
+        """How API server process `index` (1..api_server_count-1) joins this engine.
+        Raises ValueError for an index out of range or before start()."""
+        if not 1 <= index < self.api_server_count or not self._started:
+            raise ValueError(f"no API server {index} (api_server_count "
+                             f"{self.api_server_count}, started {self._started})")
+        rings = self.supervisor.rings
+        return APIServerAttach(index, rings.client_requests[index - 1],
+                               rings.client_outputs[index - 1], self.supervisor.generation,
+                               self._startup_num_kv_blocks)
+
+    async def _resubmit_own(self) -> None:
+        """API server >= 1: the engine restarted; recompute this frontend's requests."""
+        resubmitted = self.detokenizer.processor.resubmit_requests()
+        for msg in resubmitted:
+            await self.requests.send_async(msg)
+        logger.warning("engine generation %d: resubmitted %d in-flight requests",
+                       self.detokenizer.generation, len(resubmitted))
 
     async def _start_inproc(self) -> tuple[Channel, Channel, list[Any]]:
         from flowengine.actors.executor import ExecutorActor
@@ -363,7 +432,12 @@ class AsyncEngine:
         with anyio.move_on_after(drain_timeout_s):
             while len(self.streamer) and self._dead is None:
                 await asyncio.sleep(0.02)
-        if self._dead is None:
+        if self._dead is None and self._attach is not None:
+            # Not this process's engine to stop: give back what is still running.
+            live = [m.request_id for m in self.detokenizer.processor.resubmit_requests()]
+            if live:
+                await self.requests.send_async(AbortRequest(live))
+        elif self._dead is None:
             if self.args.placement != "inproc":
                 for sup in self.supervisors:
                     sup.begin_stop()
@@ -376,7 +450,7 @@ class AsyncEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        if self.args.placement != "inproc":
+        if self.args.placement != "inproc" or self._attach is not None:
             for sup in self.supervisors:
                 await sup.stop()
         self._dead = self._dead or EngineDeadError("the engine was shut down")

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
@@ -96,6 +96,8 @@ class APIServer:
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        # Called when the drain begins (the other API server processes drain too).
+        self.on_begin_shutdown: Callable[[], None] | None = None
 
     async def serve(self, sock: socket.socket, *, install_signal_handlers: bool = False) -> None:
         """Serve on a bound, listening socket (taken over: do not use it afterwards).
@@ -138,6 +140,8 @@ class APIServer:
             self._stop.set()
             return
         self.app.start_draining()
+        if self.on_begin_shutdown is not None:
+            self.on_begin_shutdown()
         sd_notify("STOPPING=1\nSTATUS=draining in-flight requests")
         logger.info(
             "draining: %d requests in flight, waiting up to %.0f s",

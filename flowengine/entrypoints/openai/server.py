@@ -30,6 +30,7 @@ import signal
 import socket
 import ssl
 import stat
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -81,6 +82,10 @@ class ServerOptions:
         trust_request_chat_template: accept a chat request's own `chat_template`.
         chat_parsing: tool-call and reasoning parsing of chat outputs (the
             --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser flags).
+        grpc_port: also serve gRPC on this port (process 0 only).
+        api_server_count: HTTP frontend processes on the one socket (vLLM's flag):
+            each tokenizes, detokenizes and streams its own connections' requests
+            into the one engine (flowengine/entrypoints/openai/api_servers.py).
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +104,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     chat_parsing: ChatParsingOptions = ChatParsingOptions()
     grpc_port: int | None = None
+    api_server_count: int = 1
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -232,6 +238,15 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may run after SIGTERM (long streams need minutes)",
     )
     s.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="HTTP frontend processes sharing the listening socket and the one engine "
+        "(each takes its own connections: tokenizing, detokenizing and streaming spread "
+        "over cores); needs the multiproc placement, which it then selects",
+    )
+    s.add_argument(
         "--grpc-port",
         type=int,
         default=None,
@@ -301,6 +316,8 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     if ns.request_body_timeout < 0:
         raise ValueError(f"--request-body-timeout must be >= 0, got {ns.request_body_timeout}")
+    if ns.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {ns.api_server_count}")
     if ns.header_timeout <= 0:
         raise ValueError(f"--header-timeout must be > 0, got {ns.header_timeout}")
     if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
@@ -357,6 +374,7 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         trust_request_chat_template=ns.trust_request_chat_template,
         chat_parsing=chat_parsing,
         grpc_port=_grpc_port(ns.grpc_port),
+        api_server_count=ns.api_server_count,
     )
 
 
@@ -374,9 +392,12 @@ def _grpc_port(port: int | None) -> int | None:
     return port
 
 
-def create_engine(args: EngineArgs) -> EngineClient:
-    """The engine to serve: `AsyncEngine`, or the test hook's (see module docstring)."""
+def create_engine(args: EngineArgs, api_server_count: int = 1) -> EngineClient:
+    """The engine to serve: `AsyncEngine`, or the test hook's (see module docstring).
+    Raises ValueError for the test hook with api_server_count > 1."""
     hook = os.environ.get(TEST_ENGINE_ENV)
+    if hook and api_server_count > 1:
+        raise ValueError(f"{TEST_ENGINE_ENV} serves one process; --api-server-count must be 1")
     if hook:
         logger.warning("%s=%s: serving a TEST engine, not a model", TEST_ENGINE_ENV, hook)
         module_name, _, attr = hook.partition(":")
@@ -386,7 +407,7 @@ def create_engine(args: EngineArgs) -> EngineClient:
         return factory(args)
     from flowengine.entrypoints.async_engine import AsyncEngine
 
-    return AsyncEngine.from_engine_args(args)
+    return AsyncEngine.from_engine_args(args, api_server_count=api_server_count)
 
 
 def bind_unix_socket(path: str, backlog: int) -> socket.socket:
@@ -424,12 +445,55 @@ def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
-    """Load the engine, serve until SIGTERM/SIGINT, drain, stop. Returns the exit code."""
+def resolve_max_queue_len(engine: EngineClient, engine_args: EngineArgs,
+                          options: ServerOptions) -> int:
+    """--max-queue-len, or its default from the loaded engine's KV cache size."""
+    if options.max_queue_len is not None:
+        return options.max_queue_len
+    num_blocks = engine.get_stats().num_total_blocks
+    max_queue_len = default_max_queue_len(engine_args.max_num_seqs, num_blocks)
+    logger.info(
+        "max_queue_len %d (2 x min(max_num_seqs %d, KV blocks %s); --max-queue-len "
+        "sets it)", max_queue_len, engine_args.max_num_seqs, num_blocks or "unknown",
+    )  # fmt: skip
+    return max_queue_len
+
+
+def build_api_server(engine: EngineClient, engine_args: EngineArgs, options: ServerOptions,
+                     max_queue_len: int, on_startup: Callable[[], None]) -> APIServer:
+    """The HTTP server of one frontend process over `engine` (every API server process
+    builds the same one from the same flags)."""
+    limits = RequestLimits(
+        max_n=options.max_n or min(DEFAULT_MAX_N, engine_args.max_num_seqs),
+        max_logprobs=engine_args.max_logprobs,
+        max_request_tokens=options.max_request_tokens,
+    )
+    return APIServer(
+        engine,
+        model_names=engine_args.served_model_name or (engine.model_name,),
+        app_options=replace(options.app, on_startup=(on_startup,)),
+        max_queue_len=max_queue_len,
+        graceful_timeout_s=options.graceful_timeout_s,
+        limits=limits,
+        header_timeout_s=options.header_timeout_s,
+        ssl_certfile=options.ssl_certfile,
+        ssl_keyfile=options.ssl_keyfile,
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+        trust_request_chat_template=options.trust_request_chat_template,
+        chat_parsing=options.chat_parsing,
+    )
+
+
+async def serve(engine_args: EngineArgs, options: ServerOptions,
+                argv: list[str] | None = None) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain, stop. Returns the exit code.
+
+    argv: the `flowengine serve` flags, which API server processes 1..N-1 are started
+    with (`--api-server-count` N > 1)."""
     sd_notify("STATUS=loading the model")
     t0 = time.monotonic()
     try:
-        engine = create_engine(engine_args)
+        engine = create_engine(engine_args, options.api_server_count)
         started = getattr(engine, "start", lambda: None)()
         if inspect.isawaitable(started):
             await started
@@ -471,35 +535,19 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             logger.info("serving %s on %s://%s", ", ".join(names), scheme, where)
             sd_notify(f"READY=1\nSTATUS=serving on {where}")
 
-        max_queue_len = options.max_queue_len
-        if max_queue_len is None:
-            num_blocks = engine.get_stats().num_total_blocks
-            max_queue_len = default_max_queue_len(engine_args.max_num_seqs, num_blocks)
-            logger.info(
-                "max_queue_len %d (2 x min(max_num_seqs %d, KV blocks %s); --max-queue-len "
-                "sets it)", max_queue_len, engine_args.max_num_seqs, num_blocks or "unknown",
-            )  # fmt: skip
-        limits = RequestLimits(
-            max_n=options.max_n or min(DEFAULT_MAX_N, engine_args.max_num_seqs),
-            max_logprobs=engine_args.max_logprobs,
-            max_request_tokens=options.max_request_tokens,
-        )
-        server = APIServer(
-            engine,
-            model_names=names,
-            app_options=replace(options.app, on_startup=(ready,)),
-            max_queue_len=max_queue_len,
-            graceful_timeout_s=options.graceful_timeout_s,
-            limits=limits,
-            header_timeout_s=options.header_timeout_s,
-            ssl_certfile=options.ssl_certfile,
-            ssl_keyfile=options.ssl_keyfile,
-            enable_prompt_tokens_details=options.enable_prompt_tokens_details,
-            trust_request_chat_template=options.trust_request_chat_template,
-            chat_parsing=options.chat_parsing,
-        )
+        max_queue_len = resolve_max_queue_len(engine, engine_args, options)
+        server = build_api_server(engine, engine_args, options, max_queue_len, ready)
         grpc_server = None
+        api_servers = None
         try:
+            if options.api_server_count > 1 and not engine_died:
+                from flowengine.entrypoints.openai.api_servers import APIServerProcs
+
+                # Processes 1..N-1 take connections from the same listening socket.
+                api_servers = APIServerProcs(engine, sys.argv[1:] if argv is None else argv,
+                                             sock, max_queue_len, options.api_server_count)
+                api_servers.start()
+                server.on_begin_shutdown = api_servers.terminate
             if options.grpc_port is not None and not engine_died:
                 from flowengine.entrypoints.grpc.server import GrpcServer
 
@@ -514,6 +562,11 @@ async def serve(engine_args: EngineArgs, options: ServerOptions) -> int:
             if not engine_died:
                 await server.serve(sock, install_signal_handlers=True)
         finally:
+            if api_servers is not None:
+                # They drain their own requests (SIGTERM), as this process did.
+                await api_servers.stop(
+                    ENGINE_SHUTDOWN_TIMEOUT_S if engine_died else options.graceful_timeout_s
+                    + APIServer.CUT_TIMEOUT_S + APIServer.CLOSE_TIMEOUT_S)
             if grpc_server is not None:
                 await grpc_server.stop(grace_s=ENGINE_SHUTDOWN_TIMEOUT_S)
             if options.uds is not None:
@@ -539,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError) as err:  # ImportError: a missing extra
         logger.error("%s", err)
         return 2
+    if options.api_server_count > 1 and (engine_args.placement == "inproc"
+                                         or engine_args.data_parallel_size > 1):
+        logger.error("--api-server-count %d needs --placement multiproc (or auto) and "
+                     "--data-parallel-size 1", options.api_server_count)
+        return 2
     if not options.log_requests:
         logging.getLogger("flowengine.entrypoints.openai.requests").setLevel(logging.WARNING)
     # Until the event loop installs its handlers (after loading), Ctrl-C just ends the
@@ -547,5 +605,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop has no Windows build
-        return asyncio.run(serve(engine_args, options))
-    return uvloop.run(serve(engine_args, options))
+        return asyncio.run(serve(engine_args, options, argv))
+    return uvloop.run(serve(engine_args, options, argv))

@@ -1,0 +1,220 @@
+"""API server processes 1..N-1 of `flowengine serve --api-server-count N` (vLLM's flag).
+
+One frontend process serializes everything a streamed token costs on the host: the
+HTTP and SSE framing (Hypercorn), detokenizing, tokenizing new prompts. On a GPU that
+runs a small model fast, that one core is the ceiling (docs/benchmarks.md, issue 12:
+~25 us of server CPU per streamed token). With N > 1, process 0 (the one started)
+loads the engine as usual, binds the listening socket, and starts N-1 more processes
+that each take connections from that same socket and run the whole frontend
+(`AsyncEngine` attached to the engine over their own requests and outputs rings,
+`APIServer` on Hypercorn), so the per-token frontend work spreads over N cores while
+one engine schedules every request (flowengine/engine/client_router.py routes each
+step's outputs to the process that owns the request).
+
+    process 0: supervisor, engine + executor processes, HTTP on the socket
+    process i: HTTP on the same socket (inherited fd), rings "requests{i}"/"outputs{i}"
+
+Each process runs `python -P -m flowengine.entrypoints.openai.api_servers '<spec>'`
+(msgspec JSON: the same `flowengine serve` flags, its rings, the socket's fd, the queue
+limit process 0 settled). Process 0 restarts one that dies (its connections are lost;
+the engine aborts its requests on the new process's `ClientStart`); one that exits
+within FAST_EXIT_S of its start MAX_FAST_EXITS times in a row is not restarted again.
+On SIGTERM process 0 passes SIGTERM on; each process drains its own requests.
+
+Per process, not shared: the `--max-queue-len` admission limit, the Responses API's
+stored responses (`previous_response_id` finds a response only in the process that
+made it), and the request counters of /metrics (the engine's gauges are the same in
+every process). gRPC (`--grpc-port`) is served by process 0 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from flowengine.actors.procs import APIServerAttach
+
+logger = logging.getLogger("flowengine.entrypoints.openai.api_servers")  # also as __main__
+
+FAST_EXIT_S = 30.0
+MAX_FAST_EXITS = 5
+POLL_INTERVAL_S = 0.5
+
+
+class APIServerSpec(msgspec.Struct, frozen=True):
+    """The command-line argument of API server process `attach.index`."""
+
+    attach: APIServerAttach
+    argv: list[str]  # the `flowengine serve` flags of process 0
+    fd: int  # the listening socket, inherited
+    max_queue_len: int
+
+
+class APIServerProcs:
+    """Starts, restarts and stops API server processes 1..count-1 (in process 0).
+
+    Args:
+        engine: process 0's started `AsyncEngine` (`api_server_attach(i)`).
+        argv: the `flowengine serve` flags.
+        sock: the listening socket; its fd is duplicated here, so process 0 may hand
+            the socket itself to Hypercorn.
+        max_queue_len: the admission limit each process applies.
+        count: API server processes in all, process 0 included (>= 2).
+    """
+
+    def __init__(self, engine: Any, argv: list[str], sock: socket.socket, max_queue_len: int,
+                 count: int) -> None:
+        if count < 2:
+            raise ValueError(f"count must be >= 2, got {count}")
+        self.engine = engine
+        self.argv = list(argv)
+        self.max_queue_len = max_queue_len
+        self.count = count
+        self._fd = os.dup(sock.fileno())
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._started_at: dict[int, float] = {}
+        self._fast_exits: dict[int, int] = dict.fromkeys(range(1, count), 0)
+        self._stopping = False
+        self._watch: asyncio.Task[None] | None = None
+        self.num_restarts = 0
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Process index -> pid of the running ones."""
+        return {i: p.pid for i, p in self._procs.items() if p.poll() is None}
+
+    def start(self) -> None:
+        """Start processes 1..count-1 and the task that restarts them."""
+        for index in range(1, self.count):
+            self._spawn(index)
+        self._watch = asyncio.get_running_loop().create_task(self._run())
+
+    def _spawn(self, index: int) -> None:
+        from flowengine.actors.supervisor import worker_python
+
+        spec = APIServerSpec(self.engine.api_server_attach(index), self.argv, self._fd,
+                             self.max_queue_len)
+        env = dict(os.environ)
+        cmd = [*worker_python(env, "flowengine.entrypoints.openai.api_servers"),
+               msgspec.json.encode(spec).decode()]
+        self._procs[index] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                              pass_fds=(self._fd,))
+        self._started_at[index] = time.monotonic()
+        logger.info("API server %d: started pid %d", index, self._procs[index].pid)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            for index, proc in list(self._procs.items()):
+                if self._stopping or proc.poll() is None:
+                    continue
+                lived_s = time.monotonic() - self._started_at[index]
+                self._fast_exits[index] = (self._fast_exits[index] + 1
+                                           if lived_s < FAST_EXIT_S else 0)
+                if self._fast_exits[index] >= MAX_FAST_EXITS:
+                    logger.error("API server %d exited %d times within %.0f s of starting "
+                                 "(last exit code %s); not restarting it", index,
+                                 self._fast_exits[index], FAST_EXIT_S, proc.returncode)
+                    del self._procs[index]
+                    continue
+                logger.warning("API server %d (pid %d) exited with code %s; restarting it",
+                               index, proc.pid, proc.returncode)
+                self.num_restarts += 1
+                self._spawn(index)
+
+    def terminate(self) -> None:
+        """SIGTERM to each process (they drain); no more restarts. Idempotent."""
+        self._stopping = True
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    async def stop(self, timeout_s: float) -> None:
+        """terminate(), wait up to `timeout_s` for every process, then SIGKILL."""
+        self.terminate()
+        if self._watch is not None:
+            self._watch.cancel()
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self._procs.values()):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        for index, proc in self._procs.items():
+            if proc.poll() is None:
+                logger.warning("API server %d did not stop within %.0f s; killing it",
+                               index, timeout_s)
+                proc.kill()
+                proc.wait()
+        os.close(self._fd)
+
+
+async def serve_attached(spec: APIServerSpec, ns: Any) -> int:
+    """Run API server `spec.attach.index` (flags parsed into `ns`) until SIGTERM (or
+    process 0 goes away)."""
+    from flowengine.entrypoints.async_engine import AsyncEngine
+    from flowengine.entrypoints.openai.server import (
+        ENGINE_SHUTDOWN_TIMEOUT_S,
+        build_api_server,
+        engine_args_from,
+        options_from,
+    )
+
+    index = spec.attach.index
+    options = options_from(ns)
+    engine_args = engine_args_from(ns)
+    engine = AsyncEngine.from_engine_args(engine_args, attach=spec.attach)
+    await engine.start()
+    server = build_api_server(engine, engine_args, options, spec.max_queue_len,
+                              lambda: logger.info("API server %d serving", index))
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    def on_sigterm() -> None:
+        # Process 0 passes SIGTERM on, and systemd may send it to every process of
+        # the unit as well: one drain, however many signals.
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            server.begin_shutdown()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        await server.serve(socket.socket(fileno=spec.fd))
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        await engine.shutdown(drain_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flowengine.actors.procs import exit_with_parent, new_event_loop_factory
+    from flowengine.entrypoints.openai.server import make_parser
+
+    argv = sys.argv[1:] if argv is None else argv
+    spec = msgspec.json.decode(argv[0], type=APIServerSpec)
+    ns = make_parser().parse_args(spec.argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(),
+        format=f"%(asctime)s api_server{spec.attach.index} %(levelname)s %(name)s: %(message)s",
+    )
+    if ns.disable_log_requests:
+        logging.getLogger("flowengine.entrypoints.openai.requests").setLevel(logging.WARNING)
+    # Process 0 owns shutdown: Ctrl-C reaches the whole process group, and process 0
+    # answers it by passing SIGTERM on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    with asyncio.Runner(loop_factory=new_event_loop_factory()) as runner:
+        return runner.run(serve_attached(spec, ns))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
