@@ -451,9 +451,9 @@ class Supervisor:
             # `closed`: a new reader attaching before the new writer claims the ring
             # would read the stream as ended.
             segment.words[CLOSED_W] = 0
-        self._segments["requests"].mark_reader_dead(0)
-        for i in range(1, self.num_api_servers):  # the other API servers' rings alike
-            self._segments[f"requests{i}"].mark_reader_dead(0)
+        for name, segment in self._segments.items():
+            if name.startswith("requests"):  # "requests{i}": the other API servers' too
+                segment.mark_reader_dead(0)
 
     def _kill_group(self) -> None:
         for p in self._procs:

@@ -48,6 +48,7 @@ logger = logging.getLogger("flowengine.entrypoints.openai.api_servers")  # also 
 FAST_EXIT_S = 30.0
 MAX_FAST_EXITS = 5
 POLL_INTERVAL_S = 0.5
+READY_TIMEOUT_S = 600.0  # for processes 1..N-1 to load their tokenizers and serve
 
 
 class APIServerSpec(msgspec.Struct, frozen=True):
@@ -57,6 +58,7 @@ class APIServerSpec(msgspec.Struct, frozen=True):
     argv: list[str]  # the `flowengine serve` flags of process 0
     fd: int  # the listening socket, inherited
     max_queue_len: int
+    ready_fd: int = -1  # a pipe's write end: one byte once Hypercorn serves, then closed
 
 
 class APIServerProcs:
@@ -85,6 +87,7 @@ class APIServerProcs:
         self._fast_exits: dict[int, int] = dict.fromkeys(range(1, count), 0)
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
+        self._ready: dict[int, asyncio.Future[bool]] = {}
         self.num_restarts = 0
 
     @property
@@ -92,24 +95,62 @@ class APIServerProcs:
         """Process index -> pid of the running ones."""
         return {i: p.pid for i, p in self._procs.items() if p.poll() is None}
 
-    def start(self) -> None:
-        """Start processes 1..count-1 and the task that restarts them."""
+    async def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start processes 1..count-1, wait until each serves, then watch them (restart
+        those that die). Raises RuntimeError (every process stopped) when one exits
+        before it serves or is not serving within `timeout_s`."""
         for index in range(1, self.count):
             self._spawn(index)
+        try:
+            async with asyncio.timeout(timeout_s):
+                for index, ready in list(self._ready.items()):
+                    if not await ready:
+                        proc = self._procs[index]
+                        raise RuntimeError(
+                            f"API server {index} (pid {proc.pid}) exited before serving "
+                            f"(code {proc.wait()}); its log lines above say why")
+        except BaseException as err:
+            await self.stop(0.0)
+            if isinstance(err, TimeoutError):
+                raise RuntimeError(f"API servers not serving within {timeout_s:g} s") from None
+            raise
         self._watch = asyncio.get_running_loop().create_task(self._run())
 
     def _spawn(self, index: int) -> None:
         from flowengine.actors.supervisor import worker_python
 
+        read_fd, write_fd = os.pipe()
         spec = APIServerSpec(self.engine.api_server_attach(index), self.argv, self._fd,
-                             self.max_queue_len)
+                             self.max_queue_len, write_fd)
         env = dict(os.environ)
         cmd = [*worker_python(env, "flowengine.entrypoints.openai.api_servers"),
                msgspec.json.encode(spec).decode()]
-        self._procs[index] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                              pass_fds=(self._fd,))
+        try:
+            self._procs[index] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                                  pass_fds=(self._fd, write_fd))
+        finally:
+            os.close(write_fd)
         self._started_at[index] = time.monotonic()
+        self._ready[index] = self._watch_ready(index, read_fd)
         logger.info("API server %d: started pid %d", index, self._procs[index].pid)
+
+    def _watch_ready(self, index: int, read_fd: int) -> asyncio.Future[bool]:
+        """A future set to True when process `index` writes its byte, False when the
+        pipe closes without one (it exited first)."""
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[bool] = loop.create_future()
+
+        def on_readable() -> None:
+            loop.remove_reader(read_fd)
+            data = os.read(read_fd, 1)
+            os.close(read_fd)
+            if data:
+                logger.info("API server %d: serving", index)
+            if not ready.done():
+                ready.set_result(bool(data))
+
+        loop.add_reader(read_fd, on_readable)
+        return ready
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -173,8 +214,16 @@ async def serve_attached(spec: APIServerSpec, ns: Any) -> int:
     engine_args = engine_args_from(ns)
     engine = AsyncEngine.from_engine_args(engine_args, attach=spec.attach)
     await engine.start()
-    server = build_api_server(engine, engine_args, options, spec.max_queue_len,
-                              lambda: logger.info("API server %d serving", index))
+    def serving() -> None:
+        logger.info("API server %d serving", index)
+        if spec.ready_fd >= 0:
+            try:
+                os.write(spec.ready_fd, b"1")
+            except OSError:  # process 0 stopped waiting
+                pass
+            os.close(spec.ready_fd)
+
+    server = build_api_server(engine, engine_args, options, spec.max_queue_len, serving)
     loop = asyncio.get_running_loop()
     stopping = False
 

@@ -544,9 +544,14 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
                 from flowengine.entrypoints.openai.api_servers import APIServerProcs
 
                 # Processes 1..N-1 take connections from the same listening socket.
-                api_servers = APIServerProcs(engine, sys.argv[1:] if argv is None else argv,
-                                             sock, max_queue_len, options.api_server_count)
-                api_servers.start()
+                procs = APIServerProcs(engine, sys.argv[1:] if argv is None else argv,
+                                       sock, max_queue_len, options.api_server_count)
+                try:
+                    await procs.start()  # every process serves before this one does
+                except RuntimeError as err:
+                    logger.error("%s", err)
+                    return 1
+                api_servers = procs
                 server.on_begin_shutdown = api_servers.terminate
             if options.grpc_port is not None and not engine_died:
                 from flowengine.entrypoints.grpc.server import GrpcServer
