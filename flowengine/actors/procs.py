@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class RingNames(msgspec.Struct, frozen=True):
-    """Segment names of one engine run's four channels (DESIGN.md §1).
+    """Segment names of one engine run's channels (DESIGN.md §1).
 
     client_requests, client_outputs: the requests and outputs rings of API server
     processes 1..N-1 (`flowengine serve --api-server-count N`); empty with one.

@@ -1,6 +1,7 @@
 """Supervisor: starts, watches and restarts the engine and executor processes (DESIGN.md §8).
 
-It lives in the frontend process and owns the four ring segments (created 0600 under a
+It lives in the frontend process and owns the ring segments (the four of DESIGN.md §1,
+and a requests and an outputs ring per extra API server process; created 0600 under a
 random run id, unlinked on exit; stale ones of crashed runs removed at start). The
 engine process and the executor processes (one per tensor-parallel rank of each
 pipeline stage) form one group: when any of them dies, the whole group is restarted, and every request in
