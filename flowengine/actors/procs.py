@@ -55,6 +55,8 @@ class APIServerAttach(msgspec.Struct, frozen=True):
     outputs: str
     generation: int = 0
     num_kv_blocks: int = 0
+    run_id: str = ""  # the run's segment prefix "fe-<run_id>-" (its shared stats files)
+    count: int = 2  # API server processes in all
 
 
 class ProcConfig(msgspec.Struct, frozen=True):
@@ -283,6 +285,12 @@ def remove_run_segments(rings: RingNames) -> None:
     run_prefix = rings.requests.lstrip("/").rsplit("-", 1)[0] + "-"  # "fe-<run_id>-"
     try:
         cleanup_stale(run_prefix)
+        # The API server processes' stats files (plain files, no ring header).
+        from flowengine.engine.frontend_stats import SHM_DIR
+
+        for entry in os.listdir(SHM_DIR):
+            if entry.startswith(run_prefix + "stats"):
+                os.unlink(os.path.join(SHM_DIR, entry))
     except Exception as exc:  # noqa: BLE001 - best effort; the next start retries
         logger.warning("could not remove the run's segments: %r", exc)
 

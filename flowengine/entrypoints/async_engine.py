@@ -259,7 +259,17 @@ class AsyncEngine:
         # The tokenizer is a call in each request's path (IngressActor.admit), no task,
         # as is the Streamer (StreamerActor.route, called by the Detokenizer).
         actors = [self.detokenizer, *engine_actors]
-        if not self.args.disable_log_stats:
+        self._shared_stats = None
+        if self._attach is not None or self.api_server_count > 1:
+            from flowengine.engine.frontend_stats import SharedFrontendStats
+
+            run_id, index, count = ((self._attach.run_id, self._attach.index, self._attach.count)
+                                    if self._attach is not None else
+                                    (self.supervisor.run_id, 0, self.api_server_count))
+            self._shared_stats = SharedFrontendStats(run_id, index, count)
+            actors.append(_StatsPublisher(self._shared_stats, self._local_stats))
+        # Process 0 logs the totals of every API server process (get_stats sums them).
+        if not self.args.disable_log_stats and self._attach is None:
             from flowengine.engine.stat_logger import StatLoggerActor
 
             actors.append(StatLoggerActor(self.get_stats))
@@ -294,7 +304,8 @@ class AsyncEngine:
         rings = self.supervisor.rings
         return APIServerAttach(index, rings.client_requests[index - 1],
                                rings.client_outputs[index - 1], self.supervisor.generation,
-                               self._startup_num_kv_blocks)
+                               self._startup_num_kv_blocks, self.supervisor.run_id,
+                               self.api_server_count)
 
     async def _resubmit_own(self) -> None:
         """API server >= 1: the engine restarted; recompute this frontend's requests."""
@@ -455,6 +466,8 @@ class AsyncEngine:
                 await sup.stop()
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self.streamer.fail_all(self._dead)
+        if getattr(self, "_shared_stats", None) is not None:
+            self._shared_stats.remove_own()
         thaw_heap()  # the stopped engine's cycles become collectable
         restore_gc_threshold(self._gc_threshold)
         self._gc_threshold = None
@@ -633,6 +646,18 @@ class AsyncEngine:
         return [w.is_lost for w in watchers]
 
     def get_stats(self) -> EngineStats:
+        """The engine's gauges and counters and this frontend's request statistics;
+        with several API server processes, their request statistics summed
+        (flowengine/engine/frontend_stats.py)."""
+        stats = self._local_stats()
+        shared = getattr(self, "_shared_stats", None)
+        if shared is None:
+            return stats
+        from flowengine.engine.frontend_stats import merged
+
+        return merged(stats, shared.others())
+
+    def _local_stats(self) -> EngineStats:
         replicas = getattr(self, "replica_outputs", None)
         if replicas is not None:
             return self._data_parallel_stats(replicas)
@@ -720,3 +745,22 @@ class AsyncEngine:
             "num_gpu_blocks": str(num_blocks),
             "num_gpu_blocks_override": str(args.num_kv_blocks),
         }
+
+
+class _StatsPublisher:
+    """Publishes this API server process's request statistics about once a second
+    (`SharedFrontendStats.publish`), for the others' /metrics and stats line."""
+
+    def __init__(self, shared: Any, get_stats: Callable[[], EngineStats]) -> None:
+        self.shared = shared
+        self.get_stats = get_stats
+
+    async def run(self) -> None:
+        from flowengine.engine.frontend_stats import PUBLISH_INTERVAL_S
+
+        while True:
+            try:
+                self.shared.publish(self.get_stats())
+            except OSError as err:  # /dev/shm full or gone: the others miss our share
+                logger.warning("could not publish this process's request stats: %s", err)
+            await asyncio.sleep(PUBLISH_INTERVAL_S)

@@ -92,6 +92,10 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
         served_by_1 = len(re.findall(r"api_server1 INFO \S+requests: completion", log.text()))
         served_by_0 = len(re.findall(r",\d{3} INFO \S+requests: completion", log.text()))
         assert served_by_0 + served_by_1 == 32 and served_by_1 > 0 and served_by_0 > 0
+        # /metrics of any process counts every process's requests (published ~1/s).
+        time.sleep(2.5)
+        for _ in range(6):  # a new connection each: either process may answer
+            assert _finished_length(base) == 32
 
         # kill -9 of API server 1: a new one starts, the server keeps serving.
         old = int(log.wait_for(r"API server 1: started pid (\d+)", 5)[-1].group(1))
@@ -114,9 +118,13 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
                                 r"(\d+) in-flight", 5)[0].group(1)) > 0
         undisturbed = _run(base, 8, 96)
         assert during == undisturbed and all(len(t) == 1 for t in during.values())
-        segments = [f for f in os.listdir("/dev/shm")
-                    if re.match(r"(sem\.)?fe-[0-9a-f]+-(requests|outputs)1", f)]
-        assert segments, "the second API server's ring is not in /dev/shm"
+        # This run's segments (other servers may run beside the test): the run id is in
+        # API server 1's command line, its rings' names.
+        child = int(log.wait_for(r"API server 1: started pid (\d+)", 5)[-1].group(1))
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            run_prefix = re.search(rb"/(fe-[0-9a-f]+-)requests1", f.read()).group(1).decode()
+        segments = [f for f in os.listdir("/dev/shm") if run_prefix in f]
+        assert [f for f in segments if f.startswith(run_prefix + "stats")], segments
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
@@ -124,9 +132,18 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
     assert "api_server1 INFO" in log.text()
     for name in segments:
         assert not os.path.exists(f"/dev/shm/{name}")
+    assert not [f for f in os.listdir("/dev/shm") if run_prefix in f]
     pids = [int(m.group(1)) for m in re.finditer(r"API server 1: started pid (\d+)", log.text())]
     for pid in pids:
         assert not _alive(pid)
+
+
+def _finished_length(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    match = re.search(r'^flowengine:request_success_total\{[^}]*finished_reason="length"'
+                      r'[^}]*\} ([0-9.e+]+)$', text, re.M)
+    assert match is not None, text[:2000]
+    return float(match.group(1))
 
 
 def _alive(pid: int) -> bool:

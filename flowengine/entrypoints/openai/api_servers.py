@@ -21,10 +21,11 @@ the engine aborts its requests on the new process's `ClientStart`); one that exi
 within FAST_EXIT_S of its start MAX_FAST_EXITS times in a row is not restarted again.
 On SIGTERM process 0 passes SIGTERM on; each process drains its own requests.
 
-Per process, not shared: the `--max-queue-len` admission limit, the Responses API's
-stored responses (`previous_response_id` finds a response only in the process that
-made it), and the request counters of /metrics (the engine's gauges are the same in
-every process). gRPC (`--grpc-port`) is served by process 0 only.
+/metrics gives the same totals in every process (engine/frontend_stats.py: each
+process publishes its request counters, the others add them). Per process, not shared:
+the `--max-queue-len` admission limit and the Responses API's stored responses
+(`previous_response_id` finds a response only in the process that made it). gRPC
+(`--grpc-port`) is served by process 0 only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,58 @@
+"""Request statistics summed over API server processes (engine/frontend_stats.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from flowengine.engine.frontend_stats import SharedFrontendStats, counters_of, merged
+from flowengine.engine.protocol import EngineStats
+from flowengine.engine.request_stats import HistogramData
+
+
+def _stats(prompt: int, gen: int, finished: dict[str, int], ttft_counts: list[int],
+           ttft_sum: float, running: int = 7) -> EngineStats:
+    return EngineStats(
+        num_running=running, num_waiting=1, kv_cache_usage=0.25, prompt_tokens_total=prompt,
+        generation_tokens_total=gen, num_preemptions_total=3, finished_by_reason=finished,
+        histograms={"time_to_first_token_seconds": HistogramData((0.1, 1.0), ttft_counts,
+                                                                  ttft_sum)})
+
+
+def test_frontend_counters_add_up_and_engine_figures_stay(tmp_path):
+    run = "0a1b2c3d"
+    procs = [SharedFrontendStats(run, i, 3, shm_dir=str(tmp_path)) for i in range(3)]
+    own = _stats(100, 40, {"stop": 2}, [1, 2, 2], 0.9)
+    procs[1].publish(_stats(10, 5, {"stop": 1, "length": 4}, [0, 3, 5], 2.5, running=99))
+    procs[2].publish(_stats(1, 2, {"abort": 1}, [1, 1, 1], 0.05))
+    path = tmp_path / f"fe-{run}-stats1"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    total = merged(own, procs[0].others())
+    assert (total.prompt_tokens_total, total.generation_tokens_total) == (111, 47)
+    assert total.finished_by_reason == {"stop": 3, "length": 4, "abort": 1}
+    ttft = total.histograms["time_to_first_token_seconds"]
+    assert ttft.counts == [2, 6, 8] and abs(ttft.sum - 3.45) < 1e-12
+    # The engine's own gauges and counters are this process's (the same everywhere).
+    assert (total.num_running, total.num_waiting, total.kv_cache_usage,
+            total.num_preemptions_total) == (7, 1, 0.25, 3)
+    # Merging copies: this process's own snapshot is unchanged.
+    assert own.histograms["time_to_first_token_seconds"].counts == [1, 2, 2]
+    assert own.finished_by_reason == {"stop": 2}
+
+
+def test_missing_corrupt_and_mismatched_files_are_skipped(tmp_path):
+    run = "0a1b2c3d"
+    procs = [SharedFrontendStats(run, i, 3, shm_dir=str(tmp_path)) for i in range(3)]
+    own = _stats(5, 5, {}, [0, 1, 1], 0.5)
+    assert merged(own, procs[0].others()) == own  # nobody published yet
+    (tmp_path / f"fe-{run}-stats2").write_bytes(b"\xc1 not msgpack")
+    other = _stats(1, 1, {}, [1, 1, 1], 0.01)
+    other.histograms["time_to_first_token_seconds"] = HistogramData((0.5,), [1, 1], 0.01)
+    procs[1].publish(other)
+    total = merged(own, procs[0].others())
+    assert total.prompt_tokens_total == 6
+    # Different bucket edges cannot be summed: this process's histogram stands.
+    assert total.histograms["time_to_first_token_seconds"].counts == [0, 1, 1]
+    procs[1].remove_own()
+    assert not (tmp_path / f"fe-{run}-stats1").exists()
+    assert counters_of(own).prompt_tokens_total == 5
