@@ -59,6 +59,7 @@ class DetokenizerActor:
         self.busy_s = 0.0  # time spent detokenizing (for `flowengine bench pipeline`)
         self.generation = 0
         self._generation_ready: anyio.Event | None = None
+        self.last_output_t = time.monotonic()  # when the engine's last message came
 
     def expect_generation(self, generation: int) -> anyio.Event:
         """From now on drop outputs of older engine generations; the event is set when
@@ -86,6 +87,7 @@ class DetokenizerActor:
     async def run(self) -> None:
         while True:
             msg: EngineOutputs = await self.outputs.recv_async()
+            self.last_output_t = time.monotonic()
             if msg.generation != self.generation:
                 if self.on_new_generation is None or msg.generation < self.generation:
                     continue  # from an engine that was replaced; its requests are recomputed

@@ -235,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("FLOWENGINE_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {cfg.role}{cfg.rank} %(levelname)s %(name)s: %(message)s",
     )
-    # The frontend owns shutdown: Ctrl-C reaches the whole process group, and the
-    # frontend answers it by draining and sending Shutdown down the rings.
+    # The frontend owns shutdown: Ctrl-C reaches the whole process group, and so does
+    # SIGTERM from `timeout` or from systemd's KillMode=control-group; the frontend
+    # answers either by draining and sending Shutdown down the rings (SIGKILL, or the
+    # frontend's death, still ends this process).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     exit_with_parent(cfg.rings)
     if cfg.role == "ray_driver":
         from flowengine.executor.ray_executor import run_driver

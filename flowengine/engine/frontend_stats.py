@@ -11,6 +11,11 @@ once a second) and adds the others' latest to its own when asked (`merged`): the
 totals in every process, at most PUBLISH_INTERVAL_S old for the other processes' part.
 vLLM does the same job with prometheus_client's multiprocess mode (files per process,
 summed at scrape).
+
+NOTE: the totals are Prometheus counters and must never go down. So a process started
+again in the place of a dead one (same index) counts on from its predecessor's last
+published figures (its file is still there), and the files stay until process 0, the
+last to stop, removes them all (`remove_all`).
 """
 
 from __future__ import annotations
@@ -88,6 +93,18 @@ class SharedFrontendStats:
         self.paths = [os.path.join(shm_dir, f"fe-{run_id}-stats{i}") for i in range(count)]
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FrontendCounters)
+        # A predecessor's last figures (this index ran before and died): counted on from.
+        self.base = self._read(self.paths[index])
+
+    def _read(self, path: str) -> FrontendCounters | None:
+        try:
+            with open(path, "rb") as f:
+                return self._decoder.decode(f.read())
+        except (OSError, msgspec.DecodeError):
+            return None  # not published yet, or (never seen) a torn file
+
+    def _own(self, stats: EngineStats) -> EngineStats:
+        return stats if self.base is None else merged(stats, [self.base])
 
     def publish(self, stats: EngineStats) -> None:
         """Write this process's counters (atomically: a reader sees the old or the new)."""
@@ -95,25 +112,23 @@ class SharedFrontendStats:
         tmp = f"{path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, self._encoder.encode(counters_of(stats)))
+            os.write(fd, self._encoder.encode(counters_of(self._own(stats))))
         finally:
             os.close(fd)
         os.replace(tmp, path)
 
     def others(self) -> list[FrontendCounters]:
         """The other processes' latest counters (a missing or unreadable file: none yet)."""
-        found = []
-        for i, path in enumerate(self.paths):
-            if i == self.index:
-                continue
-            try:
-                with open(path, "rb") as f:
-                    found.append(self._decoder.decode(f.read()))
-            except (OSError, msgspec.DecodeError):
-                continue
-        return found
+        found = [self._read(path) for i, path in enumerate(self.paths) if i != self.index]
+        return [c for c in found if c is not None]
 
-    def remove_own(self) -> None:
-        for path in (self.paths[self.index], f"{self.paths[self.index]}.tmp"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    def total(self, stats: EngineStats) -> EngineStats:
+        """This process's `stats` with every process's frontend counters summed."""
+        return merged(self._own(stats), self.others())
+
+    def remove_all(self) -> None:
+        """Remove every process's file (process 0, once the others have stopped)."""
+        for path in self.paths:
+            for name in (path, f"{path}.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
@@ -406,8 +407,15 @@ class AsyncEngine:
             self.max_model_len = max_model_len
 
     def _has_unfinished_requests(self) -> bool:
+        """Whether the engine has work: this frontend's requests, or (several API server
+        processes) any the engine reported running or waiting."""
         detokenizer = getattr(self, "detokenizer", None)  # None until start() built it
-        return detokenizer is not None and len(detokenizer.processor) > 0
+        if detokenizer is None:
+            return False
+        if len(detokenizer.processor) > 0:
+            return True
+        st = detokenizer.stats
+        return self.api_server_count > 1 and st.num_running + st.num_waiting > 0
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` on this loop when the engine stops by itself (an actor
@@ -466,8 +474,9 @@ class AsyncEngine:
                 await sup.stop()
         self._dead = self._dead or EngineDeadError("the engine was shut down")
         self.streamer.fail_all(self._dead)
-        if getattr(self, "_shared_stats", None) is not None:
-            self._shared_stats.remove_own()
+        if getattr(self, "_shared_stats", None) is not None and self._attach is None:
+            # Process 0 stops last (serve() waits for the others): the files go now.
+            self._shared_stats.remove_all()
         thaw_heap()  # the stopped engine's cycles become collectable
         restore_gc_threshold(self._gc_threshold)
         self._gc_threshold = None
@@ -555,6 +564,7 @@ class AsyncEngine:
         await self.start()
         if self._dead is not None:
             raise self._dead
+        self._last_submit_t = time.monotonic()  # (check_health of API server i >= 1)
         if output_kind is not None and pooling_params is None:
             if not isinstance(output_kind, RequestOutputKind):
                 raise TypeError("output_kind must be a RequestOutputKind, not "
@@ -624,6 +634,18 @@ class AsyncEngine:
             raise self._dead
         if self._task is not None and self._task.done():
             raise EngineDeadError("the engine task ended")
+        if self._attach is not None:
+            # No supervisor here (process 0 has it): the engine sends this process a
+            # message every step, so silence while it has work is a stall.
+            from flowengine.actors.supervisor import SupervisorLimits
+
+            silent_s = time.monotonic() - max(self.detokenizer.last_output_t,
+                                              getattr(self, "_last_submit_t", 0.0))
+            limit_s = SupervisorLimits.from_env().stall_unhealthy_s
+            if silent_s > limit_s and self._has_unfinished_requests_anywhere():
+                raise EngineDeadError(
+                    f"the engine is stalled: no engine step for {silent_s:.1f} s while "
+                    f"requests wait (limit {limit_s:g} s, FLOWENGINE_STEP_STALL_UNHEALTHY_S)")
         # Data parallel: unhealthy only when no live replica can serve (new requests
         # avoid a restarting replica; a hung one is restarted by its watchdog).
         reasons = [
@@ -637,6 +659,10 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine is stalled: {reasons[0]}")
             raise EngineDeadError("every data-parallel replica is stalled: " + "; ".join(
                 f"replica {i}: {r}" for i, r in enumerate(reasons)))
+
+    def _has_unfinished_requests_anywhere(self) -> bool:
+        st = self.detokenizer.stats
+        return len(self.detokenizer.processor) > 0 or st.num_running + st.num_waiting > 0
 
     def _lost_replicas(self) -> list[bool]:
         """Per supervisor: True when that data-parallel replica is down for good."""
@@ -653,9 +679,7 @@ class AsyncEngine:
         shared = getattr(self, "_shared_stats", None)
         if shared is None:
             return stats
-        from flowengine.engine.frontend_stats import merged
-
-        return merged(stats, shared.others())
+        return shared.total(stats)
 
     def _local_stats(self) -> EngineStats:
         replicas = getattr(self, "replica_outputs", None)

@@ -53,6 +53,29 @@ def test_missing_corrupt_and_mismatched_files_are_skipped(tmp_path):
     assert total.prompt_tokens_total == 6
     # Different bucket edges cannot be summed: this process's histogram stands.
     assert total.histograms["time_to_first_token_seconds"].counts == [0, 1, 1]
-    procs[1].remove_own()
-    assert not (tmp_path / f"fe-{run}-stats1").exists()
     assert counters_of(own).prompt_tokens_total == 5
+    procs[0].remove_all()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_restarted_process_counts_on_from_its_predecessor(tmp_path):
+    """Totals are Prometheus counters: they must not drop when process 1 dies and a new
+    process 1 starts from zero."""
+    run = "0a1b2c3d"
+    first = SharedFrontendStats(run, 1, 2, shm_dir=str(tmp_path))
+    assert first.base is None
+    first.publish(_stats(10, 20, {"stop": 3}, [1, 2, 3], 0.5))
+    p0 = SharedFrontendStats(run, 0, 2, shm_dir=str(tmp_path))
+    before = p0.total(_stats(1, 1, {}, [0, 0, 0], 0.0))
+    assert (before.prompt_tokens_total, before.finished_by_reason) == (11, {"stop": 3})
+    # kill -9 of process 1; its successor has counted only 2 tokens so far.
+    second = SharedFrontendStats(run, 1, 2, shm_dir=str(tmp_path))
+    assert second.base is not None and second.base.prompt_tokens_total == 10
+    fresh = _stats(2, 4, {"length": 1}, [0, 1, 1], 0.25)
+    second.publish(fresh)
+    after = p0.total(_stats(1, 1, {}, [0, 0, 0], 0.0))
+    assert (after.prompt_tokens_total, after.generation_tokens_total) == (13, 25)
+    assert after.finished_by_reason == {"stop": 3, "length": 1}
+    assert after.histograms["time_to_first_token_seconds"].counts == [1, 3, 4]
+    # Its own view counts the predecessor's share too.
+    assert second.total(fresh).prompt_tokens_total == 12  # process 0 published nothing

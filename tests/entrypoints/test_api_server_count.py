@@ -5,6 +5,8 @@
 - kill -9 of API server 1: process 0 starts a new one and the server keeps serving;
 - kill -9 of the engine process while streams run in both processes: every stream ends
   with exactly the text of an undisturbed run (each process resubmits its own);
+- a stopped engine (SIGSTOP) while requests run: /health is 503 in every process;
+- /metrics totals count every process, and do not drop when process 1 is replaced;
 - SIGTERM: every process exits, code 0, and the run's shared memory is gone.
 """
 
@@ -25,6 +27,7 @@ from flowengine.actors.supervisor import free_port
 
 pytestmark = pytest.mark.slow
 
+STALL_S = 3  # FLOWENGINE_STEP_STALL_UNHEALTHY_S of the server (a restart would take 300 s)
 PROMPTS = [f"Story {i}: once upon a time, in a village by the sea," for i in range(4)]
 
 
@@ -83,7 +86,8 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "flowengine.entrypoints.cli", "serve", "--port", str(port),
              "--api-server-count", "2", "--max-model-len", "512", "--max-num-seqs", "16"],
-            stdout=out, stderr=subprocess.STDOUT, cwd=str(tmp_path))
+            stdout=out, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+            env={**os.environ, "FLOWENGINE_STEP_STALL_UNHEALTHY_S": str(STALL_S)})
     try:
         log.wait_for(r"serving .* on http://", 600)
         log.wait_for(r"API server 1 serving", 120)
@@ -103,10 +107,28 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
         log.wait_for(r"API server 1 \(pid \d+\) exited with code -9; restarting it", 30)
         log.wait_for(r"API server 1 serving", 120, count=2)
         assert _run(base, 16) == reference
+        # The totals never go down: the new process counts on from the dead one's.
+        time.sleep(2.5)
+        for _ in range(6):
+            assert _finished_length(base) == 48
+
+        # A stopped engine while requests run: /health is 503 in every process (process 1
+        # has no supervisor; it sees the engine's messages stop), then 200 again.
+        with cf.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(_run, base, 8, 96)
+            time.sleep(2)
+            engine_pid = int(log.wait_for(r"generation 0: started pids \[\d+, (\d+)\]", 5)[-1]
+                             .group(1))
+            os.kill(engine_pid, signal.SIGSTOP)
+            try:
+                time.sleep(STALL_S + 1.5)
+                codes = [httpx.get(f"{base}/health", timeout=30).status_code for _ in range(8)]
+            finally:
+                os.kill(engine_pid, signal.SIGCONT)
+            assert codes == [503] * 8
+            assert future.result(timeout=600) == _run(base, 4, 96)
 
         # kill -9 of the engine process while both processes stream.
-        engine_pid = int(log.wait_for(r"generation 0: started pids \[\d+, (\d+)\]", 5)[-1]
-                         .group(1))
         with cf.ThreadPoolExecutor(1) as pool:
             future = pool.submit(_run, base, 16, 96)
             time.sleep(2)  # the streams are running (96 tokens take several seconds here)

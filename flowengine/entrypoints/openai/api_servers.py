@@ -86,6 +86,8 @@ class APIServerProcs:
         self._procs: dict[int, subprocess.Popen] = {}
         self._started_at: dict[int, float] = {}
         self._fast_exits: dict[int, int] = dict.fromkeys(range(1, count), 0)
+        self._terminated: set[int] = set()  # pids sent SIGTERM
+        self._given_up: list[Any] = []  # requests-ring writers of processes not restarted
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
         self._ready: dict[int, asyncio.Future[bool]] = {}
@@ -167,17 +169,34 @@ class APIServerProcs:
                                  "(last exit code %s); not restarting it", index,
                                  self._fast_exits[index], FAST_EXIT_S, proc.returncode)
                     del self._procs[index]
+                    await self._abort_left_by(index)
                     continue
                 logger.warning("API server %d (pid %d) exited with code %s; restarting it",
                                index, proc.pid, proc.returncode)
                 self.num_restarts += 1
                 self._spawn(index)
 
+    async def _abort_left_by(self, index: int) -> None:
+        """What a process that is not restarted left in the engine is aborted, as its
+        successor's ClientStart would: this process takes over its requests ring's
+        writing end (kept open: a closed ring would end the engine's inbox)."""
+        from flowengine.messages import ClientStart, RequestsMsg
+        from flowengine.shm import Channel, RingWriter
+
+        try:
+            writer = Channel(RingWriter.attach(self.engine.api_server_attach(index).requests),
+                             RequestsMsg)
+            await writer.send_async(ClientStart())
+            self._given_up.append(writer)
+        except Exception as err:  # noqa: BLE001 - its requests then run to their end
+            logger.warning("could not abort API server %d's requests: %r", index, err)
+
     def terminate(self) -> None:
-        """SIGTERM to each process (they drain); no more restarts. Idempotent."""
+        """SIGTERM to each running process, once (they drain); no more restarts."""
         self._stopping = True
         for proc in self._procs.values():
-            if proc.poll() is None:
+            if proc.poll() is None and proc.pid not in self._terminated:
+                self._terminated.add(proc.pid)
                 proc.send_signal(signal.SIGTERM)
 
     async def stop(self, timeout_s: float) -> None:
@@ -240,8 +259,9 @@ async def serve_attached(spec: APIServerSpec, ns: Any) -> int:
     try:
         await server.serve(socket.socket(fileno=spec.fd))
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        stopping = True  # a later SIGTERM must not cut the engine client's shutdown
         await engine.shutdown(drain_timeout_s=ENGINE_SHUTDOWN_TIMEOUT_S)
+        loop.remove_signal_handler(signal.SIGTERM)
     return 0
 
 

@@ -598,9 +598,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", err)
         return 2
     if options.api_server_count > 1 and (engine_args.placement == "inproc"
-                                         or engine_args.data_parallel_size > 1):
-        logger.error("--api-server-count %d needs --placement multiproc (or auto) and "
-                     "--data-parallel-size 1", options.api_server_count)
+                                         or engine_args.data_parallel_size > 1
+                                         or os.environ.get(TEST_ENGINE_ENV)):
+        logger.error("--api-server-count %d needs --placement multiproc (or auto), "
+                     "--data-parallel-size 1 and no %s", options.api_server_count,
+                     TEST_ENGINE_ENV)
         return 2
     if not options.log_requests:
         logging.getLogger("flowengine.entrypoints.openai.requests").setLevel(logging.WARNING)
