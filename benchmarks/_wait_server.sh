@@ -74,3 +74,26 @@ q, h = total("prefix_cache_queries"), total("prefix_cache_hits")
 print(f"prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({100 * h / max(q, 1):.1f}%)")
 PY
 }
+
+# ttft_split PORT: the server's own view of where a request's time to first token goes
+# (means from /metrics, cumulative since start): time waiting in the engine's queue,
+# from scheduled to first token (prefill), and the whole server-side TTFT, which starts
+# when the request reaches the engine client (`submit`). Set against the client's TTFT,
+# the rest is spent before `submit`: the connection, HTTP, the frontend's event loop.
+ttft_split() {
+    python3 - "$1" <<'PY'
+import re, sys, urllib.request
+try:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+except Exception as exc:
+    sys.exit(f"TTFT split: /metrics unreadable ({exc})")
+def mean_ms(name):
+    s = re.findall(rf"^\S*{name}_sum\S* ([0-9.e+]+)$", body, re.M)
+    c = re.findall(rf"^\S*{name}_count\S* ([0-9.e+]+)$", body, re.M)
+    n = sum(float(v) for v in c)
+    return 1000 * sum(float(v) for v in s) / n if n else float("nan")
+print("server-side means (ms, since start): queue {:.1f}, prefill {:.1f}, TTFT {:.1f}".format(
+    mean_ms("request_queue_time_seconds"), mean_ms("request_prefill_time_seconds"),
+    mean_ms("time_to_first_token_seconds")))
+PY
+}

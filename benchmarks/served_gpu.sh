@@ -16,7 +16,9 @@
 # py-spy on the PATH, records the server's stacks (OUT_DIR/pyspy_LABEL.txt, collapsed),
 # and the executor actor's own step timers (`ExecutorActor.timers()`, logged at shutdown:
 # wall per step between launches, host time launching/resolving, share of steps whose
-# tokens were waited for). SERVE_RUNS picks the served configurations (labels below).
+# tokens were waited for), the server's own TTFT split (queue, prefill, TTFT means from
+# /metrics, against each client's mean TTFT) and, with --api-server-count, how many
+# requests each process served. SERVE_RUNS picks the served configurations (labels below).
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
 # through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
 # SKIP_DEVICE=1 skips the device step and the offline run; SKIP_DEVICE_STEP=1 the device
@@ -106,6 +108,14 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
   wait "${pids[@]}"
   say "server CPU s after (pid:s): $(cpu_s "$pid"); clients' wall $((SECONDS - t0)) s"
   say "$(prefix_hits "$port")"
+  say "$(ttft_split "$port")"
+  # Which process served how many (each request's log line; process i > 0 prefixes it).
+  say "requests per API server process: $(grep -E 'openai.requests: ' "/tmp/serve_$label.log" \
+    | sed -E 's/^[0-9-]+ [0-9:,]+ (api_server[0-9]+ )?.*/\1/; s/^$/process0/' | sort | uniq -c \
+    | tr -s ' \n' ' ')"
+  for i in $(seq "$clients"); do
+    grep -E "Mean TTFT" "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
+  done
   for i in $(seq "$clients"); do
     grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT" \
       "/tmp/client_${label}_$i.txt" | tee -a "$out/summary.md"
