@@ -234,6 +234,7 @@ async def serve_attached(spec: APIServerSpec, ns: Any) -> int:
     engine_args = engine_args_from(ns)
     engine = AsyncEngine.from_engine_args(engine_args, attach=spec.attach)
     await engine.start()
+
     def serving() -> None:
         logger.info("API server %d serving", index)
         if spec.ready_fd >= 0:
