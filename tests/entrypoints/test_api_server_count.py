@@ -115,8 +115,8 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
         # A stopped engine while requests run: /health is 503 in every process (process 1
         # has no supervisor; it sees the engine's messages stop), then 200 again.
         with cf.ThreadPoolExecutor(1) as pool:
-            future = pool.submit(_run, base, 8, 96)
-            time.sleep(2)
+            future = pool.submit(_run, base, 8, 160)
+            _wait_running(base, 4)  # (of 8: some may start late)
             engine_pid = int(log.wait_for(r"generation 0: started pids \[\d+, (\d+)\]", 5)[-1]
                              .group(1))
             os.kill(engine_pid, signal.SIGSTOP)
@@ -126,12 +126,12 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
             finally:
                 os.kill(engine_pid, signal.SIGCONT)
             assert codes == [503] * 8
-            assert future.result(timeout=600) == _run(base, 4, 96)
+            assert future.result(timeout=600) == _run(base, 4, 160)
 
         # kill -9 of the engine process while both processes stream.
         with cf.ThreadPoolExecutor(1) as pool:
             future = pool.submit(_run, base, 16, 96)
-            time.sleep(2)  # the streams are running (96 tokens take several seconds here)
+            _wait_running(base, 8)  # (of 16)
             os.kill(engine_pid, signal.SIGKILL)
             during = future.result(timeout=600)
         log.wait_for(r"generation 1 ready", 5)
@@ -158,6 +158,18 @@ def test_two_api_servers_share_the_engine_and_survive_kills(tmp_path):
     pids = [int(m.group(1)) for m in re.finditer(r"API server 1: started pid (\d+)", log.text())]
     for pid in pids:
         assert not _alive(pid)
+
+
+def _wait_running(base: str, n: int, timeout_s: float = 120.0) -> None:
+    """Until the engine reports `n` requests running (any process's /metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        match = re.search(r"^flowengine:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        if match is not None and float(match.group(1)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests never ran at once")
 
 
 def _finished_length(base: str) -> float:
