@@ -59,41 +59,35 @@ stop_server() {
     kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
 }
 
-# prefix_hits PORT: "prefix cache: H of Q prompt tokens hit (P%)" from the server's
-# /metrics (cumulative since start), so a run's prompts can be seen to be distinct.
-prefix_hits() {
-    python3 - "$1" <<'PY'
+# metrics_line PORT WHAT: one line from the server's /metrics (cumulative since start).
+#   WHAT=prefix: "prefix cache: H of Q prompt tokens hit (P%)", so a run's prompts can be
+#     seen to be distinct;
+#   WHAT=ttft: the server's own view of where a request's time to first token goes
+#     (means): waiting in the engine's queue, from scheduled to first token (prefill),
+#     and the whole server-side TTFT, which starts when the request reaches the engine
+#     client (`submit`). Set against the client's TTFT, the rest is spent before
+#     `submit`: the connection, HTTP, the frontend's event loop.
+metrics_line() {
+    python3 - "$1" "$2" <<'PY'
 import re, sys, urllib.request
+port, what = sys.argv[1], sys.argv[2]
 try:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
 except Exception as exc:
-    sys.exit(f"prefix cache: /metrics unreadable ({exc})")
+    sys.exit(f"{what}: /metrics unreadable ({exc})")
 def total(name):
-    return sum(float(v) for v in re.findall(rf"^\S*{name}_total\S* ([0-9.e+]+)$", body, re.M))
-q, h = total("prefix_cache_queries"), total("prefix_cache_hits")
-print(f"prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({100 * h / max(q, 1):.1f}%)")
-PY
-}
-
-# ttft_split PORT: the server's own view of where a request's time to first token goes
-# (means from /metrics, cumulative since start): time waiting in the engine's queue,
-# from scheduled to first token (prefill), and the whole server-side TTFT, which starts
-# when the request reaches the engine client (`submit`). Set against the client's TTFT,
-# the rest is spent before `submit`: the connection, HTTP, the frontend's event loop.
-ttft_split() {
-    python3 - "$1" <<'PY'
-import re, sys, urllib.request
-try:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
-except Exception as exc:
-    sys.exit(f"TTFT split: /metrics unreadable ({exc})")
+    return sum(float(v) for v in re.findall(rf"^\S*{name}\S* ([0-9.e+]+)$", body, re.M))
 def mean_ms(name):
-    s = re.findall(rf"^\S*{name}_sum\S* ([0-9.e+]+)$", body, re.M)
-    c = re.findall(rf"^\S*{name}_count\S* ([0-9.e+]+)$", body, re.M)
-    n = sum(float(v) for v in c)
-    return 1000 * sum(float(v) for v in s) / n if n else float("nan")
-print("server-side means (ms, since start): queue {:.1f}, prefill {:.1f}, TTFT {:.1f}".format(
-    mean_ms("request_queue_time_seconds"), mean_ms("request_prefill_time_seconds"),
-    mean_ms("time_to_first_token_seconds")))
+    n = total(f"{name}_count")
+    return 1000 * total(f"{name}_sum") / n if n else float("nan")
+if what == "prefix":
+    q, h = total("prefix_cache_queries_total"), total("prefix_cache_hits_total")
+    print(f"prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({100 * h / max(q, 1):.1f}%)")
+else:
+    print("server-side means (ms, since start): queue {:.1f}, prefill {:.1f}, TTFT {:.1f}"
+          .format(mean_ms("request_queue_time_seconds"), mean_ms("request_prefill_time_seconds"),
+                  mean_ms("time_to_first_token_seconds")))
 PY
 }
+prefix_hits() { metrics_line "$1" prefix; }
+ttft_split() { metrics_line "$1" ttft; }

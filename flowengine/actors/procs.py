@@ -289,11 +289,9 @@ def remove_run_segments(rings: RingNames) -> None:
     try:
         cleanup_stale(run_prefix)
         # The API server processes' stats files (plain files, no ring header).
-        from flowengine.engine.frontend_stats import SHM_DIR
+        from flowengine.engine.frontend_stats import remove_run_files
 
-        for entry in os.listdir(SHM_DIR):
-            if entry.startswith(run_prefix + "stats"):
-                os.unlink(os.path.join(SHM_DIR, entry))
+        remove_run_files(run_prefix)
     except Exception as exc:  # noqa: BLE001 - best effort; the next start retries
         logger.warning("could not remove the run's segments: %r", exc)
 

@@ -29,6 +29,7 @@ import msgspec
 
 from flowengine.engine.protocol import EngineStats
 from flowengine.engine.request_stats import HistogramData
+from flowengine.shm.segment import segment_name
 
 PUBLISH_INTERVAL_S = 1.0
 SHM_DIR = "/dev/shm"
@@ -77,6 +78,20 @@ def merged(stats: EngineStats, others: list[FrontendCounters]) -> EngineStats:
                                finished_by_reason=dict(finished), histograms=histograms)
 
 
+def stats_path(run_id: str, index: int, shm_dir: str = SHM_DIR) -> str:
+    """API server `index`'s file: named like the run's ring segments (`segment_name`)."""
+    return os.path.join(shm_dir, segment_name(run_id, f"stats{index}").lstrip("/"))
+
+
+def remove_run_files(run_prefix: str, shm_dir: str = SHM_DIR) -> None:
+    """Remove every stats file of the run whose segments start with `run_prefix`
+    ("fe-<run_id>-"); for the run's last survivor when process 0 is gone."""
+    for entry in os.listdir(shm_dir):
+        if entry.startswith(run_prefix + "stats"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm_dir, entry))
+
+
 class SharedFrontendStats:
     """This process's file and the others' of one run.
 
@@ -90,7 +105,7 @@ class SharedFrontendStats:
         if not 0 <= index < count:
             raise ValueError(f"index {index} out of range [0, {count})")
         self.index = index
-        self.paths = [os.path.join(shm_dir, f"fe-{run_id}-stats{i}") for i in range(count)]
+        self.paths = [stats_path(run_id, i, shm_dir) for i in range(count)]
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FrontendCounters)
         # A predecessor's last figures (this index ran before and died): counted on from.

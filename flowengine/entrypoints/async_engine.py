@@ -415,7 +415,8 @@ class AsyncEngine:
         if len(detokenizer.processor) > 0:
             return True
         st = detokenizer.stats
-        return self.api_server_count > 1 and st.num_running + st.num_waiting > 0
+        several = self.api_server_count > 1 or self._attach is not None
+        return several and st.num_running + st.num_waiting > 0
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call `callback(error)` on this loop when the engine stops by itself (an actor
@@ -642,7 +643,7 @@ class AsyncEngine:
             silent_s = time.monotonic() - max(self.detokenizer.last_output_t,
                                               getattr(self, "_last_submit_t", 0.0))
             limit_s = SupervisorLimits.from_env().stall_unhealthy_s
-            if silent_s > limit_s and self._has_unfinished_requests_anywhere():
+            if silent_s > limit_s and self._has_unfinished_requests():
                 raise EngineDeadError(
                     f"the engine is stalled: no engine step for {silent_s:.1f} s while "
                     f"requests wait (limit {limit_s:g} s, FLOWENGINE_STEP_STALL_UNHEALTHY_S)")
@@ -659,10 +660,6 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine is stalled: {reasons[0]}")
             raise EngineDeadError("every data-parallel replica is stalled: " + "; ".join(
                 f"replica {i}: {r}" for i, r in enumerate(reasons)))
-
-    def _has_unfinished_requests_anywhere(self) -> bool:
-        st = self.detokenizer.stats
-        return len(self.detokenizer.processor) > 0 or st.num_running + st.num_waiting > 0
 
     def _lost_replicas(self) -> list[bool]:
         """Per supervisor: True when that data-parallel replica is down for good."""
