@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 SEEN_PATHS: list[str] = []
+SEEN_BODIES: list[bytes] = []  # every body chunk StampMiddleware passed on, in order
 
 
 class StampMiddleware:
@@ -22,6 +23,8 @@ class StampMiddleware:
         async def stamped(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message["headers"], (b"x-stamp", b"class")]}
+            elif message["type"] == "http.response.body":
+                SEEN_BODIES.append(message.get("body", b""))
             await send(message)
 
         await self.app(scope, receive, stamped)

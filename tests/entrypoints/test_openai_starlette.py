@@ -142,7 +142,7 @@ def test_root_path_behind_a_proxy():
 
 
 def test_middleware_class_and_function():
-    from openai_test_middleware import SEEN_PATHS
+    from openai_test_middleware import SEEN_BODIES, SEEN_PATHS
 
     options = AppOptions(
         middleware=(
@@ -157,6 +157,9 @@ def test_middleware_class_and_function():
         )
         assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
         assert resp.headers["x-stamp"] == "class" and resp.headers["x-stamp-fn"] == "POST"
+        # With user middleware every chunk of a stream passes through it (a stream's body
+        # goes straight to the server only when there is none).
+        assert b"".join(SEEN_BODIES) == resp.content and len(SEEN_BODIES) >= 4
         resp = httpx.get(f"{live.base_url}/nothing")  # errors pass through them too
         assert resp.status_code == 404 and resp.headers["x-stamp"] == "class"
     assert SEEN_PATHS[-2:] == ["/v1/completions", "/nothing"]

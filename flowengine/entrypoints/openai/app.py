@@ -41,6 +41,7 @@ from flowengine.entrypoints.openai import serving_anthropic as anthropic
 from flowengine.entrypoints.openai import serving_misc as misc
 from flowengine.entrypoints.openai import serving_responses as responses
 from flowengine.entrypoints.openai.asgi import (
+    BODY_SEND_KEY,
     APIRequest,
     ClientDisconnected,
     PlainResponse,
@@ -295,6 +296,12 @@ class OpenAIApp:
         return len(self._in_flight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.options.middleware and scope["type"] == "http":
+            # The server's own send, for a stream's body chunks (asgi.BODY_SEND_KEY):
+            # Starlette's and our CORS wrappers act on the response start only, and
+            # each layer costs a coroutine call per chunk, that is per token per
+            # request. With `--middleware` hooks every message goes through them.
+            scope[BODY_SEND_KEY] = send
         await self.starlette(scope, receive, send)
 
     @contextlib.asynccontextmanager

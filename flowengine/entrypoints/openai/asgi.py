@@ -196,6 +196,14 @@ def plain_response(body: bytes, content_type: str | None) -> Response:
     return PlainResponse(body, 200, media_type=content_type)
 
 
+# Scope key under which the app puts the ASGI server's own `send` when no middleware of
+# the user's wraps it (app.py: OpenAIApp.__call__). A streamed body's chunks go to it
+# directly: Starlette's error and exception middleware and our CORS layer only look at
+# the `http.response.start` message, and skipping them saves three coroutine calls per
+# chunk (one chunk per token per streamed request).
+BODY_SEND_KEY = "flowengine.body_send"
+
+
 class StreamingResponse(Response):
     """A chunked response whose body comes from an async iterator of bytes.
 
@@ -235,6 +243,10 @@ class StreamingResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        # The start goes through the middleware (it may add headers and notes that the
+        # response began); the body chunks, when the app allows it, straight to the
+        # server (see BODY_SEND_KEY).
+        send_body = scope.get(BODY_SEND_KEY, send)
         try:
             async with contextlib.aclosing(self.chunks) as chunks:  # type: ignore[type-var]
                 await send(
@@ -242,8 +254,8 @@ class StreamingResponse(Response):
                 )
                 started = True
                 async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await send_body({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send_body({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self.cut_error is None or task is None:
