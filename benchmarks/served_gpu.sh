@@ -127,8 +127,9 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
 }
 # A label is a configuration, with _Nclients for N client processes sharing the load:
 # default (no flags: the placement "auto" picks multiproc on CUDA), inproc_async,
-# multiproc_async, multiproc_sync, ascN (the defaults with --api-server-count N); e.g.
-# SERVE_RUNS="default_4clients asc4_4clients inproc_async".
+# multiproc_async, multiproc_sync, ascN (the defaults with --api-server-count N), siN
+# (with --stream-interval N), and both joined by "-"; e.g.
+# SERVE_RUNS="default_4clients asc4_4clients si8_4clients asc4-si8_4clients inproc_async".
 runs=${SERVE_RUNS:-default_4clients inproc_async_4clients multiproc_async_4clients multiproc_sync}
 for r in $runs; do
   base=$r clients=1
@@ -138,7 +139,16 @@ for r in $runs; do
     inproc_async) flags=(--async-scheduling --placement inproc) ;;
     multiproc_async) flags=(--async-scheduling --placement multiproc) ;;
     multiproc_sync) flags=(--placement multiproc) ;;
-    asc[0-9]*) flags=(--api-server-count "${base#asc}") ;;  # defaults, N API server processes
+    asc[0-9]*|si[0-9]*)  # the defaults with --api-server-count N and/or --stream-interval N
+      flags=()
+      for part in ${base//-/ }; do
+        case $part in
+          asc[0-9]*) flags+=(--api-server-count "${part#asc}") ;;
+          si[0-9]*) flags+=(--stream-interval "${part#si}") ;;
+          *) flags=(bad) ;;
+        esac
+      done
+      [ "${flags[0]:-}" = bad ] && { say "unknown run $r (skipped)"; continue; } ;;
     *) say "unknown run $r (skipped)"; continue ;;
   esac
   serve_once "$r" "$clients" "${flags[@]}"

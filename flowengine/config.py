@@ -103,6 +103,11 @@ class EngineArgs:
     # up to max_log_len characters/token ids when that is given (None: none).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # Streamed outputs (DELTA and CUMULATIVE kinds) go to the caller every this many
+    # tokens, besides the first and the last (vLLM's and SGLang's --stream-interval):
+    # 1 sends every token; more means fewer, larger chunks and less frontend work per
+    # token (engine/output_processor.py).
+    stream_interval: int = 1
     # Sampling defaults from generation_config.json: "auto" (the model's), "vllm" (none)
     # or a folder; override_generation_config is applied over it (vLLM's flags;
     # flowengine/model/generation_config.py).
@@ -194,6 +199,8 @@ class EngineArgs:
         validate_executor_backend(self.distributed_executor_backend)
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder, got ''")
         if self.override_generation_config is not None and not isinstance(

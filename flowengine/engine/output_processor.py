@@ -53,6 +53,8 @@ class _SampleState:
     detokenize: bool = True
     # The request's output kind is DELTA: collect new_* for the next output.
     delta: bool = False
+    # Tokens applied since the last output that carried this sample (stream_interval).
+    unsent: int = 0
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class _RequestState:
     prompt_logprobs_sent: bool = False  # streaming: they go out once
     pooled: bytes | None = None  # embedding requests: the raw pooled vector
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    sent_any: bool = False  # an output of this request went out (stream_interval)
 
 
 class OutputProcessor:
@@ -81,13 +84,22 @@ class OutputProcessor:
         stream: True → DELTA for every request, whatever its params say.
         final_only: True → FINAL_ONLY for every request (the offline `LLM` keeps
             nothing else). Neither: each request's own `output_kind`.
+        stream_interval: DELTA and CUMULATIVE requests get an output when a sample
+            has this many tokens not yet sent, and at once for the request's first
+            output, a finished sample or an error (vLLM's and SGLang's
+            `--stream-interval`; 1: every step that changed the request). Text and
+            stop strings are still processed token by token.
 
-    Raises ValueError for stream and final_only together.
+    Raises ValueError for stream and final_only together, or stream_interval < 1.
     """
 
-    def __init__(self, tokenizer: Any, *, stream: bool = False, final_only: bool = False) -> None:
+    def __init__(self, tokenizer: Any, *, stream: bool = False, final_only: bool = False,
+                 stream_interval: int = 1) -> None:
         if stream and final_only:
             raise ValueError("final_only applies to cumulative outputs; pass stream=False")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.stream = stream
         self.final_only = final_only
@@ -151,6 +163,7 @@ class OutputProcessor:
         """
         # NOTE: hot path, run for every request on every step; keep it lean.
         children = self._children
+        interval = self.stream_interval
         touched: dict[str, _RequestState] = {}
         to_stop: list[str] = []
         for delta in deltas:
@@ -172,8 +185,16 @@ class OutputProcessor:
                 to_stop.append(delta.req_id)
             if sample.finish_reason is not None:
                 state.num_unfinished -= 1
-            if state.num_unfinished == 0 or state.kind != RequestOutputKind.FINAL_ONLY:
+            if state.num_unfinished == 0:
                 touched[parent_id] = state
+            elif state.kind != RequestOutputKind.FINAL_ONLY:
+                if interval == 1:
+                    touched[parent_id] = state
+                else:
+                    sample.unsent += len(delta.new_token_ids)
+                    if (sample.unsent >= interval or not state.sent_any
+                            or sample.finish_reason is not None or delta.error):
+                        touched[parent_id] = state
         outputs = []
         for rid, st in touched.items():
             out = self._make_output(rid, st)
@@ -302,6 +323,10 @@ class OutputProcessor:
                 )
                 s.new_text = ""
                 s.dirty = False
+        if self.stream_interval > 1:
+            state.sent_any = True
+            for s in state.samples:
+                s.unsent = 0
         prompt_logprobs = state.prompt_logprobs
         if kind == RequestOutputKind.DELTA and prompt_logprobs is not None:
             if state.prompt_logprobs_sent:

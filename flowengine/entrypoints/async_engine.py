@@ -240,7 +240,7 @@ class AsyncEngine:
         self.streamer = StreamerActor(on_orphan=self._abort_orphan)
         self.detokenizer = DetokenizerActor(
             # Each request's SamplingParams.output_kind picks its outputs (submit sets it).
-            OutputProcessor(self.tokenizer),
+            OutputProcessor(self.tokenizer, stream_interval=self.args.stream_interval),
             self.outputs,
             self.requests,
             self.streamer,

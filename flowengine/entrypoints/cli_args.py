@@ -148,6 +148,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         "token ids (default: no prompt content; prompts are user data)",
     )
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="streamed responses get a chunk every N generated tokens, plus the first "
+        "token's and the last one's at once (vLLM's and SGLang's flag); 1 (default) "
+        "sends each token as it comes; a larger N lowers the server's work per token "
+        "under heavy streaming load",
+    )
+    g.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="let transformers run the Python code a model repository ships for its config "

@@ -133,6 +133,26 @@ def test_chat_messages_and_abort_by_id(default_model_path):
     asyncio.run(main())
 
 
+def test_stream_interval_sends_fewer_outputs_with_the_same_text(default_model_path, offline):
+    """--stream-interval 5: a 24-token stream comes in at most 1 + ceil(23 / 5) = 6
+    outputs (the first token alone, then every 5, the last at once; fewer when the
+    caller's stream folds some), and the text is the same as token by token."""
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=1024, stream_interval=5)
+        await engine.start()
+        try:
+            results = await asyncio.gather(*(_collect(engine, p) for p in PROMPTS))
+            assert [t for t, _ in results] == offline
+            for _, outs in results:
+                assert 2 <= len(outs) <= 6 and outs[-1].finished
+                assert sum(len(o.outputs[0].token_ids) for o in outs) == 24
+                assert all(len(o.outputs[0].token_ids) >= 5 for o in outs[1:-1])
+        finally:
+            await engine.shutdown(drain_timeout_s=5)
+
+    asyncio.run(main())
+
+
 def test_a_stopped_engine_is_collected(default_model_path):
     """start() freezes the start-up heap (gc.freeze); shutdown() must thaw it, else the
     engine's reference cycles keep its weights and KV cache alive for the life of the

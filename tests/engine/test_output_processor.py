@@ -217,3 +217,46 @@ def test_a_sample_id_taken_by_another_request_is_refused(tok) -> None:
     op.add_request(prompt("a-0", PARAMS))  # no clash: accepted
     outs, _ = op.process([RequestDelta("a-1", ids("x"), finish_reason="length")])
     assert [o.request_id for o in outs] == ["a-1"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_stream_interval_sends_first_every_n_and_last(tok, stream) -> None:
+    """--stream-interval 3: the first token at once, then an output once 3 tokens are
+    unsent, and the finish at once; the text and ids the caller assembles are the same
+    as with interval 1 (DELTA), or the latest snapshot is (CUMULATIVE)."""
+    op = OutputProcessor(tok, stream=stream, stream_interval=3)
+    op.add_request(prompt("a", PARAMS))
+    sent = []
+    for i, ch in enumerate("abcdefgh"):
+        outs, _ = op.process([RequestDelta("a", ids(ch),
+                                           finish_reason="length" if i == 7 else None)])
+        sent.append([(o.outputs[0].text, o.outputs[0].token_ids, o.finished) for o in outs])
+    if stream:
+        assert sent == [[("a", ids("a"), False)], [], [], [("bcd", ids("bcd"), False)], [], [],
+                        [("efg", ids("efg"), False)], [("h", ids("h"), True)]]
+    else:
+        assert sent == [[("a", ids("a"), False)], [], [], [("abcd", ids("abcd"), False)], [], [],
+                        [("abcdefg", ids("abcdefg"), False)],
+                        [("abcdefgh", ids("abcdefgh"), True)]]
+    assert len(op) == 0
+
+
+def test_stream_interval_counts_tokens_per_sample_and_sends_a_finished_sample(tok) -> None:
+    op = OutputProcessor(tok, stream=True, stream_interval=2)
+    op.add_request(prompt("r", SamplingParams(n=2, max_tokens=16)))
+    (out,), _ = op.process([RequestDelta("r-0", ids("a"))])  # the request's first output
+    assert [(c.index, c.text) for c in out.outputs] == [(0, "a")]
+    assert op.process([RequestDelta("r-1", ids("x"))]) == ([], [])  # 1 unsent of 2
+    (out,), _ = op.process([RequestDelta("r-0", ids("bc"))])  # two at once: due
+    assert [(c.index, c.text) for c in out.outputs] == [(0, "bc"), (1, "x")]
+    (out,), _ = op.process([RequestDelta("r-1", ids("y"), finish_reason="length")])
+    assert [(c.index, c.text, c.finish_reason) for c in out.outputs] == [(1, "y", "length")]
+    assert not out.finished
+    assert op.process([RequestDelta("r-0", ids("d"))]) == ([], [])
+    (out,), _ = op.process([RequestDelta("r-0", ids("e"), finish_reason="length")])
+    assert [(c.index, c.text) for c in out.outputs] == [(0, "de")] and out.finished
+
+
+def test_stream_interval_below_one_is_refused(tok) -> None:
+    with pytest.raises(ValueError, match="stream_interval"):
+        OutputProcessor(tok, stream=True, stream_interval=0)

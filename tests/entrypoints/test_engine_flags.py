@@ -273,6 +273,13 @@ def test_enable_log_requests_and_max_log_len_flags() -> None:
         _args("--max-log-len", "-1")
 
 
+def test_stream_interval_flag() -> None:
+    assert _args().stream_interval == 1
+    assert _args("--stream-interval", "8").stream_interval == 8
+    with pytest.raises(ValueError, match="stream_interval must be >= 1"):
+        _args("--stream-interval", "0")
+
+
 def test_request_log_line_keeps_prompts_out_unless_asked() -> None:
     from flowengine.engine.input_processor import ProcessedPrompt
     from flowengine.engine.request_logger import RequestLogger
