@@ -1,9 +1,11 @@
-# Sourced by benchmarks/issue14_gpu.sh and benchmarks/served_gpu.sh (not run by itself).
+# Sourced by benchmarks/issue14_gpu.sh, served_gpu.sh and frontend_cpu.sh (not run by itself).
 #
 # wait_server PORT [PID] [SECONDS]: poll http://127.0.0.1:PORT/health every 0.25 s until
 # it answers (return 0), the server process PID exits (return 1, "server exited"), or
 # SECONDS pass (default 100; return 1, "server did not come up"). On failure the caller
 # tails its server log and kills the server.
+#
+# cpu_s PID: "pid:seconds" (user + system CPU) of PID and each process below it.
 #
 # wait_running PORT [SECONDS]: poll PORT/metrics until num_requests_running > 0 (the
 # clients first build their prompts), so that a profiler attaches to steady serving.
@@ -91,3 +93,28 @@ PY
 }
 prefix_hits() { metrics_line "$1" prefix; }
 ttft_split() { metrics_line "$1" ttft; }
+
+cpu_s() {  # CPU seconds (user + system) of a pid and its children processes
+  python3 - "$@" <<'PYCPU'
+import os, sys
+tick = os.sysconf("SC_CLK_TCK")
+def procs(root):
+    out = [root]
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) == root:
+                    out += procs(int(p))
+            except OSError:
+                pass
+    return out
+res = []
+for pid in procs(int(sys.argv[1])):
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        res.append(f"{pid}:{(int(f[11]) + int(f[12])) / tick:.2f}")
+    except OSError:
+        pass
+print(" ".join(res))
+PYCPU
+}

@@ -12,6 +12,9 @@
 # /tmp/frontend_cpu_LABEL.raw). Prints: LABEL, output tok/s, then pid:us-per-token for
 # the server process and each child (process 0 first), and the 1-minute load average.
 set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=benchmarks/_wait_server.sh
+. "$HERE/_wait_server.sh"
 model=$1 label=$2; shift 2
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fe=(python3 -m flowengine.entrypoints.cli)
@@ -19,12 +22,11 @@ fe=(python3 -m flowengine.entrypoints.cli)
   --async-scheduling --max-num-seqs 256 --max-model-len 1024 --port "$port" \
   --disable-log-requests --log-level warning "$@" > "/tmp/frontend_cpu_$label.log" 2>&1 &
 sp=$!
-for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$port/health" > /dev/null 2>&1 && break; sleep 0.3; done
-cpu() { for p in $sp $(pgrep -P $sp); do echo -n "$p:$(awk '{print $14+$15}' /proc/$p/stat) "; done; }
+wait_server "$port" "$sp" 120 || { tail -20 "/tmp/frontend_cpu_$label.log"; kill "$sp"; exit 1; }
 bench=("${fe[@]}" bench serve --port "$port" --tokenizer "$model" --dataset-name random
        --random-input-len 128 --ignore-eos --disable-tqdm)
 "${bench[@]}" --random-output-len 16 --num-prompts 32 --max-concurrency 8 --seed 9 > /dev/null 2>&1  # warm-up
-c0=$(cpu)
+c0=$(cpu_s "$sp")
 ps_pid=
 if [ -n "${PYSPY:-}" ]; then
   py-spy record -r 500 -f raw -o "/tmp/frontend_cpu_$label.raw" -p "$sp" -d "$PYSPY" > /dev/null 2>&1 &
@@ -32,17 +34,16 @@ if [ -n "${PYSPY:-}" ]; then
 fi
 "${bench[@]}" --random-output-len "${OL:-64}" --num-prompts "${N:-1024}" --max-concurrency "${C:-128}" \
   --seed 0 --result-file "/tmp/frontend_cpu_$label.json" > "/tmp/frontend_cpu_client_$label.txt" 2>&1
-c1=$(cpu)
+c1=$(cpu_s "$sp")
 [ -n "$ps_pid" ] && wait "$ps_pid"
 python3 - "$c0" "$c1" "$label" <<'PY'
-import json, os, sys
+import json, sys
 before, after, label = sys.argv[1:]
-us_per_tick = 1e6 / os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts clock ticks
 r = json.load(open(f"/tmp/frontend_cpu_{label}.json"))
 tokens = r["total_output"]
 a = dict(x.split(":") for x in before.split())
 b = dict(x.split(":") for x in after.split())
-per = " ".join(f"{p}:{(float(b[p]) - float(a.get(p, 0))) * us_per_tick / tokens:.1f}" for p in b)
+per = " ".join(f"{p}:{(float(b[p]) - float(a.get(p, 0))) * 1e6 / tokens:.1f}" for p in b)
 print(f"{label:12s} out_tok/s={r['output_throughput']:8.1f} cpu_us_per_token {per} "
       f"load={open('/proc/loadavg').read().split()[0]}")
 PY

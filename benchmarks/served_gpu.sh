@@ -42,30 +42,6 @@ dtype=${DTYPE:-bfloat16}
 common=(--load-format dummy --dtype "$dtype" --max-num-seqs "$conc" --max-model-len 2048)
 say() { echo "$*" | tee -a "$out/summary.md"; }
 
-cpu_s() {  # CPU seconds (user + system) of a pid and its children processes
-  python3 - "$@" <<'EOF'
-import os, sys
-tick = os.sysconf("SC_CLK_TCK")
-def procs(root):
-    out = [root]
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) == root:
-                    out += procs(int(p))
-            except OSError:
-                pass
-    return out
-res = []
-for pid in procs(int(sys.argv[1])):
-    try:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        res.append(f"{pid}:{(int(f[11]) + int(f[12])) / tick:.1f}")
-    except OSError:
-        pass
-print(" ".join(res))
-EOF
-}
 
 device_step() {  # the device step alone (run after the served runs: DEVICE_STEP_LAST=1)
   say "== device step alone (CUDA graph replay), engine loops 1 and 2 in flight"

@@ -297,10 +297,8 @@ class OpenAIApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.options.middleware and scope["type"] == "http":
-            # The server's own send, for a stream's body chunks (asgi.BODY_SEND_KEY):
-            # Starlette's and our CORS wrappers act on the response start only, and
-            # each layer costs a coroutine call per chunk, that is per token per
-            # request. With `--middleware` hooks every message goes through them.
+            # The server's own send, for stream body chunks (see asgi.BODY_SEND_KEY);
+            # with `--middleware` hooks every message goes through the stack.
             scope[BODY_SEND_KEY] = send
         await self.starlette(scope, receive, send)
 
