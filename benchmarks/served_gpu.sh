@@ -16,7 +16,9 @@
 # py-spy on the PATH, records the server's stacks (OUT_DIR/pyspy_LABEL.txt, collapsed),
 # and the executor actor's own step timers (`ExecutorActor.timers()`, logged at shutdown:
 # wall per step between launches, host time launching/resolving, share of steps whose
-# tokens were waited for), the server's own TTFT split (queue, prefill, TTFT means from
+# tokens were waited for; the server runs with FLOWENGINE_DEVICE_TIMERS=1, so also the
+# device's own time per step in the run and its idle gap before a step, whose share per
+# request is the host time the device waited for), the server's own TTFT split (queue, prefill, TTFT means from
 # /metrics, against each client's mean TTFT) and, with --api-server-count, how many
 # requests each process served. SERVE_RUNS picks the served configurations (labels below).
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
@@ -60,7 +62,7 @@ fi
 serve_once() {  # $1: label, $2: number of client processes, rest: extra serve flags
   local label=$1 clients=$2; shift 2
   local port=$((8700 + RANDOM % 200))
-  FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$model" "${common[@]}" --port "$port" \
+  FLOWENGINE_DEVICE_TIMERS=1 FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$model" "${common[@]}" --port "$port" \
     --log-level info "$@" > "/tmp/serve_$label.log" 2>&1 &
   local pid=$!
   wait_server "$port" "$pid" "$T"
@@ -169,10 +171,11 @@ for p in sorted(glob.glob(f"{out}/client_*.json"), key=os.path.getmtime):
     lab = os.path.basename(p)[7:].rsplit("_", 1)[0]
     labels += [lab] if lab not in labels else []
 print("\n| run | output tok/s | / offline | median TPOT ms | executor wall us/step | mean rows"
-      " | host us / request / step | waited share |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-print(f"| offline `bench throughput` | {off or 'not run'} | | | | | | |")
+      " | host us / request / step | waited share | device us/step in the run | device gap"
+      " us/step | gap us / request / step |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print(f"| offline `bench throughput` | {off or 'not run'} | | | | | | | | | |")
 if dev:
-    print(f"| device step alone ({dev_src}) | | | | {dev:.0f} | | | |")
+    print(f"| device step alone ({dev_src}) | | | | {dev:.0f} | | | | | | |")
 for lab in labels:
     res = [json.load(open(p)) for p in sorted(glob.glob(f"{out}/client_{lab}_*.json"))
            if re.fullmatch(rf"client_{lab}_\d+\.json", os.path.basename(p))]
@@ -188,8 +191,12 @@ for lab in labels:
     big = "llama8b" not in lab
     ratio = f"{tps / off:.3f}" if off and big else ""
     host = f"{(wall - dev) / rows:.2f}" if dev and tm and big else ""
+    # The device's own time per step in this run (FLOWENGINE_DEVICE_TIMERS) and its idle
+    # gap before a step: gap / rows is the host time the device waited for, per request.
+    dev_run, gap = tm.get("device_us_per_step", ""), tm.get("gap_us_per_step", "")
+    gap_req = f"{float(gap) / rows:.2f}" if gap else ""
     print(f"| served {lab} | {tps:,.0f} | {ratio} | {tpot:.3f} | {wall:.0f} | {rows:.1f} | {host} "
-          f"| {tm.get('waited_share', '')} |")
+          f"| {tm.get('waited_share', '')} | {dev_run} | {gap} | {gap_req} |")
     if not big and off8:
         # like for like: the offline figure includes each request's prefill, so set it
         # against the served end-to-end latency per output token as well as the TPOT
@@ -197,6 +204,6 @@ for lab in labels:
             r["total_output"] for r in res)
         print(f"| Llama-3.1-8B batch 1: offline ms/token {1000 / off8:.3f}; served TPOT / offline "
               f"{tpot / (1000 / off8):.3f}; served e2e latency per output token {e2e:.3f} ms, "
-              f"/ offline {e2e / (1000 / off8):.3f} | | target <= 1.05 | | | | | |")
+              f"/ offline {e2e / (1000 / off8):.3f} | | target <= 1.05 | | | | | | | | |")
 print("targets: served / offline >= 0.90 at the full concurrency; host us / request / step <= 2")
 EOF

@@ -123,18 +123,63 @@ class ExecutorActor:
         self.rows_launched = 0
         self._first_launch = 0.0
         self._last_launch = 0.0
+        # With FLOWENGINE_DEVICE_TIMERS (CUDA): the device's own time per step, from
+        # each step's timing events (after its inputs' copy -> after its tokens' copy),
+        # and the device's idle gap before each step (the previous step's end -> this
+        # step's start), summed over the timed steps.
+        self.num_timed = 0
+        self.device_s = 0.0
+        self.gap_s = 0.0
+        self.num_gaps = 0
+        self._prev_end: Any = None
+        # Steps launched while no other step was in flight: the device's gap before
+        # them is a lull in the work, not host time, and is not counted.
+        self._in_flight = 0
+        self._from_idle: set[int] = set()
 
     def timers(self) -> dict[str, float]:
         """This actor's step timers: steps, mean rows, wall per step between the first
         and the last launch, host time launching and resolving per step (us), and the
-        share of steps whose tokens the resolver had to wait for (device-bound)."""
+        share of steps whose tokens the resolver had to wait for (device-bound); with
+        FLOWENGINE_DEVICE_TIMERS on CUDA also the device's time per timed step
+        (device_us_per_step: from the step's inputs on the device to its tokens copied
+        out) and its idle gap before a step (gap_us_per_step: the device waiting for
+        the host; not counted before a step launched with none in flight). Steps that
+        sample nothing are not timed."""
         n = max(self.num_launched, 1)
         span = self._last_launch - self._first_launch
-        return {"steps": self.num_launched, "mean_rows": self.rows_launched / n,
-                "wall_us_per_step": 1e6 * span / max(self.num_launched - 1, 1),
-                "launch_us_per_step": 1e6 * self.busy_s / n,
-                "resolve_us_per_step": 1e6 * self.resolve_s / n,
-                "waited_share": self.num_waited / n}
+        out = {"steps": self.num_launched, "mean_rows": self.rows_launched / n,
+               "wall_us_per_step": 1e6 * span / max(self.num_launched - 1, 1),
+               "launch_us_per_step": 1e6 * self.busy_s / n,
+               "resolve_us_per_step": 1e6 * self.resolve_s / n,
+               "waited_share": self.num_waited / n}
+        if self.num_timed:
+            out["timed_steps"] = self.num_timed
+            out["device_us_per_step"] = 1e6 * self.device_s / self.num_timed
+            out["gap_us_per_step"] = 1e6 * self.gap_s / max(self.num_gaps, 1)
+        return out
+
+    def _time_device(self, handle: StepHandle) -> None:
+        """Add a resolved step's device time and the gap before it (DEVICE_TIMERS)."""
+        from_idle = handle.step_id in self._from_idle
+        self._from_idle.discard(handle.step_id)
+        events = getattr(handle, "device_events", None)
+        if events is None:  # an untimed step: the next gap would include its work
+            self._prev_end = None
+            return
+        start, end = events
+        try:
+            device_s = start.elapsed_time(end) / 1e3
+            gap_s = (None if self._prev_end is None or from_idle
+                     else max(self._prev_end.elapsed_time(start), 0.0) / 1e3)
+        except RuntimeError:  # e.g. a step that failed on the device: not timed
+            return
+        self.num_timed += 1
+        self.device_s += device_s
+        if gap_s is not None:
+            self.num_gaps += 1
+            self.gap_s += gap_s
+        self._prev_end = end
 
     async def run(self) -> None:
         if self.results is None:
@@ -163,6 +208,9 @@ class ExecutorActor:
                 if step_trace.ENABLED:
                     step_trace.mark("ex_plan", msg.step_id, len(msg.num_scheduled_tokens))
                 now = time.perf_counter()
+                if not self._in_flight:
+                    self._from_idle.add(msg.step_id)
+                self._in_flight += 1
                 if not self.num_launched:
                     self._first_launch = now
                 self._last_launch = now
@@ -231,6 +279,8 @@ class ExecutorActor:
                     result = StepResult(handle.step_id, [],
                                         error=f"{type(exc).__name__}: {exc}")
                 self.resolve_s += time.perf_counter() - start
+                self._in_flight -= 1
+                self._time_device(handle)
                 if step_trace.ENABLED:
                     step_trace.mark("ex_resolved", handle.step_id)
                 await self.results.send_async(result)

@@ -67,6 +67,11 @@ from flowengine.sample.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
+# FLOWENGINE_DEVICE_TIMERS=1: each launched step records a timing CUDA event after its
+# inputs' copy and times its copy-to-host event, so the executor actor's timers report
+# the device's time per step in the served run itself (ExecutorActor.timers:
+# device_us_per_step, gap_us_per_step). Off by default: two event records per step.
+DEVICE_TIMERS = os.environ.get("FLOWENGINE_DEVICE_TIMERS", "0") not in ("", "0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,7 @@ class LaunchedForward:
     sample_req_ids: list[str]
     sample_slots: torch.Tensor | None
     logits: torch.Tensor | None
+    start_event: torch.cuda.Event | None = None  # FLOWENGINE_DEVICE_TIMERS
 
 
 class CudaModelRunner(ModelRunner):
@@ -154,6 +160,7 @@ class CudaModelRunner(ModelRunner):
         self.mixed_sizes: list[int] = []
         self.mixed_graphs: MixedCudaGraphs | None = None
         self._pending: list[PendingStep] = []
+        self._step_start: torch.cuda.Event | None = None  # the launching step's (DEVICE_TIMERS)
         # launch() and a PendingStep's result() may run in different threads (the
         # Executor actor's launcher and resolver): both change request states under this lock.
         self._lock = threading.RLock()
@@ -307,6 +314,9 @@ class CudaModelRunner(ModelRunner):
                 graphs = self.mixed_graphs
         extra = {} if pad_reqs_to is None else {"pad_reqs_to": pad_reqs_to}
         inputs = self.input_batch.prepare(states, num_scheduled, pad_to=pad_to, **extra)
+        if DEVICE_TIMERS and self.device.type == "cuda":
+            self._step_start = torch.cuda.Event(enable_timing=True)
+            self._step_start.record()
         if inputs.attn_metadata.max_seq_len > self.model_config.max_model_len:
             raise ValueError(
                 f"step {plan.step_id} reaches {inputs.attn_metadata.max_seq_len} tokens in one "
@@ -396,11 +406,13 @@ class CudaModelRunner(ModelRunner):
         if self.pp.size > 1:
             raise ValueError("a pipeline stage runs its steps through execute_model (the "
                              "last stage samples on the host path), not launch")
+        self._step_start = None
         _, inputs, hidden = self._forward(plan)
         if inputs is None or hidden is None or not inputs.sample_req_ids:
             return LaunchedForward(plan.step_id, [], None, None)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return LaunchedForward(plan.step_id, inputs.sample_req_ids, inputs.sample_slots, logits)
+        return LaunchedForward(plan.step_id, inputs.sample_req_ids, inputs.sample_slots, logits,
+                               self._step_start)
 
     def _launch_sampling(self, forward: LaunchedForward, sampler: Sampler,
                          grammar: StepPlan | GrammarOutput) -> PendingStep:
@@ -417,7 +429,7 @@ class CudaModelRunner(ModelRunner):
                            grammar.grammar_bitmask)
         output = sampler(logits, sampled_states)  # a RequestState is a sampling state
         self.last_sampled.index_copy_(0, forward.sample_slots, output.sampled_token_ids)
-        host_output, event = copy_to_host(output)
+        host_output, event = copy_to_host(output, timing=forward.start_event is not None)
         placeholders = []
         for state in sampled_states:
             index = len(state.token_ids)
@@ -425,7 +437,8 @@ class CudaModelRunner(ModelRunner):
             state.placeholder_indices.append(index)
             placeholders.append((state, index))
         pending = PendingStep(forward.step_id, forward.sample_req_ids, placeholders,
-                              host_output, event, on_done=self._pending.remove, lock=self._lock)
+                              host_output, event, on_done=self._pending.remove, lock=self._lock,
+                              start_event=forward.start_event)
         self._pending.append(pending)
         return pending
 

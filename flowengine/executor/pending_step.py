@@ -19,11 +19,13 @@ from flowengine.messages import SampledTokens, StepResult
 from flowengine.sample.output import LogprobsTensors, SamplerOutput
 
 
-def copy_to_host(output: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+def copy_to_host(output: SamplerOutput, *, timing: bool = False,
+                 ) -> tuple[SamplerOutput, torch.cuda.Event | None]:
     """Start non-blocking copies of `output`'s tensors into pinned host memory.
 
     Returns the host-side SamplerOutput (valid once the event has completed) and the
-    event recorded after the copies (None on the CPU, where the copies are synchronous).
+    event recorded after the copies (None on the CPU, where the copies are synchronous;
+    with `timing`, a CUDA event that can measure elapsed time).
     """
     is_cuda = output.sampled_token_ids.is_cuda
 
@@ -39,7 +41,7 @@ def copy_to_host(output: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event
     host = SamplerOutput(to_host(output.sampled_token_ids), output.num_logprobs, host_lt)
     event = None
     if is_cuda:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=timing)
         event.record()
     return host, event
 
@@ -58,13 +60,17 @@ class PendingStep:
         on_done: called once with this step after its placeholders are filled.
         lock: held while the placeholders are filled (the runner's, so that result()
             may run in another thread than the next launch).
+        start_event: a timing CUDA event recorded when the step's device work was
+            enqueued (after its inputs' copy); with a timing `event`, `device_events`
+            gives both (FLOWENGINE_DEVICE_TIMERS, read by the executor actor's timers).
     """
 
     def __init__(self, step_id: int, req_ids: list[str],
                  placeholders: list[tuple[RequestState, int]],
                  host_output: SamplerOutput | None, event: torch.cuda.Event | None,
                  on_done: Callable[[PendingStep], None] | None = None,
-                 lock: threading.RLock | None = None) -> None:
+                 lock: threading.RLock | None = None,
+                 start_event: torch.cuda.Event | None = None) -> None:
         self.step_id = step_id
         self.req_ids = req_ids
         self._placeholders = placeholders
@@ -73,6 +79,15 @@ class PendingStep:
         self._on_done = on_done
         self._lock = lock
         self._result: StepResult | None = None
+        self._start_event = start_event
+
+    @property
+    def device_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """(start, end) timing events of the step's device work, or None when the step
+        was not timed. Valid to measure (`start.elapsed_time(end)`, ms) once done()."""
+        if self._start_event is None or self._event is None:
+            return None
+        return self._start_event, self._event
 
     @classmethod
     def empty(cls, step_id: int) -> PendingStep:

@@ -228,3 +228,84 @@ async def _test_a_small_host_step_runs_inline_and_a_prefill_chunk_in_the_worker(
                 assert (await results.recv_async()).step_id == step_id
         await steps.send_async(Shutdown())
     assert through_blocking == [2, 3]
+
+
+class _FakeEvent:
+    """A CUDA timing event's stand-in: a time on the device's clock (ms)."""
+
+    def __init__(self, t_ms: float) -> None:
+        self.t_ms = t_ms
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.t_ms - self.t_ms
+
+
+class _TimedHandle(_Handle):
+    def __init__(self, step_id: int, log: list[str], start_ms: float, end_ms: float) -> None:
+        super().__init__(step_id, log)
+        self.device_events = (_FakeEvent(start_ms), _FakeEvent(end_ms))
+
+
+def test_device_timers_sum_device_time_and_the_gaps_between_steps_in_flight() -> None:
+    anyio.run(_test_device_timers)
+
+
+async def _test_device_timers() -> None:
+    # Device timeline (ms): step 0 [0, 2], step 1 [2.5, 4.5], step 2 [4.6, 6.6], step 3 (no
+    # events: untimed), step 4 [7, 9] (its gap follows an untimed step: not counted),
+    # then, launched with nothing in flight, step 5 [100, 102] (a lull, not counted).
+    spans = {0: (0.0, 2.0), 1: (2.5, 4.5), 2: (4.6, 6.6), 4: (7.0, 9.0), 5: (100.0, 102.0)}
+    executor = _ScriptedExecutor(set(), set())
+
+    def launch(plan: StepPlan):
+        executor.log.append(f"launched {plan.step_id}")
+        if plan.step_id in spans:
+            handle = _TimedHandle(plan.step_id, executor.log, *spans[plan.step_id])
+        else:
+            handle = _Handle(plan.step_id, executor.log)
+        executor.handles[plan.step_id] = handle
+        return handle
+
+    executor.launch = launch
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        for step_id in range(5):  # each launched while the one before is in flight
+            await steps.send_async(_plan(step_id))
+        await _wait_for(lambda: "launched 4" in executor.log)
+        for step_id in range(5):
+            executor.handles[step_id].release()
+        with anyio.fail_after(30):
+            assert [(await results.recv_async()).step_id for _ in range(5)] == list(range(5))
+        await steps.send_async(_plan(5))  # nothing in flight now
+        await _wait_for(lambda: "launched 5" in executor.log)
+        executor.handles[5].release()
+        with anyio.fail_after(30):
+            assert (await results.recv_async()).step_id == 5
+        await steps.send_async(Shutdown())
+    timers = actor.timers()
+    assert timers["timed_steps"] == 5  # steps 0, 1, 2, 4, 5
+    assert abs(timers["device_us_per_step"] - 2000.0) < 1e-6
+    assert abs(timers["gap_us_per_step"] - (500.0 + 100.0) / 2) < 1e-6  # steps 1 and 2
+
+
+def test_timers_without_device_events_report_no_device_time() -> None:
+    anyio.run(_test_timers_untimed)
+
+
+async def _test_timers_untimed() -> None:
+    executor = _ScriptedExecutor(set(), set())
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        await steps.send_async(_plan(0))
+        await _wait_for(lambda: "launched 0" in executor.log)
+        executor.handles[0].release()
+        with anyio.fail_after(30):
+            assert (await results.recv_async()).step_id == 0
+        await steps.send_async(Shutdown())
+    timers = actor.timers()
+    assert timers["steps"] == 1
+    assert "device_us_per_step" not in timers and "gap_us_per_step" not in timers

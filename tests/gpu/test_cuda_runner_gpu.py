@@ -289,3 +289,37 @@ def test_mixed_step_graphs_match_eager(model_path: str, seed: int) -> None:
     del runners
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_device_timers_time_each_launched_step(small_llm: LLM,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FLOWENGINE_DEVICE_TIMERS a launched step carries (start, end) timing events:
+    start after its inputs' copy, end after its tokens' copy; without, none."""
+    import flowengine.executor.cuda_runner as cuda_runner
+
+    engine = small_llm.engine
+    prompts = [p[:200] for p in shared_prefix_prompts(2)[:4]]
+    for timed in (True, False):
+        monkeypatch.setattr(cuda_runner, "DEVICE_TIMERS", timed)
+        for msg in _mixed_requests(prompts, f"timers-{timed}-")[:4]:
+            engine.add_request(msg)
+        handles = []
+        while engine.scheduler.has_unfinished_requests():
+            plan = engine.scheduler.schedule()
+            if not plan.num_scheduled_tokens:
+                continue
+            handle = engine.executor.launch(plan)
+            result = handle.result()
+            assert result.error is None, result.error
+            handles.append(handle)
+            engine.scheduler.update_from_output(plan, result)
+        sampled = [h for h in handles if h.req_ids]
+        assert sampled
+        for handle in sampled:
+            events = handle.device_events
+            if not timed:
+                assert events is None
+                continue
+            start, end = events
+            elapsed_ms = start.elapsed_time(end)
+            assert 0.0 < elapsed_ms < 10_000.0, elapsed_ms
