@@ -71,6 +71,8 @@ CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY")
 # inputs' copy and times its copy-to-host event, so the executor actor's timers report
 # the device's time per step in the served run itself (ExecutorActor.timers:
 # device_us_per_step, gap_us_per_step). Off by default: two event records per step.
+# A wait inside a step (its sampling launched late, e.g. after a grammar bitmask) counts
+# as that step's device time, not as a gap.
 DEVICE_TIMERS = os.environ.get("FLOWENGINE_DEVICE_TIMERS", "0") not in ("", "0")
 
 
