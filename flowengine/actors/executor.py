@@ -144,8 +144,9 @@ class ExecutorActor:
         FLOWENGINE_DEVICE_TIMERS on CUDA also the device's time per timed step
         (device_us_per_step: from the step's inputs on the device to its tokens copied
         out) and its idle gap before a step (gap_us_per_step: the device waiting for
-        the host; not counted before a step launched with none in flight). Steps that
-        sample nothing are not timed."""
+        the host; not counted before a step launched with none in flight, nor after an
+        untimed step; `gaps` says how many were, and neither key is there when none
+        was). Steps that sample nothing are not timed."""
         n = max(self.num_launched, 1)
         span = self._last_launch - self._first_launch
         out = {"steps": self.num_launched, "mean_rows": self.rows_launched / n,
@@ -156,7 +157,9 @@ class ExecutorActor:
         if self.num_timed:
             out["timed_steps"] = self.num_timed
             out["device_us_per_step"] = 1e6 * self.device_s / self.num_timed
-            out["gap_us_per_step"] = 1e6 * self.gap_s / max(self.num_gaps, 1)
+        if self.num_gaps:  # none measured (e.g. one step in flight at a time): no figure
+            out["gaps"] = self.num_gaps
+            out["gap_us_per_step"] = 1e6 * self.gap_s / self.num_gaps
         return out
 
     def _time_device(self, handle: StepHandle) -> None:
@@ -173,6 +176,7 @@ class ExecutorActor:
             gap_s = (None if self._prev_end is None or from_idle
                      else max(self._prev_end.elapsed_time(start), 0.0) / 1e3)
         except RuntimeError:  # e.g. a step that failed on the device: not timed
+            self._prev_end = None
             return
         self.num_timed += 1
         self.device_s += device_s

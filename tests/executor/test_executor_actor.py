@@ -309,3 +309,45 @@ async def _test_timers_untimed() -> None:
     timers = actor.timers()
     assert timers["steps"] == 1
     assert "device_us_per_step" not in timers and "gap_us_per_step" not in timers
+
+
+class _FailedEvent(_FakeEvent):
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_device_timers_count_no_gap_across_a_step_that_failed_on_the_device() -> None:
+    anyio.run(_test_device_timers_failed_step)
+
+
+async def _test_device_timers_failed_step() -> None:
+    # Step 0 [0, 1]; step 1 failed on the device (its events cannot be read); step 2
+    # [50, 51]: the gap before it would include step 1's work and is not counted.
+    executor = _ScriptedExecutor(set(), set())
+
+    def launch(plan: StepPlan):
+        executor.log.append(f"launched {plan.step_id}")
+        start, end = {0: (0.0, 1.0), 1: (1.5, 5.0), 2: (50.0, 51.0)}[plan.step_id]
+        handle = _TimedHandle(plan.step_id, executor.log, start, end)
+        if plan.step_id == 1:
+            handle.device_events = (_FailedEvent(start), _FakeEvent(end))
+        executor.handles[plan.step_id] = handle
+        return handle
+
+    executor.launch = launch
+    steps, results = InprocChannel(), InprocChannel()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        for step_id in range(3):
+            await steps.send_async(_plan(step_id))
+        await _wait_for(lambda: "launched 2" in executor.log)
+        for step_id in range(3):
+            executor.handles[step_id].release()
+        with anyio.fail_after(30):
+            assert [(await results.recv_async()).step_id for _ in range(3)] == [0, 1, 2]
+        await steps.send_async(Shutdown())
+    timers = actor.timers()
+    assert timers["timed_steps"] == 2  # steps 0 and 2
+    assert abs(timers["device_us_per_step"] - 1000.0) < 1e-6
+    assert "gap_us_per_step" not in timers  # no gap between two measured steps in a row

@@ -314,6 +314,8 @@ def test_device_timers_time_each_launched_step(small_llm: LLM,
             assert result.error is None, result.error
             handles.append(handle)
             engine.scheduler.update_from_output(plan, result)
+        else:
+            raise AssertionError("the requests did not finish in 10,000 steps")
         sampled = [h for h in handles if h.req_ids]
         assert sampled
         for handle in sampled:
