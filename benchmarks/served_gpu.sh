@@ -11,6 +11,17 @@
 # figures in OUT_DIR/gpu_bench.json; server logs stay in /tmp (tailed on failure).
 # Host time per request per step = (served TPOT - device step) / 256.
 #
+# A device call from a fresh checkout (sessions 35-37): in the repo root here,
+#   ../shared/tools/device-wheels starlette xgrammar llguidance jsonschema #     jsonschema-specifications referencing rpds-py attrs py-spy apache-tvm-ffi pydantic #     pydantic-core annotated-types typing-inspection
+#   mkdir -p .carry/smol && echo /.carry/ >> .git/info/exclude
+#   cp ~/.cache/flowengine/models/SmolLM2-135M-Instruct/{config.json,tokenizer*.json} .carry/smol/
+# (the default model's converted folder, made by a first `flowengine serve`), then a
+# call with carry [".carry", ".whl"] whose command starts with
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+#   python3 -m pip install -q --no-deps --no-build-isolation -e .
+# and runs this script with OUT_DIR under $OUT. Only 8 files come back from $OUT: copy
+# summary.md and the py-spy files you want to its top and remove the rest.
+#
 # Each served run also reports the CPU seconds of the client and of every server
 # process (from /proc), to tell a server-bound run from a client-bound one, and, with
 # py-spy on the PATH, records the server's stacks (OUT_DIR/pyspy_LABEL.txt, collapsed),
