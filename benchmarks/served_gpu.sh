@@ -12,12 +12,15 @@
 # Host time per request per step = (served TPOT - device step) / 256.
 #
 # A device call from a fresh checkout (sessions 35-37): in the repo root here,
-#   ../shared/tools/device-wheels starlette xgrammar llguidance jsonschema #     jsonschema-specifications referencing rpds-py attrs py-spy apache-tvm-ffi pydantic #     pydantic-core annotated-types typing-inspection
+#   ../shared/tools/device-wheels starlette xgrammar llguidance jsonschema \
+#     jsonschema-specifications referencing rpds-py attrs py-spy apache-tvm-ffi pydantic \
+#     pydantic-core annotated-types typing-inspection
 #   mkdir -p .carry/smol && echo /.carry/ >> .git/info/exclude
 #   cp ~/.cache/flowengine/models/SmolLM2-135M-Instruct/{config.json,tokenizer*.json} .carry/smol/
 # (the default model's converted folder, made by a first `flowengine serve`), then a
 # call with carry [".carry", ".whl"] whose command starts with
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 #   python3 -m pip install -q --no-deps --no-build-isolation -e .
 # and runs this script with OUT_DIR under $OUT. Only 8 files come back from $OUT: copy
 # summary.md and the py-spy files you want to its top and remove the rest.
@@ -29,8 +32,8 @@
 # wall per step between launches, host time launching/resolving, share of steps whose
 # tokens were waited for; the server runs with FLOWENGINE_DEVICE_TIMERS=1, so also the
 # device's own time per step in the run and its idle gap before a step, whose share per
-# request is the host time the device waited for), the server's own TTFT split (queue, prefill, TTFT means from
-# /metrics, against each client's mean TTFT) and, with --api-server-count, how many
+# request is the host time the device waited for), the server's own TTFT split (queue,
+# prefill, TTFT means from /metrics, against each client's mean TTFT) and, with --api-server-count, how many
 # requests each process served. SERVE_RUNS picks the served configurations (labels below).
 # LLAMA8B_DIR (a dir from `benchmarks/gpu_bench.py --write-config DIR`): batch-1 TPOT
 # through the server against the offline engine's ms/token on Llama-3.1-8B shapes.
