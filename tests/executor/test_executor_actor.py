@@ -44,13 +44,18 @@ class _Handle:
 
 
 class _ScriptedExecutor:
-    def __init__(self, fail_launch: set[int], fail_result: set[int]) -> None:
+    """device_events: step id -> the (start, end) timing events its handle carries
+    (FLOWENGINE_DEVICE_TIMERS); other steps' handles carry none."""
+
+    def __init__(self, fail_launch: set[int], fail_result: set[int],
+                 device_events: dict[int, tuple] | None = None) -> None:
         self.runner = self
         self.tp = _Tp()
         self.log: list[str] = []
         self.handles: dict[int, _Handle] = {}
         self._fail_launch = fail_launch
         self._fail_result = fail_result
+        self._device_events = device_events or {}
 
     def launch(self, plan: StepPlan):
         self.log.append(f"launched {plan.step_id}")
@@ -60,6 +65,8 @@ class _ScriptedExecutor:
             handle = _FailingHandle(plan.step_id)
             return handle
         handle = self.handles[plan.step_id] = _Handle(plan.step_id, self.log)
+        if plan.step_id in self._device_events:
+            handle.device_events = self._device_events[plan.step_id]
         return handle
 
 
@@ -240,10 +247,8 @@ class _FakeEvent:
         return end.t_ms - self.t_ms
 
 
-class _TimedHandle(_Handle):
-    def __init__(self, step_id: int, log: list[str], start_ms: float, end_ms: float) -> None:
-        super().__init__(step_id, log)
-        self.device_events = (_FakeEvent(start_ms), _FakeEvent(end_ms))
+def _spans(spans: dict[int, tuple[float, float]]) -> dict[int, tuple[_FakeEvent, _FakeEvent]]:
+    return {step: (_FakeEvent(a), _FakeEvent(b)) for step, (a, b) in spans.items()}
 
 
 def test_device_timers_sum_device_time_and_the_gaps_between_steps_in_flight() -> None:
@@ -255,18 +260,7 @@ async def _test_device_timers() -> None:
     # events: untimed), step 4 [7, 9] (its gap follows an untimed step: not counted),
     # then, launched with nothing in flight, step 5 [100, 102] (a lull, not counted).
     spans = {0: (0.0, 2.0), 1: (2.5, 4.5), 2: (4.6, 6.6), 4: (7.0, 9.0), 5: (100.0, 102.0)}
-    executor = _ScriptedExecutor(set(), set())
-
-    def launch(plan: StepPlan):
-        executor.log.append(f"launched {plan.step_id}")
-        if plan.step_id in spans:
-            handle = _TimedHandle(plan.step_id, executor.log, *spans[plan.step_id])
-        else:
-            handle = _Handle(plan.step_id, executor.log)
-        executor.handles[plan.step_id] = handle
-        return handle
-
-    executor.launch = launch
+    executor = _ScriptedExecutor(set(), set(), _spans(spans))
     steps, results = InprocChannel(), InprocChannel()
     actor = ExecutorActor(executor, steps, results, blocking=_inline)
     async with anyio.create_task_group() as tg:
@@ -323,18 +317,9 @@ def test_device_timers_count_no_gap_across_a_step_that_failed_on_the_device() ->
 async def _test_device_timers_failed_step() -> None:
     # Step 0 [0, 1]; step 1 failed on the device (its events cannot be read); step 2
     # [50, 51]: the gap before it would include step 1's work and is not counted.
-    executor = _ScriptedExecutor(set(), set())
-
-    def launch(plan: StepPlan):
-        executor.log.append(f"launched {plan.step_id}")
-        start, end = {0: (0.0, 1.0), 1: (1.5, 5.0), 2: (50.0, 51.0)}[plan.step_id]
-        handle = _TimedHandle(plan.step_id, executor.log, start, end)
-        if plan.step_id == 1:
-            handle.device_events = (_FailedEvent(start), _FakeEvent(end))
-        executor.handles[plan.step_id] = handle
-        return handle
-
-    executor.launch = launch
+    events = _spans({0: (0.0, 1.0), 2: (50.0, 51.0)})
+    events[1] = (_FailedEvent(1.5), _FakeEvent(5.0))
+    executor = _ScriptedExecutor(set(), set(), events)
     steps, results = InprocChannel(), InprocChannel()
     actor = ExecutorActor(executor, steps, results, blocking=_inline)
     async with anyio.create_task_group() as tg:
