@@ -11,7 +11,7 @@ b. batch-1 decode of the whole model (32 layers, bf16 LM head, 1k context) throu
    engine's CUDA-graph step (gpu_bench.device_step_ms), 4-bit and bf16, each against
    the roofline of the bytes it must read (4-bit: packed projections + bf16 LM head,
    norms, one embedding row, KV of 1k tokens).
-The table comes last; JSON in --out.
+The table comes last; JSON in --out. --skip-gemm runs (b) only, --skip-model (a) only.
 """
 
 from __future__ import annotations
@@ -144,10 +144,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--skip-gemm", action="store_true", help="only the batch-1 decode (b)")
     ns = p.parse_args(argv)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    rows = gemm_table(bw)
+    rows = [] if ns.skip_gemm else gemm_table(bw)
     results: dict = {"gemm": rows}
     if not ns.skip_model:
         for label, extra in (("4-bit GPTQ", {"quantization_config": GPTQ}), ("bf16", {})):

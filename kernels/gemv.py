@@ -212,8 +212,9 @@ def gemv_config(fmt: str, m: int, n: int, k: int, device: torch.device
                 entry["num_stages"])
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else 8)
-    block_n = 16 if fmt != "w4a16" else 64
-    block_k = 256 if fmt != "w4a16" else 128
+    w4 = fmt.startswith("w4a16")
+    block_n = 64 if w4 else 16
+    block_k = 128 if w4 else 256
     if m > 1:
         block_k //= 2
     tiles = triton.cdiv(n, block_n)
@@ -318,8 +319,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, split, warps, stages = config or gemv_config("w4a16", m, n, k,
-                                                                   x.device)
+    fmt = "w4a16" if g_idx is None else "w4a16_act"
+    block_n, block_k, split, warps, stages = config or gemv_config(fmt, m, n, k, x.device)
     if g_idx is None and group_size % block_k:
         block_k = max(8, min(block_k, group_size & -group_size))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k

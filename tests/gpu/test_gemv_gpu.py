@@ -48,3 +48,48 @@ def test_gemv_full_shapes(fmt, m, n, k):
     err = (out.float() - ref).abs()
     bound = 2.0**-8 * ref.abs() + 2.0**-16 * absref + 1e-4
     assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3e}"
+
+
+@pytest.mark.parametrize("gemv_env", ["1", "0"])
+@pytest.mark.parametrize("m", [1, 3, 8, 9])
+def test_layers_route_few_rows_through_the_gemv(monkeypatch, gemv_env, m):
+    """The layers' dispatch: FLOWENGINE_GEMV=1 sends every product of <= 8 rows to the
+    GEMV (the result equals the kernel called directly, bit for bit), =0 keeps the
+    current path (cuBLAS / fp8_w8a16_gemm / w4a16_gemm, bit for bit); 9 rows never take
+    the GEMV."""
+    from flowengine.kernels.fp8_linear import fp8_w8a16_gemm
+    from flowengine.kernels.w4a16 import w4a16_gemm
+    from flowengine.model.layers.fp8 import fp8_linear
+    from flowengine.model.layers.int4 import Int4Linear
+    from flowengine.model.layers.quant_linear import linear
+
+    monkeypatch.setenv("FLOWENGINE_GEMV", gemv_env)
+    gemv = gemv_env == "1" and m <= 8
+    n, k = 1536, 1024
+    x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
+    x2 = x.view(m, k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = linear(x, w, bias)
+    assert out.shape == (1, m, n)
+    expect = dense_gemv(x2, w, bias) if gemv else torch.nn.functional.linear(x2, w, bias)
+    assert torch.equal(out.view(m, n), expect)
+
+    w8 = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, device="cuda") * 0.01 + 1e-3
+    out = fp8_linear(x, w8, scale, bias)
+    expect = dense_gemv(x2, w8, bias, scale) if gemv else fp8_w8a16_gemm(x2, w8, scale, bias)
+    assert torch.equal(out.view(m, n), expect)
+
+    for act_order in (False, True):
+        layer = Int4Linear(k, n, True, 128, act_order, torch.bfloat16).cuda()
+        layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape,
+                                          dtype=torch.int32))
+        layer.qzeros.copy_(torch.randint(0, 16, layer.qzeros.shape, dtype=torch.uint8))
+        layer.scales.copy_(torch.rand(layer.scales.shape) * 0.02 + 0.005)
+        layer.bias.data.copy_(bias)
+        if act_order:
+            layer.g_idx.copy_((torch.arange(k, dtype=torch.int32) // 128)[torch.randperm(k)])
+        args = (x2, layer.qweight, layer.scales, layer.qzeros, layer.g_idx, 128, layer.bias)
+        expect = w4a16_gemv(*args) if gemv else w4a16_gemm(*args)
+        assert torch.equal(layer(x).view(m, n), expect)

@@ -106,8 +106,11 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
                                    ).to(x.dtype)
     elif x2.shape[0] <= W8A16_MAX_M:
         from flowengine.kernels.fp8_linear import fp8_w8a16_gemm
+        from flowengine.model.layers.quant_linear import cuda_gemv
 
-        out = fp8_w8a16_gemm(x2, weight_fp8, weight_scale, bias)
+        out = cuda_gemv(x2, weight_fp8, bias, weight_scale)
+        if out is None:
+            out = fp8_w8a16_gemm(x2, weight_fp8, weight_scale, bias)
     else:
         if input_scale is not None:
             xq = (x2.float() / input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -272,10 +272,36 @@ class QuantizedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
            bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a float or a quantized weight."""
+    """F.linear for a float or a quantized weight. On CUDA, a bf16/fp16 product of at
+    most 8 rows takes the decode GEMV (kernels/gemv.py) where the GPU's swept table
+    measured it faster than cuBLAS (`use_gemv`)."""
     if isinstance(weight, QuantizedWeight):
         return weight.matmul(x, bias)
+    if x.is_cuda and x.dtype != torch.float32 and weight.dtype == x.dtype:
+        out = cuda_gemv(x, weight, bias)
+        if out is not None:
+            return out
     return F.linear(x, weight, bias)
+
+
+def cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (* weight_scale) (+ bias) by the decode GEMV, or None
+    where the GEMV does not apply (more than 8 rows, a non-contiguous weight) or the
+    swept table does not pick it for this shape."""
+    from flowengine.kernels.gemv import GEMV_MAX_M, dense_gemv, use_gemv
+
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    n = weight.shape[0]
+    fmt = "fp8" if weight_scale is not None else "dense"
+    if not (0 < m <= GEMV_MAX_M and weight.is_contiguous()
+            and use_gemv(fmt, m, n, k, x.device)):
+        return None
+    x2 = x.reshape(m, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return dense_gemv(x2, weight, bias, weight_scale).view(*x.shape[:-1], n)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
