@@ -5,7 +5,8 @@ graphs (issue 14 (a), issue 15 W4A16 batch 1).
 
 For each format (bf16 dense, FP8 E4M3 per-channel, W4A16 GPTQ group 128 without and
 with act-order), shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
-4096x14336, LM head 128256x4096, N x K) and M in {1, 8}: a sweep of GEMV tile
+4096x14336, LM head 128256x4096, N x K; `--shapes qwen3moe` adds Qwen3-30B-A3B's qkv,
+o and LM head) and M in {1, 8}: a sweep of GEMV tile
 configs against the current path (bf16 F.linear / cuBLAS, fp8_w8a16_gemm,
 w4a16_gemm). Every variant is captured in one CUDA graph of calls over rotating weight
 copies (>= 256 MB in all, more than the L2), replayed; time per call = median replay /
@@ -36,6 +37,9 @@ from flowengine.kernels.w4a16 import w4a16_gemm  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
+# Qwen3-30B-A3B's dense projections (--shapes qwen3moe; its experts run fused_moe).
+QWEN3_MOE_SHAPES = {"q3_qkv": (5120, 2048), "q3_o": (2048, 4096),
+                    "q3_lm_head": (151936, 2048)}
 SMS = 132
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); split from programs-per-SM targets
 DENSE_M1 = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 8, 3), (8, 512, 4, 3),
@@ -132,6 +136,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/gemv")
     ap.add_argument("--budget-s", type=float, default=280.0)
     ap.add_argument("--formats", default="bf16,fp8,w4a16,w4a16_act")
+    ap.add_argument("--shapes", default="llama8b",
+                    help="comma list of llama8b (Llama-3.1-8B) and qwen3moe (Qwen3-30B-A3B's "
+                         "attention and LM head)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -139,11 +146,14 @@ def main() -> None:
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
     table, rows = {}, []
     fmts = args.formats.split(",")
+    shapes = {}
+    for group in args.shapes.split(","):
+        shapes.update({"llama8b": SHAPES, "qwen3moe": QWEN3_MOE_SHAPES}[group])
     order = [(1, f) for f in fmts if f != "w4a16_act"] + [
         (8, f) for f in fmts if f != "w4a16_act"] + [(1, f) for f in fmts if f == "w4a16_act"]
     for m, fmt in order:
         if True:
-            for name, (n, k) in SHAPES.items():
+            for name, (n, k) in shapes.items():
                 if time.time() - t0 > args.budget_s:
                     print(f"budget spent, skipping {fmt} M={m} {name}", flush=True)
                     continue
