@@ -108,6 +108,19 @@ def test_openai_sdk_response_format_json_schema(client, engine):
     assert engine.submitted[-1][2].structured_outputs == StructuredOutputsParams(json=SCHEMA)
 
 
+def test_chat_structural_tag_field_reaches_the_engine(http, engine):
+    # vLLM's chat field (the older form beside guided_*): once silently ignored, so the
+    # output was unconstrained.
+    tag = {"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
+    assert _submitted(http, engine, CHAT, {"structural_tag": tag}) == \
+        StructuredOutputsParams(structural_tag=tag)
+    text = ('{"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}, '
+            '"end": "</f>"}], "triggers": ["<f>"]}')
+    assert _submitted(http, engine, CHAT, {"structural_tag": text}) == \
+        StructuredOutputsParams(structural_tag=text)
+
+
 def test_structural_tag_response_format_older_form(http, engine):
     # structures + triggers (vLLM's older form): was refused, "Structural tag must have
     # a format field", since xgrammar's single-argument API reads only the newer form.
