@@ -172,8 +172,36 @@ class XgrammarBackend:
         if kind == "grammar":
             return c.compile_lark(spec) if is_lark(spec) else c.compile_grammar(spec)
         if kind == "structural_tag":
-            return c.compile_structural_tag(spec)
+            return c.compile_structural_tag(structural_tag_spec(spec))
         raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def structural_tag_spec(spec: str) -> str:
+    """A structural tag in xgrammar's current form (`{"type": "structural_tag",
+    "format": ...}`): the older form vLLM also takes (`structures` of {begin, schema,
+    end} plus `triggers`) becomes the `triggered_tags` format it means, as xgrammar's
+    own `StructuralTag.from_legacy_structural_tag` converts it (the single-string
+    `from_structural_tag` reads only the current form). Others are returned as given."""
+    tag = json.loads(spec)
+    if not isinstance(tag, dict) or "format" in tag or "structures" not in tag:
+        return spec
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise ValueError("structured_outputs.structural_tag: structures and triggers must be "
+                         "lists")
+    tags = []
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or not isinstance(item.get("begin"), str) \
+                or not isinstance(item.get("end"), str):
+            raise ValueError(f"structured_outputs.structural_tag: structures[{i}] needs begin "
+                             "and end strings")
+        schema = item.get("schema", {})
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        tags.append({"begin": item["begin"], "end": item["end"],
+                     "content": {"type": "json_schema", "json_schema": schema}})
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
 
 
 def check_xgrammar_schema(schema: Any) -> None:
@@ -207,7 +235,7 @@ def validate_xgrammar(kind: str, spec: str, options: GrammarOptions) -> None:
             else:
                 xgr.Grammar.from_ebnf(spec)
         elif kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(spec)
+            xgr.Grammar.from_structural_tag(structural_tag_spec(spec))
     except ValueError:
         raise
     except Exception as exc:

@@ -69,6 +69,55 @@ def test_missing_or_mistyped_fields(http, body, param, text):
     assert text in err["message"]
 
 
+ASSISTANT_LAST = [*HELLO, {"role": "assistant", "content": "Hel"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "text"),
+    [
+        # vLLM's chat fields that change the output: once silently ignored.
+        (CHAT, {"messages": ASSISTANT_LAST, "echo": True, "add_generation_prompt": False,
+                "continue_final_message": True}, "echo", "echo is not supported yet"),
+        (CHAT, {"messages": ASSISTANT_LAST, "echo": True}, "echo", "echo is not supported yet"),
+        (CHAT, {"messages": HELLO, "echo": True, "add_generation_prompt": False}, "echo",
+         "echo is not supported yet"),
+        (CHAT, {"messages": HELLO, "best_of": 3}, "best_of", "best_of=3 with n=1"),
+        (CHAT, {"messages": HELLO, "n": 2, "best_of": 3, "use_beam_search": True}, "best_of",
+         "best_of=3 with n=2"),
+        # Streamed responses carry no prompt log-probabilities (vLLM's 400).
+        (CHAT, {"messages": HELLO, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs",
+         "not available when `stream=True`"),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "prompt_logprobs": 2},
+         "prompt_logprobs", "not available when `stream=True`"),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "prompt_logprobs": -1},
+         "prompt_logprobs", "not available when `stream=True`"),
+    ],
+)
+def test_output_changing_fields_are_refused_not_ignored(http, engine, path, body, param, text):
+    before = len(engine.submitted)
+    err = assert_error(http.post(path, json={**body, "max_tokens": 2}), 400, param=param)
+    assert text in err["message"], err["message"]
+    assert len(engine.submitted) == before
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # echo where vLLM has nothing to echo (the answer's role differs from the last
+        # message's, or the last message is empty), best_of = n, prompt_logprobs 0.
+        (CHAT, {"messages": HELLO, "echo": True}),
+        (CHAT, {"messages": [*HELLO, {"role": "assistant", "content": ""}], "echo": True}),
+        (CHAT, {"messages": HELLO, "echo": False, "add_generation_prompt": False}),
+        (CHAT, {"messages": HELLO, "n": 2, "best_of": 2}),
+        (CHAT, {"messages": HELLO, "stream": True, "prompt_logprobs": 0}),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "prompt_logprobs": None}),
+    ],
+)
+def test_those_fields_are_served_where_they_change_nothing(http, path, body):
+    resp = http.post(path, json={**body, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+
 def test_unknown_model_is_404_model_not_found(http, client):
     err = assert_error(
         http.post(CHAT, json={"model": "gpt-9", "messages": HELLO}), 404, code="model_not_found"

@@ -106,3 +106,58 @@ def test_openai_sdk_response_format_json_schema(client, engine):
         response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA,
                                                                "strict": True}})
     assert engine.submitted[-1][2].structured_outputs == StructuredOutputsParams(json=SCHEMA)
+
+
+def test_chat_structural_tag_field_reaches_the_engine(http, engine):
+    # vLLM's chat field (the older form beside guided_*): once silently ignored, so the
+    # output was unconstrained.
+    tag = {"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f>"]}
+    assert _submitted(http, engine, CHAT, {"structural_tag": tag}) == \
+        StructuredOutputsParams(structural_tag=tag)
+    text = ('{"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}, '
+            '"end": "</f>"}], "triggers": ["<f>"]}')
+    assert _submitted(http, engine, CHAT, {"structural_tag": text}) == \
+        StructuredOutputsParams(structural_tag=text)
+
+
+def test_structural_tag_response_format_older_form(http, engine):
+    # structures + triggers (vLLM's older form): was refused, "Structural tag must have
+    # a format field", since xgrammar's single-argument API reads only the newer form.
+    structures = [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}]
+    so = _submitted(http, engine, CHAT, {"response_format": {
+        "type": "structural_tag", "structures": structures, "triggers": ["<f>"]}})
+    assert so == StructuredOutputsParams(structural_tag={
+        "type": "structural_tag", "structures": structures, "triggers": ["<f>"]})
+
+
+def test_older_structural_tag_form_converts_as_xgrammar_does():
+    import json
+
+    import xgrammar as xgr
+
+    from flowengine.structured_outputs.xgrammar_backend import structural_tag_spec
+
+    legacy = {"type": "structural_tag", "triggers": ["<f"],
+              "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"},
+                             {"begin": "<fx>", "schema": json.dumps(SCHEMA), "end": "</fx>"}]}
+    ours = xgr.StructuralTag.from_json(structural_tag_spec(json.dumps(legacy)))
+    theirs = xgr.StructuralTag.from_legacy_structural_tag(
+        [xgr.StructuralTagItem(begin=b, schema=json.dumps(SCHEMA), end=e)
+         for b, e in (("<f>", "</f>"), ("<fx>", "</fx>"))], ["<f"])
+    assert ours == theirs
+    newer = json.dumps({"type": "structural_tag", "format": {"type": "const_string",
+                                                             "value": "x"}})
+    assert structural_tag_spec(newer) == newer
+
+
+def test_chat_structural_tag_field_is_checked(http, engine):
+    before = len(engine.submitted)
+    err = assert_error(http.post(CHAT, json={"messages": HELLO, "structural_tag": "{x",
+                                             "max_tokens": 2}), 400, param="structural_tag")
+    assert "structural_tag is not valid JSON" in err["message"], err["message"]
+    err = assert_error(http.post(CHAT, json={"messages": HELLO, "guided_regex": "a",
+                                             "structural_tag": {"type": "structural_tag"},
+                                             "max_tokens": 2}), 400, param="structural_tag")
+    assert "not several (guided_regex, structural_tag)" in err["message"]
+    assert len(engine.submitted) == before

@@ -253,6 +253,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     # A per-request Jinja template (text); refused unless --trust-request-chat-template.
     chat_template: str | None = None
+    # vLLM's chat fields that change the output (sampling.py): `structural_tag` is a
+    # constraint as vLLM's older guided_* names are (xgrammar's structural tag, a dict
+    # or its JSON text); `best_of` other than `n` is refused as on completions; `echo`
+    # (the last message prepended to the answer) is refused where vLLM would echo.
+    structural_tag: dict[str, Any] | str | None = None
+    best_of: PosInt | None = None
+    echo: bool = False
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
     documents: None = None
     mm_processor_kwargs: None = None

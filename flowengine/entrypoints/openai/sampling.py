@@ -129,6 +129,11 @@ def _common(req: SamplingFields, defaults: dict[str, Any] | None = None) -> dict
     (request > model defaults > SamplingParams defaults, as vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.stream and req.prompt_logprobs not in (None, 0):
+        # Streamed responses carry no prompt log-probabilities; refused rather than
+        # computed and dropped (vLLM's rule, the same message).
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                          "prompt_logprobs")
     fields: dict[str, Any] = {
         "n": req.n,
         "seed": req.seed,
@@ -205,8 +210,9 @@ def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | 
         fields = {f: getattr(so, f) for f in so.__struct_fields__}
         found.append(("structured_outputs", fields))
     for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
-                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-        value = getattr(req, name)
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+                       ("structural_tag", "structural_tag")):  # chat only
+        value = getattr(req, name, None)
         if value is not None:
             found.append((name, {kind: value}))
     if not found:
@@ -269,6 +275,18 @@ def completion_params(
     return _build(fields)
 
 
+def _echo_would_change_output(req: ChatCompletionRequest) -> bool:
+    """vLLM's chat `echo` prepends the last message's content when its role is the
+    answer's (assistant with the generation prompt, else the last message's own role);
+    otherwise echo has no effect."""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.role != "assistant":
+        return False
+    if isinstance(last.content, list):
+        return any(part.text for part in last.content)
+    return bool(last.content)
+
+
 def chat_params(
     req: ChatCompletionRequest, defaults: dict[str, Any] | None = None
 ) -> SamplingParams:
@@ -287,6 +305,18 @@ def chat_params(
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(
+            f"best_of={req.best_of} with n={req.n} is not supported; leave best_of unset "
+            "or equal to n",
+            "best_of",
+        )
+    if req.echo and _echo_would_change_output(req):
+        raise bad_request(
+            "echo is not supported yet on chat completions (vLLM would prepend the last "
+            "message's content to the answer); remove it, it would change the output",
+            "echo",
+        )
     fields = _common(req, defaults)
     max_tokens = req.max_completion_tokens
     requested = req.max_tokens if max_tokens is None else max_tokens
