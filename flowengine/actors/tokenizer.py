@@ -46,8 +46,42 @@ class TokenizeJob:
     pooling_params: Any = None  # an embedding request (PoolingParams)
 
 
+# Prompts longer than this many characters are tokenized in a worker thread: at ~2
+# MB/s (SmolLM2's tokenizer on this project's CI machine) a text this long blocks the
+# event loop, and every other request of the process, for a few milliseconds inline,
+# where a 10 MB prompt would block it for seconds. Shorter ones stay inline: the
+# thread hop (~0.1 ms) would cost more than their encoding.
+THREAD_PROMPT_CHARS = 8192
+
+
 def is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def prompt_chars(prompt: Any) -> int:
+    """Characters of text in a TokenizeJob's prompt (a text, {"prompt": text}, a
+    conversation or {"messages": ...}); 0 for token ids and unknown shapes."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, dict):
+        if "messages" in prompt:
+            prompt = prompt["messages"]
+        else:
+            text = prompt.get("prompt")
+            return len(text) if isinstance(text, str) else 0
+    if not is_conversation(prompt):
+        return 0
+    total = 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    total += len(text)
+    return total
 
 
 class TokenizerActor:
@@ -69,6 +103,8 @@ class TokenizerActor:
         self.detokenizer = detokenizer
         self.requests = requests
         self.busy_s = 0.0  # time tokenizing and validating
+        # One worker thread for long prompts (vLLM's tokenizer executor has one too).
+        self._thread_limiter = anyio.CapacityLimiter(1)
 
     async def submit(self, job: TokenizeJob) -> ProcessedPrompt:
         """Tokenize and validate `job`, register it with the Detokenizer and send its
@@ -81,7 +117,13 @@ class TokenizerActor:
         """
         start = time.perf_counter()
         try:
-            processed = self._process(job)
+            if prompt_chars(job.prompt) > THREAD_PROMPT_CHARS:
+                # A long text: tokenized in the worker thread (the fast tokenizers
+                # release the GIL while encoding), so the event loop keeps serving.
+                processed = await anyio.to_thread.run_sync(
+                    self._process, job, limiter=self._thread_limiter)
+            else:
+                processed = self._process(job)
         except Exception as exc:
             if not isinstance(exc, (ValueError, TypeError)):
                 # Not a validation error: worth a log line (type only, no prompt text).
