@@ -52,6 +52,12 @@ def test_invalid_json(http):
          "missing required field `function`"),
         ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format.type", "xml"),
         ({"messages": HELLO, "guided_regex": "a("}, "guided_regex", "parenthesis is not closed"),
+        # Refused by SamplingParams: the field its message starts with is the param.
+        ({"messages": HELLO, "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
+        ({"messages": HELLO, "min_p": 2}, "min_p", "min_p must be in [0, 1]"),
+        ({"messages": HELLO, "logit_bias": {"1": 500}}, "logit_bias", "logit_bias[1] must be"),
+        ({"messages": HELLO, "min_tokens": 9, "max_tokens": 5}, "min_tokens",
+         "min_tokens must be <= max_tokens"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",

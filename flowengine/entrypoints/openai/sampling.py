@@ -9,6 +9,8 @@ checked here, each 400 naming the limit and its flag.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,7 +247,14 @@ def _build(fields: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as err:
-        raise APIError(400, str(err)) from err
+        # SamplingParams' messages start with the field they refuse ("top_p must be
+        # ...", "logit_bias[1] must be ..."): that field is the error's `param`.
+        m = _LEADING_FIELD.match(str(err))
+        param = m.group(1) if m and m.group(1) in fields else None
+        raise APIError(400, str(err), param=param) from err
+
+
+_LEADING_FIELD = re.compile(r"([a-z][a-z0-9_]*)[\[ ]")
 
 
 def completion_params(
