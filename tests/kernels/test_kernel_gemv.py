@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowengine.kernels.gemv import dense_gemv, w4a16_gemv
+from flowengine.kernels.gemv import dense_gemv, use_gemv, w4a16_gemv
 from flowengine.kernels.w4a16 import w4a16_reference
 
 UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 0.0}
@@ -102,3 +102,39 @@ def test_gemv_rejects_bad_shapes(device):
         dense_gemv(x, torch.randn(16, 64, device=device))
     with pytest.raises(ValueError):
         dense_gemv(torch.randn(2, 64, device=device), torch.randn(16, 72, device=device))
+
+
+def test_committed_tables_are_well_formed():
+    """Every kernels/configs gemv table (benchmarks/gemv_gpu.py's output): keys
+    format,M bucket,N,K; a launchable config; `faster` only where the sweep measured
+    the GEMV below the current path."""
+    import glob
+    import os
+
+    from flowengine.kernels import gemv
+
+    paths = glob.glob(os.path.join(gemv._CONFIG_DIR, "gemv,device_name=*.json"))
+    assert paths
+    for path in paths:
+        device_name = os.path.basename(path)[len("gemv,device_name="):-len(".json")]
+        table = gemv._load_table(device_name)
+        assert table, path
+        for key, entry in table.items():
+            fmt, bucket, n, k = key.split(",")
+            assert fmt in ("dense", "fp8", "w4a16", "w4a16_act") and bucket in ("1", "8")
+            assert int(n) > 0 and int(k) > 0
+            for name in ("block_n", "block_k", "split_k", "num_warps", "num_stages"):
+                assert entry[name] >= 1, (key, name)
+            assert entry["faster"] == (entry["gemv_us"] < entry["current_us"]
+                                       and entry["rel_err"] < 1e-2), key
+
+
+def test_use_gemv_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("FLOWENGINE_GEMV", "1")
+    assert use_gemv("dense", 1, 64, 64, cpu) and use_gemv("fp8", 8, 64, 64, cpu)
+    assert not use_gemv("dense", 9, 64, 64, cpu)  # past GEMV_MAX_M
+    monkeypatch.setenv("FLOWENGINE_GEMV", "0")
+    assert not use_gemv("dense", 1, 128256, 4096, cpu)
+    monkeypatch.delenv("FLOWENGINE_GEMV")
+    assert not use_gemv("dense", 1, 128256, 4096, cpu)  # tables are per CUDA device
