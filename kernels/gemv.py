@@ -163,7 +163,13 @@ def _w4a16_gemv_kernel(
 # --- configs ---------------------------------------------------------------------------
 
 def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_name_of(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name_of(index: int) -> str:  # asked per linear call of <= 8 rows: cached
+    return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
 @functools.lru_cache(maxsize=8)
