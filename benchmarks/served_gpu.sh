@@ -159,8 +159,9 @@ if [ -n "${LLAMA8B_DIR:-}" ]; then  # batch 1, Llama-3.1-8B shapes: served TPOT 
 fi
 
 # The figures against issue 12's targets, from the files above: served / offline output
-# tok/s, host time per request per step = (executor wall per step - device step alone) /
-# mean rows per step, and (Llama-3.1-8B shapes) served batch-1 TPOT / offline ms per token.
+# tok/s, host time per request per step = (executor wall per step - device time per step)
+# / mean rows per step (the run's own device time when the timers measured it, else the
+# device step alone), and (Llama-3.1-8B shapes) served batch-1 TPOT / offline ms per token.
 python3 - "$out" <<'EOF' | tee -a "$out/summary.md"
 import glob, json, os, re, sys
 out = sys.argv[1]
@@ -204,10 +205,13 @@ for lab in labels:
     wall, rows = float(tm.get("wall_us_per_step", "nan")), float(tm.get("mean_rows", "nan"))
     big = "llama8b" not in lab
     ratio = f"{tps / off:.3f}" if off and big else ""
-    host = f"{(wall - dev) / rows:.2f}" if dev and tm and big else ""
     # The device's own time per step in this run (FLOWENGINE_DEVICE_TIMERS) and its idle
     # gap before a step: gap / rows is the host time the device waited for, per request.
     dev_run, gap = tm.get("device_us_per_step", ""), tm.get("gap_us_per_step", "")
+    # host = (wall - device) / rows, with the run's own device time when it was measured
+    # (a served step carries prefill chunks; the step alone is decode only), else `dev`.
+    dev_step = float(dev_run) if dev_run else dev
+    host = f"{(wall - dev_step) / rows:.2f}" if dev_step and tm and big else ""
     gap_req = f"{float(gap) / rows:.2f}" if gap else ""
     print(f"| served {lab} | {tps:,.0f} | {ratio} | {tpot:.3f} | {wall:.0f} | {rows:.1f} | {host} "
           f"| {tm.get('waited_share', '')} | {dev_run} | {gap} | {gap_req} |")
