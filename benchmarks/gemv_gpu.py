@@ -13,7 +13,9 @@ copies (>= 256 MB in all, more than the L2), replayed; time per call = median re
 calls. Bytes = weights (+ scales / zeros) read once; % = GB/s over the device-to-device
 copy bandwidth measured in the same run. Writes kernels/configs-style JSON
 (gemv,device_name=*.json) to --out: per (format, M, N, K) the best config and whether it
-beat the current path. The table comes last.
+beat the current path. The table comes last. The file holds only the formats and
+shapes of this run: merge it into kernels/configs/ by hand when adding to a committed
+table.
 """
 
 from __future__ import annotations

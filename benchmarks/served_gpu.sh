@@ -9,7 +9,8 @@
 # MODEL_DIR holds SmolLM2-135M-Instruct's config.json and tokenizer files only (no
 # weights: load_format dummy). The tables land in OUT_DIR/summary.md, the device
 # figures in OUT_DIR/gpu_bench.json; server logs stay in /tmp (tailed on failure).
-# Host time per request per step = (served TPOT - device step) / 256.
+# Host time per request per step = (executor wall per step - device time per step) / rows
+# (the run's own device time with the timers, else the device step alone).
 #
 # A device call from a fresh checkout (sessions 35-37): in the repo root here,
 #   ../shared/tools/device-wheels starlette xgrammar llguidance jsonschema \

@@ -38,6 +38,9 @@ from .fp8_linear import _split_k_reduce_kernel
 from .validation import FLOAT_DTYPES, check_tensor
 
 GEMV_MAX_M = 8
+# The W4A16 group size the tables are swept at (benchmarks/gemv_gpu.py); the layers take
+# the table's W4A16 entries for this group size only.
+GEMV_W4_GROUP = 128
 _REDUCE_BLOCK = 1024
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 

@@ -3,7 +3,9 @@
 A call in the caller's own task (`IngressActor.admit` → `TokenizerActor.submit`), not
 an actor with an inbox: a request is tokenized, registered once with the Detokenizer's
 output processor and sent to the engine before `admit` returns, with no future to
-answer and no task switch in between (vLLM's `AsyncLLM.add_request` does the same).
+answer and no task switch in between (vLLM's `AsyncLLM.add_request` does the same);
+only a prompt longer than THREAD_PROMPT_CHARS is encoded in a worker thread, which the
+caller's task awaits.
 Registration happens before the `NewRequest`s are sent, and both run on the event
 loop that also runs the Detokenizer, so a request is always known before its first
 output arrives.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from flowengine.actors.base import Channel
@@ -122,6 +125,9 @@ class TokenizerActor:
                 # release the GIL while encoding), so the event loop keeps serving.
                 processed = await anyio.to_thread.run_sync(
                     self._process, job, limiter=self._thread_limiter)
+                # Cancelled while the thread ran (anyio defers it until the thread is
+                # done): stop here, before anything is registered or sent.
+                await anyio.lowlevel.checkpoint_if_cancelled()
             else:
                 processed = self._process(job)
         except Exception as exc:

@@ -86,3 +86,43 @@ def test_prompt_chars_counts_text_of_every_prompt_shape():
     assert prompt_chars(conversation) == 5
     assert prompt_chars({"messages": conversation, "add_generation_prompt": True}) == 5
     assert prompt_chars(None) == 0
+
+
+def test_a_caller_cancelled_while_its_prompt_is_encoded_leaves_nothing_behind():
+    """The thread cannot be interrupted; the cancellation takes effect when it is done,
+    before the request is registered or sent."""
+    ip, detok = _SlowInputProcessor(), _Detokenizer()
+    sent = []
+
+    class _Requests:
+        async def send_async(self, msg) -> None:
+            sent.append(msg)
+
+    actor = TokenizerActor(ip, detok, _Requests())
+
+    async def main() -> None:
+        with anyio.move_on_after(0.05) as scope:
+            await actor.submit(TokenizeJob("r1", "x" * (THREAD_PROMPT_CHARS + 1), None, 0))
+        assert scope.cancelled_caught
+
+    anyio.run(main)
+    assert len(ip.threads) == 1  # it was encoded, then dropped
+    assert detok.registered == [] and sent == []
+
+
+def test_an_error_in_the_thread_reaches_the_caller():
+    class _Failing(_SlowInputProcessor):
+        def process(self, request_id, prompt, params, **kwargs):
+            raise ValueError("the prompt has 2000000 tokens")
+
+    actor = TokenizerActor(_Failing(), _Detokenizer(), SimpleNamespace())
+
+    async def main() -> None:
+        try:
+            await actor.submit(TokenizeJob("r", "x" * (THREAD_PROMPT_CHARS + 1), None, 0))
+        except ValueError as exc:
+            assert "2000000 tokens" in str(exc)
+        else:
+            raise AssertionError("no error")
+
+    anyio.run(main)

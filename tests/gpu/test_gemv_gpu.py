@@ -93,3 +93,31 @@ def test_layers_route_few_rows_through_the_gemv(monkeypatch, gemv_env, m):
         args = (x2, layer.qweight, layer.scales, layer.qzeros, layer.g_idx, 128, layer.bias)
         expect = w4a16_gemv(*args) if gemv else w4a16_gemm(*args)
         assert torch.equal(layer(x).view(m, n), expect)
+
+
+def test_layers_ask_the_table_with_its_key_order(monkeypatch):
+    """What each layer passes to use_gemv (format, rows, N, K) is the table's key order
+    (benchmarks/gemv_gpu.py writes format,M,N,K), checked by recording the calls."""
+    from flowengine.kernels import gemv
+    from flowengine.model.layers.fp8 import fp8_linear
+    from flowengine.model.layers.int4 import Int4Linear
+    from flowengine.model.layers.quant_linear import linear
+
+    monkeypatch.delenv("FLOWENGINE_GEMV", raising=False)
+    asked = []
+    monkeypatch.setattr(gemv, "use_gemv", lambda *args: asked.append(args[:4]) or False)
+    n, k = 1536, 1024
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    linear(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16), None)
+    w8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    fp8_linear(x, w8, torch.ones(n, device="cuda"), None)
+    for act_order in (False, True):
+        layer = Int4Linear(k, n, False, 128, act_order, torch.bfloat16).cuda()
+        layer.qweight.zero_()
+        layer.qzeros.zero_()
+        layer.scales.fill_(1)
+        if act_order:
+            layer.g_idx.copy_(torch.arange(k, dtype=torch.int32) // 128)
+        layer(x)
+    assert asked == [("dense", 1, n, k), ("fp8", 1, n, k), ("w4a16", 1, n, k),
+                     ("w4a16_act", 1, n, k)]

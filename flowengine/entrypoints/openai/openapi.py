@@ -56,8 +56,6 @@ REFUSED_BY_REQUEST: dict[str, dict[str, dict[str, Any]]] = {
         "truncation": {"anyOf": [_NULL, {"const": "disabled"}], "default": None},
     },
     "MessagesRequest": {},
-    # echo: true is refused where it would change the output (sampling.py).
-    "ChatCompletionRequest": {"echo": {"const": False, "default": False}},
 }  # fmt: skip
 REFUSED_BY_REQUEST["CountTokensRequest"] = REFUSED_BY_REQUEST["MessagesRequest"]
 # Component schemas of text-only content, by struct name: the `type` values served.

@@ -362,15 +362,16 @@ class Int4Linear(nn.Module):
                 out = out + (xg @ self._cpu_dm.t()).to(out.dtype)
             return out
         if x.is_cuda:
-            from flowengine.kernels.gemv import GEMV_MAX_M, use_gemv, w4a16_gemv
+            from flowengine.kernels.gemv import GEMV_MAX_M, GEMV_W4_GROUP, use_gemv, w4a16_gemv
             from flowengine.kernels.w4a16 import w4a16_gemm
 
             x2 = x.reshape(-1, self.in_features)
             x2 = x2 if x2.is_contiguous() else x2.contiguous()
             m = x2.shape[0]
             fmt = "w4a16" if self.g_idx is None else "w4a16_act"
-            # Few rows: the decode GEMV where the GPU's swept table measured it faster.
-            gemm = (w4a16_gemv if m <= GEMV_MAX_M
+            # Few rows: the decode GEMV where the GPU's swept table measured it faster
+            # (benchmarks/gemv_gpu.py sweeps group size 128 only).
+            gemm = (w4a16_gemv if m <= GEMV_MAX_M and self.group_size == GEMV_W4_GROUP
                     and use_gemv(fmt, m, self.out_features, self.in_features, x.device)
                     else w4a16_gemm)
             out = gemm(x2, self.qweight, self.scales, self.qzeros, self.g_idx,

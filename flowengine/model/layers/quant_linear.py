@@ -277,7 +277,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     measured it faster than cuBLAS (`use_gemv`)."""
     if isinstance(weight, QuantizedWeight):
         return weight.matmul(x, bias)
-    if x.is_cuda and x.dtype != torch.float32 and weight.dtype == x.dtype:
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and not torch.is_grad_enabled()):
         out = cuda_gemv(x, weight, bias)
         if out is not None:
             return out
