@@ -13,6 +13,13 @@ from flowengine.kernels.w4a16 import w4a16_reference
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    """As the engine runs its forwards (the layers take the GEMV only without grad)."""
+    with torch.inference_mode():
+        yield
+
+
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 8])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "w4a16", "w4a16_act"])
