@@ -33,6 +33,13 @@ def test_invalid_json(http):
     assert "not valid JSON" in err["message"]
     assert_error(http.post(CHAT, content=b""), 400, code="invalid_json")
     assert_error(http.post(CHAT, content=b"[1, 2]"), 400)
+    # A lone surrogate escape: named where it is, not "Input data was truncated".
+    body = b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    err = assert_error(http.post(CHAT, content=body), 400, code="invalid_json",
+                       param="messages[0].content")
+    assert "not valid Unicode text" in err["message"], err["message"]
+    err = assert_error(http.post(CHAT, content=b'{"messages": [}'), 400, code="invalid_json")
+    assert "Unicode" not in err["message"]
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ class ServingContext:
         try:
             return msgspec.json.decode(body, type=type)
         except msgspec.DecodeError as err:
-            raise from_decode_error(err) from err
+            raise from_decode_error(err, body) from err
         except RecursionError:
             # msgspec recurses once per nesting level, also inside fields it skips.
             raise too_deep() from None

@@ -8,8 +8,10 @@ OpenAI API; the HTTP status carries the class (400, 401, 404, 405, 413, 429, 500
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from typing import Any
 
 import msgspec
 
@@ -68,10 +70,17 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_decode_error(err: msgspec.DecodeError) -> APIError:
-    """A 400 for a body that is not JSON or does not match the request schema."""
+def from_decode_error(err: msgspec.DecodeError, body: bytes = b"") -> APIError:
+    """A 400 for a body that is not JSON or does not match the request schema. `body`
+    (when given) lets a lone surrogate escape be named: msgspec reports one as
+    "Input data was truncated"."""
     message = str(err)
     if not isinstance(err, msgspec.ValidationError):
+        if message == "Input data was truncated" and (where := _lone_surrogate_at(body)):
+            field = where if where != "the body" and not where.endswith("a key") else None
+            return APIError(400, f"{where}: not valid Unicode text (a \\uD800-\\uDFFF escape "
+                            "without the other half of its surrogate pair)", param=field,
+                            code="invalid_json")
         return APIError(400, f"the request body is not valid JSON: {message}", code="invalid_json")
     param = None
     if m := _AT_PATH.search(message):
@@ -84,6 +93,39 @@ def from_decode_error(err: msgspec.DecodeError) -> APIError:
             "the output, so it is refused rather than ignored)"
         )
     return APIError(400, message, param=param)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_SEARCH_MAX_BYTES = 1 << 20
+
+
+def _lone_surrogate_at(body: bytes) -> str | None:
+    """Where `body` holds a string with a lone UTF-16 surrogate escape (\\ud800 without
+    its pair, which msgspec reports as "Input data was truncated" and Python's json
+    module accepts): the first such field's path ("messages[0].content"), or None if
+    the body is not that case."""
+    if len(body) > _SURROGATE_SEARCH_MAX_BYTES or not _SURROGATE_ESCAPE.search(body):
+        return None  # a bounded search on an error path (json.loads: ~10 ms per MB)
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:  # depth first, in document order
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "the body"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack.append((f"{path}.{key}" if path else key, item))
+                stack.append((f"{path} (a key)" if path else "a key", key))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def _unsupported_fields() -> frozenset[str]:
