@@ -251,6 +251,19 @@ def _spans(spans: dict[int, tuple[float, float]]) -> dict[int, tuple[_FakeEvent,
     return {step: (_FakeEvent(a), _FakeEvent(b)) for step, (a, b) in spans.items()}
 
 
+async def _run_steps(executor: _ScriptedExecutor, steps: InprocChannel,
+                     results: InprocChannel, step_ids: range) -> None:
+    """Send the plans of `step_ids`, each launched while the ones before are in flight,
+    then release them all and check their results arrive in order."""
+    for step_id in step_ids:
+        await steps.send_async(_plan(step_id))
+    await _wait_for(lambda: f"launched {step_ids[-1]}" in executor.log)
+    for step_id in step_ids:
+        executor.handles[step_id].release()
+    with anyio.fail_after(30):
+        assert [(await results.recv_async()).step_id for _ in step_ids] == list(step_ids)
+
+
 def test_device_timers_sum_device_time_and_the_gaps_between_steps_in_flight() -> None:
     anyio.run(_test_device_timers)
 
@@ -265,18 +278,8 @@ async def _test_device_timers() -> None:
     actor = ExecutorActor(executor, steps, results, blocking=_inline)
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
-        for step_id in range(5):  # each launched while the one before is in flight
-            await steps.send_async(_plan(step_id))
-        await _wait_for(lambda: "launched 4" in executor.log)
-        for step_id in range(5):
-            executor.handles[step_id].release()
-        with anyio.fail_after(30):
-            assert [(await results.recv_async()).step_id for _ in range(5)] == list(range(5))
-        await steps.send_async(_plan(5))  # nothing in flight now
-        await _wait_for(lambda: "launched 5" in executor.log)
-        executor.handles[5].release()
-        with anyio.fail_after(30):
-            assert (await results.recv_async()).step_id == 5
+        await _run_steps(executor, steps, results, range(5))
+        await _run_steps(executor, steps, results, range(5, 6))  # nothing in flight now
         await steps.send_async(Shutdown())
     timers = actor.timers()
     assert timers["timed_steps"] == 5  # steps 0, 1, 2, 4, 5
@@ -294,11 +297,7 @@ async def _test_timers_untimed() -> None:
     actor = ExecutorActor(executor, steps, results, blocking=_inline)
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
-        await steps.send_async(_plan(0))
-        await _wait_for(lambda: "launched 0" in executor.log)
-        executor.handles[0].release()
-        with anyio.fail_after(30):
-            assert (await results.recv_async()).step_id == 0
+        await _run_steps(executor, steps, results, range(1))
         await steps.send_async(Shutdown())
     timers = actor.timers()
     assert timers["steps"] == 1
@@ -324,13 +323,7 @@ async def _test_device_timers_failed_step() -> None:
     actor = ExecutorActor(executor, steps, results, blocking=_inline)
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
-        for step_id in range(3):
-            await steps.send_async(_plan(step_id))
-        await _wait_for(lambda: "launched 2" in executor.log)
-        for step_id in range(3):
-            executor.handles[step_id].release()
-        with anyio.fail_after(30):
-            assert [(await results.recv_async()).step_id for _ in range(3)] == [0, 1, 2]
+        await _run_steps(executor, steps, results, range(3))
         await steps.send_async(Shutdown())
     timers = actor.timers()
     assert timers["timed_steps"] == 2  # steps 0 and 2
