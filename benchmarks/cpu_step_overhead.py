@@ -45,7 +45,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     args = p.parse_args()
-    llm = LLM(load_format="dummy", max_model_len=4096, enable_prefix_caching=False)
+    llm = LLM(load_format="dummy", max_model_len=4096, enable_prefix_caching=False,
+              placement="inproc")
     null_model(llm)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(args.batch)]

@@ -86,8 +86,10 @@ def main() -> None:
     load_before = os.getloadavg()
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k,
                    "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
-    engines = {"no spec": LLM(enable_prefix_caching=False),
-               "ngram": LLM(enable_prefix_caching=False, speculative_config=spec_config)}
+    # In process: the steps are timed and the scheduler's stats read.
+    engines = {"no spec": LLM(enable_prefix_caching=False, placement="inproc"),
+               "ngram": LLM(enable_prefix_caching=False, speculative_config=spec_config,
+                            placement="inproc")}
     timers = {name: timed(llm) for name, llm in engines.items()}
     results: dict[tuple[int, str], list[tuple[float, float]]] = {}
     accept: dict[int, tuple[int, int]] = {}

@@ -426,7 +426,7 @@ def _order(rep: int) -> tuple[bool, bool]:
 
 
 def _main_llm(args) -> None:
-    llm = LLM(**_engine_args(args))
+    llm = LLM(**_engine_args(args), placement="inproc")  # its steps are timed in process
     tokenizer = llm.input_processor.tokenizer
     prompt = _chat_prompt(tokenizer)
     steps, masks = _timed_steps(llm)

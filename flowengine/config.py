@@ -247,26 +247,31 @@ def settle_defaults(args: EngineArgs, device: str, *, frontend: bool) -> EngineA
     """`args` with placement "auto" and async_scheduling None made concrete; `args`
     itself when both are set already.
 
-    "auto" is "multiproc" for an `AsyncEngine` (`flowengine serve`, `submit()`;
-    frontend=True) on CUDA: in one process the HTTP routes, detokenizer and streamer
-    share a GIL with the step loop and the device waits on them (H200, SmolLM2 shapes at
-    concurrency 256: served / offline 0.28 in process against 0.66 multiproc, in
+    "auto" is "multiproc" on CUDA for a caller that can start the engine processes
+    (frontend=True: `flowengine serve`, `submit()`'s `AsyncEngine`, and the offline `LLM`,
+    which then drives the same engine from a background event loop): in one process the
+    routes, detokenizer and output processing share a GIL with the step loop and the
+    device waits on them (H200, SmolLM2 shapes at concurrency 256: served / offline 0.28
+    in process against 0.66 multiproc; Llama-3.1-8B shapes, FP8, `flowengine bench
+    throughput` 1,000 x 200/200: 17,083 output tok/s in process against 20,824, both in
     docs/benchmarks.md), which is why vLLM also runs its engine core in a process of its
-    own. It is "inproc" on the CPU (the executor's threads want the cores a second
-    process would take) and for the offline `LLM` (frontend=False: no HTTP to overlap).
+    own, for its `LLM` too. It is "inproc" on the CPU (the executor's threads want the
+    cores a second process would take).
 
-    async_scheduling None is True for an `AsyncEngine` on CUDA without pipeline
-    parallelism (which keeps one step per stage in flight instead), as vLLM turns it on
-    by default: the scheduler plans step N+1 while the device runs step N (H200, the
-    server's default placement: served / offline 0.41 without it, 0.55 with it, in
+    async_scheduling None is True for such a caller on CUDA without pipeline parallelism
+    (which keeps one step per stage in flight instead), as vLLM turns it on by default:
+    the scheduler plans step N+1 while the device runs step N (H200, the server's
+    default placement: served / offline 0.41 without it, 0.55 with it, in
     docs/benchmarks.md). It is False on the CPU, where the step is the device and
-    nothing is left to overlap, and for `LLM`.
+    nothing is left to overlap. (An `LLM` placed in process runs `EngineCore.step()`,
+    one step at a time, whatever this says.)
 
     Args:
         args: the engine arguments.
         device: the resolved device, "cuda" or "cpu".
-        frontend: True for an `AsyncEngine`; False for `LLM`, and for an `AsyncEngine`
-            given a `core_factory` (its core is built in this process).
+        frontend: True where the caller can start the engine processes (`AsyncEngine`,
+            `LLM`); False for an `AsyncEngine` given a `core_factory` (its core is built
+            in this process) and for the engine's own processes.
     """
     if args.placement == "auto":
         placement = "multiproc" if frontend and device == "cuda" else "inproc"

@@ -46,8 +46,9 @@ class ResolvedEngine:
 
 def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
     """Find the model files and settle the limits, and placement "auto" and
-    async_scheduling None for the device (`settle_defaults`; frontend: True for an
-    `AsyncEngine` that builds its own engine). Raises ValueError with what to change."""
+    async_scheduling None for the device (`settle_defaults`; frontend: True for a caller
+    that can start the engine processes, an `AsyncEngine` without a core_factory or an
+    `LLM`). Raises ValueError with what to change."""
     import torch
 
     from flowengine.model.model_config import ModelConfig

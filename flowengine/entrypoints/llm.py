@@ -49,7 +49,9 @@ class LLM:
 
         engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.resolved = resolve(self.engine_args)  # "auto" -> inproc, no async scheduling
+        # placement "auto": the engine processes and async scheduling on CUDA (as the
+        # server, and as vLLM's LLM), in process on the CPU (config.settle_defaults).
+        self.resolved = resolve(self.engine_args, frontend=True)
         self.engine_args = with_settled_defaults(self.engine_args, self.resolved.args)
         self.tokenizer = load_engine_tokenizer(self.resolved)
         self.input_processor = make_input_processor(self.tokenizer, self.resolved)
@@ -358,7 +360,8 @@ class LLM:
             with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
                 jobs = [
                     ({"prompt_token_ids": p.prompt_token_ids, "cache_salt": p.cache_salt},
-                     p.sampling_params, p.request_id)
+                     p.sampling_params, p.request_id,
+                     p.children[0].priority if p.children else 0)
                     for p in processed
                 ]
                 outs = self._background.generate(jobs, lambda: bar.update(1))

@@ -25,20 +25,23 @@ class BackgroundEngine:
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    async def _one(self, prompt: Any, params: Any, request_id: str, on_done) -> RequestOutput:
+    async def _one(self, prompt: Any, params: Any, request_id: str, priority: int,
+                   on_done) -> RequestOutput:
         # FINAL_ONLY: the output processor folds; the one output is the whole result.
         final = None
-        async for out in self.engine.submit(prompt, params, request_id,
+        async for out in self.engine.submit(prompt, params, request_id, priority=priority,
                                             output_kind=RequestOutputKind.FINAL_ONLY):
             final = out
         on_done()
         return final
 
-    def generate(self, jobs: list[tuple[Any, Any, str]], on_done) -> list[RequestOutput]:
-        """Run (prompt, params, request_id) jobs concurrently; results in job order."""
+    def generate(self, jobs: list[tuple[Any, Any, str, int]], on_done) -> list[RequestOutput]:
+        """Run (prompt, params, request_id, priority) jobs concurrently; results in job
+        order."""
 
         async def run_all():
-            return await asyncio.gather(*(self._one(p, sp, rid, on_done) for p, sp, rid in jobs))
+            return await asyncio.gather(*(self._one(p, sp, rid, prio, on_done)
+                                          for p, sp, rid, prio in jobs))
 
         return self.call(run_all())
 

@@ -1,6 +1,7 @@
 """placement "auto" and async_scheduling None (the defaults): multiproc with async
-scheduling for the server on CUDA, inproc without it on the CPU and for the offline LLM;
-explicit values are kept (config.settle_defaults)."""
+scheduling on CUDA for a caller that can start the engine processes (the server,
+`AsyncEngine`, the offline `LLM`), inproc without it on the CPU and where the core is
+built in process; explicit values are kept (config.settle_defaults)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,27 @@ def test_settling_keeps_what_resolve_decided(default_model_path) -> None:
             await engine.shutdown()
 
     assert asyncio.run(started()) == ("inproc", "inproc", False, "gguf", default_model_path)
+
+
+def test_offline_llm_settles_as_a_caller_that_starts_the_engine(monkeypatch) -> None:
+    """`LLM` resolves with frontend=True, so on CUDA its "auto" placement is the engine
+    processes with async scheduling, as the server's (and vLLM's LLM) is; on the CPU the
+    same call still settles in process (the first parametrised case above)."""
+    import flowengine.engine.builder as builder
+    from flowengine import LLM
+
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_resolve(args: EngineArgs, *, frontend: bool = False):
+        seen.append(frontend)
+        settled = settle_defaults(args, "cuda", frontend=frontend)
+        assert (settled.placement, settled.async_scheduling) == ("multiproc", True)
+        raise Stop
+
+    monkeypatch.setattr(builder, "resolve", fake_resolve)
+    with pytest.raises(Stop):
+        LLM("some-model")
+    assert seen == [True]

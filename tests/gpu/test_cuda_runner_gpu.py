@@ -110,7 +110,7 @@ def test_graph_decode_matches_eager_decode(model_path: str) -> None:
 def test_kv_cache_sized_by_profiling(model_path: str) -> None:
     total = torch.cuda.mem_get_info()[1]
     llm = LLM(model_path, dtype="bfloat16", device="cuda", max_model_len=1024,
-              max_num_batched_tokens=512, gpu_memory_utilization=0.3)
+              max_num_batched_tokens=512, gpu_memory_utilization=0.3, placement="inproc")
     try:
         runner = llm.engine.executor.runner
         num_blocks = runner.cache_config.num_blocks
@@ -173,7 +173,8 @@ def _drive(llm: LLM, msgs: list[NewRequest], max_in_flight: int) -> list[list[in
 @pytest.fixture(scope="module")
 def small_llm(model_path: str) -> Iterator[LLM]:
     llm = LLM(model_path, dtype="bfloat16", device="cuda", max_model_len=1024,
-              max_num_batched_tokens=256, max_num_seqs=16, num_kv_blocks=2048)
+              max_num_batched_tokens=256, max_num_seqs=16, num_kv_blocks=2048,
+              placement="inproc")  # the tests drive its engine core
     yield llm
     del llm
     gc.collect()

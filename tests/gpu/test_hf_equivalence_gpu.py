@@ -59,8 +59,10 @@ MIN_MARGIN = 1.0  # in logits std; bf16 noise measured on CPU is ~0.1 std at mos
 # bf16 vs bf16 with different kernels (CPU estimate: max ~0.08 std, L2 ~1.5%).
 LOGITS_MAX_TOL = 0.25
 LOGITS_L2_TOL = 0.05
+# In process: the tests drive the engine core's steps and read its runner.
 ENGINE_ARGS = dict(dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
-                   max_num_batched_tokens=256, max_num_seqs=64, num_kv_blocks=4096, seed=0)
+                   max_num_batched_tokens=256, max_num_seqs=64, num_kv_blocks=4096, seed=0,
+                   placement="inproc")
 
 
 @dataclass

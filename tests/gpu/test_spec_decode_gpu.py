@@ -73,7 +73,8 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def _generate(path: str, **kwargs) -> tuple[list[list[int]], object]:
-    llm = LLM(path, max_num_batched_tokens=256, num_kv_blocks=2048, max_num_seqs=16, **kwargs)
+    llm = LLM(path, max_num_batched_tokens=256, num_kv_blocks=2048, max_num_seqs=16,
+              placement="inproc", **kwargs)  # in process: the scheduler's stats are read
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = _prompts(greedy_map(path))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
