@@ -252,7 +252,7 @@ def test_llm_defaults_to_disable_log_stats(monkeypatch) -> None:
 
     captured = {}
 
-    def stop(args):
+    def stop(args, **_):
         captured["args"] = args
         raise RuntimeError("stop after the arguments")
 
