@@ -165,6 +165,35 @@ def test_matmul_bf16_input_and_leading_dims(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_bf16_prefill_rows_take_one_bf16_gemm_where_native(fmt, native_bf16, monkeypatch):
+    """bf16 activations of >= BF16_GEMM_MIN_ROWS rows: on a CPU with native bf16 GEMMs
+    one bf16 GEMM over the weights rounded to bf16 (exactly F.linear of those), within
+    bf16 rounding of float64; without native bf16, and below the threshold, the float32
+    kernel (the float32 result rounded once to bf16)."""
+    import flowengine.model.layers.quant_linear as ql
+
+    monkeypatch.setattr(ql, "_NATIVE_BF16", native_bf16)
+    weight, ref = _gguf_weight(fmt, 72, 128, int(torch.randint(0, 2**31, ()).item()))
+    rows = ql.BF16_GEMM_MIN_ROWS
+    for m in (rows - 1, rows, 3 * rows):
+        x = torch.randn(m, 128).to(torch.bfloat16)
+        bias = torch.randn(72).to(torch.bfloat16)
+        out = weight.matmul(x, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, 72)
+        float32_path = (weight.matmul(x.float()) + bias.float()).to(torch.bfloat16)
+        if native_bf16 and m >= rows:
+            bf16_gemm = torch.nn.functional.linear(x, ref.to(torch.bfloat16), bias)
+            assert torch.equal(out, bf16_gemm), m
+        else:
+            assert torch.equal(out, float32_path), m
+        expected = x.double() @ ref.double().t() + bias.double()
+        # bf16 inputs and output: a few bf16 ulps of the row's scale.
+        scale = (x.double().abs() @ ref.double().abs().t()).max().item()
+        assert (out.double() - expected).abs().max().item() <= 2e-2 * scale, m
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_embedding_rows_exact(fmt):
     weight, ref = _gguf_weight(fmt, 50, 96, int(torch.randint(0, 2**31, ()).item()))
     ids = torch.tensor([0, 49, 7, 7, 23])

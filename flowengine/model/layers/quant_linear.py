@@ -19,7 +19,9 @@ one block at a time into registers, for up to 8 activation rows at once; from 14
 (batched decode, prefill) 16 weight rows at a time are dequantized into a small
 transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
 sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). Above
-DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
+DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM, and
+with bfloat16 activations (`--dtype bfloat16`) from BF16_GEMM_MIN_ROWS rows (prefill)
+into a bf16 scratch for oneDNN's bf16 GEMM (AMX or AVX512-BF16), where the CPU has one.
 The dequantized values are exactly gguf.quants.dequantize's, so results differ from
 float32 over the dequantized matrix only by the order of the sums (and, on the VNNI
 path, by the activations' rounding to 24 bits per block).
@@ -61,6 +63,26 @@ BLOCK = 32
 # benchmarks.md), so the margin over dequantize + GEMM only grew; not re-measured above
 # 2048 rows.
 DEQUANT_MIN_ROWS = 2048
+# bfloat16 activations (--dtype bfloat16) of at least this many rows, on a CPU whose
+# oneDNN multiplies bf16 natively (AMX-BF16 or AVX512-BF16): the matrix is dequantized
+# into a bf16 scratch for one bf16 GEMM, float32 accumulation (the precision any bf16
+# model's matmuls have; the float32 kernels keep float32's). Measured (session 39,
+# 2-thread Xeon with AMX, SmolLM2-135M's Q4_1 shapes, ms, kernel / bf16 GEMM): qkv
+# 960 x 576 at 32 rows 0.21 / 0.54, 64 0.57 / 0.52, 512 3.05 / 0.68, 2048 12.3 / 1.30;
+# gate_up 3072 x 576 at 64 rows 1.28 / 0.94, 2048 36.0 / 3.51; down 576 x 1536 at 64
+# rows 0.75 / 0.68, 2048 21.2 / 2.06 (benchmarks/cpu_quant_rows.py --dtype bfloat16).
+BF16_GEMM_MIN_ROWS = 64
+_NATIVE_BF16: bool | None = None
+
+
+def _native_bf16() -> bool:
+    """Whether bf16 GEMMs run natively here (cpu_threads.bf16_matmul_path), cached."""
+    global _NATIVE_BF16
+    if _NATIVE_BF16 is None:
+        from flowengine.executor.cpu_threads import bf16_matmul_path
+
+        _NATIVE_BF16 = bf16_matmul_path()[0]
+    return _NATIVE_BF16
 
 
 logger = logging.getLogger(__name__)
@@ -221,12 +243,22 @@ class QuantizedWeight:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in x's dtype."""
+        """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in x's dtype.
+
+        float32 accumulation over exactly dequantized weights, except for bf16 x of at
+        least BF16_GEMM_MIN_ROWS rows on a CPU with native bf16 GEMMs: one bf16 GEMM
+        over the weights rounded to bf16 (a bf16 model's precision)."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
+        if (x2.dtype == torch.bfloat16 and x2.shape[0] >= BF16_GEMM_MIN_ROWS
+                and _native_bf16()):
+            if bias is not None and bias.dtype != torch.bfloat16:
+                bias = bias.to(torch.bfloat16)
+            out = F.linear(x2, self.dequantize(torch.bfloat16), bias)
+            return out if len(lead) == 1 else out.view(*lead, n)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
         m = x2.shape[0]
@@ -244,13 +276,14 @@ class QuantizedWeight:
             out = out.to(x.dtype)
         return out if len(lead) == 1 else out.view(*lead, n)
 
-    def dequantize(self) -> torch.Tensor:
-        """The whole matrix [N, K] float32 (exactly gguf.quants.dequantize's values)."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole matrix [N, K] in float32 (exactly gguf.quants.dequantize's values),
+        or those values rounded to `dtype`."""
         n, k = self.shape
         out = torch.empty(n, k, dtype=torch.float32)
         _ops().dequantize(self._kernel, self.qs.data_ptr(), self.scales.data_ptr(), n, k,
                           out.data_ptr(), torch.get_num_threads())
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] int64 dequantized -> [T, K] in the model dtype."""
