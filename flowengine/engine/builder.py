@@ -42,6 +42,11 @@ class ResolvedEngine:
     # PoolerConfig, else None.
     runner: str = "generate"
     pooler_config: Any = None
+    # `--dtype bfloat16` with quantized weights on the CPU (gguf, int8): the model runs
+    # in float32 (its fused decode kernels and paged attention are float32) and, on a CPU
+    # with native bf16 GEMMs, its quantized matmuls of >= BF16_GEMM_MIN_ROWS rows (the
+    # prefill) take one bf16 GEMM (layers/quant_linear.py). True where that is so.
+    bf16_gemm: bool = False
 
 
 def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
@@ -83,6 +88,14 @@ def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     args = _resolve_quantization(args, device, resolved.gguf_file)
+    bf16_gemm = False
+    if device == "cpu" and dtype == "bfloat16" and args.quantization in ("gguf", "int8"):
+        from flowengine.executor.cpu_threads import bf16_matmul_path
+
+        # bf16 activations would take the per-operator decode path, 1.7x slower per
+        # 16-row step than the float32 fused kernels (docs/benchmarks.md, issue 20).
+        dtype = "float32"
+        bf16_gemm = bf16_matmul_path()[0]
     args = settle_defaults(args, device, frontend=frontend)
     budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, 0)
     if not args.enable_chunked_prefill:
@@ -105,6 +118,7 @@ def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
         served_model_names=args.served_model_name or (name,),
         runner=runner,
         pooler_config=pooler_config,
+        bf16_gemm=bf16_gemm,
     )
 
 
@@ -516,14 +530,20 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
         pp=pp,
     )
     if resolved.device == "cpu":
-        from flowengine.executor.cpu_threads import log_bf16_path, setup_cpu_threads
+        from flowengine.executor.cpu_threads import (
+            log_bf16_path,
+            log_quantized_bf16_path,
+            setup_cpu_threads,
+        )
 
         # A multiproc placement leaves a core to the engine and frontend processes;
         # data-parallel replicas share the rest with each other.
         setup_cpu_threads(args.cpu_threads,
                           tp.world_size * pp.size * args.data_parallel_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
-        if dtype == torch.bfloat16:
+        if args.dtype == "bfloat16" and args.quantization in ("gguf", "int8"):
+            log_quantized_bf16_path(resolved.bf16_gemm)
+        elif dtype == torch.bfloat16:
             log_bf16_path()
     if resolved.model_config.is_encoder_only:
         # No KV tensors (ModelRunner.initialize_kv_cache); eager on every device.
@@ -536,6 +556,10 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
                                        torch.device(resolved.device))
         cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         runner = ModelRunner(resolved.model_config, cache_config, **runner_kwargs)
+    if resolved.bf16_gemm:
+        from flowengine.model.layers.quant_linear import use_bf16_gemms
+
+        use_bf16_gemms(runner.model)
     # Before the first step, in the process that allocated the cache: a max_model_len
     # the user set that the cache cannot hold stops start-up here with what to change.
     fit_max_model_len(resolved, cache_config.num_blocks, log=False)

@@ -138,3 +138,18 @@ def log_bf16_path() -> None:
     else:
         logger.warning("bfloat16 on the CPU: matmuls %s; float32 (--dtype float32) is "
                        "faster here", path)
+
+
+def log_quantized_bf16_path(native: bool) -> None:
+    """Say what `--dtype bfloat16` does with quantized weights on this CPU (resolve():
+    float32 activations and KV cache; bf16 GEMMs for the prefill where native)."""
+    if native:
+        from flowengine.model.layers.quant_linear import BF16_GEMM_MIN_ROWS
+
+        logger.info("bfloat16 with quantized weights on the CPU: activations, KV cache and "
+                    "decode kernels in float32; matmuls of many rows (prefill; %s) in bf16 "
+                    "by %s", ", ".join(f"{f} >= {r}" for f, r in BF16_GEMM_MIN_ROWS.items()),
+                    bf16_matmul_path()[1])
+    else:
+        logger.warning("bfloat16 with quantized weights on the CPU: bf16 matmuls are %s; "
+                       "running float32", bf16_matmul_path()[1])

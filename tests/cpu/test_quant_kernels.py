@@ -175,8 +175,8 @@ def test_bf16_prefill_rows_take_one_bf16_gemm_where_native(fmt, native_bf16, mon
 
     monkeypatch.setattr(ql, "_NATIVE_BF16", native_bf16)
     weight, ref = _gguf_weight(fmt, 72, 128, int(torch.randint(0, 2**31, ()).item()))
-    rows = ql.BF16_GEMM_MIN_ROWS
-    for m in (rows - 1, rows, 3 * rows):
+    rows = ql.BF16_GEMM_MIN_ROWS[fmt]
+    for m in (rows - 1, rows, 2 * rows):
         x = torch.randn(m, 128).to(torch.bfloat16)
         bias = torch.randn(72).to(torch.bfloat16)
         out = weight.matmul(x, bias)

@@ -108,3 +108,36 @@ def test_bfloat16_tracks_float32_transformers(default_model_path, hf_model, prom
     llm = LLM(default_model_path, dtype="bfloat16", enable_prefix_caching=False)
     stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=0.25, logprob_tol=0.5)
     assert stats["steps"] == 8 * MAX_TOKENS
+
+
+def test_gguf_bfloat16_runs_float32_with_bf16_prefill_gemms(default_model_path, hf_model,
+                                                            prompt_ids):
+    """`--dtype bfloat16` with GGUF weights on the CPU: activations and KV cache stay
+    float32 (the fused decode kernels are float32), and on a CPU with native bf16 GEMMs
+    (AMX or AVX512-BF16) the quantized matmuls of a prefill take one bf16 GEMM. The
+    prefill's K/V then carry bf16 rounding (one bf16 ulp of a logit between 16 and 32 is
+    0.125): greedy ids follow float32 transformers except within 0.25 (the bf16 model's
+    bound above), logprobs within 0.2 (a bf16 prefill alone: 4x the 0.048 measured).
+    Without native bf16 it is the float32 path, with its bounds."""
+    from flowengine.executor.cpu_threads import bf16_matmul_path
+
+    native = bf16_matmul_path()[0]
+    gguf = conversion_source(default_model_path)
+    llm = LLM(gguf, quantization="gguf", dtype="bfloat16", enable_prefix_caching=False,
+              placement="inproc")
+    assert (llm.resolved.dtype, llm.resolved.bf16_gemm) == ("float32", native)
+    runner = llm.engine.executor.runner
+    weights = [m.weight for m in runner.model.modules()
+               if isinstance(getattr(m, "weight", None), QuantizedWeight)]
+    assert len(weights) == 30 * 4 + 1
+    want = {"q4_1": 64, "q8_0": 256} if native else {}
+    assert {w.bf16_gemm_min_rows for w in weights} == (set(want.values()) if native
+                                                        else {None})
+    assert all(w.bf16_gemm_min_rows == want.get(w.fmt) for w in weights)
+    assert runner.kv_caches[0].dtype == torch.float32
+    if native:
+        # measured 0.048 (2-thread Xeon with AMX), no near-tie needed
+        stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=0.25, logprob_tol=0.2)
+    else:
+        stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=1e-3, logprob_tol=1e-4)
+    assert stats["steps"] == 8 * MAX_TOKENS

@@ -20,8 +20,9 @@ one block at a time into registers, for up to 8 activation rows at once; from 14
 transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
 sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). Above
 DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM, and
-with bfloat16 activations (`--dtype bfloat16`) from BF16_GEMM_MIN_ROWS rows (prefill)
-into a bf16 scratch for oneDNN's bf16 GEMM (AMX or AVX512-BF16), where the CPU has one.
+with `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) from
+BF16_GEMM_MIN_ROWS rows (prefill) into a bf16 scratch for oneDNN's bf16 GEMM (AMX or
+AVX512-BF16), where the CPU has one.
 The dequantized values are exactly gguf.quants.dequantize's, so results differ from
 float32 over the dequantized matrix only by the order of the sums (and, on the VNNI
 path, by the activations' rounding to 24 bits per block).
@@ -70,8 +71,10 @@ DEQUANT_MIN_ROWS = 2048
 # 2-thread Xeon with AMX, SmolLM2-135M's Q4_1 shapes, ms, kernel / bf16 GEMM): qkv
 # 960 x 576 at 32 rows 0.21 / 0.54, 64 0.57 / 0.52, 512 3.05 / 0.68, 2048 12.3 / 1.30;
 # gate_up 3072 x 576 at 64 rows 1.28 / 0.94, 2048 36.0 / 3.51; down 576 x 1536 at 64
-# rows 0.75 / 0.68, 2048 21.2 / 2.06 (benchmarks/cpu_quant_rows.py --dtype bfloat16).
-BF16_GEMM_MIN_ROWS = 64
+# rows 0.75 / 0.68, 2048 21.2 / 2.06. The dequantization costs N x K whatever the rows,
+# and the Q8_0 kernel is faster per row: the tied Q8_0 LM head 49152 x 576 took 19.7 /
+# 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512. Per format:
+BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
 _NATIVE_BF16: bool | None = None
 
 
@@ -236,6 +239,9 @@ class QuantizedWeight:
         n, k = qs.shape[0], scales.shape[1] // FORMATS[fmt][2] * BLOCK
         self.shape = torch.Size((n, k))
         self._kernel = FORMATS[fmt][0]
+        # float32 activations of at least this many rows take one bf16 GEMM
+        # (`use_bf16_gemms`: --dtype bfloat16 with quantized weights); None: never.
+        self.bf16_gemm_min_rows: int | None = None
         _log_path_once()
 
     @property
@@ -246,22 +252,30 @@ class QuantizedWeight:
         """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in x's dtype.
 
         float32 accumulation over exactly dequantized weights, except for bf16 x of at
-        least BF16_GEMM_MIN_ROWS rows on a CPU with native bf16 GEMMs: one bf16 GEMM
-        over the weights rounded to bf16 (a bf16 model's precision)."""
+        least BF16_GEMM_MIN_ROWS rows on a CPU with native bf16 GEMMs, and float32 x of
+        at least `bf16_gemm_min_rows` rows (set by `use_bf16_gemms`): one bf16 GEMM over
+        x and the weights rounded to bf16 (a bf16 model's precision), float32
+        accumulation, the result in x's dtype."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
-        if (x2.dtype == torch.bfloat16 and x2.shape[0] >= BF16_GEMM_MIN_ROWS
-                and _native_bf16()):
-            if bias is not None and bias.dtype != torch.bfloat16:
-                bias = bias.to(torch.bfloat16)
-            out = F.linear(x2, self.dequantize(torch.bfloat16), bias)
+        m = x2.shape[0]
+        bf16_rows = (BF16_GEMM_MIN_ROWS[self.fmt]
+                     if x2.dtype == torch.bfloat16 and _native_bf16()
+                     else self.bf16_gemm_min_rows if x2.dtype == torch.float32 else None)
+        if bf16_rows is not None and m >= bf16_rows:
+            w16 = self.dequantize(torch.bfloat16)
+            if x2.dtype == torch.bfloat16:
+                out = F.linear(x2, w16, None if bias is None else bias.to(torch.bfloat16))
+            else:  # float32 in and out; the bias added in float32
+                out = F.linear(x2.to(torch.bfloat16), w16).float()
+                if bias is not None:
+                    out += bias
             return out if len(lead) == 1 else out.view(*lead, n)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
-        m = x2.shape[0]
         if m > DEQUANT_MIN_ROWS:
             out = F.linear(x2, self.dequantize())
         else:
@@ -301,6 +315,20 @@ class QuantizedWeight:
             else:
                 w = (q - 8.0) * d[..., None]
         return w.reshape(-1, k).to(self.dtype)
+
+
+def use_bf16_gemms(model: torch.nn.Module) -> int:
+    """Let every quantized matmul of `model` with float32 activations of at least
+    BF16_GEMM_MIN_ROWS[format] rows run one bf16 GEMM (`QuantizedWeight.matmul`); the
+    builder calls it for `--dtype bfloat16` with quantized weights on a CPU with native
+    bf16 GEMMs. Returns how many weights it set."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedWeight):
+            weight.bf16_gemm_min_rows = BF16_GEMM_MIN_ROWS[weight.fmt]
+            count += 1
+    return count
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
