@@ -73,7 +73,8 @@ DEQUANT_MIN_ROWS = 2048
 # gate_up 3072 x 576 at 64 rows 1.28 / 0.94, 2048 36.0 / 3.51; down 576 x 1536 at 64
 # rows 0.75 / 0.68, 2048 21.2 / 2.06. The dequantization costs N x K whatever the rows,
 # and the Q8_0 kernel is faster per row: the tied Q8_0 LM head 49152 x 576 took 19.7 /
-# 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512. Per format:
+# 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512 (benchmarks/cpu_quant_bf16.py).
+# Per format:
 BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
 _NATIVE_BF16: bool | None = None
 
