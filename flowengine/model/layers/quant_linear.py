@@ -64,10 +64,11 @@ BLOCK = 32
 # benchmarks.md), so the margin over dequantize + GEMM only grew; not re-measured above
 # 2048 rows.
 DEQUANT_MIN_ROWS = 2048
-# bfloat16 activations (--dtype bfloat16) of at least this many rows, on a CPU whose
-# oneDNN multiplies bf16 natively (AMX-BF16 or AVX512-BF16): the matrix is dequantized
-# into a bf16 scratch for one bf16 GEMM, float32 accumulation (the precision any bf16
-# model's matmuls have; the float32 kernels keep float32's). Measured (session 39,
+# A matmul of at least this many rows, where `--dtype bfloat16` asked for it
+# (`use_bf16_gemms`) or the activations are bf16, on a CPU whose oneDNN multiplies bf16
+# natively (AMX-BF16 or AVX512-BF16): the matrix is dequantized into a bf16 scratch for
+# one bf16 GEMM, float32 accumulation (the precision any bf16 model's matmuls have; the
+# float32 kernels keep float32's). Measured (session 39,
 # 2-thread Xeon with AMX, SmolLM2-135M's Q4_1 shapes, ms, kernel / bf16 GEMM): qkv
 # 960 x 576 at 32 rows 0.21 / 0.54, 64 0.57 / 0.52, 512 3.05 / 0.68, 2048 12.3 / 1.30;
 # gate_up 3072 x 576 at 64 rows 1.28 / 0.94, 2048 36.0 / 3.51; down 576 x 1536 at 64
