@@ -164,6 +164,12 @@ def test_matmul_bf16_input_and_leading_dims(fmt):
                                rtol=1.6e-2, atol=1e-2)
 
 
+def test_every_format_has_a_bf16_gemm_threshold():
+    import flowengine.model.layers.quant_linear as ql
+
+    assert set(ql.BF16_GEMM_MIN_ROWS) == set(ql.FORMATS)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_bf16_prefill_rows_take_one_bf16_gemm_where_native(fmt, native_bf16, monkeypatch):

@@ -25,3 +25,39 @@ def test_priority_of_the_wrong_length_is_a_value_error(priority):
     with pytest.raises(ValueError, match=f"got {len(priority)} priorities for 2 prompts"):
         llm.generate(["a", "b"], priority=priority, use_tqdm=False)
     assert llm.input_processor.num_processed == 0
+
+
+def test_multiproc_llm_passes_each_prompt_priority_to_submit():
+    """The multiproc `LLM` (the CUDA default) hands each prompt's priority to
+    `AsyncEngine.submit`, with FINAL_ONLY outputs, results in prompt order."""
+    from flowengine.entrypoints.llm_multiproc import BackgroundEngine
+    from flowengine.sampling_params import RequestOutputKind
+
+    seen: list[tuple[str, int, RequestOutputKind]] = []
+
+    class FakeEngine:
+        async def start(self) -> None:
+            pass
+
+        async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+            pass
+
+        async def _outputs(self, request_id: str):
+            yield f"out-{request_id}"
+
+        def submit(self, prompt, params, request_id, *, priority=0, output_kind=None):
+            seen.append((request_id, priority, output_kind))
+            return self._outputs(request_id)
+
+    background = BackgroundEngine(FakeEngine())
+    try:
+        done: list[int] = []
+        jobs = [({"prompt_token_ids": [1, 2]}, None, f"r{i}", p)
+                for i, p in enumerate([5, 0, -3])]
+        outs = background.generate(jobs, lambda: done.append(1))
+    finally:
+        background.close()
+    assert outs == ["out-r0", "out-r1", "out-r2"] and len(done) == 3
+    assert sorted(seen) == [("r0", 5, RequestOutputKind.FINAL_ONLY),
+                            ("r1", 0, RequestOutputKind.FINAL_ONLY),
+                            ("r2", -3, RequestOutputKind.FINAL_ONLY)]

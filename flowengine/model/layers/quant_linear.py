@@ -75,7 +75,7 @@ DEQUANT_MIN_ROWS = 2048
 # rows 0.75 / 0.68, 2048 21.2 / 2.06. The dequantization costs N x K whatever the rows,
 # and the Q8_0 kernel is faster per row: the tied Q8_0 LM head 49152 x 576 took 19.7 /
 # 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512 (benchmarks/cpu_quant_bf16.py).
-# Per format:
+# Per format (a format not listed never takes the bf16 GEMM):
 BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
 _NATIVE_BF16: bool | None = None
 
@@ -264,7 +264,7 @@ class QuantizedWeight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        bf16_rows = (BF16_GEMM_MIN_ROWS[self.fmt]
+        bf16_rows = (BF16_GEMM_MIN_ROWS.get(self.fmt)
                      if x2.dtype == torch.bfloat16 and _native_bf16()
                      else self.bf16_gemm_min_rows if x2.dtype == torch.float32 else None)
         if bf16_rows is not None and m >= bf16_rows:
@@ -328,7 +328,7 @@ def use_bf16_gemms(model: torch.nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, QuantizedWeight):
-            weight.bf16_gemm_min_rows = BF16_GEMM_MIN_ROWS[weight.fmt]
+            weight.bf16_gemm_min_rows = BF16_GEMM_MIN_ROWS.get(weight.fmt)
             count += 1
     return count
 
