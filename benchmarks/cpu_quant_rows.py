@@ -7,7 +7,9 @@ figure, the two paths alternated per shape and row count, all rounds in one proc
     PYTHONPATH=. python benchmarks/cpu_quant_rows.py --rows 16,32,64,128,512 --threads 1,2
     (--shapes q4_1:3072x576,q4_1:576x1536 to restrict; FLOWENGINE_CPU_ROW_TILE_KB=N
     overrides the float32 body's 40 KB activation tile: 0 = tiles of 8 rows, 1000000 =
-    no tiling, the body before session 27's fix)
+    no tiling, the body before session 27's fix; --dtype bfloat16 makes the second path
+    dequantize to bf16 for one bf16 GEMM, the path `--dtype bfloat16` takes from
+    BF16_GEMM_MIN_ROWS rows)
 
 Prints a markdown table: ms per call of each path and their ratio.
 """
@@ -41,7 +43,10 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the dequantizing path's GEMM dtype")
     a = ap.parse_args()
+    gemm_dtype = getattr(torch, a.dtype)
     rows = [int(r) for r in a.rows.split(",")]
     threads = [int(t) for t in a.threads.split(",")]
     shapes = []
@@ -56,6 +61,7 @@ def main() -> None:
             w = QuantizedWeight(fmt, qs, sc)
             for m in rows:
                 x = torch.randn(m, k)
+                x_gemm = x.to(gemm_dtype)
                 out = torch.empty(m, n)
                 for th in threads:
                     torch.set_num_threads(th)
@@ -67,11 +73,11 @@ def main() -> None:
                                 ops.linear(FORMATS[fmt][0], x.data_ptr(), m, k, qs.data_ptr(),
                                            sc.data_ptr(), n, out.data_ptr(), th)
                             else:
-                                F.linear(x, w.dequantize())
+                                F.linear(x_gemm, w.dequantize(gemm_dtype))
                             dt = time.perf_counter() - t0
                             key = (fmt, n, k, m, th, path)
                             best[key] = min(best.get(key, 1e9), dt)
-    print("| weight | rows | threads | kernel ms | dequant + GEMM ms | ratio |")
+    print(f"| weight | rows | threads | kernel ms | dequant + {a.dtype} GEMM ms | ratio |")
     print("|---|---|---|---|---|---|")
     for fmt, n, k in shapes:
         for m in rows:

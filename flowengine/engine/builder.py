@@ -541,7 +541,7 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
         setup_cpu_threads(args.cpu_threads,
                           tp.world_size * pp.size * args.data_parallel_size,
                           reserved_cpus=1 if args.placement == "multiproc" else 0)
-        if args.dtype == "bfloat16" and args.quantization in ("gguf", "int8"):
+        if args.dtype == "bfloat16" and dtype == torch.float32:  # resolve() chose float32
             log_quantized_bf16_path(resolved.bf16_gemm)
         elif dtype == torch.bfloat16:
             log_bf16_path()

@@ -74,7 +74,8 @@ DEQUANT_MIN_ROWS = 2048
 # gate_up 3072 x 576 at 64 rows 1.28 / 0.94, 2048 36.0 / 3.51; down 576 x 1536 at 64
 # rows 0.75 / 0.68, 2048 21.2 / 2.06. The dequantization costs N x K whatever the rows,
 # and the Q8_0 kernel is faster per row: the tied Q8_0 LM head 49152 x 576 took 19.7 /
-# 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512 (benchmarks/cpu_quant_bf16.py).
+# 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512 (benchmarks/cpu_quant_rows.py
+# --dtype bfloat16).
 # Per format (a format not listed never takes the bf16 GEMM):
 BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
 _NATIVE_BF16: bool | None = None
@@ -319,18 +320,15 @@ class QuantizedWeight:
         return w.reshape(-1, k).to(self.dtype)
 
 
-def use_bf16_gemms(model: torch.nn.Module) -> int:
+def use_bf16_gemms(model: torch.nn.Module) -> None:
     """Let every quantized matmul of `model` with float32 activations of at least
     BF16_GEMM_MIN_ROWS[format] rows run one bf16 GEMM (`QuantizedWeight.matmul`); the
     builder calls it for `--dtype bfloat16` with quantized weights on a CPU with native
-    bf16 GEMMs. Returns how many weights it set."""
-    count = 0
+    bf16 GEMMs."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, QuantizedWeight):
             weight.bf16_gemm_min_rows = BF16_GEMM_MIN_ROWS.get(weight.fmt)
-            count += 1
-    return count
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
