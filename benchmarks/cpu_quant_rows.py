@@ -9,9 +9,11 @@ figure, the two paths alternated per shape and row count, all rounds in one proc
     overrides the float32 body's 40 KB activation tile: 0 = tiles of 8 rows, 1000000 =
     no tiling, the body before session 27's fix; --dtype bfloat16 makes the second path
     dequantize to bf16 for one bf16 GEMM, the path `--dtype bfloat16` takes from
-    BF16_GEMM_MIN_ROWS rows)
+    BF16_GEMM_MIN_ROWS rows, and adds a third path where the CPU has AMX-BF16: the
+    kernel's AMX body, which `--dtype bfloat16` takes from AMX_MIN_ROWS rows)
 
-Prints a markdown table: ms per call of each path and their ratio.
+Prints a markdown table: ms per call of each path and the dequantizing path's ratio
+to the kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def main() -> None:
         fmt, nk = s.split(":")
         n, k = nk.split("x")
         shapes.append((fmt, int(n), int(k)))
+    paths = ["kernel", "dequant"]
+    if a.dtype == "bfloat16" and ops.has_amx():
+        paths.append("amx")
     best: dict[tuple, float] = {}
     for _ in range(a.rounds):
         for fmt, n, k in shapes:
@@ -66,25 +71,29 @@ def main() -> None:
                 for th in threads:
                     torch.set_num_threads(th)
                     calls = 2 if n * m > 49152 * 32 else 6
-                    for path in ("kernel", "dequant"):
+                    for path in paths:
                         for _ in range(calls):
                             t0 = time.perf_counter()
-                            if path == "kernel":
+                            if path != "dequant":
                                 ops.linear(FORMATS[fmt][0], x.data_ptr(), m, k, qs.data_ptr(),
-                                           sc.data_ptr(), n, out.data_ptr(), th)
+                                           sc.data_ptr(), n, out.data_ptr(), th,
+                                           1 if path == "amx" else 0)
                             else:
                                 F.linear(x_gemm, w.dequantize(gemm_dtype))
                             dt = time.perf_counter() - t0
                             key = (fmt, n, k, m, th, path)
                             best[key] = min(best.get(key, 1e9), dt)
-    print(f"| weight | rows | threads | kernel ms | dequant + {a.dtype} GEMM ms | ratio |")
-    print("|---|---|---|---|---|---|")
+    amx = "amx" in paths
+    print(f"| weight | rows | threads | kernel ms | dequant + {a.dtype} GEMM ms | ratio |"
+          + (" AMX body ms |" if amx else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if amx else ""))
     for fmt, n, k in shapes:
         for m in rows:
             for th in threads:
                 kt, dt = best[(fmt, n, k, m, th, "kernel")], best[(fmt, n, k, m, th, "dequant")]
                 print(f"| {fmt} {n}x{k} | {m} | {th} | {kt * 1e3:.2f} | {dt * 1e3:.2f} | "
-                      f"{dt / kt:.2f} |")
+                      f"{dt / kt:.2f} |"
+                      + (f" {best[(fmt, n, k, m, th, 'amx')] * 1e3:.2f} |" if amx else ""))
 
 
 if __name__ == "__main__":

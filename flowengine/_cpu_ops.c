@@ -455,6 +455,166 @@ AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_
 #endif
 
 
+/* ------------------------------------------------------------------ AMX-BF16 body
+ *
+ * With `--dtype bfloat16` (the caller passes amx_min > 0) and a CPU with AMX-BF16, a
+ * matmul of amx_min or more activation rows runs on the tile unit: 32 weight rows at a
+ * time are dequantized (the same float32 values as dequant_block_avx512) and rounded to
+ * bf16 into a panel wa[32][K], and for each tile of 16 activation rows (rounded to bf16
+ * and packed once per call in the pair layout TDPBF16PS reads)
+ *     C[r][m] += sum_k wa[r][k] x[m][k]     (tiles of 32 k, float32 accumulation)
+ * with the weights as the A operand (a plain row-major panel, no transpose) and the
+ * activations as B. Two panels of 16 rows are two independent accumulator chains that
+ * share each B tile. So the weights stay quantized in memory and the products are a
+ * bf16 model's (bf16 operands, float32 sums), as the bf16 GEMM of larger matmuls
+ * (quant_linear.py). Intel 64 and IA-32 Architectures Optimization Reference Manual,
+ * ch. 20 (AMX): tile configuration, TDPBF16PS and its operand layouts; Linux needs
+ * the process to ask for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). */
+#if HAVE_X86 && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HAVE_AMX 1
+#include <cpuid.h>
+static int use_avx512(void);
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c,avx512bf16,amx-tile,amx-bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Tiles 0 and 3: accumulators (16 weight rows x 16 activation rows, float32); 1 and 4:
+ * the two weight panels' 16 x 32 bf16; 2: 16 pairs x 16 activation rows of bf16. */
+AMX static void amx_tiles_on(void)
+{
+    amx_config c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* xb[t][c][j][m][2] = bf16(x[16 t + m][32 c + 2 j + (0, 1)]), 0 past row M: the
+ * activations as B tiles (per tile of 16 rows, per 32 columns, 1 KB each). */
+AMX static void pack_activations_amx(const float *x, int64_t M, int64_t K, uint16_t *xb)
+{
+    const int64_t nc = K / QK;
+    float tmp[16 * 16];
+    for (int64_t t = 0; t * 16 < M; t++) {
+        const int64_t rows = M - t * 16 < 16 ? M - t * 16 : 16;
+        if (rows < 16)
+            memset(tmp + rows * 16, 0, (size_t)(16 - rows) * 16 * sizeof(float));
+        for (int64_t c = 0; c < nc; c++) {
+            for (int64_t m = 0; m < rows; m++) { /* row m's 32 values as 16 bf16 pairs */
+                const float *src = x + (t * 16 + m) * K + c * QK;
+                __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+                _mm512_storeu_si512((void *)(tmp + m * 16), (__m512i)v);
+            }
+            /* pairs as rows: one 16 x 16 transpose of 32-bit values */
+            transpose16_ps(tmp, 16, (float *)(xb + (t * nc + c) * 512));
+        }
+    }
+}
+
+/* wa[r][k] = bf16(weight (n0 + r, k)) for r < np (<= 32), 0 for the rows past np. */
+AMX static void dequant_panel_bf16(int fmt, const uint8_t *qs, const uint16_t *sc, int64_t K,
+                                   int64_t n0, int64_t np, uint16_t *wa)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[srow];
+    for (int64_t r = 0; r < np; r++) {
+        row_scales_avx512(sc + (n0 + r) * srow, srow, scf);
+        const uint8_t *rq = qs + (n0 + r) * qrow;
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 lo, hi;
+            dequant_block_avx512(fmt, rq, scf, b, &lo, &hi);
+            _mm512_storeu_si512((void *)(wa + r * K + b * QK), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    if (np < 32)
+        memset(wa + np * K, 0, (size_t)(32 - np) * K * sizeof(uint16_t));
+}
+
+/* out[m][n] for m < 16 live rows of tile ct (ct[r][m]: weight row n0 + r), np columns. */
+AMX static inline void amx_store(const float *ct, int64_t mr, int64_t n0, int64_t np,
+                                 float *out, int64_t N)
+{
+    float tt[16 * 16];
+    transpose16_ps(ct, 16, tt);
+    const __mmask16 live = (__mmask16)((1u << np) - 1);
+    for (int64_t m = 0; m < mr; m++)
+        _mm512_mask_storeu_ps(out + m * N + n0, live, _mm512_loadu_ps(tt + m * 16));
+}
+
+/* Weight rows n0..n1 against all M activation rows (xb: pack_activations_amx's),
+ * wa: 32 x K bf16 of scratch. The activation rows go in blocks of AMX_BLOCK_TILES
+ * tiles of 16, each block's packed rows (256 x K bf16: 288 KB at K = 576) staying in
+ * L2 while every panel of the thread's weight rows passes over it (a panel is
+ * dequantized once per block): without blocks a 2,048-row matmul streamed all its
+ * packed activations from L3 once per 32 weight rows. */
+#define AMX_BLOCK_TILES 16
+AMX static void linear_amx(int fmt, const uint16_t *xb, int64_t M, int64_t K,
+                           const uint8_t *qs, const uint16_t *sc, int64_t n0, int64_t n1,
+                           float *out, int64_t N, uint16_t *wa)
+{
+    const int64_t nc = K / QK, stride = K * (int64_t)sizeof(uint16_t);
+    float c0[256] __attribute__((aligned(64))), c1[256] __attribute__((aligned(64)));
+    amx_tiles_on();
+    for (int64_t t0 = 0; t0 * 16 < M; t0 += AMX_BLOCK_TILES)
+    for (int64_t n = n0; n < n1; n += 32) {
+        const int64_t np = n1 - n < 32 ? n1 - n : 32;
+        dequant_panel_bf16(fmt, qs, sc, K, n, np, wa);
+        for (int64_t t = t0; t * 16 < M && t < t0 + AMX_BLOCK_TILES; t++) {
+            const uint16_t *xt = xb + t * nc * 512;
+            _tile_zero(0);
+            _tile_zero(3);
+            for (int64_t c = 0; c < nc; c++) {
+                _tile_loadd(2, xt + c * 512, 64);
+                _tile_loadd(1, wa + c * QK, stride);
+                _tile_loadd(4, wa + 16 * K + c * QK, stride);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_dpbf16ps(3, 4, 2);
+            }
+            _tile_stored(0, c0, 64);
+            _tile_stored(3, c1, 64);
+            const int64_t mr = M - t * 16 < 16 ? M - t * 16 : 16;
+            float *ot = out + t * 16 * N;
+            amx_store(c0, mr, n, np < 16 ? np : 16, ot, N);
+            if (np > 16)
+                amx_store(c1, mr, n + 16, np - 16, ot, N);
+        }
+    }
+    _tile_release();
+}
+
+/* Whether the AMX body runs here: AMX-TILE, AMX-BF16 and AVX512-BF16 in cpuid, the
+ * AVX-512 bodies on, the kernel granted this process the tile state, and
+ * FLOWENGINE_CPU_NO_AMX unset. */
+static int use_amx(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        unsigned a, b, c, d, a1, b1, c1, d1;
+        cached = 0;
+        if (use_avx512() && !getenv("FLOWENGINE_CPU_NO_AMX")
+            && __get_cpuid_count(7, 0, &a, &b, &c, &d) && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)
+            && (d >> 22 & 1) && (d >> 24 & 1) && (a1 >> 5 & 1))
+            cached = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return cached;
+}
+#else
+#define HAVE_AMX 0
+static int use_amx(void) { return 0; }
+#endif
+
+
 /* ------------------------------------------------------------------ AVX512-VNNI bodies
  *
  * Integer dot products as llama.cpp computes them, at float32's accuracy. Each 32-value
@@ -1101,6 +1261,7 @@ typedef struct {
     const void *act; /* vnni_act */
     int64_t chunk;   /* weight rows per pool chunk */
     const float *xp; /* the panel body's packed activations, or NULL */
+    const uint16_t *xb; /* the AMX body's packed bf16 activations, or NULL */
 } linear_job;
 
 /* Cache blocking of the float32 bodies (more than VNNI_MAX_ROWS rows): each weight row
@@ -1158,6 +1319,15 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
 {
     if (n0 >= n1)
         return;
+#if HAVE_AMX
+    if (j->xb != NULL) {
+        uint16_t *wa = (uint16_t *)panel_buffer(16 * j->K); /* 32 x K bf16 */
+        if (wa != NULL) {
+            linear_amx(j->fmt, j->xb, j->M, j->K, j->qs, j->sc, n0, n1, j->out, j->N, wa);
+            return;
+        }
+    }
+#endif
 #if HAVE_X86
     if (j->vnni) {
         vnni_rows_any(j->fmt, (const vnni_act *)j->act, j->M, j->K, j->qs, j->sc, n0, n1, j->out,
@@ -1218,16 +1388,26 @@ static void linear_chunk(const void *ctx, int64_t c)
     linear_rows_any(j, n0, n1 < j->N ? n1 : j->N);
 }
 
-/* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. Returns -1
- * when the activation buffer cannot be allocated (nothing written), else 0. */
+/* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. From amx_min
+ * rows (0: never) the AMX body runs where the CPU has it (bf16 products, float32 sums).
+ * Returns -1 when the activation buffer cannot be allocated (nothing written), else 0. */
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
-                       const uint16_t *sc, int64_t N, float *out, int nth)
+                       const uint16_t *sc, int64_t N, float *out, int nth, int64_t amx_min)
 {
     int avx = use_avx512();
     int64_t units = (N + 15) / 16;
     if (nth > units)
         nth = (int)(units > 0 ? units : 1);
-    int vnni = M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
+    uint16_t *xb = NULL;
+#if HAVE_AMX
+    if (amx_min > 0 && M >= amx_min && use_amx()) {
+        xb = (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(uint16_t));
+        if (xb == NULL)
+            return -1;
+        pack_activations_amx(x, M, K, xb);
+    }
+#endif
+    int vnni = xb == NULL && M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
 #if HAVE_X86
     vnni_act act;
     void *buf = NULL;
@@ -1248,10 +1428,10 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
     }
 #endif
     linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth),
-                      NULL};
+                      NULL, xb};
     float *xp = NULL;
 #if HAVE_X86
-    if (!vnni && avx && M >= panel_min_rows() && K % 16 == 0) {
+    if (xb == NULL && !vnni && avx && M >= panel_min_rows() && K % 16 == 0) {
         xp = (float *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(float));
         if (xp != NULL)
             pack_activations_avx512(x, M, K, xp);
@@ -1280,6 +1460,7 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
     free(buf);
 #endif
     free(xp);
+    free(xb);
     (void)avx;
     return 0;
 }
@@ -1289,8 +1470,9 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
 {
     int fmt, nth;
     unsigned long long xp, qp, sp, op;
-    long long M, K, N;
-    if (!PyArg_ParseTuple(args, "iKLLKKLKi", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth))
+    long long M, K, N, amx_min = 0;
+    if (!PyArg_ParseTuple(args, "iKLLKKLKi|L", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth,
+                          &amx_min))
         return NULL;
     if (check_fmt(fmt) < 0)
         return NULL;
@@ -1301,7 +1483,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = linear_impl(fmt, (const float *)(uintptr_t)xp, M, K, (const uint8_t *)(uintptr_t)qp,
-                     (const uint16_t *)(uintptr_t)sp, N, (float *)(uintptr_t)op, nth);
+                     (const uint16_t *)(uintptr_t)sp, N, (float *)(uintptr_t)op, nth, amx_min);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return PyErr_NoMemory();
@@ -1926,14 +2108,16 @@ static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
 
 static PyObject *py_decode_layers(PyObject *self, PyObject *args)
 {
-    unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp;
+    unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp, amxp = 0;
     long long L, T, H, hq, hkv, d, I, rows, nblocks, bs, bts;
     double eps, scale;
     int nth;
-    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi", &tblp, &L, &T, &H, &hq, &hkv, &d,
+    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi|K", &tblp, &L, &T, &H, &hq, &hkv, &d,
                           &I, &eps, &hp, &fnp, &op, &pp, &rtp, &rows, &smp, &nblocks, &bs,
-                          &tip, &rip, &btp, &bts, &slp, &scale, &nth))
+                          &tip, &rip, &btp, &bts, &slp, &scale, &nth, &amxp))
         return NULL;
+    /* int64 [3] or NULL: per format, the rows from which a matmul takes the AMX body */
+    const int64_t *amx_min = (const int64_t *)(uintptr_t)amxp;
     const int64_t *tbl = (const int64_t *)(uintptr_t)tblp;
     const int64_t *pos = (const int64_t *)(uintptr_t)pp, *slots = (const int64_t *)(uintptr_t)smp;
     if (T < 1 || L < 1 || H % QK || (hq * d) % QK || I % QK || d > MAX_D || d % 2 || hkv < 1
@@ -2006,26 +2190,28 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
 #define QW(c) (int)e[c]
 #define QQ(c) (const uint8_t *)(uintptr_t)e[(c) + 1]
 #define QS(c) (const uint16_t *)(uintptr_t)e[(c) + 2]
+#define AMX_MIN(c) (amx_min != NULL ? amx_min[e[c]] : 0)
         float *cache = (float *)(uintptr_t)e[14];
         if (l == 0)
             rms_norm_impl(res, NULL, ln1, (float)eps, T, H, x, NULL);
         else /* h holds the previous layer's MLP output */
             rms_norm_impl(h, res, ln1, (float)eps, T, H, x, res);
-        rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth);
+        rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth, AMX_MIN(1));
         rope_impl(pos, T, qkv, qkv_n, hq, d, table, qr);
         rope_impl(pos, T, qkv + hq * d, qkv_n, hkv, d, table, kr);
         write_kv_impl((const char *)kr, kvrow, (const char *)(qkv + (hq + hkv) * d), qkv_n, T,
                       kvrow, sizeof(float), slots, (char *)cache, plane);
         a.cache = cache;
         attention_impl(&a, nth);
-        rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth);
+        rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth, AMX_MIN(4));
         rms_norm_impl(h, res, ln2, (float)eps, T, H, x, res);
-        rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth);
+        rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth, AMX_MIN(8));
         silu_mul_impl(gu, T, I, act);
-        rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth);
+        rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth, AMX_MIN(11));
 #undef QW
 #undef QQ
 #undef QS
+#undef AMX_MIN
     }
     if (rc == 0) { /* the final norm over r + h */
         if (fnp)
@@ -2101,6 +2287,11 @@ static PyObject *py_apply_token_bitmask(PyObject *self, PyObject *args)
 static PyObject *py_has_avx512(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(use_avx512());
+}
+
+static PyObject *py_has_amx(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(use_amx());
 }
 
 /* The body a matmul of `rows` activation rows runs: "avx512-vnni" (integer dot
@@ -2484,13 +2675,16 @@ static PyObject *py_sample_rows(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
-     "linear(fmt, x_ptr, M, K, qs_ptr, scales_ptr, N, out_ptr, num_threads): out[M, N] "
-     "float32 = x[M, K] float32 @ dequant(W[N, K])^T."},
+     "linear(fmt, x_ptr, M, K, qs_ptr, scales_ptr, N, out_ptr, num_threads[, amx_min_rows]): "
+     "out[M, N] float32 = x[M, K] float32 @ dequant(W[N, K])^T; from amx_min_rows rows "
+     "(0 = never) bf16 products on AMX where the CPU has it."},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads): out[N, K] float32."},
     {"paged_decode_attention", py_paged_decode_attention, METH_VARARGS,
      "Decode attention over the paged KV cache (see _cpu_ops.c)."},
     {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},
+    {"has_amx", py_has_amx, METH_NOARGS,
+     "True when the AMX-BF16 body runs (asks Linux for the tile state on first call)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, res, w, eps, T, H, out, res_out): (residual add and) RMSNorm, float32."},
     {"rope_neox", py_rope_neox, METH_VARARGS,
@@ -2500,7 +2694,8 @@ static PyMethodDef methods[] = {
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
-     "bt_stride, seq_lens, scale, num_threads): all decoder layers of a decode step."},
+     "bt_stride, seq_lens, scale, num_threads[, amx_min_rows]): all decoder layers of a "
+     "decode step (amx_min_rows: int64 [3] per format, 0 = never, as linear's)."},
     {"sample_rows", py_sample_rows, METH_VARARGS,
      "sample_rows(logits_ptr, rows, vocab, row_stride, inv_t_ptr, top_k_ptr, top_p_ptr, "
      "min_p_ptr, keys_ptr, greedy_ptr, out_ptr, num_threads): one token per row (temperature, "

@@ -159,44 +159,101 @@ def test_matmul_bf16_input_and_leading_dims(fmt):
     x = torch.randn(3, 2, 64).to(torch.bfloat16)
     out = weight.matmul(x)
     assert out.dtype == torch.bfloat16 and out.shape == (3, 2, 40)
-    expected = (x.float().reshape(6, 64).double() @ ref.double().t()).reshape(3, 2, 40)
-    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(),
-                               rtol=1.6e-2, atol=1e-2)
+    x2 = x.double().reshape(6, 64)
+    expected = (x2 @ ref.double().t()).reshape(3, 2, 40)
+    # bf16 in and out (and, where the CPU has AMX, the weights rounded to bf16 for 6
+    # rows: bf16_rows): a few bf16 ulps of the row's scale
+    scale = (x2.abs() @ ref.double().abs().t()).max().item()
+    assert (out.double() - expected).abs().max().item() <= 2e-2 * scale
 
 
-def test_every_format_has_a_bf16_gemm_threshold():
+def test_every_format_has_bf16_thresholds():
     import flowengine.model.layers.quant_linear as ql
 
-    assert set(ql.BF16_GEMM_MIN_ROWS) == set(ql.FORMATS)
+    assert set(ql.BF16_GEMM_MIN_ROWS) == set(ql.FORMATS) == set(ql.AMX_ROWS)
+    # the AMX body hands over to the GEMM above where it starts, past the VNNI rows
+    assert all(1 < a < g for a, g in ql.AMX_ROWS.values())
+
+
+_has_amx = kernels_available() and __import__("flowengine._cpu_ops", fromlist=["x"]).has_amx()
+_needs_amx = pytest.mark.skipif(not _has_amx, reason="no AMX-BF16 on this CPU")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_bf16_prefill_rows_take_one_bf16_gemm_where_native(fmt, native_bf16, monkeypatch):
-    """bf16 activations of >= BF16_GEMM_MIN_ROWS rows: on a CPU with native bf16 GEMMs
-    one bf16 GEMM over the weights rounded to bf16 (exactly F.linear of those), within
-    bf16 rounding of float64; without native bf16, and below the threshold, the float32
-    kernel (the float32 result rounded once to bf16)."""
+@pytest.mark.parametrize("native_bf16,amx", [(True, True), (True, False), (False, False)])
+def test_bf16_rows_take_bf16_products_where_native(fmt, native_bf16, amx, monkeypatch):
+    """bf16 activations on a CPU with native bf16 GEMMs: from bf16_rows(fmt)[1] rows one
+    bf16 GEMM over the weights rounded to bf16 (exactly F.linear of those); with AMX,
+    from bf16_rows(fmt)[0] rows the AMX body (the same products, float32 sums in the
+    tile unit's order); else the float32 kernel (its float32 result rounded once to
+    bf16); all within bf16 rounding of float64."""
     import flowengine.model.layers.quant_linear as ql
 
+    if amx and not _has_amx:
+        pytest.skip("no AMX-BF16 on this CPU")
     monkeypatch.setattr(ql, "_NATIVE_BF16", native_bf16)
+    monkeypatch.setattr(ql, "_HAS_AMX", amx)
     weight, ref = _gguf_weight(fmt, 72, 128, int(torch.randint(0, 2**31, ()).item()))
-    rows = ql.BF16_GEMM_MIN_ROWS[fmt]
-    for m in (rows - 1, rows, 2 * rows):
+    rows = ql.bf16_rows(fmt)
+    assert rows == ((ql.AMX_ROWS[fmt] if amx else (0, ql.BF16_GEMM_MIN_ROWS[fmt]))
+                    if native_bf16 else None)
+    counts = {1, 2 * ql.BF16_GEMM_MIN_ROWS[fmt]}
+    if rows:
+        counts |= {rows[1] - 1, rows[1]} | ({rows[0] - 1, rows[0]} if rows[0] else set())
+    for m in sorted(counts):
         x = torch.randn(m, 128).to(torch.bfloat16)
         bias = torch.randn(72).to(torch.bfloat16)
         out = weight.matmul(x, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (m, 72)
         float32_path = (weight.matmul(x.float()) + bias.float()).to(torch.bfloat16)
-        if native_bf16 and m >= rows:
+        if rows and m >= rows[1]:
             bf16_gemm = torch.nn.functional.linear(x, ref.to(torch.bfloat16), bias)
             assert torch.equal(out, bf16_gemm), m
+        elif rows and rows[0] and m >= rows[0]:
+            from flowengine import _cpu_ops
+
+            amx_body, xf = torch.empty(m, 72), x.float()
+            _cpu_ops.linear(ql.FORMATS[fmt][0], xf.data_ptr(), m, 128,
+                            weight.qs.data_ptr(), weight.scales.data_ptr(), 72,
+                            amx_body.data_ptr(), torch.get_num_threads(), 1)
+            assert torch.equal(out, (amx_body + bias.float()).to(torch.bfloat16)), m
         else:
             assert torch.equal(out, float32_path), m
         expected = x.double() @ ref.double().t() + bias.double()
         # bf16 inputs and output: a few bf16 ulps of the row's scale.
         scale = (x.double().abs() @ ref.double().abs().t()).max().item()
         assert (out.double() - expected).abs().max().item() <= 2e-2 * scale, m
+
+
+@_needs_amx
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(72, 128), (48, 576), (200, 1536)])
+def test_amx_body_matches_bf16_products(fmt, n, k):
+    """The AMX body (_cpu_ops.linear with amx_min_rows) against float64 over the
+    activations and weights rounded to bf16: each product of two bf16 values is exact in
+    float32, so only the order of the float32 sums differs (REL_TOL's bound); weight
+    rows past a multiple of 16 and 32 (n = 72, 200), activation rows past a tile (5, 17,
+    33) and past a block of 256 (300); the same bits with one thread and two."""
+    from flowengine import _cpu_ops
+    from flowengine.model.layers.quant_linear import FORMATS as codes
+
+    weight, ref = _gguf_weight(fmt, n, k, int(torch.randint(0, 2**31, ()).item()))
+    w16 = ref.to(torch.bfloat16).double()
+    for m in (1, 5, 16, 17, 33, 300):
+        x = torch.randn(m, k) * 3
+        outs = []
+        for threads in (1, 2):
+            out = torch.full((m, n), float("nan"))
+            _cpu_ops.linear(codes[fmt][0], x.data_ptr(), m, k, weight.qs.data_ptr(),
+                            weight.scales.data_ptr(), n, out.data_ptr(), threads, 1)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), m
+        expected = x.to(torch.bfloat16).double() @ w16.t()
+        bound = REL_TOL * k ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+        assert (outs[0].double() - expected).abs().max().item() <= bound, (m, fmt)
+        # not the float32 kernel's result: the inputs were rounded to bf16
+        f32 = x.double() @ ref.double().t()
+        assert (outs[0].double() - f32).abs().max().item() > bound, m
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import flowengine.model.layers.quant_linear as ql
 from flowengine import LLM, SamplingParams
 from flowengine.model.gguf_convert import conversion_source
 from flowengine.model.layers.quant_linear import QuantizedWeight, kernels_available, quantize_q8_0
@@ -114,7 +115,8 @@ def test_gguf_bfloat16_runs_float32_with_bf16_prefill_gemms(default_model_path, 
                                                             prompt_ids):
     """`--dtype bfloat16` with GGUF weights on the CPU: activations and KV cache stay
     float32 (the fused decode kernels are float32), and on a CPU with native bf16 GEMMs
-    (AMX or AVX512-BF16) the quantized matmuls of a prefill take one bf16 GEMM. The
+    (AMX or AVX512-BF16) the quantized matmuls of a prefill take one bf16 GEMM, and
+    with AMX those of a batched decode (8 prompts: 8 rows) the AMX body. The
     prefill's K/V then carry bf16 rounding (one bf16 ulp of a logit between 16 and 32 is
     0.125): greedy ids follow float32 transformers except within 0.25 (the bf16 model's
     bound above), logprobs within 0.2 (a bf16 prefill alone: 4x the 0.048 measured).
@@ -130,10 +132,11 @@ def test_gguf_bfloat16_runs_float32_with_bf16_prefill_gemms(default_model_path, 
     weights = [m.weight for m in runner.model.modules()
                if isinstance(getattr(m, "weight", None), QuantizedWeight)]
     assert len(weights) == 30 * 4 + 1
-    want = {"q4_1": 64, "q8_0": 256} if native else {}
-    assert {w.bf16_gemm_min_rows for w in weights} == (set(want.values()) if native
-                                                        else {None})
-    assert all(w.bf16_gemm_min_rows == want.get(w.fmt) for w in weights)
+    assert {w.fmt for w in weights} == {"q4_1", "q8_0"}
+    assert all(w.bf16_rows == (ql.bf16_rows(w.fmt) if native else None) for w in weights)
+    if native:  # batched decode on AMX tiles where the CPU has them, prefill GEMMs
+        assert ql.bf16_rows("q4_1") == (ql.AMX_ROWS["q4_1"] if ql._has_amx()
+                                        else (0, ql.BF16_GEMM_MIN_ROWS["q4_1"]))
     assert runner.kv_caches[0].dtype == torch.float32
     if native:
         # measured 0.048 (2-thread Xeon with AMX), no near-tie needed

@@ -5,8 +5,9 @@ third of its CPU time in Python and torch dispatch between the C kernels: ~15 mo
 calls, views and allocations per layer. `decode_forward` runs every layer of a
 Llama-style model (pre-norm RMSNorm, fused qkv with NeoX RoPE, paged decode attention,
 SwiGLU MLP) with quantized weights in `_cpu_ops.decode_layers`: the same C bodies the
-per-operator path calls (so the same numbers, up to the silu's exp), with no Python
-between them. It applies when every request of the step decodes one token (the CPU
+per-operator path calls (so the same numbers, up to the silu's exp; with `--dtype
+bfloat16` the matmuls take the AMX body from the rows the weights' `bf16_rows` say, as
+QuantizedWeight.matmul does), with no Python between them. It applies when every request of the step decodes one token (the CPU
 attention backend's decode plan) and the model is of that exact kind; otherwise it
 returns None and LlamaModel.forward takes its usual path. FLOWENGINE_CPU_NO_FUSED=1
 turns it off with the other fused CPU operators, FLOWENGINE_CPU_NO_FUSED_LAYERS=1 this
@@ -58,6 +59,7 @@ def _build_plan(model, kv_caches: list[torch.Tensor]):
     rows = []
     shape = None
     eps = model.norm.eps
+    amx = [0] * len(FORMATS)  # per format code: the AMX body from this many rows
     for layer, cache in zip(model.layers, kv_caches, strict=True):
         if type(layer) is not LlamaDecoderLayer or layer.residual_multiplier != 1.0:
             return False
@@ -92,6 +94,9 @@ def _build_plan(model, kv_caches: list[torch.Tensor]):
                 or cache.shape[3:] != (hkv, d)):
             return False
         row = [norms[0].weight.data_ptr()]
+        for w in ws:
+            if w.bf16_rows is not None:
+                amx[_fmt_code(w)] = w.bf16_rows[0]
         for i, w in enumerate(ws):
             if i == 2:
                 row.append(norms[1].weight.data_ptr())
@@ -103,7 +108,8 @@ def _build_plan(model, kv_caches: list[torch.Tensor]):
     table = torch.tensor(rows, dtype=torch.int64)
     assert table.shape[1] == _COLS
     # the tensors whose pointers the table holds must stay alive: keep them
-    return {"table": table, "shape": shape, "eps": float(eps), "caches": list(kv_caches)}
+    return {"table": table, "shape": shape, "eps": float(eps), "caches": list(kv_caches),
+            "amx": torch.tensor(amx, dtype=torch.int64) if any(amx) else None}
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -152,5 +158,5 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
         positions.data_ptr(), table.data_ptr(), table.shape[0], slots.data_ptr(),
         cache_shape[1], cache_shape[2], tok_idx.data_ptr(), req_idx.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), scale,
-        torch.get_num_threads())
+        torch.get_num_threads(), 0 if plan["amx"] is None else plan["amx"].data_ptr())
     return out

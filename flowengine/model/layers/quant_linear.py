@@ -19,10 +19,13 @@ one block at a time into registers, for up to 8 activation rows at once; from 14
 (batched decode, prefill) 16 weight rows at a time are dequantized into a small
 transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
 sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). Above
-DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM, and
-with `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) from
-BF16_GEMM_MIN_ROWS rows (prefill) into a bf16 scratch for oneDNN's bf16 GEMM (AMX or
-AVX512-BF16), where the CPU has one.
+DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
+With `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) on a CPU whose oneDNN
+multiplies bf16 natively, products may be bf16 (`bf16_rows`): on a CPU with AMX-BF16
+the kernel's AMX body (32 weight rows at a time dequantized to bf16 into a panel, the
+activations as bf16 tiles, float32 sums) from AMX_ROWS[format][0] rows (batched
+decode), and from AMX_ROWS[format][1] (BF16_GEMM_MIN_ROWS where there is no AMX) the
+matrix dequantized into a bf16 scratch for one oneDNN bf16 GEMM (prefill).
 The dequantized values are exactly gguf.quants.dequantize's, so results differ from
 float32 over the dequantized matrix only by the order of the sums (and, on the VNNI
 path, by the activations' rounding to 24 bits per block).
@@ -76,9 +79,24 @@ DEQUANT_MIN_ROWS = 2048
 # and the Q8_0 kernel is faster per row: the tied Q8_0 LM head 49152 x 576 took 19.7 /
 # 51.4 ms at 64 rows, 74.4 / 73.6 at 256, 157 / 109 at 512 (benchmarks/cpu_quant_rows.py
 # --dtype bfloat16).
-# Per format (a format not listed never takes the bf16 GEMM):
+# Per format, on a CPU without AMX (a format not listed never takes bf16 products):
 BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
+# Per format, on a CPU with AMX-BF16: (rows from which the kernel's AMX body runs, rows
+# from which the bf16 GEMM runs instead). Measured (session 40, the same machine and
+# command; ms, float32 kernel / dequantize + bf16 GEMM / AMX body):
+#   q4_1 3072 x 576:  4 rows 0.12 / 0.52 / 0.10, 16 0.33 / 0.54 / 0.10,
+#                     64 0.92 / 0.62 / 0.21, 256 3.51 / 0.88 / 0.54, 512 7.97 / 1.27 /
+#                     1.25, 2048 32.9 / 4.14 / 6.52
+#   q4_1 576 x 1536:  4 rows 0.06 / 0.26 / 0.06, 16 0.19 / 0.27 / 0.07, 512 4.53 / 0.72 /
+#                     0.95
+#   q8_0 49152 x 576: 4 rows 1.94 / 57.1 / 2.32, 8 3.41 / 56.7 / 1.98, 16 6.29 / 56.1 /
+#                     1.60, 256 67.6 / 74.8 / 17.1, 2048 507 / 177 / 96.0
+# (1-2 rows: the VNNI kernel, 2-6x faster than the AMX body, which dequantizes every
+# weight whatever the rows). Q8_0's GEMM threshold is past the largest count measured.
+AMX_ROWS: dict[str, tuple[int, int]] = {"q4_0": (4, 512), "q4_1": (4, 512),
+                                        "q8_0": (8, 4096)}
 _NATIVE_BF16: bool | None = None
+_HAS_AMX: bool | None = None
 
 
 def _native_bf16() -> bool:
@@ -89,6 +107,26 @@ def _native_bf16() -> bool:
 
         _NATIVE_BF16 = bf16_matmul_path()[0]
     return _NATIVE_BF16
+
+
+def _has_amx() -> bool:
+    """Whether the kernel's AMX-BF16 body runs here (_cpu_ops.has_amx), cached."""
+    global _HAS_AMX
+    if _HAS_AMX is None:
+        _HAS_AMX = bool((_OPS or _ops()).has_amx())
+    return _HAS_AMX
+
+
+def bf16_rows(fmt: str) -> tuple[int, int] | None:
+    """For a matmul of format `fmt` allowed bf16 products: (rows from which the
+    kernel's AMX body runs, 0 = never; rows from which one bf16 GEMM over the
+    dequantized matrix runs), or None where this CPU does not multiply bf16 natively
+    (or the format has no threshold)."""
+    if fmt not in BF16_GEMM_MIN_ROWS or not _native_bf16():
+        return None
+    if _has_amx():
+        return AMX_ROWS[fmt]
+    return 0, BF16_GEMM_MIN_ROWS[fmt]
 
 
 logger = logging.getLogger(__name__)
@@ -242,9 +280,9 @@ class QuantizedWeight:
         n, k = qs.shape[0], scales.shape[1] // FORMATS[fmt][2] * BLOCK
         self.shape = torch.Size((n, k))
         self._kernel = FORMATS[fmt][0]
-        # float32 activations of at least this many rows take one bf16 GEMM
-        # (`use_bf16_gemms`: --dtype bfloat16 with quantized weights); None: never.
-        self.bf16_gemm_min_rows: int | None = None
+        # float32 activations may take bf16 products (`use_bf16_gemms`: --dtype
+        # bfloat16 with quantized weights): `bf16_rows(fmt)`; None: never.
+        self.bf16_rows: tuple[int, int] | None = None
         _log_path_once()
 
     @property
@@ -254,21 +292,20 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in x's dtype.
 
-        float32 accumulation over exactly dequantized weights, except for bf16 x of at
-        least BF16_GEMM_MIN_ROWS rows on a CPU with native bf16 GEMMs, and float32 x of
-        at least `bf16_gemm_min_rows` rows (set by `use_bf16_gemms`): one bf16 GEMM over
-        x and the weights rounded to bf16 (a bf16 model's precision), float32
-        accumulation, the result in x's dtype."""
+        float32 accumulation over exactly dequantized weights, except for bf16 x on a
+        CPU with native bf16 GEMMs and float32 x where `use_bf16_gemms` set
+        `bf16_rows`: there, from `bf16_rows(fmt)`'s counts of rows, products of x and
+        the weights rounded to bf16 (a bf16 model's precision) with float32
+        accumulation, by the AMX body or one bf16 GEMM; the result in x's dtype."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        bf16_rows = (BF16_GEMM_MIN_ROWS.get(self.fmt)
-                     if x2.dtype == torch.bfloat16 and _native_bf16()
-                     else self.bf16_gemm_min_rows if x2.dtype == torch.float32 else None)
-        if bf16_rows is not None and m >= bf16_rows:
+        rows = (bf16_rows(self.fmt) if x2.dtype == torch.bfloat16
+                else self.bf16_rows if x2.dtype == torch.float32 else None)
+        if rows is not None and m >= rows[1]:
             w16 = self.dequantize(torch.bfloat16)
             if x2.dtype == torch.bfloat16:
                 out = F.linear(x2, w16, None if bias is None else bias.to(torch.bfloat16))
@@ -279,14 +316,16 @@ class QuantizedWeight:
             return out if len(lead) == 1 else out.view(*lead, n)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
-        if m > DEQUANT_MIN_ROWS:
+        amx = rows[0] if rows is not None else 0
+        if m > DEQUANT_MIN_ROWS and not 0 < amx <= m:
             out = F.linear(x2, self.dequantize())
         else:
             out = torch.empty(m, n, dtype=torch.float32)
             if m:
                 ops = _OPS or _ops()
                 ops.linear(self._kernel, x2.data_ptr(), m, k, self.qs.data_ptr(),
-                           self.scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+                           self.scales.data_ptr(), n, out.data_ptr(), torch.get_num_threads(),
+                           amx)
         if bias is not None:
             out += bias
         if x.dtype != torch.float32:
@@ -321,14 +360,14 @@ class QuantizedWeight:
 
 
 def use_bf16_gemms(model: torch.nn.Module) -> None:
-    """Let every quantized matmul of `model` with float32 activations of at least
-    BF16_GEMM_MIN_ROWS[format] rows run one bf16 GEMM (`QuantizedWeight.matmul`); the
-    builder calls it for `--dtype bfloat16` with quantized weights on a CPU with native
-    bf16 GEMMs."""
+    """Let every quantized matmul of `model` with float32 activations take bf16
+    products from `bf16_rows(format)`'s row counts (`QuantizedWeight.matmul`, and the
+    fused decode layers of cpu_fused.py); the builder calls it for `--dtype bfloat16`
+    with quantized weights on a CPU with native bf16 GEMMs."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, QuantizedWeight):
-            weight.bf16_gemm_min_rows = BF16_GEMM_MIN_ROWS.get(weight.fmt)
+            weight.bf16_rows = bf16_rows(weight.fmt)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
