@@ -1692,13 +1692,24 @@ AVX512 static inline __m512 sum16_ps(const __m512 *t)
     return _mm512_permutexvar_ps(order, r);
 }
 
-/* acc[0..NV) = corr acc + sum_j p[j] V row j (rows[j] + plane), NV = head_dim / 16 a
- * constant after inlining: the accumulators stay in registers (in memory, each
- * position's FMAs waited on the previous store), in two sets for even and odd j. */
-AVX512 static inline __attribute__((always_inline)) void
-pv_accumulate(__m512 *acc, float corr, const float *p, const float *const *rows, int64_t plane,
-              int64_t n, int NV)
+/* 16 cache values at p as float32: float32, or bf16 (KB) widened exactly. */
+AVX512 static inline __attribute__((always_inline)) __m512 load_kv16(const char *p, const int KB)
 {
+    if (KB)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* acc[0..NV) = corr acc + sum_j p[j] V row j (rows[j] + plane bytes), NV = head_dim / 16
+ * and KB (bf16 cache) constants after inlining: the accumulators stay in registers (in
+ * memory, each position's FMAs waited on the previous store), in two sets for even and
+ * odd j. */
+AVX512 static inline __attribute__((always_inline)) void
+pv_accumulate(__m512 *acc, float corr, const float *p, const char *const *rows, int64_t plane,
+              int64_t n, int NV, const int KB)
+{
+    const int64_t vs = KB ? 32 : 64; /* bytes of 16 values */
     __m512 r0[MAX_D / 16], r1[MAX_D / 16];
     const __m512 vc = _mm512_set1_ps(corr);
     for (int c = 0; c < NV; c++) {
@@ -1708,34 +1719,36 @@ pv_accumulate(__m512 *acc, float corr, const float *p, const float *const *rows,
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {
         const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-        const float *v0 = rows[j] + plane, *v1 = rows[j + 1] + plane;
+        const char *v0 = rows[j] + plane, *v1 = rows[j + 1] + plane;
         for (int c = 0; c < NV; c++) {
-            r0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), r0[c]);
-            r1[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), r1[c]);
+            r0[c] = _mm512_fmadd_ps(p0, load_kv16(v0 + vs * c, KB), r0[c]);
+            r1[c] = _mm512_fmadd_ps(p1, load_kv16(v1 + vs * c, KB), r1[c]);
         }
     }
     if (j < n) {
         const __m512 p0 = _mm512_set1_ps(p[j]);
-        const float *v0 = rows[j] + plane;
+        const char *v0 = rows[j] + plane;
         for (int c = 0; c < NV; c++)
-            r0[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), r0[c]);
+            r0[c] = _mm512_fmadd_ps(p0, load_kv16(v0 + vs * c, KB), r0[c]);
     }
     for (int c = 0; c < NV; c++)
         acc[c] = _mm512_add_ps(r0[c], r1[c]);
 }
 
-/* Float32 cache and queries, head_dim a multiple of 16: 16 positions at a time, their
- * scores summed by sum16_ps, one vector exp per 16, and the next 16 positions' K and V
- * rows prefetched (a context's blocks lie anywhere in the cache, out of the hardware
- * prefetcher's reach). */
+/* Float32 queries, a float32 or (KB) bf16 cache, head_dim a multiple of 16: 16
+ * positions at a time, their scores summed by sum16_ps, one vector exp per 16, and the
+ * next 16 positions' K and V rows prefetched (a context's blocks lie anywhere in the
+ * cache, out of the hardware prefetcher's reach). A bf16 cache is widened to float32
+ * exactly as it is loaded, so the sums are those of the float32 body over its values. */
 AVX512 static inline __attribute__((always_inline)) void
-attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
+attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv, const int KB)
 {
     const int64_t G = a->hq / a->hkv, d = a->d, bs = a->block_size;
     const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
     const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
-    const float *cache = (const float *)a->cache;
-    const int64_t plane = a->num_blocks * bs * a->hkv * d;
+    const int64_t esz = KB ? 2 : 4, vs = 16 * esz;
+    const char *cache = (const char *)a->cache;
+    const int64_t plane = a->num_blocks * bs * a->hkv * d * esz; /* bytes */
     __m512 acc[MAX_G][MAX_D / 16];
     float q[MAX_G][MAX_D], mx[MAX_G], den[MAX_G];
     for (int64_t g = 0; g < G; g++) {
@@ -1752,13 +1765,13 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
     int64_t blk = start / bs, off = start % bs;
 #define KV_NEXT(dst)                                                                    \
     do {                                                                                \
-        (dst) = cache + (((int64_t)bt[blk] * bs + off) * a->hkv + h) * d;                \
+        (dst) = cache + (((int64_t)bt[blk] * bs + off) * a->hkv + h) * d * esz;          \
         if (++off == bs) {                                                              \
             off = 0;                                                                    \
             blk++;                                                                      \
         }                                                                               \
     } while (0)
-    const float *rows[32]; /* this chunk's 16 rows, then the next chunk's */
+    const char *rows[32]; /* this chunk's 16 rows, then the next chunk's */
     const int64_t first = len - start < 16 ? len - start : 16;
     for (int64_t j = 0; j < first; j++)
         KV_NEXT(rows[16 + j]);
@@ -1769,10 +1782,10 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
         const int64_t nn = len - j0 - 16 < 16 ? len - j0 - 16 : 16;
         for (int64_t j = 0; j < nn; j++) { /* the next chunk's rows, prefetched */
             KV_NEXT(rows[16 + j]);
-            const char *k = (const char *)rows[16 + j];
-            for (int64_t o = 0; o < d * 4; o += 64) {
+            const char *k = rows[16 + j];
+            for (int64_t o = 0; o < d * esz; o += 64) {
                 _mm_prefetch(k + o, _MM_HINT_T0);
-                _mm_prefetch(k + plane * 4 + o, _MM_HINT_T0);
+                _mm_prefetch(k + plane + o, _MM_HINT_T0);
             }
         }
         const __mmask16 live = (__mmask16)((1u << n) - 1);
@@ -1783,15 +1796,15 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
                     t[j] = _mm512_setzero_ps();
                     continue;
                 }
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(q[g]), _mm512_loadu_ps(rows[j]));
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(q[g]), load_kv16(rows[j], KB));
                 __m512 u = _mm512_setzero_ps(); /* two chains: half the latency */
                 for (int64_t c = 1; c < nv; c++) {
                     if (c % 2)
                         u = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
-                                            _mm512_loadu_ps(rows[j] + 16 * c), u);
+                                            load_kv16(rows[j] + vs * c, KB), u);
                     else
                         v = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
-                                            _mm512_loadu_ps(rows[j] + 16 * c), v);
+                                            load_kv16(rows[j] + vs * c, KB), v);
                 }
                 t[j] = _mm512_add_ps(v, u);
             }
@@ -1812,7 +1825,7 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
             mx[g] = m_new;
             float pj[16];
             _mm512_storeu_ps(pj, pv);
-            pv_accumulate(acc[g], corr, pj, rows, plane, n, nv);
+            pv_accumulate(acc[g], corr, pj, rows, plane, n, nv, KB);
         }
     }
 #undef KV_NEXT
@@ -1825,21 +1838,29 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv)
 }
 
 /* attend_one_f32_nv with head_dim / 16 a constant for the common head sizes (64, 128):
- * loops over it unrolled, accumulators in registers. */
+ * loops over it unrolled, accumulators in registers; a copy per cache dtype. */
 AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
 {
+    if (a->kv_bf16) {
+        switch (a->d / 16) {
+        case 4: attend_one_f32_nv(a, i, h, 4, 1); break;
+        case 8: attend_one_f32_nv(a, i, h, 8, 1); break;
+        default: attend_one_f32_nv(a, i, h, a->d / 16, 1); break;
+        }
+        return;
+    }
     switch (a->d / 16) {
-    case 4: attend_one_f32_nv(a, i, h, 4); break;
-    case 8: attend_one_f32_nv(a, i, h, 8); break;
-    default: attend_one_f32_nv(a, i, h, a->d / 16); break;
+    case 4: attend_one_f32_nv(a, i, h, 4, 0); break;
+    case 8: attend_one_f32_nv(a, i, h, 8, 0); break;
+    default: attend_one_f32_nv(a, i, h, a->d / 16, 0); break;
     }
 }
 
 /* The same code as attend_one, vectorised by the compiler for AVX-512, or the chunked
- * body above for float32 caches. */
+ * body above for float32 queries (float32 or bf16 caches). */
 AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w1)
 {
-    const int chunked = !a->q_bf16 && !a->kv_bf16 && a->d % 16 == 0;
+    const int chunked = !a->q_bf16 && a->d % 16 == 0;
     for (int64_t w = w0; w < w1; w++) {
         if (chunked)
             attend_one_f32_avx512(a, w / a->hkv, w % a->hkv);
@@ -2029,6 +2050,23 @@ static void write_kv_impl(const char *k, int64_t ks, const char *v, int64_t vs, 
     }
 }
 
+/* write_kv_impl from float32 rows into a bf16 cache, each value rounded to nearest
+ * even (torch's float -> bfloat16); strides and plane in values. */
+static void write_kv_bf16_impl(const float *k, int64_t ks, const float *v, int64_t vs,
+                               int64_t T, int64_t row, const int64_t *slots, uint16_t *cache,
+                               int64_t plane)
+{
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        uint16_t *kd = cache + slots[t] * row, *vd = cache + plane + slots[t] * row;
+        for (int64_t e = 0; e < row; e++) {
+            kd[e] = f32_to_bf16(k[t * ks + e]);
+            vd[e] = f32_to_bf16(v[t * vs + e]);
+        }
+    }
+}
+
 static PyObject *py_write_kv(PyObject *self, PyObject *args)
 {
     unsigned long long kp, vp, sp, cp;
@@ -2062,8 +2100,9 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
  * (relative error ~2e-7) instead of torch's Sleef exp.
  *
  * Per layer l, row l of the int64 table [L, 15]: ln1_w, qkv (fmt, qs, sc), o (fmt, qs,
- * sc), ln2_w, gate_up (fmt, qs, sc), down (fmt, qs, sc), kv_cache (float32 [2, nb, bs,
- * Hkv, D]). */
+ * sc), ln2_w, gate_up (fmt, qs, sc), down (fmt, qs, sc), kv_cache ([2, nb, bs, Hkv, D],
+ * float32, or bf16 with kv_bf16: K/V rounded to bf16 as they are written, widened
+ * exactly as attention reads them). */
 #define DL_COLS 15
 
 #if HAVE_X86
@@ -2111,10 +2150,10 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp, amxp = 0;
     long long L, T, H, hq, hkv, d, I, rows, nblocks, bs, bts;
     double eps, scale;
-    int nth;
-    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi|K", &tblp, &L, &T, &H, &hq, &hkv, &d,
-                          &I, &eps, &hp, &fnp, &op, &pp, &rtp, &rows, &smp, &nblocks, &bs,
-                          &tip, &rip, &btp, &bts, &slp, &scale, &nth, &amxp))
+    int nth, kv_bf16 = 0;
+    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi|Kp", &tblp, &L, &T, &H, &hq, &hkv,
+                          &d, &I, &eps, &hp, &fnp, &op, &pp, &rtp, &rows, &smp, &nblocks, &bs,
+                          &tip, &rip, &btp, &bts, &slp, &scale, &nth, &amxp, &kv_bf16))
         return NULL;
     /* int64 [3] or NULL: per format, the rows from which a matmul takes the AMX body */
     const int64_t *amx_min = (const int64_t *)(uintptr_t)amxp;
@@ -2175,7 +2214,8 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     a.block_size = bs;
     a.num_blocks = nblocks;
     a.bt_stride = bts;
-    a.q_bf16 = a.kv_bf16 = 0;
+    a.q_bf16 = 0;
+    a.kv_bf16 = kv_bf16;
     a.scale = (float)scale;
     a.soft_cap = 0.f;
     a.window = 0;
@@ -2191,7 +2231,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
 #define QQ(c) (const uint8_t *)(uintptr_t)e[(c) + 1]
 #define QS(c) (const uint16_t *)(uintptr_t)e[(c) + 2]
 #define AMX_MIN(c) (amx_min != NULL ? amx_min[e[c]] : 0)
-        float *cache = (float *)(uintptr_t)e[14];
+        void *cache = (void *)(uintptr_t)e[14];
         if (l == 0)
             rms_norm_impl(res, NULL, ln1, (float)eps, T, H, x, NULL);
         else /* h holds the previous layer's MLP output */
@@ -2199,8 +2239,12 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
         rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth, AMX_MIN(1));
         rope_impl(pos, T, qkv, qkv_n, hq, d, table, qr);
         rope_impl(pos, T, qkv + hq * d, qkv_n, hkv, d, table, kr);
-        write_kv_impl((const char *)kr, kvrow, (const char *)(qkv + (hq + hkv) * d), qkv_n, T,
-                      kvrow, sizeof(float), slots, (char *)cache, plane);
+        if (kv_bf16)
+            write_kv_bf16_impl(kr, kvrow, qkv + (hq + hkv) * d, qkv_n, T, kvrow, slots,
+                               (uint16_t *)cache, plane);
+        else
+            write_kv_impl((const char *)kr, kvrow, (const char *)(qkv + (hq + hkv) * d), qkv_n,
+                          T, kvrow, sizeof(float), slots, (char *)cache, plane);
         a.cache = cache;
         attention_impl(&a, nth);
         rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth, AMX_MIN(4));
@@ -2694,8 +2738,9 @@ static PyMethodDef methods[] = {
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
-     "bt_stride, seq_lens, scale, num_threads[, amx_min_rows]): all decoder layers of a "
-     "decode step (amx_min_rows: int64 [3] per format, 0 = never, as linear's)."},
+     "bt_stride, seq_lens, scale, num_threads[, amx_min_rows, kv_bf16]): all decoder layers "
+     "of a decode step (amx_min_rows: int64 [3] per format, 0 = never, as linear's; "
+     "kv_bf16: the caches hold bf16)."},
     {"sample_rows", py_sample_rows, METH_VARARGS,
      "sample_rows(logits_ptr, rows, vocab, row_stride, inv_t_ptr, top_k_ptr, top_p_ptr, "
      "min_p_ptr, keys_ptr, greedy_ptr, out_ptr, num_threads): one token per row (temperature, "

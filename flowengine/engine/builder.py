@@ -43,9 +43,10 @@ class ResolvedEngine:
     runner: str = "generate"
     pooler_config: Any = None
     # `--dtype bfloat16` with quantized weights on the CPU (gguf, int8): the model runs
-    # in float32 (its fused decode kernels and paged attention are float32) and, on a CPU
-    # with native bf16 GEMMs, its quantized matmuls of >= BF16_GEMM_MIN_ROWS rows (the
-    # prefill) take one bf16 GEMM (layers/quant_linear.py). True where that is so.
+    # in float32 (its fused decode kernels are float32) and, on a CPU with native bf16
+    # GEMMs, its quantized matmuls take bf16 products from `bf16_rows` (AMX tiles for
+    # batched decode, one bf16 GEMM for the prefill; layers/quant_linear.py) and its KV
+    # cache is bf16. True where that is so.
     bf16_gemm: bool = False
 
 
@@ -500,6 +501,10 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
     tp = SINGLE_RANK if tp is None else tp
     pp = SINGLE_STAGE if pp is None else pp
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    if resolved.bf16_gemm and args.kv_cache_dtype == "auto":
+        # --dtype bfloat16 with quantized weights on the CPU: float32 activations, the
+        # KV cache in bf16 (half the bytes each decode step's attention reads)
+        kv_dtype = torch.bfloat16
     num_layers = len(pp.layer_range(resolved.model_config.num_layers))
     per_block = ModelRunner.kv_cache_bytes_per_block(resolved.model_config, args.block_size,
                                                      kv_dtype, tp.world_size, num_layers)

@@ -62,6 +62,23 @@ def test_matches_reference(dtype, hq, hkv, d):
     torch.testing.assert_close(out[1:].float(), ref[1:].float(), **tol)
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 128), (6, 2, 80)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_float32_queries_over_a_bf16_cache(hq, hkv, d, window):
+    """float32 queries over a bf16 cache (`--dtype bfloat16` with quantized weights on
+    the CPU) take the chunked float32 body, the cache widened exactly as it is read:
+    the reference over the same values in float32, within float32 rounding."""
+    lens = [1, 15, 16, 17, 100, 250]
+    cache, bt, seq_lens, _, tok_idx = _case(torch.bfloat16, hq, hkv, d, lens)
+    q = torch.randn(len(lens) + 1, hq, d)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, bt, seq_lens, tok_idx, torch.arange(len(lens)), d ** -0.5,
+                           out, sliding_window=window)
+    ref = _reference(q, cache.float(), bt, seq_lens, tok_idx, d ** -0.5, window=window)
+    assert torch.isnan(out[0]).all()
+    torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block", [1, 8, 32])
 @pytest.mark.parametrize("window", [None, 21])
 def test_other_block_sizes(block, window):

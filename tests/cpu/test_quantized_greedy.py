@@ -111,16 +111,17 @@ def test_bfloat16_tracks_float32_transformers(default_model_path, hf_model, prom
     assert stats["steps"] == 8 * MAX_TOKENS
 
 
-def test_gguf_bfloat16_runs_float32_with_bf16_prefill_gemms(default_model_path, hf_model,
-                                                            prompt_ids):
-    """`--dtype bfloat16` with GGUF weights on the CPU: activations and KV cache stay
-    float32 (the fused decode kernels are float32), and on a CPU with native bf16 GEMMs
-    (AMX or AVX512-BF16) the quantized matmuls of a prefill take one bf16 GEMM, and
-    with AMX those of a batched decode (8 prompts: 8 rows) the AMX body. The
-    prefill's K/V then carry bf16 rounding (one bf16 ulp of a logit between 16 and 32 is
-    0.125): greedy ids follow float32 transformers except within 0.25 (the bf16 model's
-    bound above), logprobs within 0.2 (a bf16 prefill alone: 4x the 0.048 measured).
-    Without native bf16 it is the float32 path, with its bounds."""
+def test_gguf_bfloat16_float32_activations_bf16_products_and_kv(default_model_path, hf_model,
+                                                              prompt_ids):
+    """`--dtype bfloat16` with GGUF weights on the CPU: activations stay float32 (the
+    fused decode kernels are float32); on a CPU with native bf16 GEMMs (AMX or
+    AVX512-BF16) the KV cache is bf16, the quantized matmuls of a prefill take one bf16
+    GEMM, and with AMX those of a batched decode (8 prompts: 8 rows) the AMX body, in
+    the fused decode layers. K/V and products then carry bf16 rounding (one bf16 ulp of
+    a logit between 16 and 32 is 0.125): greedy ids follow float32 transformers except
+    within 0.25 (the bf16 model's bound above), logprobs within 0.2 (measured 0.048
+    with bf16 prefill GEMMs alone). Without native bf16 it is the float32 path, with its
+    bounds."""
     from flowengine.executor.cpu_threads import bf16_matmul_path
 
     native = bf16_matmul_path()[0]
@@ -137,10 +138,15 @@ def test_gguf_bfloat16_runs_float32_with_bf16_prefill_gemms(default_model_path, 
     if native:  # batched decode on AMX tiles where the CPU has them, prefill GEMMs
         assert ql.bf16_rows("q4_1") == (ql.AMX_ROWS["q4_1"] if ql._has_amx()
                                         else (0, ql.BF16_GEMM_MIN_ROWS["q4_1"]))
-    assert runner.kv_caches[0].dtype == torch.float32
+    # the KV cache in bf16 where the products are (half the bytes decode attention reads)
+    assert runner.kv_caches[0].dtype == (torch.bfloat16 if native else torch.float32)
     if native:
-        # measured 0.048 (2-thread Xeon with AMX), no near-tie needed
         stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=0.25, logprob_tol=0.2)
     else:
         stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=1e-3, logprob_tol=1e-4)
     assert stats["steps"] == 8 * MAX_TOKENS
+    # the decode steps ran the fused layers, over the bf16 cache, with the AMX body
+    plan = runner.model.model._cpu_fused_plan[1]
+    assert plan and plan["kv_bf16"] == native
+    amx = ql.bf16_rows("q4_1")[0] if native else 0
+    assert (0 if plan["amx"] is None else int(plan["amx"][1])) == amx

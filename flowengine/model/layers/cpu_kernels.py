@@ -78,9 +78,13 @@ def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> bool:
     """Store K/V [T, Hkv, D] (heads contiguous, any token stride) at slot_mapping [T]
-    int64 (-1: skipped) of kv_cache [2, N, B, Hkv, D] of the same dtype (float32 or
-    bfloat16). False (nothing written) when the inputs are not of that kind. Raises
-    IndexError (nothing written) for a slot outside the cache."""
+    int64 (-1: skipped) of kv_cache [2, N, B, Hkv, D] (float32 or bfloat16; float32 K/V
+    into a bfloat16 cache are rounded to it first, as torch's conversion does). False
+    (nothing written) when the inputs are not of that kind. Raises IndexError (nothing
+    written) for a slot outside the cache."""
+    if (k.dtype == v.dtype == torch.float32 and kv_cache.dtype == torch.bfloat16
+            and k.device.type == "cpu"):
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     if not (ENABLED and k.dtype == v.dtype == kv_cache.dtype
             and k.dtype in (torch.float32, torch.bfloat16) and k.device.type == "cpu"
             and kv_cache.is_contiguous() and slot_mapping.dtype == torch.int64
