@@ -68,7 +68,7 @@ start_server() {  # engine port -> pid in SERVER_PID
             --host 127.0.0.1 --port "$2" --dtype float32 --max-model-len 512 \
             --max-num-seqs 16 --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     elif [[ "$1" == flowengine* ]]; then
-        # flowengine_bf16: --dtype bfloat16 (float32 activations, bf16 prefill GEMMs
+        # flowengine_bf16: --dtype bfloat16 (float32 activations, bf16 products and KV cache
         # where the CPU has AMX/AVX512-BF16; docs/benchmarks.md, issue 20)
         local dtype=float32; [[ "$1" == flowengine_bf16 ]] && dtype=bfloat16
         python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
