@@ -7,6 +7,11 @@ query start locations, sequence lengths and block tables. They are filled with
 vectorized numpy (the host loop is over requests, never tokens) and reach the device
 with a single copy.
 
+Block tables persist between steps (vLLM's persistent batch): each request owns a row of
+`InputBatch`'s host table for its lifetime, and a step writes only the block ids added
+since the request's previous step (`BlockIds` says when a row must be rewritten), then
+gathers the step's rows into the staging buffer with one numpy call.
+
 Tokens sampled on the device but not yet known on the host (async overlap, DESIGN.md
 §5) are placeholders in `RequestState.token_ids`; a step that computes one gets its
 value on the device, from the runner's last-sampled-token tensor, through the
@@ -15,6 +20,8 @@ value on the device, from the runner's last-sampled-token tensor, through the
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +37,65 @@ from flowengine.sampling_params import SamplingParams
 # host does not yet.
 PLACEHOLDER_TOKEN_ID = -1
 
+# Stamps of BlockIds changes other than appends; globally unique, so a stamp also tells
+# one list from another.
+_edit_stamps = itertools.count(1)
+
+
+class BlockIds(list):
+    """A request's block table: a list of KV block ids that records edits other than
+    appends (`append`, `extend`, `+=` stay the plain list's, at C speed).
+
+    `edit_stamp` changes on every other mutation (deletion, assignment, insertion,
+    removal, reordering), so `InputBatch` rewrites the request's persistent row in full
+    after one and only the appended tail otherwise.
+    """
+
+    __slots__ = ("edit_stamp",)
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.edit_stamp = next(_edit_stamps)
+
+    def _edited(self) -> None:
+        self.edit_stamp = next(_edit_stamps)
+
+    def __setitem__(self, index, value) -> None:  # type: ignore[no-untyped-def]
+        super().__setitem__(index, value)
+        self._edited()
+
+    def __delitem__(self, index) -> None:  # type: ignore[no-untyped-def]
+        super().__delitem__(index)
+        self._edited()
+
+    def __imul__(self, count):  # type: ignore[no-untyped-def]
+        self._edited()
+        return super().__imul__(count)
+
+    def insert(self, index, value) -> None:  # type: ignore[no-untyped-def]
+        super().insert(index, value)
+        self._edited()
+
+    def pop(self, index=-1):  # type: ignore[no-untyped-def]
+        self._edited()
+        return super().pop(index)
+
+    def remove(self, value) -> None:  # type: ignore[no-untyped-def]
+        super().remove(value)
+        self._edited()
+
+    def clear(self) -> None:
+        super().clear()
+        self._edited()
+
+    def sort(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().sort(*args, **kwargs)
+        self._edited()
+
+    def reverse(self) -> None:
+        super().reverse()
+        self._edited()
+
 
 @dataclass
 class RequestState:
@@ -37,7 +103,9 @@ class RequestState:
 
     token_ids: prompt followed by every sampled token (the executor appends them);
     num_computed_tokens: tokens whose K/V are in the cache before the coming step;
-    block_ids: the request's block table (KV block ids in order).
+    block_ids: the request's block table (KV block ids in order), stored as a
+        `BlockIds` copy of the list given (assigning a plain list later works, but
+        costs a full row write every step).
     placeholder_indices: indices of token_ids that hold PLACEHOLDER_TOKEN_ID, in order.
     token_slot: the request's row in the runner's last-sampled-token device tensor
         (-1: none; only runners that sample on the device assign one).
@@ -64,8 +132,20 @@ class RequestState:
     sampling_row: tuple | None = field(default=None, repr=False, compare=False)
     # Whether sampling reads the values of earlier tokens (reads_token_values).
     reads_token_values: bool = field(default=False, init=False, compare=False)
+    # InputBatch's persistent block-table row of this request: the batch, the row, and
+    # what it holds: block_ids[:table_num_blocks] of the BlockIds `table_ids` as of its
+    # edit stamp `table_stamp`.
+    table_batch: object = field(default=None, init=False, repr=False, compare=False)
+    table_row: int = field(default=-1, init=False, repr=False, compare=False)
+    table_ids: object = field(default=None, init=False, repr=False, compare=False)
+    table_stamp: int = field(default=0, init=False, repr=False, compare=False)
+    table_num_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if type(self.block_ids) is not BlockIds:
+            # NOTE: a copy, so two states never share one list (a row's staged count
+            # is per state).
+            self.block_ids = BlockIds(self.block_ids)
         if self.sampling_params.prompt_logprobs is not None and self.num_computed_tokens == 0:
             self.prompt_logprobs = []
         self.reads_token_values = reads_token_values(self.sampling_params)
@@ -152,6 +232,11 @@ class InputBatch:
         self.max_blocks_per_req = max_blocks_per_req
         self.device = device
         self.growable = growable
+        # Persistent block tables, one row per live request (see _stage_row); a row is
+        # freed when its RequestState is garbage-collected.
+        self._tables = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self._table_lens = np.zeros(max_num_reqs, dtype=np.int64)  # ids held per row
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self._allocate(max_num_tokens, max_num_reqs)
 
     def _allocate(self, max_num_tokens: int, max_num_reqs: int) -> None:
@@ -173,6 +258,9 @@ class InputBatch:
         self.buffers = StagingBuffers(regions, self.device)
         self.dev = dict(self.buffers.dev)
         self.dev["block_tables"] = self.dev["block_tables"].view(max_num_reqs, -1)
+        # Per host buffer: (rows, columns) of its block-table region that may be
+        # nonzero (the rest is zero), so a step zeroes only what its rows do not cover.
+        self._table_extent = [(0, 0)] * self.buffers.num_host
 
     @property
     def np(self) -> dict[str, np.ndarray]:
@@ -228,14 +316,11 @@ class InputBatch:
         b["seq_lens"][num_reqs:rows] = 0
 
         width = self.max_blocks_per_req
-        block_tables = b["block_tables"][:rows * width].reshape(rows, width)
-        block_tables.fill(0)
         # One pass over the requests in plain Python (list appends), then one numpy
         # write per buffer: a numpy call per request costs more than the request's work.
         bs = self.block_size
         step_ids: list[int] = []  # the tokens computed, in order
-        table_ids: list[int] = []  # every request's block table, concatenated
-        table_lens: list[int] = []
+        table_rows: list[int] = []  # each request's row of the persistent block tables
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
         sample_slots: list[int] = []
@@ -249,8 +334,8 @@ class InputBatch:
             last = first + num
             token_ids = state.token_ids
             block_ids = state.block_ids
-            if (num < 1 or last > len(token_ids) or len(block_ids) > width
-                    or last > len(block_ids) * bs):
+            num_blocks = len(block_ids)
+            if num < 1 or last > len(token_ids) or num_blocks > width or last > num_blocks * bs:
                 self._check(state, first, last, num > 0)
             if num == 1:
                 step_ids.append(token_ids[first])
@@ -265,19 +350,17 @@ class InputBatch:
                 if gather is not None:
                     gather_dst.append(start + gather - first)
                     gather_src.append(state.token_slot)
-            table_ids += block_ids
-            table_lens.append(len(block_ids))
+            if (state.table_num_blocks != num_blocks or state.table_ids is not block_ids
+                    or state.table_batch is not self or block_ids.edit_stamp != state.table_stamp):
+                self._stage_row(state)
+            table_rows.append(state.table_row)
             if last == len(token_ids):  # the step ends at the last known token
                 sample_rows.append(end - 1)
                 sample_req_ids.append(state.req_id)
                 sample_slots.append(state.token_slot)
         input_ids = b["input_ids"]
         input_ids[:num_tokens] = step_ids
-        if table_ids:
-            lens = np.asarray(table_lens, dtype=np.int64)
-            table_rows = np.repeat(np.arange(num_reqs), lens)
-            table_cols = np.arange(len(table_ids)) - np.repeat(np.cumsum(lens) - lens, lens)
-            block_tables[table_rows, table_cols] = table_ids
+        block_tables = self._gather_tables(b["block_tables"], table_rows, rows)
 
         req_idx = np.repeat(np.arange(num_reqs), n_sched)
         positions = b["positions"][:num_tokens]
@@ -322,6 +405,70 @@ class InputBatch:
             num_tokens=num_tokens,
             num_reqs=num_reqs,
         )
+
+    def _stage_row(self, state: RequestState) -> None:
+        """Bring the request's persistent block-table row up to its block_ids: the
+        appended ids only, or the whole row (after an edit, for a plain list, or on
+        the request's first step here, which also takes a free row)."""
+        ids = state.block_ids
+        if state.table_batch is not self:
+            if not self._free_rows:
+                self._grow_tables()
+            state.table_batch, state.table_row = self, self._free_rows.pop()
+            state.table_ids, state.table_num_blocks = None, 0
+            # The row returns to the free list with the state (rows are never shared).
+            weakref.finalize(state, self._free_rows.append, state.table_row).atexit = False
+        row = state.table_row
+        kept = state.table_num_blocks
+        if state.table_ids is not ids or ids.edit_stamp != state.table_stamp:
+            kept = 0
+        num_blocks = len(ids)
+        table = self._tables[row]
+        if kept < num_blocks:
+            table[kept:num_blocks] = ids[kept:]
+        old = int(self._table_lens[row])
+        if old > num_blocks:
+            table[num_blocks:old] = 0
+        self._table_lens[row] = num_blocks
+        state.table_num_blocks = num_blocks
+        if type(ids) is BlockIds:
+            state.table_ids, state.table_stamp = ids, ids.edit_stamp
+        else:  # a plain list records no edits: rewritten every step
+            state.table_ids = None
+
+    def _grow_tables(self) -> None:
+        old = self._tables.shape[0]
+        tables = np.zeros((2 * old, self.max_blocks_per_req), dtype=np.int32)
+        tables[:old] = self._tables
+        lens = np.zeros(2 * old, dtype=np.int64)
+        lens[:old] = self._table_lens
+        self._tables, self._table_lens = tables, lens
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _gather_tables(self, region: np.ndarray, table_rows: list[int],
+                       rows: int) -> np.ndarray:
+        """The step's [rows, max_blocks_per_req] block tables in the staging region:
+        request i's persistent row in row i, zeros elsewhere (padding rows, columns past
+        a request's blocks). Writes only the columns some request uses, and zeroes only
+        what the host buffer's previous step left nonzero outside them."""
+        width = self.max_blocks_per_req
+        num_reqs = len(table_rows)
+        block_tables = region[:rows * width].reshape(rows, width)
+        if num_reqs:
+            index = np.asarray(table_rows, dtype=np.int64)
+            num_cols = int(self._table_lens[index].max())
+            block_tables[:num_reqs, :num_cols] = self._tables[index, :num_cols]
+        else:
+            num_cols = 0
+        turn = self.buffers.turn
+        old_rows, old_cols = self._table_extent[turn]
+        full = region[:max(old_rows, rows) * width].reshape(-1, width)
+        if old_cols > num_cols:
+            full[:num_reqs, num_cols:old_cols] = 0
+        if old_rows > num_reqs:
+            full[num_reqs:old_rows, :old_cols] = 0
+        self._table_extent[turn] = (num_reqs, num_cols)
+        return block_tables
 
     def _check(self, state: RequestState, first: int, last: int, has_tokens: bool) -> None:
         if last > len(state.token_ids) or not has_tokens:

@@ -75,6 +75,16 @@ class StagingBuffers:
                 for name, (start, nbytes), (np_dtype, _, _) in zip(
                     self.offsets, self.offsets.values(), regions.values(), strict=True)}
 
+    @property
+    def num_host(self) -> int:
+        """How many host buffers are used in turn (2 on CUDA, 1 on the CPU)."""
+        return len(self._hosts)
+
+    @property
+    def turn(self) -> int:
+        """Index of the host buffer being filled, in [0, num_host)."""
+        return self._turn
+
     def next_host(self) -> dict[str, np.ndarray]:
         """Switch to the next host buffer, wait until its previous copy has left it,
         and return (and set as `np`) its region views."""
