@@ -208,6 +208,8 @@ def reads_token_values(params: SamplingParams) -> bool:
             or any(len(w) > 1 for w in params.bad_words_token_ids or ()))
 
 
+_MAX_CACHED_VIEWS = 4096
+
 _I64 = (np.int64, torch.int64)
 _I32 = (np.int32, torch.int32)
 
@@ -261,6 +263,9 @@ class InputBatch:
         # Per host buffer: (rows, columns) of its block-table region that may be
         # nonzero (the rest is zero), so a step zeroes only what its rows do not cover.
         self._table_extent = [(0, 0)] * self.buffers.num_host
+        # Tensor views of the buffers by (region, length[, columns]): slicing a tensor
+        # costs more host time than a dict lookup, and the step sizes repeat.
+        self._views: dict[tuple, torch.Tensor] = {}
 
     @property
     def np(self) -> dict[str, np.ndarray]:
@@ -380,31 +385,55 @@ class InputBatch:
 
         # NOTE: block_tables is the last region: the rows of this step end the copy.
         self.buffers.copy_to_device(self.buffers.offsets["block_tables"][0] + rows * width * 4)
-        d = self.dev
         max_seq_len = int(seq_lens.max()) if num_reqs else 0
         num_cols = width if pad_to is not None else -(-max_seq_len // self.block_size)
+        view = self._view
         meta = AttentionMetadata(
-            query_start_loc=d["query_start_loc"][:rows + 1],
-            seq_lens=d["seq_lens"][:rows],
-            block_tables=d["block_tables"][:rows, :num_cols],
-            slot_mapping=d["slot_mapping"][:padded_tokens],
+            query_start_loc=view("query_start_loc", rows + 1),
+            seq_lens=view("seq_lens", rows),
+            block_tables=view("block_tables", rows, num_cols),
+            slot_mapping=view("slot_mapping", padded_tokens),
             max_query_len=int(n_sched.max()) if num_reqs else 0,
             max_seq_len=max_seq_len,
-            query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens_cpu=self.buffers.host_tensor("seq_lens", rows),
+            query_start_loc_cpu=self._host_view("query_start_loc", rows + 1),
+            seq_lens_cpu=self._host_view("seq_lens", rows),
         )
         return StepInputs(
-            input_ids=d["input_ids"][:padded_tokens],
-            positions=d["positions"][:padded_tokens],
+            input_ids=view("input_ids", padded_tokens),
+            positions=view("positions", padded_tokens),
             attn_metadata=meta,
-            logits_indices=d["logits_indices"][:num_sample],
+            logits_indices=view("logits_indices", num_sample),
             sample_req_ids=sample_req_ids,
-            sample_slots=d["sample_slots"][:num_sample],
-            gather_dst=d["gather_dst"][:num_gather] if num_gather else None,
-            gather_src=d["gather_src"][:num_gather] if num_gather else None,
+            sample_slots=view("sample_slots", num_sample),
+            gather_dst=view("gather_dst", num_gather) if num_gather else None,
+            gather_src=view("gather_src", num_gather) if num_gather else None,
             num_tokens=num_tokens,
             num_reqs=num_reqs,
         )
+
+    def _view(self, name: str, count: int, num_cols: int | None = None) -> torch.Tensor:
+        """The device view of a region's first `count` elements (block_tables: rows,
+        and their first num_cols columns), cached."""
+        key = (name, count, num_cols)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            tensor = self.dev[name]
+            view = tensor[:count] if num_cols is None else tensor[:count, :num_cols]
+            self._views[key] = view
+        return view
+
+    def _host_view(self, name: str, count: int) -> torch.Tensor:
+        """A torch view of the first `count` elements of a region of the host buffer
+        being filled (no copy), cached."""
+        key = (name, count, -1 - self.buffers.turn)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self.buffers.host_tensor(name, count)
+        return view
 
     def _stage_row(self, state: RequestState) -> None:
         """Bring the request's persistent block-table row up to its block_ids: the
