@@ -266,6 +266,7 @@ class InputBatch:
         # Tensor views of the buffers by (region, length[, columns]): slicing a tensor
         # costs more host time than a dict lookup, and the step sizes repeat.
         self._views: dict[tuple, torch.Tensor] = {}
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs), dtype=np.int64)
 
     @property
     def np(self) -> dict[str, np.ndarray]:
@@ -367,9 +368,14 @@ class InputBatch:
         input_ids[:num_tokens] = step_ids
         block_tables = self._gather_tables(b["block_tables"], table_rows, rows)
 
-        req_idx = np.repeat(np.arange(num_reqs), n_sched)
         positions = b["positions"][:num_tokens]
-        np.add(n_computed[req_idx], np.arange(num_tokens) - qsl[req_idx], out=positions)
+        arange = self._arange
+        if num_tokens == num_reqs:  # one token per request (a decode step): no repeat
+            req_idx = arange[:num_reqs]
+            positions[:] = n_computed
+        else:
+            req_idx = np.repeat(arange[:num_reqs], n_sched)
+            np.add(n_computed[req_idx], arange[:num_tokens] - qsl[req_idx], out=positions)
         block_ids = block_tables[req_idx, positions // self.block_size].astype(np.int64)
         np.add(block_ids * self.block_size, positions % self.block_size,
                out=b["slot_mapping"][:num_tokens])
