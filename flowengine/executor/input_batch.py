@@ -143,8 +143,8 @@ class RequestState:
 
     def __post_init__(self) -> None:
         if type(self.block_ids) is not BlockIds:
-            # NOTE: a copy, so two states never share one list (a row's staged count
-            # is per state).
+            # A copy: a plain list records no edits. (States may share one BlockIds:
+            # what a row holds is tracked per state.)
             self.block_ids = BlockIds(self.block_ids)
         if self.sampling_params.prompt_logprobs is not None and self.num_computed_tokens == 0:
             self.prompt_logprobs = []

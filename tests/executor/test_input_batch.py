@@ -186,3 +186,20 @@ def test_block_tables_with_two_host_buffers(monkeypatch: pytest.MonkeyPatch) -> 
         got = _tables(batch, states, num, pad_to=len(tables))
         assert got == tables, step
         assert batch.buffers.turn == (step + 1) % 2
+
+
+def test_states_sharing_one_block_ids_list() -> None:
+    """What a row holds is tracked per state: two states of one BlockIds (e.g. a
+    dataclasses.replace copy) both follow its appends and edits."""
+    import dataclasses
+
+    batch = InputBatch(block_size=2, max_blocks_per_req=3, device=torch.device("cpu"))
+    a = _state("a", list(range(6)), [1, 2], computed=0)
+    b = dataclasses.replace(a, req_id="b")
+    assert b.block_ids is a.block_ids
+    assert _tables(batch, [a, b], [4, 4]) == [[1, 2], [1, 2]]
+    a.block_ids.append(3)
+    assert _tables(batch, [a], [6]) == [[1, 2, 3]]
+    assert _tables(batch, [b], [6]) == [[1, 2, 3]]
+    a.block_ids[1] = 5
+    assert _tables(batch, [b, a], [6, 6]) == [[1, 5, 3], [1, 5, 3]]
