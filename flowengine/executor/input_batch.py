@@ -7,10 +7,10 @@ query start locations, sequence lengths and block tables. They are filled with
 vectorized numpy (the host loop is over requests, never tokens) and reach the device
 with a single copy.
 
-Block tables persist between steps (vLLM's persistent batch): each request owns a row of
-`InputBatch`'s host table for its lifetime, and a step writes only the block ids added
-since the request's previous step (`BlockIds` says when a row must be rewritten), then
-gathers the step's rows into the staging buffer with one numpy call.
+Block tables persist between steps (vLLM's persistent batch, block_tables.py): each
+request owns a row of a host table for its lifetime, a step writes only the block ids
+added since the request's previous step, then gathers its rows into the staging buffer
+with one numpy call.
 
 Tokens sampled on the device but not yet known on the host (async overlap, DESIGN.md
 §5) are placeholders in `RequestState.token_ids`; a step that computes one gets its
@@ -20,13 +20,12 @@ value on the device, from the runner's last-sampled-token tensor, through the
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from flowengine.executor.block_tables import BlockIds, PersistentBlockTables
 from flowengine.executor.staging_buffer import Region, StagingBuffers
 from flowengine.messages import TokenLogprobs
 from flowengine.model.attention.metadata import AttentionMetadata
@@ -36,66 +35,6 @@ from flowengine.sampling_params import SamplingParams
 # Value held in RequestState.token_ids where the device knows a sampled token and the
 # host does not yet.
 PLACEHOLDER_TOKEN_ID = -1
-
-# Stamps of BlockIds changes other than appends; globally unique, so a stamp also tells
-# one list from another.
-_edit_stamps = itertools.count(1)
-
-
-class BlockIds(list):
-    """A request's block table: a list of KV block ids that records edits other than
-    appends (`append`, `extend`, `+=` stay the plain list's, at C speed).
-
-    `edit_stamp` changes on every other mutation (deletion, assignment, insertion,
-    removal, reordering), so `InputBatch` rewrites the request's persistent row in full
-    after one and only the appended tail otherwise.
-    """
-
-    __slots__ = ("edit_stamp",)
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
-        self.edit_stamp = next(_edit_stamps)
-
-    def _edited(self) -> None:
-        self.edit_stamp = next(_edit_stamps)
-
-    def __setitem__(self, index, value) -> None:  # type: ignore[no-untyped-def]
-        super().__setitem__(index, value)
-        self._edited()
-
-    def __delitem__(self, index) -> None:  # type: ignore[no-untyped-def]
-        super().__delitem__(index)
-        self._edited()
-
-    def __imul__(self, count):  # type: ignore[no-untyped-def]
-        self._edited()
-        return super().__imul__(count)
-
-    def insert(self, index, value) -> None:  # type: ignore[no-untyped-def]
-        super().insert(index, value)
-        self._edited()
-
-    def pop(self, index=-1):  # type: ignore[no-untyped-def]
-        self._edited()
-        return super().pop(index)
-
-    def remove(self, value) -> None:  # type: ignore[no-untyped-def]
-        super().remove(value)
-        self._edited()
-
-    def clear(self) -> None:
-        super().clear()
-        self._edited()
-
-    def sort(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().sort(*args, **kwargs)
-        self._edited()
-
-    def reverse(self) -> None:
-        super().reverse()
-        self._edited()
-
 
 @dataclass
 class RequestState:
@@ -132,10 +71,10 @@ class RequestState:
     sampling_row: tuple | None = field(default=None, repr=False, compare=False)
     # Whether sampling reads the values of earlier tokens (reads_token_values).
     reads_token_values: bool = field(default=False, init=False, compare=False)
-    # InputBatch's persistent block-table row of this request: the batch, the row, and
+    # The request's row of PersistentBlockTables `table_owner` (block_tables.py) and
     # what it holds: block_ids[:table_num_blocks] of the BlockIds `table_ids` as of its
     # edit stamp `table_stamp`.
-    table_batch: object = field(default=None, init=False, repr=False, compare=False)
+    table_owner: object = field(default=None, init=False, repr=False, compare=False)
     table_row: int = field(default=-1, init=False, repr=False, compare=False)
     table_ids: object = field(default=None, init=False, repr=False, compare=False)
     table_stamp: int = field(default=0, init=False, repr=False, compare=False)
@@ -234,11 +173,7 @@ class InputBatch:
         self.max_blocks_per_req = max_blocks_per_req
         self.device = device
         self.growable = growable
-        # Persistent block tables, one row per live request (see _stage_row); a row is
-        # freed when its RequestState is garbage-collected.
-        self._tables = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self._table_lens = np.zeros(max_num_reqs, dtype=np.int64)  # ids held per row
-        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.block_tables = PersistentBlockTables(max_blocks_per_req, max_num_reqs)
         self._allocate(max_num_tokens, max_num_reqs)
 
     def _allocate(self, max_num_tokens: int, max_num_reqs: int) -> None:
@@ -260,9 +195,7 @@ class InputBatch:
         self.buffers = StagingBuffers(regions, self.device)
         self.dev = dict(self.buffers.dev)
         self.dev["block_tables"] = self.dev["block_tables"].view(max_num_reqs, -1)
-        # Per host buffer: (rows, columns) of its block-table region that may be
-        # nonzero (the rest is zero), so a step zeroes only what its rows do not cover.
-        self._table_extent = [(0, 0)] * self.buffers.num_host
+        self.block_tables.track_regions(self.buffers.num_host)  # zeroed regions
         # Tensor views of the buffers by (region, length[, columns]): slicing a tensor
         # costs more host time than a dict lookup, and the step sizes repeat.
         self._views: dict[tuple, torch.Tensor] = {}
@@ -332,6 +265,7 @@ class InputBatch:
         sample_slots: list[int] = []
         gather_dst: list[int] = []
         gather_src: list[int] = []
+        tables = self.block_tables
         end = 0
         for state, num in zip(states, num_scheduled, strict=True):
             start = end
@@ -357,8 +291,8 @@ class InputBatch:
                     gather_dst.append(start + gather - first)
                     gather_src.append(state.token_slot)
             if (state.table_num_blocks != num_blocks or state.table_ids is not block_ids
-                    or state.table_batch is not self or block_ids.edit_stamp != state.table_stamp):
-                self._stage_row(state)
+                    or state.table_owner is not tables or block_ids.edit_stamp != state.table_stamp):
+                tables.stage(state)
             table_rows.append(state.table_row)
             if last == len(token_ids):  # the step ends at the last known token
                 sample_rows.append(end - 1)
@@ -366,7 +300,7 @@ class InputBatch:
                 sample_slots.append(state.token_slot)
         input_ids = b["input_ids"]
         input_ids[:num_tokens] = step_ids
-        block_tables = self._gather_tables(b["block_tables"], table_rows, rows)
+        block_tables = tables.gather(b["block_tables"], table_rows, rows, self.buffers.turn)
 
         positions = b["positions"][:num_tokens]
         arange = self._arange
@@ -440,70 +374,6 @@ class InputBatch:
                 self._views.clear()
             view = self._views[key] = self.buffers.host_tensor(name, count)
         return view
-
-    def _stage_row(self, state: RequestState) -> None:
-        """Bring the request's persistent block-table row up to its block_ids: the
-        appended ids only, or the whole row (after an edit, for a plain list, or on
-        the request's first step here, which also takes a free row)."""
-        ids = state.block_ids
-        if state.table_batch is not self:
-            if not self._free_rows:
-                self._grow_tables()
-            state.table_batch, state.table_row = self, self._free_rows.pop()
-            state.table_ids, state.table_num_blocks = None, 0
-            # The row returns to the free list with the state (rows are never shared).
-            weakref.finalize(state, self._free_rows.append, state.table_row).atexit = False
-        row = state.table_row
-        kept = state.table_num_blocks
-        if state.table_ids is not ids or ids.edit_stamp != state.table_stamp:
-            kept = 0
-        num_blocks = len(ids)
-        table = self._tables[row]
-        if kept < num_blocks:
-            table[kept:num_blocks] = ids[kept:]
-        old = int(self._table_lens[row])
-        if old > num_blocks:
-            table[num_blocks:old] = 0
-        self._table_lens[row] = num_blocks
-        state.table_num_blocks = num_blocks
-        if type(ids) is BlockIds:
-            state.table_ids, state.table_stamp = ids, ids.edit_stamp
-        else:  # a plain list records no edits: rewritten every step
-            state.table_ids = None
-
-    def _grow_tables(self) -> None:
-        old = self._tables.shape[0]
-        tables = np.zeros((2 * old, self.max_blocks_per_req), dtype=np.int32)
-        tables[:old] = self._tables
-        lens = np.zeros(2 * old, dtype=np.int64)
-        lens[:old] = self._table_lens
-        self._tables, self._table_lens = tables, lens
-        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
-
-    def _gather_tables(self, region: np.ndarray, table_rows: list[int],
-                       rows: int) -> np.ndarray:
-        """The step's [rows, max_blocks_per_req] block tables in the staging region:
-        request i's persistent row in row i, zeros elsewhere (padding rows, columns past
-        a request's blocks). Writes only the columns some request uses, and zeroes only
-        what the host buffer's previous step left nonzero outside them."""
-        width = self.max_blocks_per_req
-        num_reqs = len(table_rows)
-        block_tables = region[:rows * width].reshape(rows, width)
-        if num_reqs:
-            index = np.asarray(table_rows, dtype=np.int64)
-            num_cols = int(self._table_lens[index].max())
-            block_tables[:num_reqs, :num_cols] = self._tables[index, :num_cols]
-        else:
-            num_cols = 0
-        turn = self.buffers.turn
-        old_rows, old_cols = self._table_extent[turn]
-        full = region[:max(old_rows, rows) * width].reshape(-1, width)
-        if old_cols > num_cols:
-            full[:num_reqs, num_cols:old_cols] = 0
-        if old_rows > num_reqs:
-            full[num_reqs:old_rows, :old_cols] = 0
-        self._table_extent[turn] = (num_reqs, num_cols)
-        return block_tables
 
     def _check(self, state: RequestState, first: int, last: int, has_tokens: bool) -> None:
         if last > len(state.token_ids) or not has_tokens:

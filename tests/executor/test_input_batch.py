@@ -141,7 +141,7 @@ def test_block_table_rows_follow_edits_and_preemption() -> None:
 
 
 def test_block_ids_record_edits_but_not_appends() -> None:
-    from flowengine.executor.input_batch import BlockIds
+    from flowengine.executor.block_tables import BlockIds
 
     ids = BlockIds([1, 2])
     stamp = ids.edit_stamp
