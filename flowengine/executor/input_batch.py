@@ -7,6 +7,11 @@ query start locations, sequence lengths and block tables. They are filled with
 vectorized numpy (the host loop is over requests, never tokens) and reach the device
 with a single copy.
 
+Block tables persist between steps (vLLM's persistent batch, block_tables.py): each
+request owns a row of a host table for its lifetime, a step writes only the block ids
+added since the request's previous step, then gathers its rows into the staging buffer
+with one numpy call.
+
 Tokens sampled on the device but not yet known on the host (async overlap, DESIGN.md
 §5) are placeholders in `RequestState.token_ids`; a step that computes one gets its
 value on the device, from the runner's last-sampled-token tensor, through the
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flowengine.executor.block_tables import BlockIds, PersistentBlockTables
 from flowengine.executor.staging_buffer import Region, StagingBuffers
 from flowengine.messages import TokenLogprobs
 from flowengine.model.attention.metadata import AttentionMetadata
@@ -30,14 +36,15 @@ from flowengine.sampling_params import SamplingParams
 # host does not yet.
 PLACEHOLDER_TOKEN_ID = -1
 
-
 @dataclass
 class RequestState:
     """What the executor keeps about one request between steps.
 
     token_ids: prompt followed by every sampled token (the executor appends them);
     num_computed_tokens: tokens whose K/V are in the cache before the coming step;
-    block_ids: the request's block table (KV block ids in order).
+    block_ids: the request's block table (KV block ids in order), stored as a
+        `BlockIds` copy of the list given (assigning a plain list later works, but
+        costs a full row write every step).
     placeholder_indices: indices of token_ids that hold PLACEHOLDER_TOKEN_ID, in order.
     token_slot: the request's row in the runner's last-sampled-token device tensor
         (-1: none; only runners that sample on the device assign one).
@@ -64,8 +71,20 @@ class RequestState:
     sampling_row: tuple | None = field(default=None, repr=False, compare=False)
     # Whether sampling reads the values of earlier tokens (reads_token_values).
     reads_token_values: bool = field(default=False, init=False, compare=False)
+    # The request's row of PersistentBlockTables `table_owner` (block_tables.py) and
+    # what it holds: block_ids[:table_num_blocks] of the BlockIds `table_ids` as of its
+    # edit stamp `table_stamp`.
+    table_owner: object = field(default=None, init=False, repr=False, compare=False)
+    table_row: int = field(default=-1, init=False, repr=False, compare=False)
+    table_ids: object = field(default=None, init=False, repr=False, compare=False)
+    table_stamp: int = field(default=0, init=False, repr=False, compare=False)
+    table_num_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if type(self.block_ids) is not BlockIds:
+            # A copy: a plain list records no edits. (States may share one BlockIds:
+            # what a row holds is tracked per state.)
+            self.block_ids = BlockIds(self.block_ids)
         if self.sampling_params.prompt_logprobs is not None and self.num_computed_tokens == 0:
             self.prompt_logprobs = []
         self.reads_token_values = reads_token_values(self.sampling_params)
@@ -128,6 +147,8 @@ def reads_token_values(params: SamplingParams) -> bool:
             or any(len(w) > 1 for w in params.bad_words_token_ids or ()))
 
 
+_MAX_CACHED_VIEWS = 4096
+
 _I64 = (np.int64, torch.int64)
 _I32 = (np.int32, torch.int32)
 
@@ -152,6 +173,7 @@ class InputBatch:
         self.max_blocks_per_req = max_blocks_per_req
         self.device = device
         self.growable = growable
+        self.block_tables = PersistentBlockTables(max_blocks_per_req, max_num_reqs)
         self._allocate(max_num_tokens, max_num_reqs)
 
     def _allocate(self, max_num_tokens: int, max_num_reqs: int) -> None:
@@ -173,6 +195,11 @@ class InputBatch:
         self.buffers = StagingBuffers(regions, self.device)
         self.dev = dict(self.buffers.dev)
         self.dev["block_tables"] = self.dev["block_tables"].view(max_num_reqs, -1)
+        self.block_tables.track_regions(self.buffers.num_host)  # zeroed regions
+        # Tensor views of the buffers by (region, length[, columns]): slicing a tensor
+        # costs more host time than a dict lookup, and the step sizes repeat.
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs), dtype=np.int64)
 
     @property
     def np(self) -> dict[str, np.ndarray]:
@@ -228,19 +255,17 @@ class InputBatch:
         b["seq_lens"][num_reqs:rows] = 0
 
         width = self.max_blocks_per_req
-        block_tables = b["block_tables"][:rows * width].reshape(rows, width)
-        block_tables.fill(0)
         # One pass over the requests in plain Python (list appends), then one numpy
         # write per buffer: a numpy call per request costs more than the request's work.
         bs = self.block_size
         step_ids: list[int] = []  # the tokens computed, in order
-        table_ids: list[int] = []  # every request's block table, concatenated
-        table_lens: list[int] = []
+        table_rows: list[int] = []  # each request's row of the persistent block tables
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
         sample_slots: list[int] = []
         gather_dst: list[int] = []
         gather_src: list[int] = []
+        tables = self.block_tables
         end = 0
         for state, num in zip(states, num_scheduled, strict=True):
             start = end
@@ -249,8 +274,8 @@ class InputBatch:
             last = first + num
             token_ids = state.token_ids
             block_ids = state.block_ids
-            if (num < 1 or last > len(token_ids) or len(block_ids) > width
-                    or last > len(block_ids) * bs):
+            num_blocks = len(block_ids)
+            if num < 1 or last > len(token_ids) or num_blocks > width or last > num_blocks * bs:
                 self._check(state, first, last, num > 0)
             if num == 1:
                 step_ids.append(token_ids[first])
@@ -265,23 +290,26 @@ class InputBatch:
                 if gather is not None:
                     gather_dst.append(start + gather - first)
                     gather_src.append(state.token_slot)
-            table_ids += block_ids
-            table_lens.append(len(block_ids))
+            if (state.table_num_blocks != num_blocks or state.table_ids is not block_ids
+                    or state.table_owner is not tables or block_ids.edit_stamp != state.table_stamp):
+                tables.stage(state)
+            table_rows.append(state.table_row)
             if last == len(token_ids):  # the step ends at the last known token
                 sample_rows.append(end - 1)
                 sample_req_ids.append(state.req_id)
                 sample_slots.append(state.token_slot)
         input_ids = b["input_ids"]
         input_ids[:num_tokens] = step_ids
-        if table_ids:
-            lens = np.asarray(table_lens, dtype=np.int64)
-            table_rows = np.repeat(np.arange(num_reqs), lens)
-            table_cols = np.arange(len(table_ids)) - np.repeat(np.cumsum(lens) - lens, lens)
-            block_tables[table_rows, table_cols] = table_ids
+        block_tables = tables.gather(b["block_tables"], table_rows, rows, self.buffers.turn)
 
-        req_idx = np.repeat(np.arange(num_reqs), n_sched)
         positions = b["positions"][:num_tokens]
-        np.add(n_computed[req_idx], np.arange(num_tokens) - qsl[req_idx], out=positions)
+        arange = self._arange
+        if num_tokens == num_reqs:  # one token per request (a decode step): no repeat
+            req_idx = arange[:num_reqs]
+            positions[:] = n_computed
+        else:
+            req_idx = np.repeat(arange[:num_reqs], n_sched)
+            np.add(n_computed[req_idx], arange[:num_tokens] - qsl[req_idx], out=positions)
         block_ids = block_tables[req_idx, positions // self.block_size].astype(np.int64)
         np.add(block_ids * self.block_size, positions % self.block_size,
                out=b["slot_mapping"][:num_tokens])
@@ -297,31 +325,55 @@ class InputBatch:
 
         # NOTE: block_tables is the last region: the rows of this step end the copy.
         self.buffers.copy_to_device(self.buffers.offsets["block_tables"][0] + rows * width * 4)
-        d = self.dev
         max_seq_len = int(seq_lens.max()) if num_reqs else 0
         num_cols = width if pad_to is not None else -(-max_seq_len // self.block_size)
+        view = self._view
         meta = AttentionMetadata(
-            query_start_loc=d["query_start_loc"][:rows + 1],
-            seq_lens=d["seq_lens"][:rows],
-            block_tables=d["block_tables"][:rows, :num_cols],
-            slot_mapping=d["slot_mapping"][:padded_tokens],
+            query_start_loc=view("query_start_loc", rows + 1),
+            seq_lens=view("seq_lens", rows),
+            block_tables=view("block_tables", rows, num_cols),
+            slot_mapping=view("slot_mapping", padded_tokens),
             max_query_len=int(n_sched.max()) if num_reqs else 0,
             max_seq_len=max_seq_len,
-            query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens_cpu=self.buffers.host_tensor("seq_lens", rows),
+            query_start_loc_cpu=self._host_view("query_start_loc", rows + 1),
+            seq_lens_cpu=self._host_view("seq_lens", rows),
         )
         return StepInputs(
-            input_ids=d["input_ids"][:padded_tokens],
-            positions=d["positions"][:padded_tokens],
+            input_ids=view("input_ids", padded_tokens),
+            positions=view("positions", padded_tokens),
             attn_metadata=meta,
-            logits_indices=d["logits_indices"][:num_sample],
+            logits_indices=view("logits_indices", num_sample),
             sample_req_ids=sample_req_ids,
-            sample_slots=d["sample_slots"][:num_sample],
-            gather_dst=d["gather_dst"][:num_gather] if num_gather else None,
-            gather_src=d["gather_src"][:num_gather] if num_gather else None,
+            sample_slots=view("sample_slots", num_sample),
+            gather_dst=view("gather_dst", num_gather) if num_gather else None,
+            gather_src=view("gather_src", num_gather) if num_gather else None,
             num_tokens=num_tokens,
             num_reqs=num_reqs,
         )
+
+    def _view(self, name: str, count: int, num_cols: int | None = None) -> torch.Tensor:
+        """The device view of a region's first `count` elements (block_tables: rows,
+        and their first num_cols columns), cached."""
+        key = (name, count, num_cols)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            tensor = self.dev[name]
+            view = tensor[:count] if num_cols is None else tensor[:count, :num_cols]
+            self._views[key] = view
+        return view
+
+    def _host_view(self, name: str, count: int) -> torch.Tensor:
+        """A torch view of the first `count` elements of a region of the host buffer
+        being filled (no copy), cached."""
+        key = (name, count, -1 - self.buffers.turn)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self.buffers.host_tensor(name, count)
+        return view
 
     def _check(self, state: RequestState, first: int, last: int, has_tokens: bool) -> None:
         if last > len(state.token_ids) or not has_tokens:

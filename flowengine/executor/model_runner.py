@@ -15,7 +15,7 @@ import torch
 from flowengine.config import CacheConfig
 from flowengine.distributed.pp_group import SINGLE_STAGE, PipelineStage
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
-from flowengine.executor.input_batch import InputBatch, RequestState, StepInputs
+from flowengine.executor.input_batch import BlockIds, InputBatch, RequestState, StepInputs
 from flowengine.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from flowengine.executor.spec_verify import verification_rows
 from flowengine.messages import StepPlan
@@ -184,7 +184,7 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
                 eos_token_id=new.eos_token_id,
-                block_ids=list(new.block_ids),
+                block_ids=BlockIds(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in plan.cached_reqs:

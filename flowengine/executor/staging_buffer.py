@@ -43,6 +43,9 @@ class StagingBuffers:
         regions: name -> (numpy dtype, torch dtype, count), laid out in this order; put
             the largest, partly used region last so that copies can stop early.
         device: where the device views live.
+        num_host: host buffers used in turn (default 2 on CUDA, 1 elsewhere, where the
+            only host buffer is the device buffer; 2 on the CPU copies as CUDA does,
+            for tests).
 
     Attributes:
         np: numpy views of the host buffer being filled (see `next_host`).
@@ -51,15 +54,17 @@ class StagingBuffers:
         offsets: name -> (byte offset, byte size).
     """
 
-    def __init__(self, regions: dict[str, Region], device: torch.device) -> None:
+    def __init__(self, regions: dict[str, Region], device: torch.device,
+                 num_host: int | None = None) -> None:
         self.device = device
         self.offsets, self.total_bytes = buffer_layout(regions)
         is_cuda = device.type == "cuda"
-        num_host = 2 if is_cuda else 1
+        if num_host is None:
+            num_host = 2 if is_cuda else 1
         self._hosts = [torch.zeros(self.total_bytes, dtype=torch.uint8, pin_memory=is_cuda)
                        for _ in range(num_host)]
         self._copy_done: list[torch.cuda.Event | None] = [None] * num_host
-        self._dev = (self._hosts[0] if device.type == "cpu" else
+        self._dev = (self._hosts[0] if device.type == "cpu" and num_host == 1 else
                      torch.empty(self.total_bytes, dtype=torch.uint8, device=device))
         self._host_views = [self._views_np(h.numpy(), regions) for h in self._hosts]
         self.dev: dict[str, torch.Tensor] = {
@@ -74,6 +79,16 @@ class StagingBuffers:
         return {name: host[start:start + nbytes].view(np_dtype)
                 for name, (start, nbytes), (np_dtype, _, _) in zip(
                     self.offsets, self.offsets.values(), regions.values(), strict=True)}
+
+    @property
+    def num_host(self) -> int:
+        """How many host buffers are used in turn (2 on CUDA, 1 on the CPU)."""
+        return len(self._hosts)
+
+    @property
+    def turn(self) -> int:
+        """Index of the host buffer being filled, in [0, num_host)."""
+        return self._turn
 
     def next_host(self) -> dict[str, np.ndarray]:
         """Switch to the next host buffer, wait until its previous copy has left it,

@@ -82,8 +82,32 @@ def _static_row(state: SamplingState, vocab_size: int) -> tuple:
     if row is None or row[0] != vocab_size:
         row = static_row(state.sampling_params, vocab_size)
         if hasattr(state, "sampling_row"):
-            state.sampling_row = row
+            # Interned: requests of equal params share one tuple, so a batch's rows
+            # compare by identity (from_states' `count`). Bounded: a full table starts
+            # over (rows interned before stay valid, only unshared).
+            if len(_INTERNED_ROWS) >= _MAX_INTERNED_ROWS:
+                _INTERNED_ROWS.clear()
+            row = state.sampling_row = _INTERNED_ROWS.setdefault(row, row)
     return row
+
+
+_INTERNED_ROWS: dict[tuple, tuple] = {}
+_MAX_INTERNED_ROWS = 4096
+
+
+def _static_rows(states: list[SamplingState], vocab_size: int) -> list[tuple]:
+    """static_row of every state, in order: the rows cached on the states (the
+    executor's RequestState) read in one pass when every one is there and of this
+    vocabulary, else state by state (`_static_row`)."""
+    try:
+        rows = [s.sampling_row for s in states]
+    except AttributeError:  # SamplingStates: no cache
+        return [_static_row(s, vocab_size) for s in states]
+    if rows and rows[0] is not None and rows[0][0] == vocab_size and rows.count(rows[0]) == len(rows):
+        return rows  # one row for all: checked once
+    if None in rows or next(zip(*rows), ()).count(vocab_size) != len(rows):
+        return [_static_row(s, vocab_size) for s in states]
+    return rows
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -201,9 +225,14 @@ class SamplingMetadata:
         device = torch.device(device)
         num_reqs = len(states)
         v = vocab_size
-        rows = [_static_row(s, v) for s in states]
+        rows = _static_rows(states, v)
+        if rows and rows.count(rows[0]) == num_reqs:
+            # Every row alike (the usual batch; interned rows compare by identity).
+            columns = [[x] * num_reqs for x in rows[0]]
+        else:
+            columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[]] * 11
         (_, greedy, temps, top_ks, top_ps, min_ps, reps, freqs, press, num_logprobs,
-         special) = (list(c) for c in zip(*rows, strict=True)) if rows else tuple([] for _ in range(11))
+         special) = columns
         all_greedy = all(greedy)
         all_random = not any(greedy)
 
@@ -252,13 +281,17 @@ class SamplingMetadata:
 
         f32 = torch.float32
         sampled = not all_greedy
-        use_temp = sampled and any(t != 1.0 for t in temps)
-        use_top_k = sampled and any(k < v for k in top_ks)
-        use_top_p = sampled and any(q < 1.0 for q in top_ps)
-        use_min_p = sampled and any(m > 0.0 for m in min_ps)
-        use_rep = any(r != 1.0 for r in reps)
-        use_freq = any(f != 0.0 for f in freqs)
-        use_pres = any(x != 0.0 for x in press)
+        # Whether any row leaves a stage's neutral value, by C-level counts (list.count
+        # compares with ==, as `!=` would): static_row keeps top_k in [1, V], top_p in
+        # (0, 1] and min_p in [0, 1] (SamplingParams validates them), so "k < V",
+        # "p < 1" and "m > 0" are "not the neutral value".
+        use_temp = sampled and temps.count(1.0) != num_reqs
+        use_top_k = sampled and top_ks.count(v) != num_reqs
+        use_top_p = sampled and top_ps.count(1.0) != num_reqs
+        use_min_p = sampled and min_ps.count(0.0) != num_reqs
+        use_rep = reps.count(1.0) != num_reqs
+        use_freq = freqs.count(0.0) != num_reqs
+        use_pres = press.count(0.0) != num_reqs
         use_penalties = use_rep or use_freq or use_pres
 
         prompt_ids = output_ids = None
@@ -270,7 +303,8 @@ class SamplingMetadata:
             prompt_ids = _padded(prompt_rows, v, device) if use_rep else None
             output_ids = _padded([s.output_token_ids for s in states], v, device)
 
-        lp_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+        lp_rows = ([] if num_logprobs.count(None) == num_reqs else
+                   [i for i, n in enumerate(num_logprobs) if n is not None])
         return cls(
             num_reqs=num_reqs,
             vocab_size=v,

@@ -261,3 +261,30 @@ def test_request_states_batch_like_sampling_states() -> None:
     SamplingMetadata.from_states(reqs, VOCAB, "cpu")
     assert all(r.sampling_row is row for r, row in zip(reqs, rows, strict=True))
     assert [r.reads_token_values for r in reqs] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, logprobs=3),
+    SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=-0.5),
+])
+def test_a_batch_of_equal_params_shares_one_static_row(params: SamplingParams) -> None:
+    """Requests of equal params (distinct objects, as decoded from each plan) share one
+    interned static row, and the batch's metadata equals the SamplingStates' one, also
+    once a request of other params joins."""
+    from flowengine.executor.input_batch import RequestState
+
+    def request(i: int, p: SamplingParams) -> RequestState:
+        return RequestState(str(i), [1, 2, 3, 4, 5 + i], 3, p, 2, [0], 5)
+
+    reqs = [request(i, SamplingParams(**{f: getattr(params, f) for f in (
+        "temperature", "top_k", "top_p", "min_p", "logprobs", "frequency_penalty",
+        "presence_penalty")})) for i in range(5)]
+    for batch in (reqs, [*reqs, request(9, SamplingParams(temperature=0.5, top_k=2))]):
+        for _ in range(2):
+            got = SamplingMetadata.from_states(batch, VOCAB, "cpu")
+            want = SamplingMetadata.from_states([r.sampling_state() for r in batch], VOCAB, "cpu")
+            for field in SamplingMetadata.__dataclass_fields__:
+                a, b = getattr(got, field), getattr(want, field)
+                assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), field
+    assert all(r.sampling_row is reqs[0].sampling_row for r in reqs)
