@@ -1838,22 +1838,24 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv, co
 }
 
 /* attend_one_f32_nv with head_dim / 16 a constant for the common head sizes (64, 128):
- * loops over it unrolled, accumulators in registers; a copy per cache dtype. */
+ * loops over it unrolled, accumulators in registers; KB a constant too. */
+AVX512 static inline __attribute__((always_inline)) void
+attend_one_f32_kb(const attn_args *a, int64_t i, int64_t h, const int KB)
+{
+    switch (a->d / 16) {
+    case 4: attend_one_f32_nv(a, i, h, 4, KB); break;
+    case 8: attend_one_f32_nv(a, i, h, 8, KB); break;
+    default: attend_one_f32_nv(a, i, h, a->d / 16, KB); break;
+    }
+}
+
+/* One copy of the body per cache dtype. */
 AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
 {
-    if (a->kv_bf16) {
-        switch (a->d / 16) {
-        case 4: attend_one_f32_nv(a, i, h, 4, 1); break;
-        case 8: attend_one_f32_nv(a, i, h, 8, 1); break;
-        default: attend_one_f32_nv(a, i, h, a->d / 16, 1); break;
-        }
-        return;
-    }
-    switch (a->d / 16) {
-    case 4: attend_one_f32_nv(a, i, h, 4, 0); break;
-    case 8: attend_one_f32_nv(a, i, h, 8, 0); break;
-    default: attend_one_f32_nv(a, i, h, a->d / 16, 0); break;
-    }
+    if (a->kv_bf16)
+        attend_one_f32_kb(a, i, h, 1);
+    else
+        attend_one_f32_kb(a, i, h, 0);
 }
 
 /* The same code as attend_one, vectorised by the compiler for AVX-512, or the chunked
