@@ -48,9 +48,11 @@ DENSE_M1 = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 8, 3), (8, 512, 4, 3),
             (64, 128, 4, 3), (32, 512, 8, 2)]
 DENSE_M8 = [(16, 128, 4, 3), (32, 64, 4, 3), (16, 256, 8, 3)]
 W4_M1 = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
-         (64, 64, 4, 4), (256, 128, 8, 3)]
+         (64, 64, 4, 4), (256, 128, 4, 3), (256, 128, 8, 3)]
 W4_M8 = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 64, 8, 3)]
 PROGRAMS_PER_SM = (2, 6)
+# W4A16 at M = 1 wins with more programs (session 41, H100: split 16 at gate_up)
+W4_M1_PROGRAMS_PER_SM = (2, 4, 8)
 
 
 def _split(n: int, k: int, block_n: int, block_k: int, per_sm: int) -> int:
@@ -178,7 +180,8 @@ def main() -> None:
                     DENSE_M1 if m == 1 else DENSE_M8)
                 seen, results = set(), []
                 for bn, bk, warps, stages in variants:
-                    for per_sm in PROGRAMS_PER_SM:
+                    for per_sm in (W4_M1_PROGRAMS_PER_SM if w4 and m == 1 else
+                                   PROGRAMS_PER_SM):
                         cfg = (bn, bk, _split(n, k, bn, bk, per_sm), warps, stages)
                         if cfg in seen:
                             continue
