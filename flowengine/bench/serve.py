@@ -8,6 +8,11 @@ with Poisson arrivals at `--request-rate` (inf: all at once) and/or at most
 `--max-concurrency` in flight, and prints TTFT, TPOT, ITL and E2E latency, request
 and token throughput and goodput with vLLM's definitions (serve_metrics.py), then the
 command that produced them. Traffic goes only to the given URL.
+
+`--num-client-processes N` spreads the requests over N client processes (default 1,
+in this process, as vLLM's client): one Python process that parses ~90,000 streamed
+tokens/s becomes the bottleneck, adding its own delays to TTFT and keeping fewer
+requests in flight than `--max-concurrency` (serve_worker.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ import httpx
 import orjson
 from tqdm.auto import tqdm
 
-from flowengine.bench.serve_client import arrivals, build_payload, send_request
+from flowengine.bench.serve_client import (
+    ClientJob,
+    build_payload,
+    open_client,
+    run_load,
+    send_request,
+)
 from flowengine.bench.serve_dataset import (
     BenchRequest,
     jsonl_requests,
@@ -39,6 +50,7 @@ from flowengine.bench.serve_metrics import (
     format_report,
     parse_goodput,
 )
+from flowengine.bench.serve_worker import run_client_processes
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -61,6 +73,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument(
+        "--num-client-processes", type=int, default=1,
+        help="client processes sharing the requests, concurrency and rate (default 1, as "
+        "vLLM's client); one Python process parsing ~90k streamed tokens/s limits what it measures",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos")
@@ -77,6 +94,16 @@ def _validate(ns: argparse.Namespace) -> tuple[dict[str, float], list[str], list
         raise ValueError("--request-rate and --burstiness must be > 0")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    num_procs = ns.num_client_processes
+    most = min(ns.max_concurrency or ns.num_prompts, ns.num_prompts)
+    if num_procs < 1:
+        raise ValueError("--num-client-processes must be >= 1")
+    if num_procs > most:
+        bound = "--max-concurrency" if most < ns.num_prompts else "--num-prompts"
+        raise ValueError(
+            f"--num-client-processes {num_procs} exceeds {bound} {most}; "
+            "every client process needs a request and a slot to send it: lower it"
+        )
     if ns.dataset_name == "jsonl" and not ns.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path FILE")
     shown = [m for m in ns.percentile_metrics.split(",") if m]
@@ -102,47 +129,24 @@ def _dataset(
     return reqs, how
 
 
-async def _run(
-    base_url: str,
-    headers: dict[str, str],
-    model: str,
-    reqs: list[BenchRequest],
-    ns: argparse.Namespace,
-) -> tuple[list[RequestResult], float]:
-    chat = ns.endpoint.rstrip("/").endswith("chat/completions")
-    limit = ns.max_concurrency or len(reqs)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(None, connect=30.0)
-    semaphore = asyncio.Semaphore(limit)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=timeout, limits=limits
-    ) as client:
-
-        async def one(req: BenchRequest) -> RequestResult:
-            payload = build_payload(
-                req, model, chat=chat, ignore_eos=ns.ignore_eos, temperature=ns.temperature
-            )
-            async with semaphore:
-                result = await send_request(client, ns.endpoint, payload, req.prompt_len)
-            bar.update(1)
-            return result
-
+async def _run(job: ClientJob, ns: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    async with open_client(job) as client:
         # Fail fast (as vLLM does) if the very first request cannot be served.
+        first = job.requests[0]
         probe = await send_request(
-            client, ns.endpoint,
-            build_payload(reqs[0], model, chat=chat, ignore_eos=False, temperature=ns.temperature),
-            reqs[0].prompt_len,
+            client, job.endpoint,
+            build_payload(first, job.model, chat=job.is_chat, ignore_eos=False,
+                          temperature=job.temperature),
+            first.prompt_len,
         )  # fmt: skip
         if not probe.success:
             raise RuntimeError(f"the test request failed: {probe.error}")
-        with tqdm(total=len(reqs), desc="requests", disable=ns.disable_tqdm) as bar:
-            tasks = []
+        with tqdm(total=len(job.requests), desc="requests", disable=ns.disable_tqdm) as bar:
+            if ns.num_client_processes > 1:
+                return await run_client_processes(job, ns.num_client_processes, bar.update)
             start = time.perf_counter()
-            async for req in arrivals(reqs, ns.request_rate, ns.burstiness, ns.seed):
-                tasks.append(asyncio.ensure_future(one(req)))
-            results = await asyncio.gather(*tasks)
-            duration_s = time.perf_counter() - start
-    return list(results), duration_s
+            results = await run_load(client, job, lambda: bar.update(1))
+            return results, time.perf_counter() - start
 
 
 def main(argv: list[str]) -> int:
@@ -163,7 +167,11 @@ def main(argv: list[str]) -> int:
             model = resp.json()["data"][0]["id"]
         reqs, how = _dataset(client, model, ns)
     print(f"{len(reqs)} prompts for {model} at {base_url}{ns.endpoint}; token counts from {how}")
-    results, duration_s = asyncio.run(_run(base_url, headers, model, reqs, ns))
+    job = ClientJob(
+        base_url, headers, ns.endpoint, model, reqs, ns.max_concurrency or len(reqs),
+        ns.request_rate, ns.burstiness, ns.seed, ns.ignore_eos, ns.temperature,
+    )  # fmt: skip
+    results, duration_s = asyncio.run(_run(job, ns))
     metrics = compute_metrics(results, duration_s, goodput, percentiles)
     print(format_report(metrics, shown))
     errors = sorted({r.error for r in results if not r.success})
@@ -179,6 +187,7 @@ def main(argv: list[str]) -> int:
             "endpoint": ns.endpoint,
             "request_rate": ns.request_rate,
             "max_concurrency": ns.max_concurrency,
+            "num_client_processes": ns.num_client_processes,
             **asdict(metrics),
         }
         with open(ns.result_file, "wb") as f:

@@ -5,6 +5,9 @@ first chunk with content, every later content chunk adds an ITL gap, the latency
 ends at the last content chunk. Output tokens come from the server's usage chunk
 (`stream_options.include_usage`); a server that sends none is credited one token per
 content chunk.
+
+`run_load` is one client's whole run (arrivals, the concurrency limit, every request);
+the in-process benchmark and each `serve_worker` process call it alike.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -20,6 +24,61 @@ import orjson
 
 from flowengine.bench.serve_dataset import BenchRequest
 from flowengine.bench.serve_metrics import RequestResult
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    """What one client sends: where, its requests, and how fast (rate in req/s)."""
+
+    base_url: str
+    headers: dict[str, str]
+    endpoint: str
+    model: str
+    requests: list[BenchRequest]
+    max_concurrency: int
+    request_rate: float  # inf: all at once
+    burstiness: float
+    seed: int
+    ignore_eos: bool
+    temperature: float
+
+    @property
+    def is_chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+
+def open_client(job: ClientJob) -> httpx.AsyncClient:
+    """An HTTP client with one keep-alive connection per request the job may have in flight."""
+    limit = job.max_concurrency
+    return httpx.AsyncClient(
+        base_url=job.base_url,
+        headers=job.headers,
+        timeout=httpx.Timeout(None, connect=30.0),
+        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+    )
+
+
+async def run_load(
+    client: httpx.AsyncClient, job: ClientJob, on_done: Callable[[], object] = lambda: None
+) -> list[RequestResult]:
+    """Send every request of the job as `arrivals` releases it, at most
+    `job.max_concurrency` in flight; results in the job's request order."""
+    semaphore = asyncio.Semaphore(job.max_concurrency)
+
+    async def one(req: BenchRequest) -> RequestResult:
+        payload = build_payload(
+            req, job.model, chat=job.is_chat, ignore_eos=job.ignore_eos,
+            temperature=job.temperature,
+        )  # fmt: skip
+        async with semaphore:
+            result = await send_request(client, job.endpoint, payload, req.prompt_len)
+        on_done()
+        return result
+
+    tasks = []
+    async for req in arrivals(job.requests, job.request_rate, job.burstiness, job.seed):
+        tasks.append(asyncio.ensure_future(one(req)))
+    return list(await asyncio.gather(*tasks))
 
 
 def build_payload(

@@ -14,7 +14,8 @@ real `RequestStats` fed with one `RequestDelta` per sample per step, as the real
 engine's Detokenizer feeds it, and reach /metrics through `get_stats().histograms`.
 
 It records what the server did: `submitted` (request id, prompt, params), `aborted`
-(ids whose iterator was closed or cancelled before finishing), `abort_calls`.
+(ids whose iterator was closed or cancelled before finishing), `abort_calls`,
+`peak_running` (the most requests generating at once).
 Used in-process by the fixtures and from a subprocess through the server's
 FLOWENGINE_TEST_ENGINE=openai_fake_engine:make_engine hook.
 """
@@ -108,6 +109,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.abort_calls: list[str] = []
         self.running: set[str] = set()
+        self.peak_running = 0
         self.dead = False
         self.shutdown_calls = 0
         self.fail_after_tokens: int | None = None  # raise RuntimeError mid-stream
@@ -188,6 +190,7 @@ class FakeEngine:
             raise EngineOverloadedError("the fake engine's queue is full", retry_after_s=2.0)
         self.submitted.append((request_id, prompt, params))
         self.running.add(request_id)
+        self.peak_running = max(self.peak_running, len(self.running))
         self.stats.prompt_tokens_total += len(ids)
         limit = self.max_model_len - len(ids)
         max_new = min(params.max_tokens or limit, limit)

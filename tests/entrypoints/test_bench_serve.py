@@ -1,5 +1,5 @@
-"""`flowengine bench serve`: metric definitions (exact values), prompts, arrivals, and a
-run against a live server with the fake engine."""
+"""`flowengine bench serve`: metric definitions (exact values), prompts, arrivals, runs
+against a live server with the fake engine, in one and in several client processes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from openai_fake_engine import FakeEngine
 from openai_live_server import LiveServer
 
-from flowengine.bench import serve_client
+from flowengine.bench import serve, serve_client, serve_worker
 from flowengine.bench.serve import main
+from flowengine.bench.serve_client import ClientJob
 from flowengine.bench.serve_dataset import (
     BenchRequest,
     WordTokenizer,
@@ -25,6 +26,7 @@ from flowengine.bench.serve_metrics import (
     format_report,
     parse_goodput,
 )
+from flowengine.bench.serve_worker import WorkerExit, merge_reports, split_job
 
 RESULTS = [
     RequestResult(True, 10, 5, ttft_s=0.1, latency_s=0.5, itl_s=[0.1, 0.1, 0.1, 0.1]),
@@ -146,3 +148,109 @@ def test_bench_fails_fast_when_the_server_refuses():
             main(["--base-url", live.base_url, "--model", "nope", "--num-prompts", "2",
                   "--random-input-len", "4", "--disable-tqdm"])  # fmt: skip
     assert main(["--request-rate", "0"]) == 2
+
+
+def test_client_processes_match_one_process(tmp_path, monkeypatch):
+    measured: list[list[RequestResult]] = []
+
+    def spy(results, *args):
+        measured.append(list(results))
+        return compute_metrics(results, *args)
+
+    monkeypatch.setattr(serve, "compute_metrics", spy)
+    engine = FakeEngine(step_s=0.002)
+    records, prompts = [], []
+    with LiveServer(engine) as live:
+        for num_procs in (1, 2, 3):
+            engine.submitted.clear()
+            engine.peak_running = 0
+            result_file = tmp_path / f"n{num_procs}.json"
+            argv = [
+                "--base-url", live.base_url, "--num-prompts", "11", "--random-input-len", "16",
+                "--random-range-ratio", "0.5", "--random-output-len", "8", "--ignore-eos",
+                "--max-concurrency", "4", "--num-client-processes", str(num_procs),
+                "--result-file", str(result_file), "--disable-tqdm",
+            ]  # fmt: skip
+            assert main(argv) == 0
+            records.append(orjson.loads(result_file.read_bytes()))
+            prompts.append(sorted(p for _, p, _ in engine.submitted[1:]))  # after the probe
+            assert len(engine.submitted) == 1 + 11
+            assert 1 <= engine.peak_running <= 4
+    one = measured[0]
+    # The range ratio varies the lengths, so equal lists below mean the same request order.
+    assert len({r.prompt_len for r in one}) > 3 and len({r.output_tokens for r in one}) > 3
+    for results, record, sent in zip(measured[1:], records[1:], prompts[1:], strict=True):
+        assert [(r.success, r.prompt_len, r.output_tokens) for r in results] == [
+            (r.success, r.prompt_len, r.output_tokens) for r in one
+        ]
+        assert sent == prompts[0]
+        counts = ("completed", "failed", "total_input", "total_output")
+        assert [record[k] for k in counts] == [records[0][k] for k in counts]
+    assert [r["num_client_processes"] for r in records] == [1, 2, 3]
+    assert (records[0]["completed"], records[0]["failed"]) == (11, 0)
+
+
+def _job(num_requests: int, max_concurrency: int, rate: float = 6.0) -> ClientJob:
+    reqs = [BenchRequest(f"p{i}", 10 + i, 4) for i in range(num_requests)]
+    return ClientJob("http://127.0.0.1:9", {}, "/v1/completions", "m", reqs, max_concurrency,
+                     rate, 1.0, 7, False, 0.0)  # fmt: skip
+
+
+def test_split_job_deals_requests_round_robin():
+    shares = split_job(_job(7, 5), 3)
+    assert [[r.prompt for r in s.requests] for s in shares] == [
+        ["p0", "p3", "p6"], ["p1", "p4"], ["p2", "p5"]
+    ]  # fmt: skip
+    assert [(s.max_concurrency, s.request_rate, s.seed) for s in shares] == [
+        (2, 2.0, 7), (2, 2.0, 8), (1, 2.0, 9)
+    ]  # fmt: skip
+
+
+def test_merge_reports_of_broken_workers():
+    reqs = _job(7, 7).requests
+    ok = RequestResult(True, 10, 4, ttft_s=0.1, latency_s=0.4, itl_s=[0.1, 0.1, 0.1])
+    good = orjson.dumps({"start_time": 100.5, "end_time": 103.0, "results": [ok] * 3})
+    exits = [
+        WorkerExit(0, good, b""),
+        WorkerExit(0, good[:40], b""),  # cut short
+        WorkerExit(3, b"", b"Traceback (most recent call last):\nRuntimeError: boom\n"),
+    ]
+    results, duration_s = merge_reports(reqs, exits, start_time=100.0, end_time=109.0)
+    assert duration_s == 2.5
+    assert [r.success for r in results] == [True, False, False] * 2 + [True]
+    assert [r.prompt_len for r in results] == [10, 11, 12, 10, 14, 15, 10]
+    assert results[1].error.startswith("client process sent a bad report (JSONDecodeError")
+    assert results[2].error == (
+        "client process exited with code 3: Traceback (most recent call last):\n"
+        "RuntimeError: boom"
+    )
+    _, duration_s = merge_reports(reqs[:1], exits[2:], start_time=100.0, end_time=109.0)
+    assert duration_s == 9.0
+
+
+def test_client_process_that_cannot_start(monkeypatch):
+    monkeypatch.setattr(serve_worker, "WORKER_MODULE", "flowengine.bench.no_such_worker")
+    done: list[int] = []
+    results, _ = asyncio.run(serve_worker.run_client_processes(_job(5, 2), 2, done.append))
+    assert [r.prompt_len for r in results] == [10, 11, 12, 13, 14]
+    assert all(
+        not r.success
+        and r.error.startswith("client process exited with code 1: ")
+        and "No module named flowengine.bench.no_such_worker" in r.error
+        for r in results
+    )
+    assert sorted(done) == [2, 3]
+
+
+def test_too_many_client_processes(capsys):
+    assert main(["--num-client-processes", "3", "--max-concurrency", "2"]) == 2
+    assert main(["--num-client-processes", "3", "--num-prompts", "2"]) == 2
+    assert main(["--num-client-processes", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "error: --num-client-processes 3 exceeds --max-concurrency 2; every client process "
+        "needs a request and a slot to send it: lower it",
+        "error: --num-client-processes 3 exceeds --num-prompts 2; every client process "
+        "needs a request and a slot to send it: lower it",
+        "error: --num-client-processes must be >= 1",
+    ]
