@@ -74,15 +74,15 @@ if [ -z "${SKIP_DEVICE:-}" ]; then
   tail -6 "$out/offline.txt" | tee -a "$out/summary.md"
 fi
 
-serve_once() {  # $1: label, $2: number of client processes, rest: extra serve flags
-  local label=$1 clients=$2; shift 2
+serve_once() {  # $1: label, $2: client commands, $3: client processes of one command, rest: serve flags
+  local label=$1 clients=$2 procs=$3; shift 3
   local port=$((8700 + RANDOM % 200))
   FLOWENGINE_DEVICE_TIMERS=1 FLOWENGINE_LOG_LEVEL=INFO "${fe[@]}" serve "$model" "${common[@]}" --port "$port" \
     --log-level info "$@" > "/tmp/serve_$label.log" 2>&1 &
   local pid=$!
   wait_server "$port" "$pid" "$T"
   if [ $? -ne 0 ]; then tail -20 "/tmp/serve_$label.log"; kill "$pid"; return 1; fi
-  say "== served ($label, flags: $*): $clients client process(es), concurrency $conc in all"
+  say "== served ($label, flags: $*): $clients client command(s) x $procs process(es), concurrency $conc in all"
   say "server CPU s before (pid:s): $(cpu_s "$pid")"
   if command -v py-spy > /dev/null; then
     (wait_running "$port" 75
@@ -90,7 +90,18 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
        -o "$out/pyspy_$label.txt" -p "$pid" > /dev/null 2>&1) &
   fi
   local t0=$SECONDS pids=()
+  if [ "$procs" -gt 1 ]; then  # one `bench serve` whose N client processes share the load
+    clients=1
+    ( TIMEFORMAT="client (coordinator) CPU: user %U s, sys %S s, wall %R s"
+      time timeout "$T" "${fe[@]}" bench serve --port "$port" --tokenizer "$model" \
+        --num-prompts "$n" --random-input-len 128 --random-output-len 128 \
+        --max-concurrency "$conc" --ignore-eos --disable-tqdm --seed 1 \
+        --num-client-processes "$procs" \
+        --result-file "$out/client_${label}_1.json" > "/tmp/client_${label}_1.txt" 2>&1 ) 2>> "$out/summary.md" &
+    pids+=($!)
+  fi
   for i in $(seq "$clients"); do
+    [ "$procs" -gt 1 ] && break
     ( TIMEFORMAT="client $i CPU: user %U s, sys %S s, wall %R s"
       time timeout "$T" "${fe[@]}" bench serve --port "$port" --tokenizer "$model" \
         --num-prompts $((n / clients)) --random-input-len 128 --random-output-len 128 \
@@ -118,15 +129,18 @@ serve_once() {  # $1: label, $2: number of client processes, rest: extra serve f
     | tee -a "$out/summary.md"
   cp "/tmp/serve_$label.log" "$out/" 2>/dev/null
 }
-# A label is a configuration, with _Nclients for N client processes sharing the load:
+# A label is a configuration, with _Nclients for N `bench serve` commands sharing the load
+# (each reports its own throughput) or _Nprocs for one command with
+# --num-client-processes N (one coordinated figure):
 # default (no flags: the placement "auto" picks multiproc on CUDA), inproc_async,
 # multiproc_async, multiproc_sync, ascN (the defaults with --api-server-count N), siN
 # (with --stream-interval N), and both joined by "-"; e.g.
 # SERVE_RUNS="default_4clients asc4_4clients si8_4clients asc4-si8_4clients inproc_async".
 runs=${SERVE_RUNS:-default_4clients inproc_async_4clients multiproc_async_4clients multiproc_sync}
 for r in $runs; do
-  base=$r clients=1
+  base=$r clients=1 procs=1
   if [[ $r =~ ^(.*)_([0-9]+)clients$ ]]; then base=${BASH_REMATCH[1]} clients=${BASH_REMATCH[2]}; fi
+  if [[ $r =~ ^(.*)_([0-9]+)procs$ ]]; then base=${BASH_REMATCH[1]} procs=${BASH_REMATCH[2]}; fi
   case $base in
     default) flags=() ;;
     inproc_async) flags=(--async-scheduling --placement inproc) ;;
@@ -144,7 +158,7 @@ for r in $runs; do
       [ "${flags[0]:-}" = bad ] && { say "unknown run $r (skipped)"; continue; } ;;
     *) say "unknown run $r (skipped)"; continue ;;
   esac
-  serve_once "$r" "$clients" "${flags[@]}"
+  serve_once "$r" "$clients" "$procs" "${flags[@]}"
 done
 
 [ -z "${SKIP_DEVICE:-}${SKIP_DEVICE_STEP:-}" ] && [ -n "${DEVICE_STEP_LAST:-}" ] && device_step
@@ -156,7 +170,7 @@ if [ -n "${LLAMA8B_DIR:-}" ]; then  # batch 1, Llama-3.1-8B shapes: served TPOT 
   timeout "$T" "${fe[@]}" bench throughput --model "$model" "${common[@]}" --num-prompts "$n" \
     --input-len 128 --output-len 128 > "$out/offline_llama8b.txt" 2>&1
   tail -4 "$out/offline_llama8b.txt" | tee -a "$out/summary.md"
-  serve_once llama8b_batch1 1 --async-scheduling
+  serve_once llama8b_batch1 1 1 --async-scheduling
 fi
 
 # The figures against issue 12's targets, from the files above: served / offline output
