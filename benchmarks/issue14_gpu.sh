@@ -107,7 +107,7 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
     stop_server "$pid"
     grep -h "executor timers" "$OUT/serve_server.log" | sed 's/^.*executor timers/executor timers/'
 }
-export -f serve wait_server wait_running stop_server prefix_hits
+export -f serve wait_server wait_running stop_server prefix_hits metrics_line
 SERVE_FLAGS=${SERVE_FLAGS-$FP8_FLAGS}
 # multiproc: the inproc placement is bound by its one process (issue 12's H200 runs)
 PLACEMENT=${PLACEMENT:-multiproc}
