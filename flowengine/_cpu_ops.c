@@ -2147,6 +2147,44 @@ static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
     }
 }
 
+/* silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up for float32
+ * gate_up [T, 2 I] (gate first), rows split among the pool's threads from 64K elements
+ * on (the per-operator path's prefill; the fused decode layers call silu_mul_impl). */
+typedef struct {
+    const float *gu;
+    int64_t T, I, rows;
+    float *out;
+} silu_job;
+
+static void silu_chunk(const void *ctx, int64_t c)
+{
+    const silu_job *j = (const silu_job *)ctx;
+    const int64_t t0 = c * j->rows, t1 = t0 + j->rows < j->T ? t0 + j->rows : j->T;
+    silu_mul_impl(j->gu + t0 * 2 * j->I, t1 - t0, j->I, j->out + t0 * j->I);
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args)
+{
+    unsigned long long gp, op;
+    long long T, I;
+    int nth;
+    if (!PyArg_ParseTuple(args, "KLLKi", &gp, &T, &I, &op, &nth))
+        return NULL;
+    if (T < 0 || I < 0 || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shapes T=%lld I=%lld threads=%d", T, I, nth);
+        return NULL;
+    }
+    if (T == 0 || I == 0)
+        Py_RETURN_NONE;
+    silu_job j = {(const float *)(uintptr_t)gp, T, I, T, (float *)(uintptr_t)op};
+    if (nth > 1 && T > 1 && T * I >= 65536) /* ~4 chunks a thread */
+        j.rows = (T + 4 * (int64_t)nth - 1) / (4 * (int64_t)nth);
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(silu_chunk, &j, (T + j.rows - 1) / j.rows, nth);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_decode_layers(PyObject *self, PyObject *args)
 {
     unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp, amxp = 0;
@@ -2731,6 +2769,8 @@ static PyMethodDef methods[] = {
     {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},
     {"has_amx", py_has_amx, METH_NOARGS,
      "True when the AMX-BF16 body runs (asks Linux for the tile state on first call)."},
+    {"silu_mul", py_silu_mul, METH_VARARGS,
+     "silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up, float32."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, res, w, eps, T, H, out, res_out): (residual add and) RMSNorm, float32."},
     {"rope_neox", py_rope_neox, METH_VARARGS,

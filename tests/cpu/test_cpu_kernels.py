@@ -1,7 +1,7 @@
 """The per-layer C operations of a CPU decode step (flowengine/model/layers/cpu_kernels.py)
 against the torch code they replace: RMSNorm (with and without the residual add),
-rotary embedding on views of a fused qkv row, the KV-cache write, and the all-decode
-short path of the CPU attention backend (cache writes included)."""
+SiLU-and-mul, rotary embedding on views of a fused qkv row, the KV-cache write, and the
+all-decode short path of the CPU attention backend (cache writes included)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,39 @@ def test_rms_norm_declines_other_inputs():
         assert cpu_kernels.rms_norm(torch.randn(2, 64).to(torch.bfloat16), w, 1e-6) is None
         assert cpu_kernels.rms_norm(torch.randn(64, 2).t(), w, 1e-6) is None  # strided
         assert cpu_kernels.rms_norm(torch.randn(2, 32), w, 1e-6) is None  # width
+
+
+@pytest.mark.parametrize("t,i", [(1, 1536), (7, 17), (300, 1536)])
+def test_silu_and_mul_matches_torch(t, i):
+    """The C body against float64 silu(gate) * up: its exp is within ~2e-7 relative, so
+    3e-7 of each value plus float32 rounding bounds it; the 300-row case (460K
+    elements) splits its rows among two threads, and equals the one-thread result."""
+    from flowengine.model.layers.activation import silu_and_mul
+
+    gate_up = torch.randn(t, 2 * i) * 4
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    with torch.inference_mode():
+        out = silu_and_mul(gate_up)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = cpu_kernels.silu_and_mul(gate_up)
+            torch.set_num_threads(2)
+            two = cpu_kernels.silu_and_mul(gate_up)
+        finally:
+            torch.set_num_threads(threads)
+    assert out.shape == (t, i) and out.dtype == torch.float32
+    assert ((out.double() - ref).abs() <= 5e-7 * ref.abs() + 1e-30).all()
+    assert torch.equal(one, two) and torch.equal(one, out)
+
+
+def test_silu_and_mul_declines_other_inputs():
+    with torch.inference_mode():
+        assert cpu_kernels.silu_and_mul(torch.randn(2, 64).to(torch.bfloat16)) is None
+        assert cpu_kernels.silu_and_mul(torch.randn(64, 2).t()) is None  # strided
+        assert cpu_kernels.silu_and_mul(torch.randn(2, 63)) is None  # odd width
+    assert cpu_kernels.silu_and_mul(torch.randn(2, 64)) is None  # autograd on
 
 
 @pytest.mark.parametrize("t", [1, 5])

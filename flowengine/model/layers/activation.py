@@ -1,9 +1,12 @@
-"""Gated activations of the Llama MLP (Triton kernel on CUDA, torch elsewhere)."""
+"""Gated activations of the Llama MLP (Triton kernel on CUDA, C on a float32 CPU, torch
+elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from flowengine.model.layers import cpu_kernels
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -11,13 +14,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     gate_up: [T, 2 * intermediate] with the gate in the first half (the fused
     gate_up_proj output) -> [T, intermediate], same dtype. On CUDA one Triton kernel
-    (fp32 arithmetic, one rounding); elsewhere torch (a rounding per operation, as
-    transformers does).
+    (fp32 arithmetic, one rounding); float32 on the CPU one C call
+    (cpu_kernels.silu_and_mul, the fused decode layers' body); elsewhere torch (a
+    rounding per operation, as transformers does).
     """
     if gate_up.is_cuda:
         from flowengine.kernels.activation import silu_and_mul as silu_and_mul_kernel
 
         return silu_and_mul_kernel(gate_up)
+    fused = cpu_kernels.silu_and_mul(gate_up)
+    if fused is not None:
+        return fused
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -48,6 +48,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, res_out
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up [T, I] for gate_up [T, 2 I] float32 (gate first), by the C body
+    the fused decode layers use (exp to ~2e-7 relative, one rounding per operation
+    otherwise), rows split among torch's intra-op threads; None when the input is not
+    of that kind."""
+    if not (ENABLED and _plain(gate_up) and gate_up.shape[1] % 2 == 0
+            and not torch.is_grad_enabled()):
+        return None
+    t, i2 = gate_up.shape
+    out = torch.empty(t, i2 // 2)
+    _ops.silu_mul(gate_up.data_ptr(), t, i2 // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def _rope_source(x: torch.Tensor) -> bool:
     """[T, heads, D] float32 with contiguous heads (a view of the fused qkv rows)."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3
