@@ -10,7 +10,7 @@ figure, the two paths alternated per shape and row count, all rounds in one proc
     no tiling, the body before session 27's fix; --dtype bfloat16 makes the second path
     dequantize to bf16 for one bf16 GEMM, the path `--dtype bfloat16` takes from
     BF16_GEMM_MIN_ROWS rows, and adds a third path where the CPU has AMX-BF16: the
-    kernel's AMX body, which `--dtype bfloat16` takes from AMX_MIN_ROWS rows)
+    kernel's AMX body, which `--dtype bfloat16` takes from AMX_ROWS[format][0] rows)
 
 Prints a markdown table: ms per call of each path and the dequantizing path's ratio
 to the kernel.

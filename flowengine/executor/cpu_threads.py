@@ -142,16 +142,17 @@ def log_bf16_path() -> None:
 
 def log_quantized_bf16_path(native: bool) -> None:
     """Say what `--dtype bfloat16` does with quantized weights on this CPU (resolve():
-    float32 activations and KV cache; bf16 products where native: AMX tiles for batched
-    decode, bf16 GEMMs for the prefill)."""
+    float32 activations; where bf16 is native, bf16 products (AMX tiles for batched
+    decode, bf16 GEMMs for the prefill) and a bf16 KV cache (build_executor))."""
     if native:
         from flowengine.model.layers.quant_linear import BF16_GEMM_MIN_ROWS, bf16_rows
 
         rows = {f: bf16_rows(f) for f in BF16_GEMM_MIN_ROWS}
         amx = ", ".join(f"{f} >= {r[0]}" for f, r in rows.items() if r and r[0])
-        logger.info("bfloat16 with quantized weights on the CPU: activations, KV cache and "
-                    "fused decode kernels in float32; %smatmuls of many rows (prefill; %s) "
-                    "in bf16 by %s",
+        logger.info("bfloat16 with quantized weights on the CPU: activations and fused "
+                    "decode kernels in float32, the KV cache in bf16 (with "
+                    "--kv-cache-dtype auto); %smatmuls of many rows (prefill; %s) in bf16 "
+                    "by %s",
                     f"batched decode matmuls on AMX-BF16 tiles ({amx}), " if amx else "",
                     ", ".join(f"{f} >= {r[1]}" for f, r in rows.items() if r),
                     bf16_matmul_path()[1])

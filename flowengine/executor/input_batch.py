@@ -291,7 +291,8 @@ class InputBatch:
                     gather_dst.append(start + gather - first)
                     gather_src.append(state.token_slot)
             if (state.table_num_blocks != num_blocks or state.table_ids is not block_ids
-                    or state.table_owner is not tables or block_ids.edit_stamp != state.table_stamp):
+                    or state.table_owner is not tables
+                    or block_ids.edit_stamp != state.table_stamp):
                 tables.stage(state)
             table_rows.append(state.table_row)
             if last == len(token_ids):  # the step ends at the last known token

@@ -95,19 +95,21 @@ _INTERNED_ROWS: dict[tuple, tuple] = {}
 _MAX_INTERNED_ROWS = 4096
 
 
-def _static_rows(states: list[SamplingState], vocab_size: int) -> list[tuple]:
-    """static_row of every state, in order: the rows cached on the states (the
-    executor's RequestState) read in one pass when every one is there and of this
-    vocabulary, else state by state (`_static_row`)."""
+def _static_rows(states: list[SamplingState], vocab_size: int) -> tuple[list[tuple], bool]:
+    """(static_row of every state in order, whether they are all one row): the rows
+    cached on the states (the executor's RequestState) read in one pass when every one
+    is there and of this vocabulary, else state by state (`_static_row`)."""
     try:
         rows = [s.sampling_row for s in states]
     except AttributeError:  # SamplingStates: no cache
-        return [_static_row(s, vocab_size) for s in states]
-    if rows and rows[0] is not None and rows[0][0] == vocab_size and rows.count(rows[0]) == len(rows):
-        return rows  # one row for all: checked once
-    if None in rows or next(zip(*rows), ()).count(vocab_size) != len(rows):
-        return [_static_row(s, vocab_size) for s in states]
-    return rows
+        rows = [_static_row(s, vocab_size) for s in states]
+    else:
+        first = rows[0] if rows else None
+        if first is not None and first[0] == vocab_size and rows.count(first) == len(rows):
+            return rows, True  # one row for all: checked once
+        if None in rows or next(zip(*rows), ()).count(vocab_size) != len(rows):
+            rows = [_static_row(s, vocab_size) for s in states]
+    return rows, bool(rows) and rows.count(rows[0]) == len(rows)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -225,8 +227,8 @@ class SamplingMetadata:
         device = torch.device(device)
         num_reqs = len(states)
         v = vocab_size
-        rows = _static_rows(states, v)
-        if rows and rows.count(rows[0]) == num_reqs:
+        rows, uniform = _static_rows(states, v)
+        if uniform:
             # Every row alike (the usual batch; interned rows compare by identity).
             columns = [[x] * num_reqs for x in rows[0]]
         else:

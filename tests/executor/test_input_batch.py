@@ -30,8 +30,10 @@ def test_mixed_step_is_flattened_exactly() -> None:
     assert meta.block_tables.tolist() == [[7, 2, 9], [5, 0, 0]]
     assert (meta.max_query_len, meta.max_seq_len, meta.num_reqs, meta.num_tokens) == (4, 10, 2, 7)
     assert inputs.logits_indices.tolist() == [3] and inputs.sample_req_ids == ["a"]
-    assert inputs.input_ids.dtype == inputs.positions.dtype == meta.slot_mapping.dtype == torch.int64
-    assert meta.block_tables.dtype == meta.seq_lens.dtype == meta.query_start_loc.dtype == torch.int32
+    assert (inputs.input_ids.dtype == inputs.positions.dtype == meta.slot_mapping.dtype
+            == torch.int64)
+    assert (meta.block_tables.dtype == meta.seq_lens.dtype == meta.query_start_loc.dtype
+            == torch.int32)
 
     # Next step: b alone; the row it now occupies no longer shows a's blocks.
     b.block_ids.append(3)

@@ -5,13 +5,13 @@ third of its CPU time in Python and torch dispatch between the C kernels: ~15 mo
 calls, views and allocations per layer. `decode_forward` runs every layer of a
 Llama-style model (pre-norm RMSNorm, fused qkv with NeoX RoPE, paged decode attention,
 SwiGLU MLP) with quantized weights in `_cpu_ops.decode_layers`: the same C bodies the
-per-operator path calls (so the same numbers, up to the silu's exp; with `--dtype
-bfloat16` the matmuls take the AMX body from the rows the weights' `bf16_rows` say, as
-QuantizedWeight.matmul does, and the KV cache may be bf16), with no Python between them. It applies when every request of the step decodes one token (the CPU
-attention backend's decode plan) and the model is of that exact kind; otherwise it
-returns None and LlamaModel.forward takes its usual path. FLOWENGINE_CPU_NO_FUSED=1
-turns it off with the other fused CPU operators, FLOWENGINE_CPU_NO_FUSED_LAYERS=1 this
-alone (for comparisons).
+per-operator path calls (so the same numbers; with `--dtype bfloat16` the matmuls take
+the AMX body from the rows the weights' `bf16_rows` say, as QuantizedWeight.matmul does,
+and the KV cache may be bf16), with no Python between them. It applies when every
+request of the step decodes one token (the CPU attention backend's decode plan) and
+the model is of that exact kind; otherwise it returns None and LlamaModel.forward takes
+its usual path. FLOWENGINE_CPU_NO_FUSED=1 turns it off with the other fused CPU
+operators, FLOWENGINE_CPU_NO_FUSED_LAYERS=1 this alone (for comparisons).
 """
 
 from __future__ import annotations
