@@ -9,8 +9,9 @@ figure, the two paths alternated per shape and row count, all rounds in one proc
     overrides the float32 body's 40 KB activation tile: 0 = tiles of 8 rows, 1000000 =
     no tiling, the body before session 27's fix; --dtype bfloat16 makes the second path
     dequantize to bf16 for one bf16 GEMM, the path `--dtype bfloat16` takes from
-    BF16_GEMM_MIN_ROWS rows, and adds a third path where the CPU has AMX-BF16: the
-    kernel's AMX body, which `--dtype bfloat16` takes from AMX_ROWS[format][0] rows)
+    BF16_GEMM_MIN_ROWS rows, and adds the kernel's AMX bodies where the CPU has them:
+    AMX-BF16 and, up to _cpu_ops.AMX_INT8_MAX_ROWS rows, AMX-INT8; `--dtype bfloat16`
+    takes the latter from AMX_ROWS[format][0] rows, the former above)
 
 Prints a markdown table: ms per call of each path and the dequantizing path's ratio
 to the kernel.
@@ -59,6 +60,9 @@ def main() -> None:
     paths = ["kernel", "dequant"]
     if a.dtype == "bfloat16" and ops.has_amx():
         paths.append("amx")
+    int8 = "amx" in paths and ops.has_amx_int8()
+    if int8:
+        paths.append("amx_int8")
     best: dict[tuple, float] = {}
     for _ in range(a.rounds):
         for fmt, n, k in shapes:
@@ -72,12 +76,14 @@ def main() -> None:
                     torch.set_num_threads(th)
                     calls = 2 if n * m > 49152 * 32 else 6
                     for path in paths:
+                        if path == "amx_int8" and m > ops.AMX_INT8_MAX_ROWS:
+                            continue
                         for _ in range(calls):
                             t0 = time.perf_counter()
                             if path != "dequant":
                                 ops.linear(FORMATS[fmt][0], x.data_ptr(), m, k, qs.data_ptr(),
                                            sc.data_ptr(), n, out.data_ptr(), th,
-                                           1 if path == "amx" else 0)
+                                           0 if path == "kernel" else 1, path == "amx")
                             else:
                                 F.linear(x_gemm, w.dequantize(gemm_dtype))
                             dt = time.perf_counter() - t0
@@ -85,15 +91,17 @@ def main() -> None:
                             best[key] = min(best.get(key, 1e9), dt)
     amx = "amx" in paths
     print(f"| weight | rows | threads | kernel ms | dequant + {a.dtype} GEMM ms | ratio |"
-          + (" AMX body ms |" if amx else ""))
-    print("|---|---|---|---|---|---|" + ("---|" if amx else ""))
+          + (" AMX-BF16 body ms |" if amx else "") + (" AMX-INT8 body ms |" if int8 else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if amx else "") + ("---|" if int8 else ""))
     for fmt, n, k in shapes:
         for m in rows:
             for th in threads:
                 kt, dt = best[(fmt, n, k, m, th, "kernel")], best[(fmt, n, k, m, th, "dequant")]
                 print(f"| {fmt} {n}x{k} | {m} | {th} | {kt * 1e3:.2f} | {dt * 1e3:.2f} | "
                       f"{dt / kt:.2f} |"
-                      + (f" {best[(fmt, n, k, m, th, 'amx')] * 1e3:.2f} |" if amx else ""))
+                      + (f" {best[(fmt, n, k, m, th, 'amx')] * 1e3:.2f} |" if amx else "")
+                      + ((f" {best[(fmt, n, k, m, th, 'amx_int8')] * 1e3:.3f} |"
+                          if (fmt, n, k, m, th, "amx_int8") in best else " - |") if int8 else ""))
 
 
 if __name__ == "__main__":

@@ -609,9 +609,291 @@ static int use_amx(void)
     }
     return cached;
 }
+
+/* ------------------------------------------------------------------ AMX-INT8 body
+ *
+ * With `--dtype bfloat16` and a CPU with AMX-INT8, a matmul of amx_min to
+ * AMXI8_MAX_ROWS activation rows (batched decode) multiplies integers on the tile
+ * unit. Each 32-value block b of activation row m is rounded to a 16-bit integer
+ * A = rint(x TOP / max|x|), s = max|x| / TOP (TOP = 127 * 256: error <= 1/65024 of the
+ * block's largest value, finer than bf16's 2^-9 per value; one int8 level, llama.cpp's
+ * Q8_0 activations, measured 0.196 of worst greedy logprob difference on the default
+ * model against 0.048 for bf16 products), split into signed bytes A = 256 h + l. The
+ * weights' 4-bit codes q (0..15, unpacked into a 16-row panel of bytes) or Q8_0's int8
+ * codes (read in place) are the A operand of TDPBUSD / TDPBSSD, the bytes h and l the
+ * B operand, and per block
+ *     C[r][m] = sum_k q[r][k] A[m][k] = 256 sum q h + sum q l          (exact)
+ *     out[m][r] += d[r][b] s[m][b] C[r][m] + e[r][b] s[m][b] sum_k A[m][k]
+ * with e = m (Q4_1), d (Q4_0, whose activation sums carry the -8) or 0 (Q8_0): the
+ * dequantized weights times the rounded activations, up to the float32 order of the
+ * sums. The scales differ per weight row and block, so C must leave the tile unit once
+ * per block. One product covers two blocks (K = 64) and both bytes: B's 16 columns are
+ * (block of the pair p, byte, activation row m of a group of 4), each column zero
+ * outside its block's 32 k, and the bytes are weighted 256 s and s as C is folded into
+ * float32. The AMX-BF16 body above instead rounds every weight to bf16 and stores it,
+ * which is most of its time. Intel's Optimization Reference Manual, ch. 20 (TDPBUSD /
+ * TDPBSSD: B holds groups of 4 consecutive k per column). */
+#define AMXI8 \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-int8")))
+#define AMXI8_MAX_ROWS 8
+#define I8_TOP 32512.f /* 127 * 256 */
+
+typedef struct {
+    int64_t M, nb, npair, groups; /* groups of 4 activation rows */
+    int8_t *b;  /* [groups][npair][16][64]: B tiles (k / 4 rows x 16 columns x 4 bytes) */
+    float *s;   /* [groups][npair][16]: lane l -> 256 s (h) or s (l) of its column */
+    float *xs;  /* [groups][npair][16]: lane l -> s sum A (Q4_0: -8 s sum A); 0 for l */
+} i8_act;       /* lane / column l: p = l / 8, byte (0: h, 1: l) = l / 4 % 2, m = l % 4 */
+
+/* Round x[M, K] into a (buffers zeroed by the caller). */
+AMXI8 static void pack_activations_i8(int fmt, const float *x, int64_t M, int64_t K, i8_act *a)
+{
+    const int64_t nb = K / QK;
+    const float e = fmt == FMT_Q4_0 ? -8.f : 1.f;
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t g = m / 4, c = m % 4;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t pair = b / 2, p = b % 2;
+            const float *xb = x + m * K + b * QK;
+            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            float inv = amax > 0.f ? I8_TOP / amax : 0.f, s = amax / I8_TOP;
+            __m512i A0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+            __m512i A1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(A0, A1));
+            int8_t hl[2][32]; /* h, then l (the low byte as int8; h = (A - l) / 256) */
+            for (int part = 0; part < 2; part++) {
+                __m512i A = part ? A1 : A0;
+                __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(A, 24), 24);
+                __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(A, l), 8);
+                _mm_storeu_si128((__m128i *)(hl[0] + 16 * part), _mm512_cvtepi32_epi8(h));
+                _mm_storeu_si128((__m128i *)(hl[1] + 16 * part), _mm512_cvtepi32_epi8(l));
+            }
+            const int64_t tile = g * a->npair + pair;
+            int8_t *bt = a->b + tile * 1024;
+            for (int byte = 0; byte < 2; byte++) /* rows 8 p + k4, column 8 p + 4 byte + c */
+                for (int k4 = 0; k4 < 8; k4++)
+                    memcpy(bt + (8 * p + k4) * 64 + (8 * p + 4 * byte + c) * 4,
+                           hl[byte] + 4 * k4, 4);
+            float *sl = a->s + tile * 16, *xl = a->xs + tile * 16;
+            sl[8 * p + c] = 256.f * s;
+            sl[8 * p + 4 + c] = s;
+            xl[8 * p + c] = e * s * (float)sum;
+        }
+    }
+}
+
+/* Tiles 0-3: C (16 weight rows x 16 int32); 4, 5: A (16 x 64 bytes); 6, 7: B (16 x
+ * 64 bytes). */
+AMXI8 static void amx_i8_tiles_on(void)
+{
+    amx_config c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* panel[pair][r][64] = the 4-bit codes of weight row n0 + r, blocks 2 pair and
+ * 2 pair + 1, in k order (rows past np and a missing last block zero). */
+AMXI8 static void unpack_panel_q4(const uint8_t *qs, int64_t qrow, int64_t nb, int64_t n0,
+                                  int64_t np, uint8_t *panel)
+{
+    const int64_t npair = (nb + 1) / 2;
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t r = 0; r < 16; r++) {
+        uint8_t *dst = panel + r * 64;
+        if (r >= np) {
+            for (int64_t pr = 0; pr < npair; pr++)
+                memset(dst + pr * 1024, 0, 64);
+            continue;
+        }
+        const uint8_t *rq = qs + (n0 + r) * qrow;
+        for (int64_t b = 0; b < nb; b += 4) { /* 64 bytes: blocks b..b + 3 */
+            const int64_t have = nb - b < 4 ? nb - b : 4;
+            __m512i v = _mm512_maskz_loadu_epi8(have == 4 ? ~0ULL : (1ULL << (16 * have)) - 1,
+                                                rq + 16 * b);
+            __m512i lo = _mm512_and_si512(v, nib);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            _mm512_storeu_si512((void *)(dst + (b / 2) * 1024),
+                                _mm512_permutex2var_epi64(lo, first, hi));
+            if (have > 2)
+                _mm512_storeu_si512((void *)(dst + (b / 2 + 1) * 1024),
+                                    _mm512_permutex2var_epi64(lo, second, hi));
+        }
+    }
+}
+
+/* The float scales of weight rows n0..n0 + 15 transposed: t[h][r] = half h of row r's
+ * scales (Q4_1: h = 2 b is d, 2 b + 1 is m; else h = b is d), rows past np zero. */
+AMXI8 static void scales_transposed(const uint16_t *sc, int64_t srow, int64_t n0, int64_t np,
+                                    float *t)
+{
+    float tmp[256] __attribute__((aligned(64)));
+    for (int64_t h0 = 0; h0 < srow; h0 += 16) {
+        const int64_t w = srow - h0 < 16 ? srow - h0 : 16;
+        const __mmask16 live = (__mmask16)((1u << w) - 1);
+        for (int64_t r = 0; r < 16; r++) {
+            __m512 v = _mm512_setzero_ps();
+            if (r < np)
+                v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, sc + (n0 + r) * srow + h0));
+            _mm512_store_ps(tmp + 16 * r, v);
+        }
+        transpose16_ps(tmp, 16, t + h0 * 16);
+    }
+}
+
+/* Weight rows n0..n1 through 16-row panels against every group of activation rows;
+ * scratch: panel (npair x 1 KB) and t ((srow + 16) rounded to 16 x 16 floats). */
+AMXI8 static void linear_amx_i8(int fmt, const i8_act *a, int64_t K, const uint8_t *qs,
+                                const uint16_t *sc, int64_t n0, int64_t n1, float *out,
+                                int64_t N, uint8_t *panel, float *t)
+{
+    const int64_t nb = K / QK, npair = a->npair, qrow = qs_row_bytes(fmt, K);
+    const int64_t srow = sc_row_halves(fmt, K);
+    const int has_e = fmt != FMT_Q8_0;
+    /* scale rows of block b in t: d at t + dh * b * 16, e at that + eo */
+    const int64_t dh = fmt == FMT_Q4_1 ? 2 : 1, eo = fmt == FMT_Q4_1 ? 16 : 0;
+    int32_t cbuf[2048] __attribute__((aligned(64))); /* two sets of four C tiles */
+    /* acc[r] lane l (weight row r): from (block 2 pair + l / 8)'s scales */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i half = _mm512_slli_epi32(_mm512_srli_epi32(lane, 3), 4);
+    amx_i8_tiles_on();
+    for (int64_t n = n0; n < n1; n += 16) {
+        const int64_t np = n1 - n < 16 ? n1 - n : 16;
+        scales_transposed(sc, srow, n, np, t);
+        if (nb % 2) /* the missing block of the last pair: zero scales */
+            memset(t + srow * 16, 0, 16 * 16 * sizeof(float));
+        const uint8_t *abase = panel;
+        int64_t astride = 64, pstep = 1024;
+        if (fmt == FMT_Q8_0 && np == 16 && nb % 2 == 0) { /* the int8 codes in place */
+            abase = qs + n * qrow;
+            astride = K;
+            pstep = 2 * QK;
+        } else if (fmt == FMT_Q8_0) {
+            for (int64_t r = 0; r < 16; r++)
+                for (int64_t b = 0; b < 2 * npair; b++) {
+                    uint8_t *dst = panel + (b / 2) * 1024 + r * 64 + (b % 2) * 32;
+                    if (r < np && b < nb)
+                        memcpy(dst, qs + (n + r) * qrow + b * QK, 32);
+                    else
+                        memset(dst, 0, 32);
+                }
+        } else {
+            unpack_panel_q4(qs, qrow, nb, n, np, panel);
+        }
+        /* The panel after next's bytes and scales are fetched into L2 while this one
+         * multiplies, a few lines per pair (below): its 16 rows are 16 streams that
+         * the hardware prefetcher does not keep ahead of. Measured (all matmuls of a
+         * decode step, weights in L3, 4 rows): none 10.6 ms, the whole panel ahead at
+         * once into L1 9.3, into L2 8.3; two panels ahead into L2 8.1-9.0, three 9.8. */
+        const int64_t pf0 = n + 32, pf1 = n + 48 < n1 ? n + 48 : n1;
+        const int64_t pair_bytes = fmt == FMT_Q8_0 ? 2 * QK : QK;
+        for (int64_t r = pf0; r < pf1; r++) {
+            const char *rs = (const char *)(sc + r * srow);
+            for (int64_t o = 0; o < srow * 2; o += 64)
+                _mm_prefetch(rs + o, _MM_HINT_T1);
+        }
+        for (int64_t g = 0; g < a->groups; g++) {
+            const int8_t *bt = a->b + g * npair * 1024;
+            const float *sg = a->s + g * npair * 16, *xg = a->xs + g * npair * 16;
+            __m512 acc[16], acce[4]; /* acce[m] lane r: sum over b of e[r][b] xs[m][b] */
+            for (int r = 0; r < 16; r++)
+                acc[r] = _mm512_setzero_ps();
+            for (int m = 0; m < 4; m++)
+                acce[m] = _mm512_setzero_ps();
+            /* Pairs in fours, software-pipelined: the tile unit multiplies four pairs
+             * while the vector unit folds in the four before. */
+            int64_t prev = -1, pcnt = 0;
+            for (int64_t q0 = 0; q0 < npair + 4; q0 += 4) {
+                const int64_t cnt = q0 >= npair ? 0 : npair - q0 < 4 ? npair - q0 : 4;
+                int32_t *cur = cbuf + ((q0 / 4) & 1) * 1024;
+#define I8_ISSUE(C, A, B, qq)                                                              \
+    do {                                                                                   \
+        _tile_loadd(A, abase + (qq) * pstep, astride);                                    \
+        _tile_loadd(B, bt + (qq) * 1024, 64);                                             \
+        _tile_zero(C);                                                                     \
+        if (fmt == FMT_Q8_0)                                                               \
+            _tile_dpbssd(C, A, B);                                                         \
+        else                                                                               \
+            _tile_dpbusd(C, A, B);                                                         \
+    } while (0)
+                if (cnt > 0) I8_ISSUE(0, 4, 6, q0);
+                if (cnt > 1) I8_ISSUE(1, 5, 7, q0 + 1);
+                if (cnt > 2) I8_ISSUE(2, 4, 6, q0 + 2);
+                if (cnt > 3) I8_ISSUE(3, 5, 7, q0 + 3);
+#undef I8_ISSUE
+                if (cnt > 0) _tile_stored(0, cur, 64);
+                if (cnt > 1) _tile_stored(1, cur + 256, 64);
+                if (cnt > 2) _tile_stored(2, cur + 512, 64);
+                if (cnt > 3) _tile_stored(3, cur + 768, 64);
+                for (int64_t i = 0; prev >= 0 && i < pcnt; i++) {
+                    const int64_t qq = prev + i;
+                    if (g == 0 && (qq * pair_bytes) % 64 == 0)
+                        for (int64_t r = pf0; r < pf1; r++)
+                            _mm_prefetch((const char *)(qs + r * qrow + qq * pair_bytes),
+                                         _MM_HINT_T1);
+                    const int32_t *cb = cbuf + ((prev / 4) & 1) * 1024 + 256 * i;
+                    const float *d0 = t + dh * (2 * qq) * 16, *d1 = d0 + dh * 16;
+                    const __m512 D0 = _mm512_load_ps(d0), D1 = _mm512_load_ps(d1);
+                    const __m512 S = _mm512_loadu_ps(sg + qq * 16);
+                    for (int r = 0; r < 16; r++) {
+                        const __m512i sel = _mm512_add_epi32(half, _mm512_set1_epi32(r));
+                        __m512 c = _mm512_cvtepi32_ps(
+                            _mm512_load_si512((const void *)(cb + 16 * r)));
+                        __m512 ds = _mm512_mul_ps(S, _mm512_permutex2var_ps(D0, sel, D1));
+                        acc[r] = _mm512_fmadd_ps(c, ds, acc[r]);
+                    }
+                    if (has_e) { /* lanes are weight rows here: 8 products per pair */
+                        const __m512 E0 = _mm512_load_ps(d0 + eo), E1 = _mm512_load_ps(d1 + eo);
+                        const float *x0 = xg + qq * 16;
+                        for (int m = 0; m < 4; m++) {
+                            acce[m] = _mm512_fmadd_ps(E0, _mm512_set1_ps(x0[m]), acce[m]);
+                            acce[m] = _mm512_fmadd_ps(E1, _mm512_set1_ps(x0[8 + m]), acce[m]);
+                        }
+                    }
+                }
+                prev = cnt > 0 ? q0 : -1;
+                pcnt = cnt;
+            }
+            float tt[256] __attribute__((aligned(64))), te[64] __attribute__((aligned(64)));
+            for (int r = 0; r < 16; r++) /* tt[16 r + l] */
+                _mm512_store_ps(tt + 16 * r, acc[r]);
+            for (int m = 0; m < 4; m++) /* te[16 m + r] */
+                _mm512_store_ps(te + 16 * m, acce[m]);
+            const int64_t rows = a->M - g * 4 < 4 ? a->M - g * 4 : 4;
+            float *og = out + g * 4 * N + n;
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t r = 0; r < np; r++) {
+                    const float *v = tt + 16 * r + m;
+                    og[m * N + r] = ((v[0] + v[4]) + (v[8] + v[12])) + te[16 * m + r];
+                }
+        }
+    }
+    _tile_release();
+}
+
+/* Whether the AMX-INT8 body runs here: the AMX body's conditions, AMX-INT8 in cpuid,
+ * AVX512-DQ, and FLOWENGINE_CPU_NO_AMX_INT8 unset. */
+static int use_amx_int8(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        unsigned a, b, c, d;
+        cached = use_amx() && !getenv("FLOWENGINE_CPU_NO_AMX_INT8")
+            && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) && (b >> 17 & 1);
+    }
+    return cached;
+}
 #else
 #define HAVE_AMX 0
 static int use_amx(void) { return 0; }
+static int use_amx_int8(void) { return 0; }
 #endif
 
 
@@ -1262,6 +1544,7 @@ typedef struct {
     int64_t chunk;   /* weight rows per pool chunk */
     const float *xp; /* the panel body's packed activations, or NULL */
     const uint16_t *xb; /* the AMX body's packed bf16 activations, or NULL */
+    const void *i8;     /* the AMX-INT8 body's packed activations (i8_act), or NULL */
 } linear_job;
 
 /* Cache blocking of the float32 bodies (more than VNNI_MAX_ROWS rows): each weight row
@@ -1320,6 +1603,16 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
     if (n0 >= n1)
         return;
 #if HAVE_AMX
+    if (j->i8 != NULL) {
+        const i8_act *a = (const i8_act *)j->i8;
+        const int64_t tfl = (sc_row_halves(j->fmt, j->K) + 16 + 15) / 16 * 256;
+        float *t = panel_buffer(tfl + a->npair * 256); /* scales, then the panel */
+        if (t != NULL) {
+            linear_amx_i8(j->fmt, a, j->K, j->qs, j->sc, n0, n1, j->out, j->N,
+                          (uint8_t *)(t + tfl), t);
+            return;
+        }
+    }
     if (j->xb != NULL) {
         uint16_t *wa = (uint16_t *)panel_buffer(16 * j->K); /* 32 x K bf16 */
         if (wa != NULL) {
@@ -1392,22 +1685,40 @@ static void linear_chunk(const void *ctx, int64_t c)
  * rows (0: never) the AMX body runs where the CPU has it (bf16 products, float32 sums).
  * Returns -1 when the activation buffer cannot be allocated (nothing written), else 0. */
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
-                       const uint16_t *sc, int64_t N, float *out, int nth, int64_t amx_min)
+                       const uint16_t *sc, int64_t N, float *out, int nth, int64_t amx_min,
+                       int no_i8)
 {
     int avx = use_avx512();
     int64_t units = (N + 15) / 16;
     if (nth > units)
         nth = (int)(units > 0 ? units : 1);
     uint16_t *xb = NULL;
+    int i8_on = 0;
 #if HAVE_AMX
-    if (amx_min > 0 && M >= amx_min && use_amx()) {
+    i8_act i8;
+    void *i8buf = NULL;
+    if (amx_min > 0 && M >= amx_min && M <= AMXI8_MAX_ROWS && !no_i8 && use_amx_int8()) {
+        i8.M = M;
+        i8.nb = K / QK;
+        i8.npair = (i8.nb + 1) / 2;
+        i8.groups = (M + 3) / 4;
+        const size_t tiles = (size_t)(i8.groups * i8.npair);
+        i8buf = calloc(tiles, 1024 + 2 * 16 * sizeof(float));
+        if (i8buf == NULL)
+            return -1;
+        i8.s = (float *)i8buf;
+        i8.xs = i8.s + tiles * 16;
+        i8.b = (int8_t *)(i8.xs + tiles * 16);
+        pack_activations_i8(fmt, x, M, K, &i8);
+        i8_on = 1;
+    } else if (amx_min > 0 && M >= amx_min && use_amx()) {
         xb = (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(uint16_t));
         if (xb == NULL)
             return -1;
         pack_activations_amx(x, M, K, xb);
     }
 #endif
-    int vnni = xb == NULL && M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
+    int vnni = xb == NULL && !i8_on && M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
 #if HAVE_X86
     vnni_act act;
     void *buf = NULL;
@@ -1428,7 +1739,11 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
     }
 #endif
     linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth),
-                      NULL, xb};
+                      NULL, xb, NULL};
+#if HAVE_AMX
+    if (i8buf != NULL)
+        job.i8 = &i8;
+#endif
     float *xp = NULL;
 #if HAVE_X86
     if (xb == NULL && !vnni && avx && M >= panel_min_rows() && K % 16 == 0) {
@@ -1461,18 +1776,23 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
 #endif
     free(xp);
     free(xb);
+#if HAVE_AMX
+    free(i8buf);
+#endif
     (void)avx;
     return 0;
 }
 
-/* linear(fmt, x, M, K, qs, sc, N, out, num_threads): out[M, N] = x[M, K] W^T. */
+/* linear(fmt, x, M, K, qs, sc, N, out, num_threads[, amx_min[, no_int8]]): out[M, N] =
+ * x[M, K] W^T. */
 static PyObject *py_linear(PyObject *self, PyObject *args)
 {
     int fmt, nth;
     unsigned long long xp, qp, sp, op;
     long long M, K, N, amx_min = 0;
-    if (!PyArg_ParseTuple(args, "iKLLKKLKi|L", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth,
-                          &amx_min))
+    int no_i8 = 0;
+    if (!PyArg_ParseTuple(args, "iKLLKKLKi|Lp", &fmt, &xp, &M, &K, &qp, &sp, &N, &op, &nth,
+                          &amx_min, &no_i8))
         return NULL;
     if (check_fmt(fmt) < 0)
         return NULL;
@@ -1483,7 +1803,8 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = linear_impl(fmt, (const float *)(uintptr_t)xp, M, K, (const uint8_t *)(uintptr_t)qp,
-                     (const uint16_t *)(uintptr_t)sp, N, (float *)(uintptr_t)op, nth, amx_min);
+                     (const uint16_t *)(uintptr_t)sp, N, (float *)(uintptr_t)op, nth, amx_min,
+                     no_i8);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return PyErr_NoMemory();
@@ -2276,7 +2597,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
             rms_norm_impl(res, NULL, ln1, (float)eps, T, H, x, NULL);
         else /* h holds the previous layer's MLP output */
             rms_norm_impl(h, res, ln1, (float)eps, T, H, x, res);
-        rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth, AMX_MIN(1));
+        rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth, AMX_MIN(1), 0);
         rope_impl(pos, T, qkv, qkv_n, hq, d, table, qr);
         rope_impl(pos, T, qkv + hq * d, qkv_n, hkv, d, table, kr);
         if (kv_bf16)
@@ -2287,11 +2608,11 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
                           T, kvrow, sizeof(float), slots, (char *)cache, plane);
         a.cache = cache;
         attention_impl(&a, nth);
-        rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth, AMX_MIN(4));
+        rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth, AMX_MIN(4), 0);
         rms_norm_impl(h, res, ln2, (float)eps, T, H, x, res);
-        rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth, AMX_MIN(8));
+        rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth, AMX_MIN(8), 0);
         silu_mul_impl(gu, T, I, act);
-        rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth, AMX_MIN(11));
+        rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth, AMX_MIN(11), 0);
 #undef QW
 #undef QQ
 #undef QS
@@ -2376,6 +2697,11 @@ static PyObject *py_has_avx512(PyObject *self, PyObject *unused)
 static PyObject *py_has_amx(PyObject *self, PyObject *unused)
 {
     return PyBool_FromLong(use_amx());
+}
+
+static PyObject *py_has_amx_int8(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(use_amx_int8());
 }
 
 /* The body a matmul of `rows` activation rows runs: "avx512-vnni" (integer dot
@@ -2759,9 +3085,11 @@ static PyObject *py_sample_rows(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
-     "linear(fmt, x_ptr, M, K, qs_ptr, scales_ptr, N, out_ptr, num_threads[, amx_min_rows]): "
-     "out[M, N] float32 = x[M, K] float32 @ dequant(W[N, K])^T; from amx_min_rows rows "
-     "(0 = never) bf16 products on AMX where the CPU has it."},
+     "linear(fmt, x_ptr, M, K, qs_ptr, scales_ptr, N, out_ptr, num_threads[, amx_min_rows"
+     "[, no_int8]]): out[M, N] float32 = x[M, K] float32 @ dequant(W[N, K])^T; from "
+     "amx_min_rows rows (0 = never) on AMX where the CPU has it: up to 8 rows int8 "
+     "products of the activations rounded per 32-value block (AMX-INT8; not with "
+     "no_int8), more rows bf16 products (AMX-BF16)."},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads): out[N, K] float32."},
     {"paged_decode_attention", py_paged_decode_attention, METH_VARARGS,
@@ -2769,6 +3097,9 @@ static PyMethodDef methods[] = {
     {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},
     {"has_amx", py_has_amx, METH_NOARGS,
      "True when the AMX-BF16 body runs (asks Linux for the tile state on first call)."},
+    {"has_amx_int8", py_has_amx_int8, METH_NOARGS,
+     "True when the AMX-INT8 body runs (AMX-INT8 in cpuid, has_amx(), "
+     "FLOWENGINE_CPU_NO_AMX_INT8 unset)."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up, float32."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
@@ -2802,4 +3133,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "flowengine._cpu_ops"
                                     "CPU kernels: quantized linear, paged decode attention.",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__cpu_ops(void) { return PyModule_Create(&module); }
+#ifndef AMXI8_MAX_ROWS
+#define AMXI8_MAX_ROWS 0
+#endif
+PyMODINIT_FUNC PyInit__cpu_ops(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    /* the most activation rows the AMX-INT8 body takes (more: the AMX-BF16 body) */
+    if (m != NULL && PyModule_AddIntConstant(m, "AMX_INT8_MAX_ROWS", AMXI8_MAX_ROWS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -145,15 +145,25 @@ def log_quantized_bf16_path(native: bool) -> None:
     float32 activations; where bf16 is native, bf16 products (AMX tiles for batched
     decode, bf16 GEMMs for the prefill) and a bf16 KV cache (build_executor))."""
     if native:
-        from flowengine.model.layers.quant_linear import BF16_GEMM_MIN_ROWS, bf16_rows
+        from flowengine.model.layers.quant_linear import (
+            BF16_GEMM_MIN_ROWS,
+            amx_int8_max_rows,
+            bf16_rows,
+        )
 
         rows = {f: bf16_rows(f) for f in BF16_GEMM_MIN_ROWS}
         amx = ", ".join(f"{f} >= {r[0]}" for f, r in rows.items() if r and r[0])
+        i8 = amx_int8_max_rows()
+        if amx and i8:
+            amx = (f"{amx} rows; up to {i8} rows AMX-INT8 products of the activations "
+                   f"rounded to 16 bits per 32-value block, more rows AMX-BF16")
+        elif amx:
+            amx = f"{amx} rows; AMX-BF16"
         logger.info("bfloat16 with quantized weights on the CPU: activations and fused "
                     "decode kernels in float32, the KV cache in bf16 (with "
                     "--kv-cache-dtype auto); %smatmuls of many rows (prefill; %s) in bf16 "
                     "by %s",
-                    f"batched decode matmuls on AMX-BF16 tiles ({amx}), " if amx else "",
+                    f"batched decode matmuls on AMX tiles ({amx}), " if amx else "",
                     ", ".join(f"{f} >= {r[1]}" for f, r in rows.items() if r),
                     bf16_matmul_path()[1])
     else:

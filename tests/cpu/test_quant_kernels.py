@@ -229,7 +229,8 @@ def test_bf16_rows_take_bf16_products_where_native(fmt, native_bf16, amx, monkey
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(72, 128), (48, 576), (200, 1536)])
 def test_amx_body_matches_bf16_products(fmt, n, k):
-    """The AMX body (_cpu_ops.linear with amx_min_rows) against float64 over the
+    """The AMX-BF16 body (_cpu_ops.linear with amx_min_rows, the AMX-INT8 body off)
+    against float64 over the
     activations and weights rounded to bf16: each product of two bf16 values is exact in
     float32, so only the order of the float32 sums differs (REL_TOL's bound); weight
     rows past a multiple of 16 and 32 (n = 72, 200), activation rows past a tile (5, 17,
@@ -245,7 +246,7 @@ def test_amx_body_matches_bf16_products(fmt, n, k):
         for threads in (1, 2):
             out = torch.full((m, n), float("nan"))
             _cpu_ops.linear(codes[fmt][0], x.data_ptr(), m, k, weight.qs.data_ptr(),
-                            weight.scales.data_ptr(), n, out.data_ptr(), threads, 1)
+                            weight.scales.data_ptr(), n, out.data_ptr(), threads, 1, True)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), m
         expected = x.to(torch.bfloat16).double() @ w16.t()
@@ -254,6 +255,62 @@ def test_amx_body_matches_bf16_products(fmt, n, k):
         # not the float32 kernel's result: the inputs were rounded to bf16
         f32 = x.double() @ ref.double().t()
         assert (outs[0].double() - f32).abs().max().item() > bound, m
+
+
+_has_amx_int8 = _has_amx and __import__("flowengine._cpu_ops", fromlist=["x"]).has_amx_int8()
+
+
+def _rounded_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 32-value block rounded as the AMX-INT8 body rounds it to 16-bit
+    integers (float32 arithmetic: s = max|x| / TOP, A = rint(x * (TOP / max|x|)), TOP =
+    127 * 256), as float64 s * A."""
+    top = 127.0 * 256
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).double() * (amax / top).double()).view(m, k)
+
+
+@pytest.mark.skipif(not _has_amx_int8, reason="no AMX-INT8 on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(72, 128), (48, 576), (200, 1536), (40, 96)])
+def test_amx_int8_body_is_dequantized_weights_times_rounded_activations(fmt, n, k):
+    """The AMX-INT8 body (_cpu_ops.linear with amx_min_rows, 1-8 activation rows): the
+    integer products are exact, so it equals float64 over the dequantized weights and the
+    activations rounded to 16-bit integers per 32-value block within float32's
+    order-of-sums bound (REL_TOL), for 1-4 rows (one group of 4) and 5-8 (two); weight
+    rows past
+    a 16-row panel (n = 72, 200, 40), an odd number of blocks (k = 96: the pair's second
+    block missing), a zero block (scale 0); the same bits with one thread and two; and it
+    is neither the float32 kernel's result nor the AMX-BF16 body's."""
+    from flowengine import _cpu_ops
+    from flowengine.model.layers.quant_linear import FORMATS as codes
+
+    weight, ref = _gguf_weight(fmt, n, k, int(torch.randint(0, 2**31, ()).item()))
+    for m in (1, 3, 4, 5, 8):
+        x = torch.randn(m, k) * 3
+        x[0, 32:64] = 0
+        outs = []
+        for threads in (1, 2):
+            out = torch.full((m, n), float("nan"))
+            _cpu_ops.linear(codes[fmt][0], x.data_ptr(), m, k, weight.qs.data_ptr(),
+                            weight.scales.data_ptr(), n, out.data_ptr(), threads, 1)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), m
+        expected = _rounded_blocks(x) @ ref.double().t()
+        bound = REL_TOL * k ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+        assert (outs[0].double() - expected).abs().max().item() <= bound, (m, fmt)
+        # the int8 body ran: not the float32 kernel's bits, not the AMX-BF16 body's
+        # products (bf16 weights: far outside the bound)
+        others = []
+        for amx_min, no_int8 in ((0, False), (1, True)):
+            out = torch.full((m, n), float("nan"))
+            _cpu_ops.linear(codes[fmt][0], x.data_ptr(), m, k, weight.qs.data_ptr(),
+                            weight.scales.data_ptr(), n, out.data_ptr(), 2, amx_min, no_int8)
+            others.append(out)
+        assert not torch.equal(outs[0], others[0]), m
+        assert (outs[0] - others[1]).abs().max().item() > bound, m
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -22,10 +22,14 @@ sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). Above
 DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
 With `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) on a CPU whose oneDNN
 multiplies bf16 natively, products may be bf16 (`bf16_rows`): on a CPU with AMX-BF16
-the kernel's AMX body (32 weight rows at a time dequantized to bf16 into a panel, the
-activations as bf16 tiles, float32 sums) from AMX_ROWS[format][0] rows (batched
-decode), and from AMX_ROWS[format][1] (BF16_GEMM_MIN_ROWS where there is no AMX) the
-matrix dequantized into a bf16 scratch for one oneDNN bf16 GEMM (prefill).
+the kernel's AMX bodies from AMX_ROWS[format][0] rows (batched decode): up to
+`amx_int8_max_rows()` rows, where the CPU has AMX-INT8, integer products of the 4- or
+8-bit codes with the activations rounded to 16-bit integers per 32-value block (two
+int8 bytes; error <= 1/65024 of the block's largest value), scaled in float32; more
+rows, 32 weight rows at a time dequantized to bf16 into a panel, the activations as
+bf16 tiles, float32 sums. From AMX_ROWS[format][1] (BF16_GEMM_MIN_ROWS where there is
+no AMX) the matrix is dequantized into a bf16 scratch for one oneDNN bf16 GEMM
+(prefill).
 The dequantized values are exactly gguf.quants.dequantize's, so results differ from
 float32 over the dequantized matrix only by the order of the sums (and, on the VNNI
 path, by the activations' rounding to 24 bits per block).
@@ -93,8 +97,17 @@ BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
 #                     1.60, 256 67.6 / 74.8 / 17.1, 2048 507 / 177 / 96.0
 # (1-2 rows: the VNNI kernel, 2-6x faster than the AMX body, which dequantizes every
 # weight whatever the rows). Q8_0's GEMM threshold is past the largest count measured.
-AMX_ROWS: dict[str, tuple[int, int]] = {"q4_0": (4, 512), "q4_1": (4, 512),
-                                        "q8_0": (8, 4096)}
+# Session 42 added the AMX-INT8 body for 3-8 rows (same machine, ms per call, 2 threads,
+# weights in L2; float32 kernel / AMX-BF16 / AMX-INT8):
+#   q4_1 3072 x 576:  2 rows 0.070 / 0.110 / 0.057, 3 0.095 / 0.111 / 0.060,
+#                     4 0.127 / 0.111 / 0.067, 8 0.192 / 0.111 / 0.106
+#   q4_1 576 x 1536:  4 rows 0.056 / 0.071 / 0.045, 8 0.095 / 0.071 / 0.070
+#   q8_0 49152 x 576: 2 rows 1.01 / 1.40 / 0.97, 4 1.81 / 1.43 / 1.01, 8 2.87 / 1.52 /
+#                     1.59
+# and, all matmuls of a decode step with the weights in L3 as in the model, 2 rows took
+# longer on it than on the VNNI kernel: so it starts at 3 rows for every format.
+AMX_ROWS: dict[str, tuple[int, int]] = {"q4_0": (3, 512), "q4_1": (3, 512),
+                                        "q8_0": (3, 4096)}
 _NATIVE_BF16: bool | None = None
 _HAS_AMX: bool | None = None
 
@@ -115,6 +128,16 @@ def _has_amx() -> bool:
     if _HAS_AMX is None:
         _HAS_AMX = bool((_OPS or _ops()).has_amx())
     return _HAS_AMX
+
+
+def amx_int8_max_rows() -> int:
+    """The most activation rows of a matmul that the kernel's AMX-INT8 body takes (from
+    AMX_ROWS[format][0]; more rows take the AMX-BF16 body), 0 where it does not run
+    (no AMX-INT8, FLOWENGINE_CPU_NO_AMX_INT8=1, or no C extension)."""
+    if not kernels_available() or not _has_amx():
+        return 0
+    ops = _OPS or _ops()
+    return int(ops.AMX_INT8_MAX_ROWS) if ops.has_amx_int8() else 0
 
 
 def bf16_rows(fmt: str) -> tuple[int, int] | None:
