@@ -145,7 +145,6 @@ def test_gguf_bfloat16_float32_activations_bf16_products_and_kv(default_model_pa
     else:
         stats = _compare(llm, hf_model, prompt_ids[:8], near_tie=1e-3, logprob_tol=1e-4)
     assert stats["steps"] == 8 * MAX_TOKENS
-    print("bf16 stats", stats)
     # the decode steps ran the fused layers, over the bf16 cache, with the AMX body
     plan = runner.model.model._cpu_fused_plan[1]
     assert plan and plan["kv_bf16"] == native
