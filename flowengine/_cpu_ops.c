@@ -437,6 +437,37 @@ AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int
     }
 }
 
+/* 16 float32 values rounded to bf16 as f32_to_bf16 rounds them (nearest even, NaN kept
+ * a quiet NaN), with AVX-512F integer ops: no AVX512-BF16 needed. */
+AVX512 static inline __m256i bf16_round_avx512(__m512 v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                      _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* Rows n0..n1 dequantized and rounded to bf16 into out [N, K] (one pass: no float32
+ * matrix in between). */
+AVX512 static void dequant_rows_bf16_avx512(int fmt, const uint8_t *qs, const uint16_t *sc,
+                                            int64_t K, int64_t n0, int64_t n1, uint16_t *out)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[srow];
+    for (int64_t n = n0; n < n1; n++) {
+        row_scales_avx512(sc + n * srow, srow, scf);
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 lo, hi;
+            dequant_block_avx512(fmt, qs + n * qrow, scf, b, &lo, &hi);
+            _mm256_storeu_si256((__m256i *)(out + n * K + b * QK), bf16_round_avx512(lo));
+            _mm256_storeu_si256((__m256i *)(out + n * K + b * QK + 16), bf16_round_avx512(hi));
+        }
+    }
+}
+
 AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_t *sc,
                                        int64_t K, int64_t n0, int64_t n1, float *out)
 {
@@ -1814,10 +1845,10 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
 /* dequantize(fmt, qs, sc, N, K, out, num_threads): out[N, K] float32. */
 static PyObject *py_dequantize(PyObject *self, PyObject *args)
 {
-    int fmt, nth;
+    int fmt, nth, bf16 = 0;
     unsigned long long qp, sp, op;
     long long N, K;
-    if (!PyArg_ParseTuple(args, "iKKLLKi", &fmt, &qp, &sp, &N, &K, &op, &nth))
+    if (!PyArg_ParseTuple(args, "iKKLLKi|p", &fmt, &qp, &sp, &N, &K, &op, &nth, &bf16))
         return NULL;
     if (check_fmt(fmt) < 0)
         return NULL;
@@ -1840,15 +1871,25 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args)
         int64_t n0, n1;
         thread_range(N, tid, t, &n0, &n1);
 #if HAVE_X86
-        if (avx)
+        if (avx && bf16)
+            dequant_rows_bf16_avx512(fmt, qs, sc, K, n0, n1, (uint16_t *)out);
+        else if (avx)
             dequant_rows_avx512(fmt, qs, sc, K, n0, n1, out);
         else
 #endif
         {
             const int64_t qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+            float blk[QK];
             for (int64_t n = n0; n < n1; n++)
-                for (int64_t b = 0; b < K / QK; b++)
-                    dequant_block_c(fmt, qs + n * qrow, sc + n * srow, b, out + n * K + b * QK);
+                for (int64_t b = 0; b < K / QK; b++) {
+                    if (!bf16) {
+                        dequant_block_c(fmt, qs + n * qrow, sc + n * srow, b, out + n * K + b * QK);
+                        continue;
+                    }
+                    dequant_block_c(fmt, qs + n * qrow, sc + n * srow, b, blk);
+                    for (int i = 0; i < QK; i++)
+                        ((uint16_t *)out)[n * K + b * QK + i] = f32_to_bf16(blk[i]);
+                }
         }
     }
     Py_END_ALLOW_THREADS
@@ -3091,7 +3132,8 @@ static PyMethodDef methods[] = {
      "products of the activations rounded per 32-value block (AMX-INT8; not with "
      "no_int8), more rows bf16 products (AMX-BF16)."},
     {"dequantize", py_dequantize, METH_VARARGS,
-     "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads): out[N, K] float32."},
+     "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads[, bf16]): out[N, K] "
+     "float32, or with bf16 those values rounded to bfloat16 (nearest even)."},
     {"paged_decode_attention", py_paged_decode_attention, METH_VARARGS,
      "Decode attention over the paged KV cache (see _cpu_ops.c)."},
     {"has_avx512", py_has_avx512, METH_NOARGS, "True when the AVX-512 bodies run."},

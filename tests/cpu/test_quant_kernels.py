@@ -72,6 +72,10 @@ def test_dequantize_equals_gguf(fmt):
     out = weight.dequantize()
     assert out.dtype == torch.float32 and out.shape == (77, 320)
     assert torch.equal(out, ref), f"seed {seed}"
+    # straight to bf16 in one pass: torch's rounding of the same values, bit for bit
+    out16 = weight.dequantize(torch.bfloat16)
+    assert out16.dtype == torch.bfloat16 and out16.shape == (77, 320)
+    assert torch.equal(out16.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -359,6 +363,8 @@ assert not _cpu_ops.has_avx512()
 for fmt in ("q4_0", "q4_1", "q8_0"):
     w, ref = _gguf_weight(fmt, 19, 96, 5)
     assert torch.equal(w.dequantize(), ref), fmt
+    assert torch.equal(w.dequantize(torch.bfloat16).view(torch.int16),
+                       ref.to(torch.bfloat16).view(torch.int16)), fmt
     for rows in (1, 3, 11):
         x = torch.randn(rows, 96)
         err = (w.matmul(x).double() - x.double() @ ref.double().t()).abs().max().item()

@@ -359,10 +359,11 @@ class QuantizedWeight:
         """The whole matrix [N, K] in float32 (exactly gguf.quants.dequantize's values),
         or those values rounded to `dtype`."""
         n, k = self.shape
-        out = torch.empty(n, k, dtype=torch.float32)
+        bf16 = dtype == torch.bfloat16  # rounded in the same pass (no float32 matrix)
+        out = torch.empty(n, k, dtype=torch.bfloat16 if bf16 else torch.float32)
         _ops().dequantize(self._kernel, self.qs.data_ptr(), self.scales.data_ptr(), n, k,
-                          out.data_ptr(), torch.get_num_threads())
-        return out if dtype == torch.float32 else out.to(dtype)
+                          out.data_ptr(), torch.get_num_threads(), bf16)
+        return out if dtype in (torch.float32, torch.bfloat16) else out.to(dtype)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] int64 dequantized -> [T, K] in the model dtype."""
