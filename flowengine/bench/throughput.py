@@ -50,12 +50,29 @@ def run_flowengine(llm, prompts: list[list[int]], output_len: int, temperature: 
     (ignore_eos), greedy by default."""
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len,
                             ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    warm = llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)
+    _raise_on_errors(warm, "the warm-up")
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    _raise_on_errors(outs, "the timed run")
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return Result("flowengine", len(prompts), sum(map(len, prompts)), n_out, elapsed)
+
+
+class BenchError(RuntimeError):
+    """Requests of a benchmark run ended in an error: no figure is reported."""
+
+
+def _raise_on_errors(outs, what: str) -> None:
+    """BenchError when any request of `outs` finished with finish_reason "error" (the
+    engine keeps serving after a failed step and answers its requests with that
+    reason; a throughput over them would count the missing tokens as fast)."""
+    failed = sum(1 for o in outs if o.outputs and o.outputs[0].finish_reason == "error")
+    if failed:
+        raise BenchError(f"{failed} of {len(outs)} requests of {what} failed (finish_reason "
+                         "\"error\"; the engine log says why): no throughput reported")
 
 
 def load_hf_model(model_path: str, dtype: str, device: str, dummy: bool, **kwargs):
@@ -150,7 +167,11 @@ def main(argv: list[str]) -> int:
     prompts = random_prompts(
         ns.num_prompts, ns.input_len, llm.resolved.model_config.vocab_size, special, ns.prompt_seed
     )
-    results = [run_flowengine(llm, prompts, ns.output_len, ns.temperature, ns.top_p)]
+    try:
+        results = [run_flowengine(llm, prompts, ns.output_len, ns.temperature, ns.top_p)]
+    except BenchError as e:
+        print(f"flowengine bench throughput: {e}", file=sys.stderr)
+        return 1
     print(f"flowengine: {results[0].row()}", flush=True)  # before transformers runs
     if ns.hf:
         llm.shutdown()
