@@ -818,12 +818,14 @@ AMXI8 static void linear_amx_i8(int fmt, const i8_act *a, int64_t K, const uint8
         } else {
             unpack_panel_q4(qs, qrow, nb, n, np, panel);
         }
-        /* The panel after next's bytes and scales are fetched into L2 while this one
+        /* The next panel's bytes and scales are fetched into L2 while this one
          * multiplies, a few lines per pair (below): its 16 rows are 16 streams that
          * the hardware prefetcher does not keep ahead of. Measured (all matmuls of a
-         * decode step, weights in L3, 4 rows): none 10.6 ms, the whole panel ahead at
-         * once into L1 9.3, into L2 8.3; two panels ahead into L2 8.1-9.0, three 9.8. */
-        const int64_t pf0 = n + 32, pf1 = n + 48 < n1 ? n + 48 : n1;
+         * decode step, weights in L3, 4 rows, ms): none 10.6-11.0; the whole panel at
+         * once, one panel ahead, into L1 9.3, into L2 8.3; spread over the pairs into L2
+         * one panel ahead 8.1-8.2 (three runs), two 8.0-9.3 (four), three 9.8; into L1
+         * or L3 instead of L2 within that noise. */
+        const int64_t pf0 = n + 16, pf1 = n + 32 < n1 ? n + 32 : n1;
         const int64_t pair_bytes = fmt == FMT_Q8_0 ? 2 * QK : QK;
         for (int64_t r = pf0; r < pf1; r++) {
             const char *rs = (const char *)(sc + r * srow);
