@@ -8,15 +8,15 @@ token (the prefill) and with NT tokens (default 65); the decode step is
 (t(NT) - t(1)) / (NT - 1) in ms, so contexts run 128 -> 128 + NT. Prints the median over
 ROUNDS (default 3) and every round, with the load average before and after. The C
 extension reads its switches once per process, so compare configurations in separate
-processes, alternated, e.g. the AMX-INT8 body against the AMX-BF16 body at the
-thresholds it replaced:
+processes, alternated, e.g. the AMX-INT8 body against the AMX-BF16 body (which then
+starts at quant_linear.AMX_BF16_MIN_ROWS, the thresholds the former replaced):
 
     for i in 1 2; do
         python benchmarks/cpu_decode_rows.py
-        FLOWENGINE_CPU_NO_AMX_INT8=1 AMX_ROWS=4,8 python benchmarks/cpu_decode_rows.py
+        FLOWENGINE_CPU_NO_AMX_INT8=1 python benchmarks/cpu_decode_rows.py
     done
 
-AMX_ROWS=Q4,Q8 overrides where the AMX bodies start for the Q4 formats and Q8_0
+AMX_ROWS=Q4,Q8 overrides where the AMX-INT8 body starts for the Q4 formats and Q8_0
 (quant_linear.AMX_ROWS[fmt][0]). Env GGUF: the model file (default model's Q4_1).
 """
 

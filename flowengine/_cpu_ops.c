@@ -647,12 +647,13 @@ static int use_amx(void)
  * AMXI8_MAX_ROWS activation rows (batched decode) multiplies integers on the tile
  * unit. Each 32-value block b of activation row m is rounded to a 16-bit integer
  * A = rint(x TOP / max|x|), s = max|x| / TOP (TOP = 127 * 256: error <= 1/65024 of the
- * block's largest value, finer than bf16's 2^-9 per value; one int8 level, llama.cpp's
- * Q8_0 activations, measured 0.196 of worst greedy logprob difference on the default
- * model against 0.048 for bf16 products), split into signed bytes A = 256 h + l. The
- * weights' 4-bit codes q (0..15, unpacked into a 16-row panel of bytes) or Q8_0's int8
- * codes (read in place) are the A operand of TDPBUSD / TDPBSSD, the bytes h and l the
- * B operand, and per block
+ * block's largest value, where bf16 rounds each value to 2^-9 of itself; one int8
+ * level, llama.cpp's Q8_0 activations, measured 0.196 of worst greedy logprob
+ * difference on the default model against 0.048 for bf16 products), split into signed
+ * bytes A = 256 h + l. The weights' 4-bit codes q (0..15, unpacked into a 16-row panel
+ * of bytes) or Q8_0's int8 codes (read in place for a full 16-row panel with an even
+ * number of blocks, else copied into the panel) are the A operand of TDPBUSD /
+ * TDPBSSD, the bytes h and l the B operand, and per block
  *     C[r][m] = sum_k q[r][k] A[m][k] = 256 sum q h + sum q l          (exact)
  *     out[m][r] += d[r][b] s[m][b] C[r][m] + e[r][b] s[m][b] sum_k A[m][k]
  * with e = m (Q4_1), d (Q4_0, whose activation sums carry the -8) or 0 (Q8_0): the
@@ -688,7 +689,19 @@ AMXI8 static void pack_activations_i8(int fmt, const float *x, int64_t M, int64_
             const float *xb = x + m * K + b * QK;
             __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            float inv = amax > 0.f ? I8_TOP / amax : 0.f, s = amax / I8_TOP;
+            /* A block below 2^-100 is scaled by 2^100 first (exact), or TOP / amax would
+             * overflow; a NaN in the block makes s NaN (the max skips NaN lanes), so the
+             * outputs are NaN as the float32 kernel's are. */
+            const float pre = amax < 0x1p-100f ? 0x1p100f : 1.f;
+            x0 = _mm512_mul_ps(x0, _mm512_set1_ps(pre));
+            x1 = _mm512_mul_ps(x1, _mm512_set1_ps(pre));
+            amax *= pre;
+            float inv = amax > 0.f ? I8_TOP / amax : 0.f, s = amax / I8_TOP / pre;
+            if (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q)
+                | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) {
+                inv = 0.f;
+                s = NAN;
+            }
             __m512i A0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
             __m512i A1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
             int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(A0, A1));
@@ -911,14 +924,15 @@ AMXI8 static void linear_amx_i8(int fmt, const i8_act *a, int64_t K, const uint8
     _tile_release();
 }
 
-/* Whether the AMX-INT8 body runs here: the AMX body's conditions, AMX-INT8 in cpuid,
- * AVX512-DQ, and FLOWENGINE_CPU_NO_AMX_INT8 unset. */
+/* Whether the AMX-INT8 body runs here: the AMX body's conditions, AMX-INT8 and
+ * AVX512-DQ in cpuid, and FLOWENGINE_CPU_NO_AMX_INT8 unset, empty or 0. */
 static int use_amx_int8(void)
 {
     static int cached = -1;
     if (cached < 0) {
         unsigned a, b, c, d;
-        cached = use_amx() && !getenv("FLOWENGINE_CPU_NO_AMX_INT8")
+        const char *off = getenv("FLOWENGINE_CPU_NO_AMX_INT8");
+        cached = use_amx() && !(off != NULL && *off && strcmp(off, "0") != 0)
             && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) && (b >> 17 & 1);
     }
     return cached;
@@ -1715,8 +1729,10 @@ static void linear_chunk(const void *ctx, int64_t c)
 }
 
 /* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. From amx_min
- * rows (0: never) the AMX body runs where the CPU has it (bf16 products, float32 sums).
- * Returns -1 when the activation buffer cannot be allocated (nothing written), else 0. */
+ * rows (0: never) the AMX bodies run where the CPU has them: up to AMXI8_MAX_ROWS rows
+ * the AMX-INT8 body (unless no_i8; activations rounded to 16 bits per block), more rows
+ * the AMX-BF16 body (bf16 products); float32 sums either way. Returns -1 when the
+ * activation buffer cannot be allocated (nothing written), else 0. */
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const uint16_t *sc, int64_t N, float *out, int nth, int64_t amx_min,
                        int no_i8)
@@ -1844,7 +1860,10 @@ static PyObject *py_linear(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* dequantize(fmt, qs, sc, N, K, out, num_threads): out[N, K] float32. */
+/* dequantize(fmt, qs, sc, N, K, out, num_threads[, bf16]): out[N, K] float32, or with
+ * bf16 those values rounded to bfloat16 as f32_to_bf16 rounds them (torch's rounding for
+ * numbers; a NaN, from an inf or NaN scale, stays a quiet NaN whose bits may differ
+ * from torch's). */
 static PyObject *py_dequantize(PyObject *self, PyObject *args)
 {
     int fmt, nth, bf16 = 0;
@@ -3142,8 +3161,8 @@ static PyMethodDef methods[] = {
     {"has_amx", py_has_amx, METH_NOARGS,
      "True when the AMX-BF16 body runs (asks Linux for the tile state on first call)."},
     {"has_amx_int8", py_has_amx_int8, METH_NOARGS,
-     "True when the AMX-INT8 body runs (AMX-INT8 in cpuid, has_amx(), "
-     "FLOWENGINE_CPU_NO_AMX_INT8 unset)."},
+     "True when the AMX-INT8 body runs (AMX-INT8 and AVX512-DQ in cpuid, has_amx(), "
+     "FLOWENGINE_CPU_NO_AMX_INT8 unset or 0)."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up, float32."},
     {"rms_norm", py_rms_norm, METH_VARARGS,

@@ -174,9 +174,24 @@ def test_matmul_bf16_input_and_leading_dims(fmt):
 def test_every_format_has_bf16_thresholds():
     import flowengine.model.layers.quant_linear as ql
 
-    assert set(ql.BF16_GEMM_MIN_ROWS) == set(ql.FORMATS) == set(ql.AMX_ROWS)
-    # the AMX body hands over to the GEMM above where it starts, past the VNNI rows
+    assert (set(ql.BF16_GEMM_MIN_ROWS) == set(ql.FORMATS) == set(ql.AMX_ROWS)
+            == set(ql.AMX_BF16_MIN_ROWS))
+    # the AMX bodies hand over to the GEMM above where they start, past the VNNI rows
     assert all(1 < a < g for a, g in ql.AMX_ROWS.values())
+    assert all(1 < ql.AMX_BF16_MIN_ROWS[f] < g for f, (_, g) in ql.AMX_ROWS.items())
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_amx_rows_follow_the_int8_body(int8, monkeypatch):
+    """Where the AMX-INT8 body runs, the AMX bodies start at AMX_ROWS; where it does
+    not (FLOWENGINE_CPU_NO_AMX_INT8=1, no AMX-INT8), the AMX-BF16 body starts where it
+    beat the float32 kernel, AMX_BF16_MIN_ROWS."""
+    import flowengine.model.layers.quant_linear as ql
+
+    monkeypatch.setattr(ql, "amx_int8_max_rows", lambda: 8 if int8 else 0)
+    for fmt in ql.FORMATS:
+        start = ql.AMX_ROWS[fmt][0] if int8 else ql.AMX_BF16_MIN_ROWS[fmt]
+        assert ql.amx_rows(fmt) == (start, ql.AMX_ROWS[fmt][1])
 
 
 _has_amx = kernels_available() and __import__("flowengine._cpu_ops", fromlist=["x"]).has_amx()
@@ -199,7 +214,7 @@ def test_bf16_rows_take_bf16_products_where_native(fmt, native_bf16, amx, monkey
     monkeypatch.setattr(ql, "_HAS_AMX", amx)
     weight, ref = _gguf_weight(fmt, 72, 128, int(torch.randint(0, 2**31, ()).item()))
     rows = ql.bf16_rows(fmt)
-    assert rows == ((ql.AMX_ROWS[fmt] if amx else (0, ql.BF16_GEMM_MIN_ROWS[fmt]))
+    assert rows == ((ql.amx_rows(fmt) if amx else (0, ql.BF16_GEMM_MIN_ROWS[fmt]))
                     if native_bf16 else None)
     counts = {1, 2 * ql.BF16_GEMM_MIN_ROWS[fmt]}
     if rows:
@@ -315,6 +330,39 @@ def test_amx_int8_body_is_dequantized_weights_times_rounded_activations(fmt, n, 
             others.append(out)
         assert not torch.equal(outs[0], others[0]), m
         assert (outs[0] - others[1]).abs().max().item() > bound, m
+
+
+@pytest.mark.skipif(not _has_amx_int8, reason="no AMX-INT8 on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_int8_body_tiny_blocks_and_nan(fmt):
+    """The AMX-INT8 body on a row of values near 1e-36 (TOP / max|x| would overflow
+    float32 without the body's exact 2^100 pre-scaling): within the rounding bound of
+    the exact product; a NaN in one row makes that row's outputs NaN (as the float32
+    kernel's) and leaves the other rows as they were."""
+    from flowengine import _cpu_ops
+    from flowengine.model.layers.quant_linear import FORMATS as codes
+
+    n, k = 40, 128
+    weight, ref = _gguf_weight(fmt, n, k, int(torch.randint(0, 2**31, ()).item()))
+
+    def run(x):
+        out = torch.full((x.shape[0], n), float("nan"))
+        _cpu_ops.linear(codes[fmt][0], x.data_ptr(), x.shape[0], k, weight.qs.data_ptr(),
+                        weight.scales.data_ptr(), n, out.data_ptr(), 2, 1)
+        return out
+
+    x = torch.randn(4, k)
+    x[2] *= 1e-36
+    out = run(x)
+    exact = x.double() @ ref.double().t()
+    for r in range(4):
+        scale = x[r].abs().max().item() * ref.abs().sum(1).max().item()
+        assert (out[r].double() - exact[r]).abs().max().item() <= 1e-4 * scale, r
+    x_nan = x.clone()
+    x_nan[1, 5] = float("nan")
+    out_nan = run(x_nan)
+    assert bool(out_nan[1].isnan().all())
+    assert torch.equal(out_nan[[0, 2, 3]], out[[0, 2, 3]])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

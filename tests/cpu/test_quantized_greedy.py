@@ -136,7 +136,7 @@ def test_gguf_bfloat16_float32_activations_bf16_products_and_kv(default_model_pa
     assert {w.fmt for w in weights} == {"q4_1", "q8_0"}
     assert all(w.bf16_rows == (ql.bf16_rows(w.fmt) if native else None) for w in weights)
     if native:  # batched decode on AMX tiles where the CPU has them, prefill GEMMs
-        assert ql.bf16_rows("q4_1") == (ql.AMX_ROWS["q4_1"] if ql._has_amx()
+        assert ql.bf16_rows("q4_1") == (ql.amx_rows("q4_1") if ql._has_amx()
                                         else (0, ql.BF16_GEMM_MIN_ROWS["q4_1"]))
     # the KV cache in bf16 where the products are (half the bytes decode attention reads)
     assert runner.kv_caches[0].dtype == (torch.bfloat16 if native else torch.float32)

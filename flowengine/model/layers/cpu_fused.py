@@ -6,7 +6,7 @@ calls, views and allocations per layer. `decode_forward` runs every layer of a
 Llama-style model (pre-norm RMSNorm, fused qkv with NeoX RoPE, paged decode attention,
 SwiGLU MLP) with quantized weights in `_cpu_ops.decode_layers`: the same C bodies the
 per-operator path calls (so the same numbers; with `--dtype bfloat16` the matmuls take
-the AMX body from the rows the weights' `bf16_rows` say, as QuantizedWeight.matmul does,
+the AMX bodies from the rows the weights' `bf16_rows` say, as QuantizedWeight.matmul does,
 and the KV cache may be bf16), with no Python between them. It applies when every
 request of the step decodes one token (the CPU attention backend's decode plan) and
 the model is of that exact kind; otherwise it returns None and LlamaModel.forward takes

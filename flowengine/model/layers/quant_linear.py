@@ -108,6 +108,9 @@ BF16_GEMM_MIN_ROWS: dict[str, int] = {"q4_0": 64, "q4_1": 64, "q8_0": 256}
 # longer on it than on the VNNI kernel: so it starts at 3 rows for every format.
 AMX_ROWS: dict[str, tuple[int, int]] = {"q4_0": (3, 512), "q4_1": (3, 512),
                                         "q8_0": (3, 4096)}
+# Where the AMX-INT8 body does not run (no AMX-INT8, FLOWENGINE_CPU_NO_AMX_INT8=1): the
+# AMX-BF16 body starts where it beat the float32 kernel (session 40's table above).
+AMX_BF16_MIN_ROWS: dict[str, int] = {"q4_0": 4, "q4_1": 4, "q8_0": 8}
 _NATIVE_BF16: bool | None = None
 _HAS_AMX: bool | None = None
 
@@ -148,8 +151,17 @@ def bf16_rows(fmt: str) -> tuple[int, int] | None:
     if fmt not in BF16_GEMM_MIN_ROWS or not _native_bf16():
         return None
     if _has_amx():
-        return AMX_ROWS[fmt]
+        return amx_rows(fmt)
     return 0, BF16_GEMM_MIN_ROWS[fmt]
+
+
+def amx_rows(fmt: str) -> tuple[int, int]:
+    """On a CPU with AMX: (rows from which the kernel's AMX bodies run, rows from which
+    one bf16 GEMM runs instead): AMX_ROWS[fmt] where the AMX-INT8 body runs, else the
+    AMX-BF16 body from AMX_BF16_MIN_ROWS[fmt]."""
+    if amx_int8_max_rows():
+        return AMX_ROWS[fmt]
+    return AMX_BF16_MIN_ROWS[fmt], AMX_ROWS[fmt][1]
 
 
 logger = logging.getLogger(__name__)
@@ -192,7 +204,9 @@ def _log_path_once() -> None:
     global _PATH_LOGGED
     if not _PATH_LOGGED and kernels_available():
         _PATH_LOGGED = True
-        logger.info("quantized CPU matmuls: %s", kernel_paths())
+        # where --dtype bfloat16 takes bf16 or int8 products instead, the bodies it
+        # takes are logged with it (cpu_threads.log_quantized_bf16_path)
+        logger.info("quantized CPU matmuls with float32 products: %s", kernel_paths())
 
 
 def kernels_available() -> bool:
@@ -317,9 +331,11 @@ class QuantizedWeight:
 
         float32 accumulation over exactly dequantized weights, except for bf16 x on a
         CPU with native bf16 GEMMs and float32 x where `use_bf16_gemms` set
-        `bf16_rows`: there, from `bf16_rows(fmt)`'s counts of rows, products of x and
-        the weights rounded to bf16 (a bf16 model's precision) with float32
-        accumulation, by the AMX body or one bf16 GEMM; the result in x's dtype."""
+        `bf16_rows`: there, from `bf16_rows(fmt)`'s counts of rows, with float32
+        accumulation, the AMX-INT8 body (up to `amx_int8_max_rows()` rows: the exact
+        weights times x rounded to 16-bit integers per 32-value block), the AMX-BF16
+        body or one bf16 GEMM (products of x and the weights rounded to bf16, a bf16
+        model's precision); the result in x's dtype."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
