@@ -61,3 +61,49 @@ def test_multiproc_llm_passes_each_prompt_priority_to_submit():
     assert sorted(seen) == [("r0", 5, RequestOutputKind.FINAL_ONLY),
                             ("r1", 0, RequestOutputKind.FINAL_ONLY),
                             ("r2", -3, RequestOutputKind.FINAL_ONLY)]
+
+
+def test_in_process_generate_raises_the_gc_threshold_while_it_steps():
+    """The in-process `LLM` raises the collector's generation-0 threshold while its
+    engine steps (as AsyncEngine does; gc_utils.raise_gen0_threshold) and restores it
+    after, also when a step raises."""
+    import gc
+
+    from flowengine.config import EngineArgs
+    from flowengine.engine.gc_utils import OBJECTS_PER_REQUEST_STEP
+
+    class FakeCore:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.steps, self.seen = fail, 0, []
+
+        def has_unfinished_requests(self) -> bool:
+            return self.steps == 0
+
+        def step(self):
+            self.steps += 1
+            self.seen.append(gc.get_threshold()[0])
+            if self.fail:
+                raise RuntimeError("step failed")
+            return []
+
+        def abort_requests(self, ids) -> None:
+            pass
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        for fail in (False, True):
+            llm = LLM.__new__(LLM)
+            llm._background, llm.tokenizer, llm._num_tokens = None, None, [0, 0]
+            llm.engine_args = EngineArgs.from_kwargs(model="x", max_num_seqs=64,
+                                                     disable_log_stats=True)
+            llm.engine = FakeCore(fail)
+            if fail:
+                with pytest.raises(RuntimeError, match="step failed"):
+                    llm._run([], use_tqdm=False)
+            else:
+                assert llm._run([], use_tqdm=False) == []
+            assert llm.engine.seen[0] == OBJECTS_PER_REQUEST_STEP * 64
+            assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
