@@ -10,11 +10,7 @@ from tqdm.auto import tqdm
 
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams
 from flowengine.config import EngineArgs, with_settled_defaults
-from flowengine.engine.gc_utils import (
-    freeze_startup_heap,
-    raise_gen0_threshold,
-    restore_gc_threshold,
-)
+from flowengine.engine.gc_utils import freeze_startup_heap
 from flowengine.engine.input_processor import Conversation, ProcessedPrompt, PromptType
 from flowengine.engine.output_processor import OutputProcessor
 from flowengine.outputs import RequestOutput
@@ -377,9 +373,6 @@ class LLM:
         order = {p.request_id: i for i, p in enumerate(processed)}
         results: list[RequestOutput | None] = [None] * len(processed)
         added: list[str] = []
-        # As AsyncEngine does while it runs: no young collection inside a step (each
-        # promoted the step's live outputs, which then cost again in generation 1).
-        gc_previous = raise_gen0_threshold(self.engine_args.max_num_seqs)
         try:
             for p in processed:
                 outputs.add_request(p)
@@ -405,8 +398,6 @@ class LLM:
             self.engine.abort_requests(added)
             self.engine.step()
             raise
-        finally:
-            restore_gc_threshold(gc_previous)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"{len(missing)} requests ended without output")
