@@ -517,14 +517,17 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* Tiles 0 and 3: accumulators (16 weight rows x 16 activation rows, float32); 1 and 4:
- * the two weight panels' 16 x 32 bf16; 2: 16 pairs x 16 activation rows of bf16. */
-AMX static void amx_tiles_on(void)
+/* Tiles 0..ntiles - 1 configured as 16 rows of 64 bytes, the shape every tile of both
+ * AMX bodies has. AMX-BF16 (5 tiles): 0 and 3 the accumulators (16 weight rows x 16
+ * activation rows, float32), 1 and 4 the two weight panels' 16 x 32 bf16, 2 16 pairs x
+ * 16 activation rows of bf16. AMX-INT8 (8 tiles): 0-3 C (16 weight rows x 16 int32),
+ * 4 and 5 A (16 x 64 bytes), 6 and 7 B (16 x 64 bytes). */
+__attribute__((target("amx-tile"))) static void amx_tiles_on(int ntiles)
 {
     amx_config c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < ntiles; t++) {
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
@@ -596,7 +599,7 @@ AMX static void linear_amx(int fmt, const uint16_t *xb, int64_t M, int64_t K,
 {
     const int64_t nc = K / QK, stride = K * (int64_t)sizeof(uint16_t);
     float c0[256] __attribute__((aligned(64))), c1[256] __attribute__((aligned(64)));
-    amx_tiles_on();
+    amx_tiles_on(5);
     for (int64_t t0 = 0; t0 * 16 < M; t0 += AMX_BLOCK_TILES)
     for (int64_t n = n0; n < n1; n += 32) {
         const int64_t np = n1 - n < 32 ? n1 - n : 32;
@@ -727,20 +730,6 @@ AMXI8 static void pack_activations_i8(int fmt, const float *x, int64_t M, int64_
     }
 }
 
-/* Tiles 0-3: C (16 weight rows x 16 int32); 4, 5: A (16 x 64 bytes); 6, 7: B (16 x
- * 64 bytes). */
-AMXI8 static void amx_i8_tiles_on(void)
-{
-    amx_config c;
-    memset(&c, 0, sizeof(c));
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
 /* panel[pair][r][64] = the 4-bit codes of weight row n0 + r, blocks 2 pair and
  * 2 pair + 1, in k order (rows past np and a missing last block zero). */
 AMXI8 static void unpack_panel_q4(const uint8_t *qs, int64_t qrow, int64_t nb, int64_t n0,
@@ -807,7 +796,7 @@ AMXI8 static void linear_amx_i8(int fmt, const i8_act *a, int64_t K, const uint8
     /* acc[r] lane l (weight row r): from (block 2 pair + l / 8)'s scales */
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i half = _mm512_slli_epi32(_mm512_srli_epi32(lane, 3), 4);
-    amx_i8_tiles_on();
+    amx_tiles_on(8);
     for (int64_t n = n0; n < n1; n += 16) {
         const int64_t np = n1 - n < 16 ? n1 - n : 16;
         scales_transposed(sc, srow, n, np, t);
