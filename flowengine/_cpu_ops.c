@@ -495,8 +495,8 @@ AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_
  * and packed once per call in the pair layout TDPBF16PS reads)
  *     C[r][m] += sum_k wa[r][k] x[m][k]     (tiles of 32 k, float32 accumulation)
  * with the weights as the A operand (a plain row-major panel, no transpose) and the
- * activations as B. Two panels of 16 rows are two independent accumulator chains that
- * share each B tile. So the weights stay quantized in memory and the products are a
+ * activations as B. Two panels of 16 weight rows times two tiles of 16 activation
+ * rows are four independent accumulator chains: each tile loaded is used twice. So the weights stay quantized in memory and the products are a
  * bf16 model's (bf16 operands, float32 sums), as the bf16 GEMM of larger matmuls
  * (quant_linear.py). Intel 64 and IA-32 Architectures Optimization Reference Manual,
  * ch. 20 (AMX): tile configuration, TDPBF16PS and its operand layouts; Linux needs
@@ -518,9 +518,9 @@ typedef struct {
 } amx_config;
 
 /* Tiles 0..ntiles - 1 configured as 16 rows of 64 bytes, the shape every tile of both
- * AMX bodies has. AMX-BF16 (5 tiles): 0 and 3 the accumulators (16 weight rows x 16
- * activation rows, float32), 1 and 4 the two weight panels' 16 x 32 bf16, 2 16 pairs x
- * 16 activation rows of bf16. AMX-INT8 (8 tiles): 0-3 C (16 weight rows x 16 int32),
+ * AMX bodies has. AMX-BF16 (8 tiles): 0, 3, 5 and 6 the accumulators (16 weight rows x
+ * 16 activation rows, float32), 1 and 4 the two weight panels' 16 x 32 bf16, 2 and 7
+ * two tiles of 16 pairs x 16 activation rows of bf16. AMX-INT8 (8 tiles): 0-3 C (16 weight rows x 16 int32),
  * 4 and 5 A (16 x 64 bytes), 6 and 7 B (16 x 64 bytes). */
 __attribute__((target("amx-tile"))) static void amx_tiles_on(int ntiles)
 {
@@ -534,13 +534,15 @@ __attribute__((target("amx-tile"))) static void amx_tiles_on(int ntiles)
     _tile_loadconfig(&c);
 }
 
-/* xb[t][c][j][m][2] = bf16(x[16 t + m][32 c + 2 j + (0, 1)]), 0 past row M: the
- * activations as B tiles (per tile of 16 rows, per 32 columns, 1 KB each). */
-AMX static void pack_activations_amx(const float *x, int64_t M, int64_t K, uint16_t *xb)
+/* xb[t][c][j][m][2] = bf16(x[16 t + m][32 c + 2 j + (0, 1)]), 0 past row M, for the
+ * tiles t0 <= t < t1: the activations as B tiles (per tile of 16 rows, per 32 columns,
+ * 1 KB each). */
+AMX static void pack_activations_amx(const float *x, int64_t M, int64_t K, uint16_t *xb,
+                                     int64_t t0, int64_t t1)
 {
     const int64_t nc = K / QK;
     float tmp[16 * 16];
-    for (int64_t t = 0; t * 16 < M; t++) {
+    for (int64_t t = t0; t < t1 && t * 16 < M; t++) {
         const int64_t rows = M - t * 16 < 16 ? M - t * 16 : 16;
         if (rows < 16)
             memset(tmp + rows * 16, 0, (size_t)(16 - rows) * 16 * sizeof(float));
@@ -599,29 +601,53 @@ AMX static void linear_amx(int fmt, const uint16_t *xb, int64_t M, int64_t K,
 {
     const int64_t nc = K / QK, stride = K * (int64_t)sizeof(uint16_t);
     float c0[256] __attribute__((aligned(64))), c1[256] __attribute__((aligned(64)));
-    amx_tiles_on(5);
+    amx_tiles_on(8);
     for (int64_t t0 = 0; t0 * 16 < M; t0 += AMX_BLOCK_TILES)
     for (int64_t n = n0; n < n1; n += 32) {
         const int64_t np = n1 - n < 32 ? n1 - n : 32;
         dequant_panel_bf16(fmt, qs, sc, K, n, np, wa);
-        for (int64_t t = t0; t * 16 < M && t < t0 + AMX_BLOCK_TILES; t++) {
-            const uint16_t *xt = xb + t * nc * 512;
+        for (int64_t t = t0; t * 16 < M && t < t0 + AMX_BLOCK_TILES; t += 2) {
+            const uint16_t *xt = xb + t * nc * 512, *xu = xt + nc * 512;
+            /* two activation tiles when there are (AMX_BLOCK_TILES is even) */
+            const int two = (t + 1) * 16 < M;
             _tile_zero(0);
             _tile_zero(3);
-            for (int64_t c = 0; c < nc; c++) {
-                _tile_loadd(2, xt + c * 512, 64);
-                _tile_loadd(1, wa + c * QK, stride);
-                _tile_loadd(4, wa + 16 * K + c * QK, stride);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_dpbf16ps(3, 4, 2);
+            if (two) {
+                _tile_zero(5);
+                _tile_zero(6);
+                for (int64_t c = 0; c < nc; c++) {
+                    _tile_loadd(1, wa + c * QK, stride);
+                    _tile_loadd(4, wa + 16 * K + c * QK, stride);
+                    _tile_loadd(2, xt + c * 512, 64);
+                    _tile_loadd(7, xu + c * 512, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                    _tile_dpbf16ps(3, 4, 2);
+                    _tile_dpbf16ps(5, 1, 7);
+                    _tile_dpbf16ps(6, 4, 7);
+                }
+            } else {
+                for (int64_t c = 0; c < nc; c++) {
+                    _tile_loadd(2, xt + c * 512, 64);
+                    _tile_loadd(1, wa + c * QK, stride);
+                    _tile_loadd(4, wa + 16 * K + c * QK, stride);
+                    _tile_dpbf16ps(0, 1, 2);
+                    _tile_dpbf16ps(3, 4, 2);
+                }
             }
-            _tile_stored(0, c0, 64);
-            _tile_stored(3, c1, 64);
-            const int64_t mr = M - t * 16 < 16 ? M - t * 16 : 16;
-            float *ot = out + t * 16 * N;
-            amx_store(c0, mr, n, np < 16 ? np : 16, ot, N);
-            if (np > 16)
-                amx_store(c1, mr, n + 16, np - 16, ot, N);
+            for (int u = 0; u <= two; u++) {
+                if (u == 0) {
+                    _tile_stored(0, c0, 64);
+                    _tile_stored(3, c1, 64);
+                } else {
+                    _tile_stored(5, c0, 64);
+                    _tile_stored(6, c1, 64);
+                }
+                const int64_t tu = t + u, mr = M - tu * 16 < 16 ? M - tu * 16 : 16;
+                float *ot = out + tu * 16 * N;
+                amx_store(c0, mr, n, np < 16 ? np : 16, ot, N);
+                if (np > 16)
+                    amx_store(c1, mr, n + 16, np - 16, ot, N);
+            }
         }
     }
     _tile_release();
@@ -1557,6 +1583,18 @@ static void pool_run(pool_fn fn, const void *ctx, int64_t nchunks, int nth)
         fn(ctx, c);
 }
 
+/* Rows per chunk of a row-wise operation of T rows x `width` values on nth threads:
+ * all T (one chunk, the caller alone) below ROWWISE_MIN_ELEMS values (a decode step's
+ * few rows: waking a worker costs more than the work), else about four chunks a
+ * thread. A row's result never depends on the split. */
+#define ROWWISE_MIN_ELEMS 65536
+static int64_t rowwise_chunk(int64_t T, int64_t width, int nth)
+{
+    if (nth <= 1 || T <= 1 || T * width < ROWWISE_MIN_ELEMS)
+        return T > 0 ? T : 1;
+    return (T + 4 * (int64_t)nth - 1) / (4 * (int64_t)nth);
+}
+
 static int check_fmt(int fmt)
 {
     if (fmt != FMT_Q4_0 && fmt != FMT_Q4_1 && fmt != FMT_Q8_0) {
@@ -1717,6 +1755,22 @@ static void linear_chunk(const void *ctx, int64_t c)
     linear_rows_any(j, n0, n1 < j->N ? n1 : j->N);
 }
 
+#if HAVE_AMX
+/* pack_activations_amx as a pool job: chunk c is tiles [c tiles, (c + 1) tiles). */
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    uint16_t *xb;
+    int64_t tiles;
+} amx_pack_job;
+
+static void amx_pack_chunk(const void *ctx, int64_t c)
+{
+    const amx_pack_job *j = (const amx_pack_job *)ctx;
+    pack_activations_amx(j->x, j->M, j->K, j->xb, c * j->tiles, (c + 1) * j->tiles);
+}
+#endif
+
 /* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. From amx_min
  * rows (0: never) the AMX bodies run where the CPU has them: up to AMXI8_MAX_ROWS rows
  * the AMX-INT8 body (unless no_i8; activations rounded to 16 bits per block), more rows
@@ -1753,7 +1807,9 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
         xb = (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(uint16_t));
         if (xb == NULL)
             return -1;
-        pack_activations_amx(x, M, K, xb);
+        amx_pack_job pj = {x, M, K, xb, (M + 15) / 16};
+        pj.tiles = rowwise_chunk(pj.tiles, 16 * K, nth); /* tiles per chunk */
+        pool_run(amx_pack_chunk, &pj, ((M + 15) / 16 + pj.tiles - 1) / pj.tiles, nth);
     }
 #endif
     int vnni = xb == NULL && !i8_on && M >= 1 && M <= VNNI_MAX_ROWS && use_vnni();
@@ -2357,16 +2413,44 @@ static void rms_norm_impl(const float *x, const float *res, const float *w, floa
     }
 }
 
+typedef struct {
+    const float *x, *res, *w;
+    float eps;
+    int64_t T, H, rows;
+    float *out, *res_out;
+} rms_job;
+
+static void rms_chunk(const void *ctx, int64_t c)
+{
+    const rms_job *j = (const rms_job *)ctx;
+    const int64_t t0 = c * j->rows, n = t0 + j->rows < j->T ? j->rows : j->T - t0;
+    const int64_t o = t0 * j->H;
+    rms_norm_impl(j->x + o, j->res != NULL ? j->res + o : NULL, j->w, j->eps, n, j->H,
+                  j->out + o, j->res_out != NULL ? j->res_out + o : NULL);
+}
+
+/* rms_norm(x, res, w, eps, T, H, out, res_out[, num_threads]): rms_norm_impl, rows
+ * split among the pool's threads from ROWWISE_MIN_ELEMS values on (a prefill). */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args)
 {
     unsigned long long xp, rp, wp, op, rop;
     double eps;
     long long T, H;
-    if (!PyArg_ParseTuple(args, "KKKdLLKK", &xp, &rp, &wp, &eps, &T, &H, &op, &rop))
+    int nth = 1;
+    if (!PyArg_ParseTuple(args, "KKKdLLKK|i", &xp, &rp, &wp, &eps, &T, &H, &op, &rop, &nth))
         return NULL;
-    rms_norm_impl((const float *)(uintptr_t)xp, (const float *)(uintptr_t)rp,
-                  (const float *)(uintptr_t)wp, (float)eps, T, H, (float *)(uintptr_t)op,
-                  (float *)(uintptr_t)rop);
+    if (T < 0 || H < 0 || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shapes T=%lld H=%lld threads=%d", T, H, nth);
+        return NULL;
+    }
+    if (T == 0)
+        Py_RETURN_NONE;
+    rms_job j = {(const float *)(uintptr_t)xp, (const float *)(uintptr_t)rp,
+                 (const float *)(uintptr_t)wp, (float)eps, T, H, rowwise_chunk(T, H, nth),
+                 (float *)(uintptr_t)op, (float *)(uintptr_t)rop};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(rms_chunk, &j, (T + j.rows - 1) / j.rows, nth);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -2390,12 +2474,39 @@ static void rope_impl(const int64_t *pos, int64_t T, const float *x, int64_t xs,
     }
 }
 
+typedef struct {
+    const int64_t *pos;
+    int64_t T;
+    const float *x;
+    int64_t xs, heads, D;
+    const float *table;
+    float *out;
+    int64_t rows;
+} rope_job;
+
+static void rope_chunk(const void *ctx, int64_t c)
+{
+    const rope_job *j = (const rope_job *)ctx;
+    const int64_t t0 = c * j->rows, n = t0 + j->rows < j->T ? j->rows : j->T - t0;
+    rope_impl(j->pos + t0, n, j->x + t0 * j->xs, j->xs, j->heads, j->D, j->table,
+              j->out + t0 * j->heads * j->D);
+}
+
+/* rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out[, num_threads]):
+ * rope_impl, rows split among the pool's threads from ROWWISE_MIN_ELEMS values on. */
 static PyObject *py_rope_neox(PyObject *self, PyObject *args)
 {
     unsigned long long pp, xp, tp, op;
     long long T, xs, heads, D, rows;
-    if (!PyArg_ParseTuple(args, "KLKLLLKLK", &pp, &T, &xp, &xs, &heads, &D, &tp, &rows, &op))
+    int nth = 1;
+    if (!PyArg_ParseTuple(args, "KLKLLLKLK|i", &pp, &T, &xp, &xs, &heads, &D, &tp, &rows, &op,
+                          &nth))
         return NULL;
+    if (T < 0 || heads < 0 || D < 0 || nth < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shapes T=%lld heads=%lld D=%lld threads=%d", T,
+                     heads, D, nth);
+        return NULL;
+    }
     const int64_t *pos = (const int64_t *)(uintptr_t)pp;
     for (int64_t t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= rows) {
@@ -2403,8 +2514,14 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
                          (long long)pos[t], rows);
             return NULL;
         }
-    rope_impl(pos, T, (const float *)(uintptr_t)xp, xs, heads, D, (const float *)(uintptr_t)tp,
-              (float *)(uintptr_t)op);
+    if (T == 0)
+        Py_RETURN_NONE;
+    rope_job j = {pos, T, (const float *)(uintptr_t)xp, xs, heads, D,
+                  (const float *)(uintptr_t)tp, (float *)(uintptr_t)op,
+                  rowwise_chunk(T, heads * D, nth)};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(rope_chunk, &j, (T + j.rows - 1) / j.rows, nth);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -2520,8 +2637,8 @@ static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
 }
 
 /* silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up for float32
- * gate_up [T, 2 I] (gate first), rows split among the pool's threads from 64K elements
- * on (the per-operator path's prefill; the fused decode layers call silu_mul_impl). */
+ * gate_up [T, 2 I] (gate first), rows split among the pool's threads as rowwise_chunk
+ * says (the per-operator path's prefill; the fused decode layers call silu_mul_impl). */
 typedef struct {
     const float *gu;
     int64_t T, I, rows;
@@ -2548,9 +2665,8 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args)
     }
     if (T == 0 || I == 0)
         Py_RETURN_NONE;
-    silu_job j = {(const float *)(uintptr_t)gp, T, I, T, (float *)(uintptr_t)op};
-    if (nth > 1 && T > 1 && T * I >= 65536) /* ~4 chunks a thread */
-        j.rows = (T + 4 * (int64_t)nth - 1) / (4 * (int64_t)nth);
+    silu_job j = {(const float *)(uintptr_t)gp, T, I, rowwise_chunk(T, I, nth),
+                  (float *)(uintptr_t)op};
     Py_BEGIN_ALLOW_THREADS
     pool_run(silu_chunk, &j, (T + j.rows - 1) / j.rows, nth);
     Py_END_ALLOW_THREADS
@@ -3155,9 +3271,11 @@ static PyMethodDef methods[] = {
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up, float32."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
-     "rms_norm(x, res, w, eps, T, H, out, res_out): (residual add and) RMSNorm, float32."},
+     "rms_norm(x, res, w, eps, T, H, out, res_out[, num_threads]): (residual add and) "
+     "RMSNorm, float32."},
     {"rope_neox", py_rope_neox, METH_VARARGS,
-     "rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out): rotary."},
+     "rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out[, num_threads]): "
+     "rotary."},
     {"write_kv", py_write_kv, METH_VARARGS,
      "write_kv(k, ks, v, vs, T, row, elem_size, slots, cache, plane): K/V rows to slots."},
     {"decode_layers", py_decode_layers, METH_VARARGS,

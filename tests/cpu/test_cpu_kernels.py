@@ -25,8 +25,23 @@ def _torch_norm(x, weight, eps):
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@pytest.mark.parametrize("t", [1, 3, 40])
+def _one_and_two_threads(fn):
+    """fn() with torch's intra-op threads at 1, then 2 (restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        two = fn()
+    finally:
+        torch.set_num_threads(threads)
+    return one, two
+
+
+@pytest.mark.parametrize("t", [1, 3, 40, 300])
 def test_rms_norm_and_add(t):
+    """The 300-row case (173K values, a prefill) splits its rows among two threads and
+    equals the one-thread result bit for bit."""
     norm = RMSNorm(576, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(576) + 0.5)
@@ -34,6 +49,10 @@ def test_rms_norm_and_add(t):
     with torch.inference_mode():
         out = norm(x)
         out2, res2 = norm.add_and_norm(x, res)
+        w = norm.weight.detach()
+        one, two = _one_and_two_threads(lambda: cpu_kernels.rms_norm(x, w, 1e-5, res))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert torch.equal(one[0], out2) and torch.equal(one[1], res2)
     torch.testing.assert_close(out, _torch_norm(x, norm.weight.detach(), 1e-5),
                                rtol=2e-6, atol=2e-6)
     assert torch.equal(res2, x + res)  # one float32 add: exact
@@ -61,14 +80,7 @@ def test_silu_and_mul_matches_torch(t, i):
     ref = torch.nn.functional.silu(gate) * up
     with torch.inference_mode():
         out = silu_and_mul(gate_up)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = cpu_kernels.silu_and_mul(gate_up)
-            torch.set_num_threads(2)
-            two = cpu_kernels.silu_and_mul(gate_up)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = _one_and_two_threads(lambda: cpu_kernels.silu_and_mul(gate_up))
     assert out.shape == (t, i) and out.dtype == torch.float32
     assert ((out.double() - ref).abs() <= 5e-7 * ref.abs() + 1e-30).all()
     assert torch.equal(one, two) and torch.equal(one, out)
@@ -82,8 +94,10 @@ def test_silu_and_mul_declines_other_inputs():
     assert cpu_kernels.silu_and_mul(torch.randn(2, 64)) is None  # autograd on
 
 
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 200])
 def test_rotary_on_fused_qkv_views(t):
+    """The 200-row case (115K values of q) splits its rows among two threads and equals
+    the one-thread result bit for bit."""
     hq, hkv, d = 9, 3, 64
     rope = RotaryEmbedding(d, 512, 10000.0, None)
     qkv = torch.randn(t, (hq + 2 * hkv) * d)
@@ -96,6 +110,10 @@ def test_rotary_on_fused_qkv_views(t):
     assert q2.is_contiguous() and k2.is_contiguous()
     torch.testing.assert_close(q2, ref_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k2, ref_k, rtol=1e-6, atol=1e-6)
+    with torch.inference_mode():
+        one, two = _one_and_two_threads(
+            lambda: cpu_kernels.rope_neox(positions, q, k, rope.cos_sin_cache))
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
     with torch.inference_mode(), pytest.raises(IndexError, match="512"):
         cpu_kernels.rope_neox(torch.tensor([512] * t), q, k, rope.cos_sin_cache)
 

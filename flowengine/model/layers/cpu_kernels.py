@@ -33,7 +33,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(normed, residual + x or None) for x [T, H] float32 (and residual alike), weight
-    [H] float32; None when the inputs are not of that kind."""
+    [H] float32, rows split among torch's intra-op threads in a prefill; None when the
+    inputs are not of that kind."""
     if not (ENABLED and _plain(x) and weight.dtype == torch.float32 and weight.is_contiguous()
             and weight.shape == x.shape[1:] and not torch.is_grad_enabled()):
         return None
@@ -44,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = None if residual is None else torch.empty_like(x)
     _ops.rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                   weight.data_ptr(), float(eps), t, h, out.data_ptr(),
-                  0 if res_out is None else res_out.data_ptr())
+                  0 if res_out is None else res_out.data_ptr(), torch.get_num_threads())
     return out, res_out
 
 
@@ -71,8 +72,9 @@ def _rope_source(x: torch.Tensor) -> bool:
 def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
               table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Rotated (q, k), new contiguous tensors, for q [T, Hq, D], k [T, Hkv, D] float32,
-    positions [T] int64, table [P, 2, D] float32 (cos, sin); None when the inputs are
-    not of that kind. Raises IndexError for a position outside the table."""
+    positions [T] int64, table [P, 2, D] float32 (cos, sin), rows split among torch's
+    intra-op threads in a prefill; None when the inputs are not of that kind. Raises
+    IndexError for a position outside the table."""
     if not (ENABLED and _rope_source(q) and _rope_source(k) and q.shape[2] == k.shape[2]
             and positions.dtype == torch.int64 and positions.is_contiguous()
             and positions.device.type == "cpu" and table.dtype == torch.float32
@@ -82,10 +84,11 @@ def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     t, hq, d = q.shape
     q_out = torch.empty(t, hq, d)
     k_out = torch.empty(t, k.shape[1], d)
+    threads = torch.get_num_threads()
     _ops.rope_neox(positions.data_ptr(), t, q.data_ptr(), q.stride(0), hq, d,
-                   table.data_ptr(), table.shape[0], q_out.data_ptr())
+                   table.data_ptr(), table.shape[0], q_out.data_ptr(), threads)
     _ops.rope_neox(positions.data_ptr(), t, k.data_ptr(), k.stride(0), k.shape[1], d,
-                   table.data_ptr(), table.shape[0], k_out.data_ptr())
+                   table.data_ptr(), table.shape[0], k_out.data_ptr(), threads)
     return q_out, k_out
 
 
