@@ -558,19 +558,40 @@ AMX static void pack_activations_amx(const float *x, int64_t M, int64_t K, uint1
     }
 }
 
-/* wa[r][k] = bf16(weight (n0 + r, k)) for r < np (<= 32), 0 for the rows past np. */
+/* wa[r][k] = bf16(weight (n0 + r, k)) for r < np (<= 32), 0 for the rows past np.
+ * A 4-bit block has 16 possible weights: they are computed and rounded once per block
+ * (the same float32 operations as dequant_block_avx512, so the same bits) and each code
+ * picks its bf16 from them (VPERMW), instead of converting and scaling all 32 codes. */
 AMX static void dequant_panel_bf16(int fmt, const uint8_t *qs, const uint16_t *sc, int64_t K,
                                    int64_t n0, int64_t np, uint16_t *wa)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
     float scf[srow];
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 eight = _mm512_set1_ps(8.f);
+    const __m512i nib = _mm512_set1_epi16(0x0f);
     for (int64_t r = 0; r < np; r++) {
         row_scales_avx512(sc + (n0 + r) * srow, srow, scf);
         const uint8_t *rq = qs + (n0 + r) * qrow;
+        if (fmt == FMT_Q8_0) {
+            for (int64_t b = 0; b < nb; b++) {
+                __m512 lo, hi;
+                dequant_block_avx512(fmt, rq, scf, b, &lo, &hi);
+                _mm512_storeu_si512((void *)(wa + r * K + b * QK),
+                                    (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
-            __m512 lo, hi;
-            dequant_block_avx512(fmt, rq, scf, b, &lo, &hi);
-            _mm512_storeu_si512((void *)(wa + r * K + b * QK), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            const __m512 w16 = fmt == FMT_Q4_1
+                ? _mm512_fmadd_ps(_mm512_set1_ps(scf[2 * b]), codes, _mm512_set1_ps(scf[2 * b + 1]))
+                : _mm512_mul_ps(_mm512_set1_ps(scf[b]), _mm512_sub_ps(codes, eight));
+            const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w16));
+            /* lanes 0..15: byte j's low nibble (weight j), 16..31: its high one (j + 16) */
+            const __m512i q = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)(rq + b * (QK / 2)))));
+            const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), nib);
+            _mm512_storeu_si512((void *)(wa + r * K + b * QK), _mm512_permutexvar_epi16(idx, table));
         }
     }
     if (np < 32)

@@ -276,6 +276,27 @@ def test_amx_body_matches_bf16_products(fmt, n, k):
         assert (outs[0].double() - f32).abs().max().item() > bound, m
 
 
+@_needs_amx
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_body_weights_are_the_bf16_rounding_of_the_dequantized_ones(fmt):
+    """The AMX-BF16 body's weights bit for bit: with the identity as activations (K rows,
+    each product a weight times 1 or 0, each sum one nonzero term: exact), the output
+    is the transposed weight panel, which must equal gguf's values rounded to bf16
+    (dequantize(bfloat16)). Weight rows past a multiple of 32 (n = 200)."""
+    from flowengine import _cpu_ops
+    from flowengine.model.layers.quant_linear import FORMATS as codes
+
+    n, k = 200, 128
+    weight, ref = _gguf_weight(fmt, n, k, int(torch.randint(0, 2**31, ()).item()))
+    x = torch.eye(k)
+    out = torch.full((k, n), float("nan"))
+    _cpu_ops.linear(codes[fmt][0], x.data_ptr(), k, k, weight.qs.data_ptr(),
+                    weight.scales.data_ptr(), n, out.data_ptr(), 2, 1, True)
+    expected = ref.to(torch.bfloat16).float().t()
+    assert torch.equal(out, expected)
+    assert torch.equal(weight.dequantize(torch.bfloat16).float().t(), expected)
+
+
 _has_amx_int8 = _has_amx and __import__("flowengine._cpu_ops", fromlist=["x"]).has_amx_int8()
 
 
