@@ -1,0 +1,96 @@
+"""All the quantized matmuls of one CPU decode step of the default model, by body and
+activation rows (issue #20).
+
+    python benchmarks/cpu_matmul_step.py                       # rows 1,2,3,4,8,16
+    python benchmarks/cpu_matmul_step.py --rows 9,16 --bodies bf16 --rounds 7
+
+One "step" is what the model's forward multiplies: 30 layers of qkv (960 x 576), o
+(576 x 576), gate_up (3072 x 576) and down (576 x 1536) in Q4_1, then the tied Q8_0 LM
+head (49152 x 576), every layer with its own random packed weights (96 MB together),
+so the weights come from L3 or memory as in the model and not from L2 as in
+benchmarks/cpu_quant_rows.py's per-matmul figures. Norms, attention and sampling are
+not in it: the difference to benchmarks/cpu_decode_rows.py's whole step is theirs.
+
+Bodies (`_cpu_ops.linear`'s choice forced per call): `float32` the float32 kernels
+(VNNI up to 3 rows where the CPU has it, else the register and panel bodies), `i8` the
+AMX-INT8 body (up to _cpu_ops.AMX_INT8_MAX_ROWS rows), `bf16` the AMX-BF16 body; a body
+the CPU lacks, or rows the AMX-INT8 body does not take, are skipped. Prints the median
+ms per step over --rounds, bodies and row counts alternated within each round, with the
+load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from flowengine import _cpu_ops as ops
+from flowengine.model.layers.quant_linear import FORMATS
+
+LAYERS = 30
+LAYER_SHAPES = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576),
+                ("q4_1", 576, 1536)]
+HEAD = ("q8_0", 49152, 576)
+
+
+def packed(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes and float16 scales in the kernel's layout (the time does not depend
+    on the values)."""
+    nb = k // 32
+    if fmt == "q8_0":
+        return (torch.randint(-127, 127, (n, k), dtype=torch.int8),
+                (torch.rand(n, nb) * 0.01).half())
+    return (torch.randint(0, 255, (n, k // 2), dtype=torch.uint8),
+            (torch.rand(n, nb * FORMATS[fmt][2]) * 0.01).half())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,3,4,8,16")
+    p.add_argument("--bodies", default="float32,i8,bf16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    a = p.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
+    bodies = a.bodies.split(",")
+    available = {"float32": True, "i8": ops.has_amx_int8(), "bf16": ops.has_amx()}
+    weights = [[packed(*s) for s in LAYER_SHAPES] for _ in range(LAYERS)]
+    head = packed(*HEAD)
+    xs = {(m, k): torch.randn(m, k) for m in rows for k in (576, 1536)}
+    outs = {(m, n): torch.empty(m, n) for m in rows for n in (960, 576, 3072, 49152)}
+
+    def mm(shape, w, m, amx_min, no_int8):
+        fmt, n, k = shape
+        ops.linear(FORMATS[fmt][0], xs[(m, k)].data_ptr(), m, k, w[0].data_ptr(),
+                   w[1].data_ptr(), n, outs[(m, n)].data_ptr(), a.threads, amx_min, no_int8)
+
+    def step(m: int, body: str) -> float:
+        amx_min, no_int8 = (0, False) if body == "float32" else (1, body == "bf16")
+        t0 = time.perf_counter()
+        for layer in weights:
+            for shape, w in zip(LAYER_SHAPES, layer):
+                mm(shape, w, m, amx_min, no_int8)
+        mm(HEAD, head, m, amx_min, no_int8)
+        return (time.perf_counter() - t0) * 1e3
+
+    runs = [(m, b) for m in rows for b in bodies if available.get(b)
+            and not (b == "i8" and m > ops.AMX_INT8_MAX_ROWS)]
+    print("load before", open("/proc/loadavg").read().split()[:3])
+    res: dict[tuple[int, str], list[float]] = {r: [] for r in runs}
+    for m, b in runs:  # warm-up
+        step(m, b)
+    for _ in range(a.rounds):
+        for m, b in runs:
+            res[(m, b)].append(step(m, b))
+    print(f"| rows | body | ms per step, median of {a.rounds} | min | max |")
+    print("|---:|---|---:|---:|---:|")
+    for (m, b), v in res.items():
+        print(f"| {m} | {b} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    print("load after", open("/proc/loadavg").read().split()[:3])
+
+
+if __name__ == "__main__":
+    main()
