@@ -10,6 +10,7 @@ installed (transformers 5.17 imports the name and reads "N/A" as not available).
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,25 @@ def test_transformers_and_flowengine_kernels_import_from_the_root() -> None:
         "from transformers import LlamaConfig; import flowengine.kernels.rotary as r; "
         "print(LlamaConfig.model_type, r.__name__)")
     assert out == "llama flowengine.kernels.rotary"
+
+
+def test_two_checkouts_on_the_path_do_not_hand_the_import_back_and_forth(tmp_path) -> None:
+    """A second checkout's kernels/ on PYTHONPATH (e.g. an old worktree for an A/B run
+    from the repository root): each shim used to hand the import to the other until
+    Python's recursion limit, which transformers reported as "Could not import module
+    'LlamaConfig'"."""
+    other = tmp_path / "kernels"
+    other.mkdir()
+    (other / "__init__.py").write_text((ROOT / "kernels" / "__init__.py").read_text())
+    code = ("import kernels; from transformers import LlamaConfig; "
+            "print(LlamaConfig.model_type, getattr(kernels, '__version__', 'N/A'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_type, version = proc.stdout.split()
+    assert model_type == "llama"
+    try:
+        assert version == importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert version == "N/A"
