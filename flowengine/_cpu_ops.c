@@ -1552,11 +1552,18 @@ static int pool_disabled(void)
     return cached;
 }
 
-/* Run fn(ctx, c) for c in [0, nchunks) on the caller and up to nth - 1 pool workers.
- * Call without the GIL, from one thread at a time (the executor's); a concurrent
- * second caller runs its chunks alone. */
+/* Run fn(ctx, c) for c in [0, nchunks) on the caller and up to nth - 1 pool workers
+ * (with FLOWENGINE_CPU_NO_POOL, in an OpenMP region of nth threads). Call without the
+ * GIL, from one thread at a time (the executor's); a concurrent second caller runs its
+ * chunks alone. */
 static void pool_run(pool_fn fn, const void *ctx, int64_t nchunks, int nth)
 {
+    if (pool_disabled() && nth > 1 && nchunks > 1) { /* OpenMP, as the bodies' own regions */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+        for (int64_t c = 0; c < nchunks; c++)
+            fn(ctx, c);
+        return;
+    }
 #if HAVE_POOL
     static _Atomic int busy = 0;
     int expected = 0;
@@ -2469,6 +2476,10 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args)
     rms_job j = {(const float *)(uintptr_t)xp, (const float *)(uintptr_t)rp,
                  (const float *)(uintptr_t)wp, (float)eps, T, H, rowwise_chunk(T, H, nth),
                  (float *)(uintptr_t)op, (float *)(uintptr_t)rop};
+    if (j.rows >= T) { /* one chunk (a decode step's rows): not worth the GIL's round trip */
+        rms_chunk(&j, 0);
+        Py_RETURN_NONE;
+    }
     Py_BEGIN_ALLOW_THREADS
     pool_run(rms_chunk, &j, (T + j.rows - 1) / j.rows, nth);
     Py_END_ALLOW_THREADS
@@ -2540,6 +2551,10 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
     rope_job j = {pos, T, (const float *)(uintptr_t)xp, xs, heads, D,
                   (const float *)(uintptr_t)tp, (float *)(uintptr_t)op,
                   rowwise_chunk(T, heads * D, nth)};
+    if (j.rows >= T) { /* one chunk: as rms_norm */
+        rope_chunk(&j, 0);
+        Py_RETURN_NONE;
+    }
     Py_BEGIN_ALLOW_THREADS
     pool_run(rope_chunk, &j, (T + j.rows - 1) / j.rows, nth);
     Py_END_ALLOW_THREADS

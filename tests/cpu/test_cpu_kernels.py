@@ -51,8 +51,10 @@ def test_rms_norm_and_add(t):
         out2, res2 = norm.add_and_norm(x, res)
         w = norm.weight.detach()
         one, two = _one_and_two_threads(lambda: cpu_kernels.rms_norm(x, w, 1e-5, res))
+        alone = _one_and_two_threads(lambda: cpu_kernels.rms_norm(x, w, 1e-5))
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
     assert torch.equal(one[0], out2) and torch.equal(one[1], res2)
+    assert torch.equal(alone[0][0], alone[1][0]) and torch.equal(alone[0][0], out)
     torch.testing.assert_close(out, _torch_norm(x, norm.weight.detach(), 1e-5),
                                rtol=2e-6, atol=2e-6)
     assert torch.equal(res2, x + res)  # one float32 add: exact
@@ -158,3 +160,25 @@ def test_all_decode_step_short_path_matches_reference(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
     assert torch.equal(out, out_again)
+
+
+def test_no_pool_runs_the_split_rows_in_openmp():
+    """FLOWENGINE_CPU_NO_POOL=1 (read once per process: a subprocess) runs the split
+    row-wise operations in an OpenMP region instead of the extension's pool, with the
+    same bits as the pool."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.manual_seed(0); torch.set_num_threads(2)\n"
+        "from flowengine.model.layers import cpu_kernels as ck\n"
+        "x = torch.randn(300, 576); w = torch.rand(576) + 0.5\n"
+        "with torch.inference_mode(): out, _ = ck.rms_norm(x, w, 1e-5)\n"
+        "import sys; sys.stdout.buffer.write(out.numpy().tobytes())\n")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                           env={**os.environ, "FLOWENGINE_CPU_NO_POOL": flag})
+            for flag in ("1", "0")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert len(runs[0].stdout) == 300 * 576 * 4 and runs[0].stdout == runs[1].stdout
