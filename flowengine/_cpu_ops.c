@@ -496,11 +496,12 @@ AVX512 static void dequant_rows_avx512(int fmt, const uint8_t *qs, const uint16_
  *     C[r][m] += sum_k wa[r][k] x[m][k]     (tiles of 32 k, float32 accumulation)
  * with the weights as the A operand (a plain row-major panel, no transpose) and the
  * activations as B. Two panels of 16 weight rows times two tiles of 16 activation
- * rows are four independent accumulator chains: each tile loaded is used twice. So the weights stay quantized in memory and the products are a
- * bf16 model's (bf16 operands, float32 sums), as the bf16 GEMM of larger matmuls
- * (quant_linear.py). Intel 64 and IA-32 Architectures Optimization Reference Manual,
- * ch. 20 (AMX): tile configuration, TDPBF16PS and its operand layouts; Linux needs
- * the process to ask for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). */
+ * rows are four independent accumulator chains: each tile loaded is used twice. So the
+ * weights stay quantized in memory and the products are a bf16 model's (bf16 operands,
+ * float32 sums), as the bf16 GEMM of larger matmuls (quant_linear.py). Intel 64 and
+ * IA-32 Architectures Optimization Reference Manual, ch. 20 (AMX): tile configuration,
+ * TDPBF16PS and its operand layouts; Linux needs the process to ask for the tile state
+ * (arch_prctl ARCH_REQ_XCOMP_PERM). */
 #if HAVE_X86 && defined(__linux__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define HAVE_AMX 1
@@ -520,8 +521,8 @@ typedef struct {
 /* Tiles 0..ntiles - 1 configured as 16 rows of 64 bytes, the shape every tile of both
  * AMX bodies has. AMX-BF16 (8 tiles): 0, 3, 5 and 6 the accumulators (16 weight rows x
  * 16 activation rows, float32), 1 and 4 the two weight panels' 16 x 32 bf16, 2 and 7
- * two tiles of 16 pairs x 16 activation rows of bf16. AMX-INT8 (8 tiles): 0-3 C (16 weight rows x 16 int32),
- * 4 and 5 A (16 x 64 bytes), 6 and 7 B (16 x 64 bytes). */
+ * two tiles of 16 pairs x 16 activation rows of bf16. AMX-INT8 (8 tiles): 0-3 C (16
+ * weight rows x 16 int32), 4 and 5 A (16 x 64 bytes), 6 and 7 B (16 x 64 bytes). */
 __attribute__((target("amx-tile"))) static void amx_tiles_on(int ntiles)
 {
     amx_config c;
@@ -591,7 +592,8 @@ AMX static void dequant_panel_bf16(int fmt, const uint8_t *qs, const uint16_t *s
             const __m512i q = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
                 _mm_loadu_si128((const __m128i *)(rq + b * (QK / 2)))));
             const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), nib);
-            _mm512_storeu_si512((void *)(wa + r * K + b * QK), _mm512_permutexvar_epi16(idx, table));
+            _mm512_storeu_si512((void *)(wa + r * K + b * QK),
+                                _mm512_permutexvar_epi16(idx, table));
         }
     }
     if (np < 32)
