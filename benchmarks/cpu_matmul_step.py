@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from cpu_quant_rows import packed  # this folder is sys.path[0] when run as a script
+
 from flowengine import _cpu_ops as ops
 from flowengine.model.layers.quant_linear import FORMATS
 
@@ -34,17 +36,6 @@ LAYERS = 30
 LAYER_SHAPES = [("q4_1", 960, 576), ("q4_1", 576, 576), ("q4_1", 3072, 576),
                 ("q4_1", 576, 1536)]
 HEAD = ("q8_0", 49152, 576)
-
-
-def packed(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random codes and float16 scales in the kernel's layout (the time does not depend
-    on the values)."""
-    nb = k // 32
-    if fmt == "q8_0":
-        return (torch.randint(-127, 127, (n, k), dtype=torch.int8),
-                (torch.rand(n, nb) * 0.01).half())
-    return (torch.randint(0, 255, (n, k // 2), dtype=torch.uint8),
-            (torch.rand(n, nb * FORMATS[fmt][2]) * 0.01).half())
 
 
 def main() -> None:

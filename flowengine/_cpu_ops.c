@@ -1625,6 +1625,20 @@ static int64_t rowwise_chunk(int64_t T, int64_t width, int nth)
     return (T + 4 * (int64_t)nth - 1) / (4 * (int64_t)nth);
 }
 
+/* fn over T rows in chunks of `rows` (rowwise_chunk's): one chunk (a decode step's
+ * rows) runs here with the GIL held, not worth its round trip; more go to the pool
+ * without it. Call with the GIL. */
+static void run_rowwise(pool_fn fn, const void *ctx, int64_t T, int64_t rows, int nth)
+{
+    if (rows >= T) {
+        fn(ctx, 0);
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(fn, ctx, (T + rows - 1) / rows, nth);
+    Py_END_ALLOW_THREADS
+}
+
 static int check_fmt(int fmt)
 {
     if (fmt != FMT_Q4_0 && fmt != FMT_Q4_1 && fmt != FMT_Q8_0) {
@@ -2478,13 +2492,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args)
     rms_job j = {(const float *)(uintptr_t)xp, (const float *)(uintptr_t)rp,
                  (const float *)(uintptr_t)wp, (float)eps, T, H, rowwise_chunk(T, H, nth),
                  (float *)(uintptr_t)op, (float *)(uintptr_t)rop};
-    if (j.rows >= T) { /* one chunk (a decode step's rows): not worth the GIL's round trip */
-        rms_chunk(&j, 0);
-        Py_RETURN_NONE;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(rms_chunk, &j, (T + j.rows - 1) / j.rows, nth);
-    Py_END_ALLOW_THREADS
+    run_rowwise(rms_chunk, &j, T, j.rows, nth);
     Py_RETURN_NONE;
 }
 
@@ -2553,13 +2561,7 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
     rope_job j = {pos, T, (const float *)(uintptr_t)xp, xs, heads, D,
                   (const float *)(uintptr_t)tp, (float *)(uintptr_t)op,
                   rowwise_chunk(T, heads * D, nth)};
-    if (j.rows >= T) { /* one chunk: as rms_norm */
-        rope_chunk(&j, 0);
-        Py_RETURN_NONE;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(rope_chunk, &j, (T + j.rows - 1) / j.rows, nth);
-    Py_END_ALLOW_THREADS
+    run_rowwise(rope_chunk, &j, T, j.rows, nth);
     Py_RETURN_NONE;
 }
 
@@ -2705,9 +2707,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args)
         Py_RETURN_NONE;
     silu_job j = {(const float *)(uintptr_t)gp, T, I, rowwise_chunk(T, I, nth),
                   (float *)(uintptr_t)op};
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(silu_chunk, &j, (T + j.rows - 1) / j.rows, nth);
-    Py_END_ALLOW_THREADS
+    run_rowwise(silu_chunk, &j, T, j.rows, nth);
     Py_RETURN_NONE;
 }
 
