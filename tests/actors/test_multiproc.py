@@ -85,16 +85,21 @@ def test_multiproc_equals_inproc_and_survives_kills(
                 before = engine.supervisor.num_restarts
                 assert await _run_all(engine, kill_role=role) == inproc_reference
                 assert engine.supervisor.num_restarts == before + 1
-            # Idle: the whole group (frontend included) under 2% of one core.
-            await asyncio.sleep(1.0)
+            # Idle: the whole group (frontend included) under 5% of one core. A polling
+            # loop costs a whole core; the sleeping waiters' timed slices and the
+            # supervisor's liveness checks cost ~1-3% on a loaded 2-core CI machine (a
+            # 2% bound over 3 s failed there once at 2.7%), so the bound leaves room for
+            # them and the window is long enough that 10 ms ticks do not dominate.
+            await asyncio.sleep(2.0)
             pids = [os.getpid(), *engine.supervisor.pids["engine"],
                     *engine.supervisor.pids["executor"]]
             start = {p: _cpu_ticks(p) for p in pids}
             t0 = time.monotonic()
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(5.0)
             elapsed = time.monotonic() - t0
-            used_s = sum(_cpu_ticks(p) - start[p] for p in pids) / CLK_TCK
-            assert used_s / elapsed < 0.02, f"idle engine used {used_s / elapsed:.1%} of a core"
+            used = {p: (_cpu_ticks(p) - start[p]) / CLK_TCK for p in pids}
+            share = sum(used.values()) / elapsed
+            assert share < 0.05, f"idle engine used {share:.1%} of a core (s by pid: {used})"
         finally:
             await engine.shutdown(drain_timeout_s=10)
         assert _segments_of(run_id) == []
