@@ -437,6 +437,13 @@ AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int
     }
 }
 
+/* 16 bf16 values widened to float32 (exact). */
+AVX512 static inline __m512 bf16_load16_avx512(const uint16_t *p)
+{
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* 16 float32 values rounded to bf16 as f32_to_bf16 rounds them (nearest even, NaN kept
  * a quiet NaN), with AVX-512F integer ops: no AVX512-BF16 needed. */
 AVX512 static inline __m256i bf16_round_avx512(__m512 v)
@@ -2168,8 +2175,7 @@ AVX512 static inline __m512 sum16_ps(const __m512 *t)
 AVX512 static inline __attribute__((always_inline)) __m512 load_kv16(const char *p, const int KB)
 {
     if (KB)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+        return bf16_load16_avx512((const uint16_t *)p);
     return _mm512_loadu_ps((const float *)p);
 }
 
@@ -2645,18 +2651,35 @@ AVX512 static inline void mask_store_ninf_avx512(float *p, uint32_t banned)
     _mm512_mask_storeu_ps(p + 16, (__mmask16)(banned >> 16), ninf);
 }
 
+/* silu(x) * u for 16 lanes: the one body of the float32 and bf16 versions. */
+AVX512 static inline __m512 silu_mul16_avx512(__m512 x, __m512 u)
+{
+    __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
 AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, float *out)
 {
     int64_t i = 0;
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = _mm512_loadu_ps(g + i);
-        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        __m512 sl = _mm512_div_ps(x, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(sl, _mm512_loadu_ps(u + i)));
-    }
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, silu_mul16_avx512(_mm512_loadu_ps(g + i),
+                                                    _mm512_loadu_ps(u + i)));
     for (; i < n; i++)
         out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+AVX512 static void silu_mul_bf16_avx512(const uint16_t *g, const uint16_t *u, int64_t n,
+                                        uint16_t *out)
+{
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 r = silu_mul16_avx512(bf16_load16_avx512(g + i), bf16_load16_avx512(u + i));
+        _mm256_storeu_si256((__m256i *)(out + i), bf16_round_avx512(r));
+    }
+    for (; i < n; i++) {
+        float x = bf16_to_f32(g[i]);
+        out[i] = f32_to_bf16(x / (1.f + expf(-x)) * bf16_to_f32(u[i]));
+    }
 }
 #endif
 
@@ -2676,28 +2699,55 @@ static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
     }
 }
 
-/* silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up for float32
- * gate_up [T, 2 I] (gate first), rows split among the pool's threads as rowwise_chunk
- * says (the per-operator path's prefill; the fused decode layers call silu_mul_impl). */
+/* The same over bf16 rows: each value widened to float32 (exact), the float32 body's
+ * operations, one rounding to bf16 (f32_to_bf16's, torch's). */
+static void silu_mul_bf16_impl(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * 2 * I, *u = g + I;
+        uint16_t *o = out + t * I;
+#if HAVE_X86
+        if (use_avx512()) {
+            silu_mul_bf16_avx512(g, u, I, o);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < I; i++) {
+            float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(x / (1.f + expf(-x)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* silu_mul(gate_up, T, I, out, num_threads[, bf16]): out[T, I] = silu(gate) * up for
+ * gate_up [T, 2 I] (gate first), float32, or with bf16 set bf16 in and out; rows split
+ * among the pool's threads as rowwise_chunk says (the per-operator path's prefill; the
+ * fused decode layers call silu_mul_impl). */
 typedef struct {
-    const float *gu;
+    const void *gu;
     int64_t T, I, rows;
-    float *out;
+    void *out;
+    int bf16;
 } silu_job;
 
 static void silu_chunk(const void *ctx, int64_t c)
 {
     const silu_job *j = (const silu_job *)ctx;
     const int64_t t0 = c * j->rows, t1 = t0 + j->rows < j->T ? t0 + j->rows : j->T;
-    silu_mul_impl(j->gu + t0 * 2 * j->I, t1 - t0, j->I, j->out + t0 * j->I);
+    if (j->bf16)
+        silu_mul_bf16_impl((const uint16_t *)j->gu + t0 * 2 * j->I, t1 - t0, j->I,
+                           (uint16_t *)j->out + t0 * j->I);
+    else
+        silu_mul_impl((const float *)j->gu + t0 * 2 * j->I, t1 - t0, j->I,
+                      (float *)j->out + t0 * j->I);
 }
 
 static PyObject *py_silu_mul(PyObject *self, PyObject *args)
 {
     unsigned long long gp, op;
     long long T, I;
-    int nth;
-    if (!PyArg_ParseTuple(args, "KLLKi", &gp, &T, &I, &op, &nth))
+    int nth, bf16 = 0;
+    if (!PyArg_ParseTuple(args, "KLLKi|p", &gp, &T, &I, &op, &nth, &bf16))
         return NULL;
     if (T < 0 || I < 0 || nth < 1) {
         PyErr_Format(PyExc_ValueError, "bad shapes T=%lld I=%lld threads=%d", T, I, nth);
@@ -2705,8 +2755,8 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *args)
     }
     if (T == 0 || I == 0)
         Py_RETURN_NONE;
-    silu_job j = {(const float *)(uintptr_t)gp, T, I, rowwise_chunk(T, I, nth),
-                  (float *)(uintptr_t)op};
+    silu_job j = {(const void *)(uintptr_t)gp, T, I, rowwise_chunk(T, I, nth),
+                  (void *)(uintptr_t)op, bf16};
     run_rowwise(silu_chunk, &j, T, j.rows, nth);
     Py_RETURN_NONE;
 }
@@ -3307,7 +3357,8 @@ static PyMethodDef methods[] = {
      "True when the AMX-INT8 body runs (AMX-INT8 and AVX512-DQ in cpuid, has_amx(), "
      "FLOWENGINE_CPU_NO_AMX_INT8 unset or 0)."},
     {"silu_mul", py_silu_mul, METH_VARARGS,
-     "silu_mul(gate_up, T, I, out, num_threads): out[T, I] = silu(gate) * up, float32."},
+     "silu_mul(gate_up, T, I, out, num_threads[, bf16]): out[T, I] = silu(gate) * up,\n"
+     "float32 (bf16 in and out with bf16 set)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, res, w, eps, T, H, out, res_out[, num_threads]): (residual add and) "
      "RMSNorm, float32."},

@@ -96,6 +96,35 @@ def test_silu_and_mul_declines_other_inputs():
     assert cpu_kernels.silu_and_mul(torch.randn(2, 64)) is None  # autograd on
 
 
+@pytest.mark.parametrize("t,i", [(1, 1536), (3, 23), (300, 1536)])
+def test_silu_and_mul_bf16_is_the_float32_body_rounded_once(t, i):
+    """bf16 in and out: the float32 body on the widened values, rounded once as torch
+    rounds, bit for bit (odd widths run the scalar tail); NaN, infinities and values
+    whose exp overflows included; the 300-row case split over two threads."""
+    gate_up = (torch.randn(t, 2 * i) * 6).to(torch.bfloat16)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -200.0, 200.0, 0.0,
+                            -0.0, 1e-38], dtype=torch.bfloat16)
+    flat = gate_up.view(-1)
+    flat[: min(flat.numel(), 8)] = special[: min(flat.numel(), 8)]
+    flat[-min(flat.numel(), 8):] = special[: min(flat.numel(), 8)]
+    with torch.inference_mode():
+        expected = cpu_kernels.silu_and_mul(gate_up.float()).to(torch.bfloat16)
+        one, two = _one_and_two_threads(lambda: cpu_kernels.silu_and_mul_bf16(gate_up))
+    assert one.dtype == torch.bfloat16 and one.shape == (t, i)
+    same = (one.view(torch.int16) == expected.view(torch.int16)) | (one.isnan() & expected.isnan())
+    assert bool(same.all())
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+
+
+def test_silu_and_mul_bf16_declines_other_inputs():
+    with torch.inference_mode():
+        assert cpu_kernels.silu_and_mul_bf16(torch.randn(2, 64)) is None  # float32
+        assert cpu_kernels.silu_and_mul_bf16(
+            torch.randn(64, 2).to(torch.bfloat16).t()) is None  # strided
+        assert cpu_kernels.silu_and_mul_bf16(torch.randn(2, 63).to(torch.bfloat16)) is None
+    assert cpu_kernels.silu_and_mul_bf16(torch.randn(2, 64).to(torch.bfloat16)) is None
+
+
 @pytest.mark.parametrize("t", [1, 5, 200])
 def test_rotary_on_fused_qkv_views(t):
     """The 200-row case (115K values of q) splits its rows among two threads and equals

@@ -244,6 +244,36 @@ def test_bf16_rows_take_bf16_products_where_native(fmt, native_bf16, amx, monkey
         assert (out.double() - expected).abs().max().item() <= 2e-2 * scale, m
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swiglu_over_bf16_gemms_is_the_float32_route_bit_for_bit(fmt, monkeypatch):
+    """An MLP whose two matmuls both take the bf16 GEMM (--dtype bfloat16, a prefill of
+    >= bf16_rows(fmt)[1] rows) keeps the gate_up product bf16: the same bits as the
+    float32 route (gate_up in float32, SiLU-and-mul in float32, down rounding its input
+    to bf16). Below the threshold, or without bf16 GEMMs, it declines."""
+    import flowengine.model.layers.quant_linear as ql
+    from flowengine.model.layers import cpu_kernels
+    from flowengine.model.layers.activation import silu_and_mul
+
+    if not cpu_kernels.ENABLED:
+        pytest.skip("the C operations are off")
+    monkeypatch.setattr(ql, "_NATIVE_BF16", True)  # F.linear in bf16 runs anywhere
+    seed = int(torch.randint(0, 2**31, ()).item())
+    gate_up, _ = _gguf_weight(fmt, 2 * 96, 64, seed)
+    down, _ = _gguf_weight(fmt, 64, 96, seed + 1)
+    for w in (gate_up, down):
+        w.bf16_rows = ql.bf16_rows(fmt)
+    m = ql.bf16_rows(fmt)[1]
+    x = torch.randn(m + 3, 64)
+    with torch.inference_mode():
+        chained = ql.swiglu_bf16_gemms(x, gate_up, down)
+        routed = down.matmul(silu_and_mul(gate_up.matmul(x)))
+        assert chained is not None and chained.dtype == torch.float32
+        assert torch.equal(chained, routed)
+        assert ql.swiglu_bf16_gemms(x[: m - 1], gate_up, down) is None
+        gate_up.bf16_rows = None  # --dtype float32: no bf16 products
+        assert ql.swiglu_bf16_gemms(x, gate_up, down) is None
+
+
 @_needs_amx
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(72, 128), (48, 576), (200, 1536)])

@@ -112,7 +112,7 @@ class TorchAttentionBackend:
         (Gemma 2; None: off). Rows of padding tokens (beyond query_start_loc[-1]) are
         returned as zeros.
         """
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        self._write_kv(k, v, kv_cache, meta.slot_mapping)
         query_start = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         block_size = kv_cache.shape[2]
@@ -137,9 +137,20 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_len: int, block_size: int,
-                 scale: float, sliding_window: int | None = None,
+    def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        """The step's KV-cache write (write_kv_cache)."""
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+
+    @staticmethod
+    def _prefill_dtype(kv_cache: torch.Tensor) -> torch.dtype:
+        """The dtype a prefill's attention computes in: float32 here, whatever the cache."""
+        return torch.float32
+
+    @classmethod
+    def _prefill(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                 block_size: int, scale: float, sliding_window: int | None = None,
                  soft_cap: float | None = None) -> torch.Tensor:
         """One request's n new tokens over its seq_len-token context -> [n, Hq, D]."""
         num_new = q.shape[0]
@@ -153,9 +164,10 @@ class TorchAttentionBackend:
         # 4-D inputs and enable_gqa select PyTorch's fused CPU flash-attention kernel
         # (3-D inputs fall back to the unfused math path, measured ~2x slower) and
         # read each KV head once for its whole query-head group.
-        query = q.float().transpose(0, 1)[None]  # [1, Hq, n, D]
-        keys = keys.float().transpose(0, 1)[None]  # [1, Hkv, L, D]
-        values = values.float().transpose(0, 1)[None]
+        dtype = torch.float32 if soft_cap is not None else cls._prefill_dtype(kv_cache)
+        query = q.to(dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
+        keys = keys.to(dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        values = values.to(dtype).transpose(0, 1)[None]
         windowed = sliding_window is not None and sliding_window < seq_len
         if num_cached == 0 and not windowed:
             o = _attend(query, keys, values, None, scale, soft_cap, is_causal=True)

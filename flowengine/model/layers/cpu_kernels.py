@@ -63,6 +63,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up [T, I] bf16 for gate_up [T, 2 I] bf16 (gate first): each value
+    widened to float32, silu_and_mul's float32 operations, one rounding to bf16 as
+    torch's .to(torch.bfloat16) rounds. So it equals silu_and_mul(gate_up.float())
+    .to(torch.bfloat16) bit for bit, without the two float32 tensors; None when the
+    input is not of that kind. (torch's bf16 operators round after each operation.)"""
+    if not (ENABLED and gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu"
+            and gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.shape[1] % 2 == 0
+            and not gate_up.requires_grad and not torch.is_grad_enabled()):
+        return None
+    t, i2 = gate_up.shape
+    out = torch.empty(t, i2 // 2, dtype=torch.bfloat16)
+    _ops.silu_mul(gate_up.data_ptr(), t, i2 // 2, out.data_ptr(), torch.get_num_threads(),
+                  True)
+    return out
+
+
 def _rope_source(x: torch.Tensor) -> bool:
     """[T, heads, D] float32 with contiguous heads (a view of the fused qkv rows)."""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3

@@ -326,8 +326,17 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in x's dtype.
+    def takes_bf16_gemm(self, rows: int, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether `matmul` of `rows` activation rows of `dtype` runs as one bf16 GEMM
+        over the dequantized matrix (its output then exactly a bf16 tensor's values)."""
+        limits = (bf16_rows(self.fmt) if dtype == torch.bfloat16
+                  else self.bf16_rows if dtype == torch.float32 else None)
+        return limits is not None and rows >= limits[1]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in out_dtype (None:
+        x's dtype).
 
         float32 accumulation over exactly dequantized weights, except for bf16 x on a
         CPU with native bf16 GEMMs and float32 x where `use_bf16_gemms` set
@@ -335,23 +344,27 @@ class QuantizedWeight:
         accumulation, the AMX-INT8 body (up to `amx_int8_max_rows()` rows: the exact
         weights times x rounded to 16-bit integers per 32-value block), the AMX-BF16
         body or one bf16 GEMM (products of x and the weights rounded to bf16, a bf16
-        model's precision); the result in x's dtype."""
+        model's precision); the result in out_dtype. A bf16 GEMM's result asked for in
+        bf16 is the GEMM's own output (no float32 copy)."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
+        out_dtype = out_dtype or x.dtype
         rows = (bf16_rows(self.fmt) if x2.dtype == torch.bfloat16
                 else self.bf16_rows if x2.dtype == torch.float32 else None)
         if rows is not None and m >= rows[1]:
             w16 = self.dequantize(torch.bfloat16)
-            if x2.dtype == torch.bfloat16:
-                out = F.linear(x2, w16, None if bias is None else bias.to(torch.bfloat16))
-            else:  # float32 in and out; the bias added in float32
+            if out_dtype == torch.bfloat16:  # the bias added by the GEMM
+                out = F.linear(x2.to(torch.bfloat16), w16,
+                               None if bias is None else bias.to(torch.bfloat16))
+            else:  # float32 (or another dtype) out; the bias added in float32
                 out = F.linear(x2.to(torch.bfloat16), w16).float()
                 if bias is not None:
                     out += bias
+                out = out.to(out_dtype)
             return out if len(lead) == 1 else out.view(*lead, n)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
@@ -367,8 +380,8 @@ class QuantizedWeight:
                            amx)
         if bias is not None:
             out += bias
-        if x.dtype != torch.float32:
-            out = out.to(x.dtype)
+        if out_dtype != torch.float32:
+            out = out.to(out_dtype)
         return out if len(lead) == 1 else out.view(*lead, n)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -408,6 +421,33 @@ def use_bf16_gemms(model: torch.nn.Module) -> None:
         weight = getattr(module, "weight", None)
         if isinstance(weight, QuantizedWeight):
             weight.bf16_rows = bf16_rows(weight.fmt)
+
+
+def swiglu_bf16_gemms(x: torch.Tensor, gate_up: torch.Tensor | QuantizedWeight,
+                      down: torch.Tensor | QuantizedWeight) -> torch.Tensor | None:
+    """down(silu(gate) * up) [T, H] float32 for float32 x [T, H] whose two quantized
+    matmuls both run as one bf16 GEMM at T rows (`--dtype bfloat16` prefills on the
+    CPU; unbiased, unsharded layers), or None where that does not hold (the caller
+    runs its layers).
+
+    The [T, 2 I] gate_up product stays the GEMM's bf16 output and the SiLU-and-mul
+    rounds once to bf16 (cpu_kernels.silu_and_mul_bf16), which is what the down GEMM
+    would have rounded its float32 input to: the same bits as the float32 route, less
+    two float32 round trips of the widest activations (~12% of a 16 x 128-token
+    prefill of the default model, docs/benchmarks.md session 44)."""
+    from flowengine.model.layers import cpu_kernels
+
+    if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+            and cpu_kernels.ENABLED and x.dtype == torch.float32 and x.dim() == 2):
+        return None
+    m = x.shape[0]
+    if not (gate_up.takes_bf16_gemm(m) and down.takes_bf16_gemm(m)
+            and down.takes_bf16_gemm(m, torch.bfloat16)):
+        return None
+    act = cpu_kernels.silu_and_mul_bf16(gate_up.matmul(x, out_dtype=torch.bfloat16))
+    if act is None:
+        raise RuntimeError("silu_and_mul_bf16 refused the bf16 GEMM's output")
+    return down.matmul(act, out_dtype=torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,

@@ -34,6 +34,7 @@ from flowengine.model.layers.linear import (
     parallel_logits,
 )
 from flowengine.model.layers.moe import FusedMoE
+from flowengine.model.layers.quant_linear import swiglu_bf16_gemms
 from flowengine.model.layers.rms_norm import RMSNorm, ShardedRMSNorm
 from flowengine.model.layers.rotary import RotaryEmbedding
 from flowengine.model.model_config import ModelConfig
@@ -144,7 +145,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden_size] -> [T, hidden_size]."""
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (self.act is silu_and_mul and gate_up.bias is None and down.bias is None
+                and down.tp.world_size == 1):
+            out = swiglu_bf16_gemms(x, gate_up.weight, down.weight)
+            if out is not None:  # a CPU prefill over bf16 GEMMs, its [T, 2I] kept bf16
+                return out
+        return down(self.act(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
