@@ -42,16 +42,21 @@ def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out
 
 
+# (cached tokens, new tokens) per request, in batch order. The second has runs of fresh
+# prompts of one length, which attend in one SDPA call (TorchAttentionBackend._prefill_fresh).
+LAYOUTS = [[(0, 7), (9, 5), (12, 1), (0, 1), (30, 1), (3, 6)],
+           [(0, 6), (0, 6), (0, 6), (4, 6), (0, 6), (0, 1), (0, 5), (0, 5), (0, 6)]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (3, 2.0), (None, 1.5)])
 @pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3), (1, 4)])
-def test_mixed_batch_matches_dense_attention(num_kv_heads: int, group: int, window, soft_cap
-                                             ) -> None:
+def test_mixed_batch_matches_dense_attention(num_kv_heads: int, group: int, window, soft_cap,
+                                             layout) -> None:
     """Fresh prefill, prefill chunk over a cached prefix, decodes, and padding tokens;
     also with a sliding window (shorter than most contexts) and logit soft-capping."""
     num_heads = num_kv_heads * group
     scale = HEAD_DIM ** -0.5
-    # (cached tokens, new tokens) per request, in batch order.
-    layout = [(0, 7), (9, 5), (12, 1), (0, 1), (30, 1), (3, 6)]
     num_pad = 3
     perm = torch.randperm(NUM_BLOCKS).tolist()  # non-contiguous block ids
     # Blocks no request owns are poisoned: reading one would turn outputs into NaN.

@@ -112,7 +112,14 @@ class TorchAttentionBackend:
         (Gemma 2; None: off). Rows of padding tokens (beyond query_start_loc[-1]) are
         returned as zeros.
         """
-        self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        # Prefill chunks attend in _prefill_dtype: q, k and v converted once for the
+        # step, not per request (k and v as the cache write would round them).
+        dtype = (torch.float32 if logits_soft_cap is not None
+                 else self._prefill_dtype(kv_cache))
+        qp, kp, vp = q, k, v
+        if meta.max_query_len > 1 and dtype != q.dtype:
+            qp, kp, vp = q.to(dtype), k.to(dtype), v.to(dtype)
+        self._write_kv(kp, vp, kv_cache, meta.slot_mapping)
         query_start = meta.query_start_loc_cpu.tolist()
         seq_lens = meta.seq_lens_cpu.tolist()
         block_size = kv_cache.shape[2]
@@ -121,16 +128,29 @@ class TorchAttentionBackend:
         if num_real < q.shape[0]:
             out[num_real:] = 0
         decode_reqs: list[int] = []
-        for i, seq_len in enumerate(seq_lens):
+        i = 0
+        while i < len(seq_lens):
             start, end = query_start[i], query_start[i + 1]
-            if end - start == 1:
+            n, j = end - start, i + 1
+            if n == 1:
                 decode_reqs.append(i)
-            elif end > start:
+            elif n > 1 and seq_lens[i] == n and (sliding_window is None or sliding_window >= n):
+                # Fresh prompts of n tokens each in a row (no cached prefix, no window
+                # inside them): one causal SDPA call over [r, H, n, D].
+                while (j < len(seq_lens) and seq_lens[j] == n
+                       and query_start[j + 1] - query_start[j] == n):
+                    j += 1
+                end = query_start[j]
+                out[start:end] = self._prefill_fresh(qp[start:end], kp[start:end],
+                                                     vp[start:end], j - i, scale,
+                                                     logits_soft_cap)
+            elif n > 1:
                 out[start:end] = self._prefill(
-                    q[start:end], k[start:end], v[start:end], kv_cache,
-                    meta.block_tables[i], seq_len, block_size, scale,
+                    qp[start:end], kp[start:end], vp[start:end], kv_cache,
+                    meta.block_tables[i], seq_lens[i], block_size, scale,
                     sliding_window, logits_soft_cap,
                 )
+            i = j
         if decode_reqs:
             self._decode(q, kv_cache, meta, decode_reqs, query_start, seq_lens, scale, out,
                          sliding_window, logits_soft_cap)
@@ -146,6 +166,22 @@ class TorchAttentionBackend:
     def _prefill_dtype(kv_cache: torch.Tensor) -> torch.dtype:
         """The dtype a prefill's attention computes in: float32 here, whatever the cache."""
         return torch.float32
+
+    @staticmethod
+    def _prefill_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_reqs: int,
+                       scale: float, soft_cap: float | None) -> torch.Tensor:
+        """num_reqs fresh prompts of n tokens each, back to back: q [num_reqs * n, Hq, D],
+        k/v [num_reqs * n, Hkv, D] (their whole contexts) -> [num_reqs * n, Hq, D], each
+        prompt causal over itself, in one call (in q's dtype, unless soft-capped)."""
+        t, hq, d = q.shape
+        n, hkv = t // num_reqs, k.shape[1]
+        dtype = torch.float32 if soft_cap is not None else q.dtype
+        # [r, n, H, D] -> [r, H, n, D]: 4-D inputs select the fused CPU flash kernel.
+        query = q.to(dtype).view(num_reqs, n, hq, d).transpose(1, 2)
+        keys = k.to(dtype).view(num_reqs, n, hkv, d).transpose(1, 2)
+        values = v.to(dtype).view(num_reqs, n, hkv, d).transpose(1, 2)
+        o = _attend(query, keys, values, None, scale, soft_cap, is_causal=True)
+        return o.transpose(1, 2).reshape(t, hq, d)
 
     @classmethod
     def _prefill(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
