@@ -438,7 +438,8 @@ def swiglu_bf16_gemms(x: torch.Tensor, gate_up: torch.Tensor | QuantizedWeight,
     from flowengine.model.layers import cpu_kernels
 
     if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-            and cpu_kernels.ENABLED and x.dtype == torch.float32 and x.dim() == 2):
+            and cpu_kernels.ENABLED and x.dtype == torch.float32 and x.dim() == 2
+            and not torch.is_grad_enabled()):
         return None
     m = x.shape[0]
     if not (gate_up.takes_bf16_gemm(m) and down.takes_bf16_gemm(m)
