@@ -6,7 +6,8 @@ Every stream must complete with exactly the text and token ids of an undisturbed
 each kill must cost exactly one restart (no restart timed out and was retried), and no
 restart may take longer than its limit (FLOWENGINE_ENGINE_READY_TIMEOUT_S, set here).
 
-CI runs FLOWENGINE_SOAK_KILLS=2 (2 engine + 2 executor kills, the default). The full
+CI runs FLOWENGINE_SOAK_KILLS=1 (1 engine + 1 executor kill, the default; the suite must stay
+under 25 minutes, and both roles and the late start are covered by one kill each). The full
 acceptance run is by hand, and prints the restart times:
 
     FLOWENGINE_SOAK_KILLS=50 python3 -m pytest -q -s tests/actors/test_restart_soak.py
@@ -29,7 +30,7 @@ from flowengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 
-NUM_KILLS = int(os.environ.get("FLOWENGINE_SOAK_KILLS", "2"))
+NUM_KILLS = int(os.environ.get("FLOWENGINE_SOAK_KILLS", "1"))
 READY_TIMEOUT_S = 180.0
 PROMPTS = [f"Tale {i}: the lighthouse keeper opened the door and" for i in range(8)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -264,14 +265,18 @@ def test_swiglu_over_bf16_gemms_is_the_float32_route_bit_for_bit(fmt, monkeypatc
         w.bf16_rows = ql.bf16_rows(fmt)
     m = ql.bf16_rows(fmt)[1]
     x = torch.randn(m + 3, 64)
+    layers = SimpleNamespace(weight=gate_up, bias=None), SimpleNamespace(weight=down, bias=None)
     with torch.inference_mode():
-        chained = ql.swiglu_bf16_gemms(x, gate_up, down)
+        chained = ql.swiglu_bf16_gemms(x, *layers)
         routed = down.matmul(silu_and_mul(gate_up.matmul(x)))
         assert chained is not None and chained.dtype == torch.float32
         assert torch.equal(chained, routed)
-        assert ql.swiglu_bf16_gemms(x[: m - 1], gate_up, down) is None
+        assert ql.swiglu_bf16_gemms(x[: m - 1], *layers) is None
+        biased = SimpleNamespace(weight=down, bias=torch.zeros(64))
+        assert ql.swiglu_bf16_gemms(x, layers[0], biased) is None
         gate_up.bf16_rows = None  # --dtype float32: no bf16 products
-        assert ql.swiglu_bf16_gemms(x, gate_up, down) is None
+        assert ql.swiglu_bf16_gemms(x, *layers) is None
+    assert ql.swiglu_bf16_gemms(x, *layers) is None  # autograd on
 
 
 @_needs_amx

@@ -423,12 +423,12 @@ def use_bf16_gemms(model: torch.nn.Module) -> None:
             weight.bf16_rows = bf16_rows(weight.fmt)
 
 
-def swiglu_bf16_gemms(x: torch.Tensor, gate_up: torch.Tensor | QuantizedWeight,
-                      down: torch.Tensor | QuantizedWeight) -> torch.Tensor | None:
-    """down(silu(gate) * up) [T, H] float32 for float32 x [T, H] whose two quantized
-    matmuls both run as one bf16 GEMM at T rows (`--dtype bfloat16` prefills on the
-    CPU; unbiased, unsharded layers), or None where that does not hold (the caller
-    runs its layers).
+def swiglu_bf16_gemms(x: torch.Tensor, gate_up: torch.nn.Module, down: torch.nn.Module
+                      ) -> torch.Tensor | None:
+    """down(silu(gate) * up) [T, H] float32 for float32 x [T, H] where the layers'
+    weights are quantized and both matmuls run as one bf16 GEMM at T rows
+    (`--dtype bfloat16` prefills on the CPU; unbiased layers, no tensor parallelism),
+    or None where that does not hold (the caller runs its layers).
 
     The [T, 2 I] gate_up product stays the GEMM's bf16 output and the SiLU-and-mul
     rounds once to bf16 (cpu_kernels.silu_and_mul_bf16), which is what the down GEMM
@@ -437,18 +437,21 @@ def swiglu_bf16_gemms(x: torch.Tensor, gate_up: torch.Tensor | QuantizedWeight,
     prefill of the default model, docs/benchmarks.md session 44)."""
     from flowengine.model.layers import cpu_kernels
 
-    if not (isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-            and cpu_kernels.ENABLED and x.dtype == torch.float32 and x.dim() == 2
-            and not torch.is_grad_enabled()):
+    gw, dw = getattr(gate_up, "weight", None), getattr(down, "weight", None)
+    tp = getattr(down, "tp", None)
+    if not (isinstance(gw, QuantizedWeight) and isinstance(dw, QuantizedWeight)
+            and getattr(gate_up, "bias", None) is None and getattr(down, "bias", None) is None
+            and (tp is None or tp.world_size == 1) and cpu_kernels.ENABLED
+            and x.dtype == torch.float32 and x.dim() == 2 and not torch.is_grad_enabled()):
         return None
     m = x.shape[0]
-    if not (gate_up.takes_bf16_gemm(m) and down.takes_bf16_gemm(m)
-            and down.takes_bf16_gemm(m, torch.bfloat16)):
+    if not (gw.takes_bf16_gemm(m) and dw.takes_bf16_gemm(m)
+            and dw.takes_bf16_gemm(m, torch.bfloat16)):
         return None
-    act = cpu_kernels.silu_and_mul_bf16(gate_up.matmul(x, out_dtype=torch.bfloat16))
+    act = cpu_kernels.silu_and_mul_bf16(gw.matmul(x, out_dtype=torch.bfloat16))
     if act is None:
         raise RuntimeError("silu_and_mul_bf16 refused the bf16 GEMM's output")
-    return down.matmul(act, out_dtype=torch.float32)
+    return dw.matmul(act, out_dtype=torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,

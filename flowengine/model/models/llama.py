@@ -145,13 +145,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden_size] -> [T, hidden_size]."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if (self.act is silu_and_mul and gate_up.bias is None and down.bias is None
-                and down.tp.world_size == 1):
-            out = swiglu_bf16_gemms(x, gate_up.weight, down.weight)
+        if self.act is silu_and_mul:
+            out = swiglu_bf16_gemms(x, self.gate_up_proj, self.down_proj)
             if out is not None:  # a CPU prefill over bf16 GEMMs, its [T, 2I] kept bf16
                 return out
-        return down(self.act(gate_up(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
