@@ -2683,46 +2683,46 @@ AVX512 static void silu_mul_bf16_avx512(const uint16_t *g, const uint16_t *u, in
 }
 #endif
 
-static void silu_mul_impl(const float *gu, int64_t T, int64_t I, float *out)
+/* One row of I values: out = silu(g) * u, float32, or bf16 in and out (each value
+ * widened to float32 exactly, the float32 operations, one rounding to bf16 as
+ * f32_to_bf16 (torch) rounds). */
+static void silu_mul_row(const void *g, const void *u, int64_t I, void *out, int bf16)
 {
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gu + t * 2 * I, *u = g + I;
-        float *o = out + t * I;
 #if HAVE_X86
-        if (use_avx512()) {
-            silu_mul_avx512(g, u, I, o);
-            continue;
-        }
+    if (use_avx512()) {
+        if (bf16)
+            silu_mul_bf16_avx512(g, u, I, out);
+        else
+            silu_mul_avx512(g, u, I, out);
+        return;
+    }
 #endif
-        for (int64_t i = 0; i < I; i++)
-            o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < I; i++) {
+        if (bf16) {
+            float x = bf16_to_f32(((const uint16_t *)g)[i]);
+            ((uint16_t *)out)[i] = f32_to_bf16(x / (1.f + expf(-x))
+                                               * bf16_to_f32(((const uint16_t *)u)[i]));
+        } else {
+            float x = ((const float *)g)[i];
+            ((float *)out)[i] = x / (1.f + expf(-x)) * ((const float *)u)[i];
+        }
     }
 }
 
-/* The same over bf16 rows: each value widened to float32 (exact), the float32 body's
- * operations, one rounding to bf16 (f32_to_bf16's, torch's). */
-static void silu_mul_bf16_impl(const uint16_t *gu, int64_t T, int64_t I, uint16_t *out)
+/* T rows of gate_up [T, 2 I] (gate first) -> out [T, I], as silu_mul_row. */
+static void silu_mul_rows(const void *gu, int64_t T, int64_t I, void *out, int bf16)
 {
+    const int64_t esz = bf16 ? 2 : 4;
     for (int64_t t = 0; t < T; t++) {
-        const uint16_t *g = gu + t * 2 * I, *u = g + I;
-        uint16_t *o = out + t * I;
-#if HAVE_X86
-        if (use_avx512()) {
-            silu_mul_bf16_avx512(g, u, I, o);
-            continue;
-        }
-#endif
-        for (int64_t i = 0; i < I; i++) {
-            float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(x / (1.f + expf(-x)) * bf16_to_f32(u[i]));
-        }
+        const char *g = (const char *)gu + t * 2 * I * esz;
+        silu_mul_row(g, g + I * esz, I, (char *)out + t * I * esz, bf16);
     }
 }
 
 /* silu_mul(gate_up, T, I, out, num_threads[, bf16]): out[T, I] = silu(gate) * up for
  * gate_up [T, 2 I] (gate first), float32, or with bf16 set bf16 in and out; rows split
  * among the pool's threads as rowwise_chunk says (the per-operator path's prefill; the
- * fused decode layers call silu_mul_impl). */
+ * fused decode layers call silu_mul_rows). */
 typedef struct {
     const void *gu;
     int64_t T, I, rows;
@@ -2734,12 +2734,9 @@ static void silu_chunk(const void *ctx, int64_t c)
 {
     const silu_job *j = (const silu_job *)ctx;
     const int64_t t0 = c * j->rows, t1 = t0 + j->rows < j->T ? t0 + j->rows : j->T;
-    if (j->bf16)
-        silu_mul_bf16_impl((const uint16_t *)j->gu + t0 * 2 * j->I, t1 - t0, j->I,
-                           (uint16_t *)j->out + t0 * j->I);
-    else
-        silu_mul_impl((const float *)j->gu + t0 * 2 * j->I, t1 - t0, j->I,
-                      (float *)j->out + t0 * j->I);
+    const int64_t esz = j->bf16 ? 2 : 4;
+    silu_mul_rows((const char *)j->gu + t0 * 2 * j->I * esz, t1 - t0, j->I,
+                  (char *)j->out + t0 * j->I * esz, j->bf16);
 }
 
 static PyObject *py_silu_mul(PyObject *self, PyObject *args)
@@ -2866,7 +2863,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
         rc |= linear_impl(QW(4), att, T, hq * d, QQ(4), QS(4), H, h, nth, AMX_MIN(4), 0);
         rms_norm_impl(h, res, ln2, (float)eps, T, H, x, res);
         rc |= linear_impl(QW(8), x, T, H, QQ(8), QS(8), 2 * I, gu, nth, AMX_MIN(8), 0);
-        silu_mul_impl(gu, T, I, act);
+        silu_mul_rows(gu, T, I, act, 0);
         rc |= linear_impl(QW(11), act, T, I, QQ(11), QS(11), H, h, nth, AMX_MIN(11), 0);
 #undef QW
 #undef QQ
