@@ -148,24 +148,33 @@ def test_bfloat16_cache_is_computed_in_float32() -> None:
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_cpu_backend_prefills_over_a_bf16_cache_in_bf16(native_bf16, monkeypatch) -> None:
-    """float32 activations over a bf16 cache (--dtype bfloat16 on the CPU): a fresh
-    prefill and a chunk over a cached prefix attend in bf16 where the CPU multiplies
-    bf16 natively, else in float32. Either is within bf16 rounding of float64 attention
-    over the cache's (bf16) keys and values: the query, the softmax weights and the
-    output each rounded once to 8 significant bits (~4e-3 relative each) bound it by
-    2e-2 for these O(1) values; the float32 path is within 1e-5 as the torch
-    reference's."""
-    from flowengine.model.attention import cpu_backend
+    """float32 activations over a bf16 cache (--dtype bfloat16 on the CPU): two fresh
+    prompts of one length (one SDPA call), a third fresh one and a chunk over a cached
+    prefix attend in bf16 where the CPU multiplies bf16 natively (every SDPA input
+    bf16), else in float32. Either is within bf16 rounding of float64 attention over
+    the cache's (bf16) keys and values: the query, the softmax weights and the output
+    each rounded once to 8 significant bits (~4e-3 relative each) bound it by 2e-2
+    for these O(1) values (max seen 1.0e-2); the float32 path is within 1e-5 as the
+    torch reference's."""
+    from flowengine.model.attention import cpu_backend, torch_backend
 
     monkeypatch.setattr(cpu_backend, "_native_bf16", lambda: native_bf16)
+    seen: list[tuple[torch.dtype, ...]] = []
+    attend = torch_backend._attend
+
+    def spy(query, keys, values, *args, **kwargs):
+        seen.append((query.dtype, keys.dtype, values.dtype, query.shape[0]))
+        return attend(query, keys, values, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "_attend", spy)
     backend = cpu_backend.CpuAttentionBackend()
     num_heads, num_kv_heads, d, bs = 6, 2, 64, 16
     assert backend._prefill_dtype(torch.zeros(1, dtype=torch.bfloat16)) == (
         torch.bfloat16 if native_bf16 else torch.float32)
     assert backend._prefill_dtype(torch.zeros(1)) == torch.float32
-    layout = [(0, 37), (9, 20)]  # (cached, new) per request
-    kv_cache = torch.zeros(2, 12, bs, num_kv_heads, d, dtype=torch.bfloat16)
-    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0]], dtype=torch.int32)
+    layout = [(0, 21), (0, 21), (0, 37), (9, 20)]  # (cached, new) per request
+    kv_cache = torch.zeros(2, 16, bs, num_kv_heads, d, dtype=torch.bfloat16)
+    tables = torch.tensor([[3, 7, 0], [11, 12, 0], [4, 8, 1], [5, 2, 0]], dtype=torch.int32)
     qs, ks, vs, slots, full = [], [], [], [], []
     for i, (cached, new) in enumerate(layout):
         k_all = torch.randn(cached + new, num_kv_heads, d).bfloat16().float()
@@ -181,13 +190,16 @@ def test_cpu_backend_prefills_over_a_bf16_cache_in_bf16(native_bf16, monkeypatch
         ks.append(k_all[cached:])
         vs.append(v_all[cached:])
         full.append((k_all, v_all))
-    starts = torch.tensor([0, 37, 57], dtype=torch.int32)
-    seq_lens = torch.tensor([37, 29], dtype=torch.int32)
+    starts = torch.tensor([0, 21, 42, 79, 99], dtype=torch.int32)
+    seq_lens = torch.tensor([21, 21, 37, 29], dtype=torch.int32)
     meta = AttentionMetadata(starts, seq_lens, tables, torch.tensor(slots), 37, 37, starts,
                              seq_lens)
     q = torch.cat(qs)
     out = backend.forward(q, torch.cat(ks), torch.cat(vs), kv_cache, meta, d ** -0.5)
     assert out.dtype == torch.float32
+    want = torch.bfloat16 if native_bf16 else torch.float32
+    # The two 21-token prompts in one call (batch 2), then the 37-token one, the chunk.
+    assert seen == [(want, want, want, 2), (want, want, want, 1), (want, want, want, 1)]
     tol = 2e-2 if native_bf16 else 1e-5
     for i, (k_all, v_all) in enumerate(full):
         a, b = int(starts[i]), int(starts[i + 1])

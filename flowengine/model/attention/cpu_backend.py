@@ -176,8 +176,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """bfloat16 over a bf16 cache on a CPU that multiplies bf16 natively (AMX-BF16
         or AVX512-BF16), else float32. PyTorch's CPU flash attention then takes bf16
         products (float32 accumulation and softmax): the keys and values are the
-        cache's bf16 values, which decode reads anyway, and the query is rounded as
-        the o-projection's bf16 products round its input. Measured 2.8x faster than
+        cache's bf16 values, which decode reads anyway; the query and the softmax
+        weights are rounded to bf16, a bf16 model's precision (`--dtype bfloat16`;
+        its matmuls round their inputs to bf16 too from bf16_rows' row counts, and
+        below them run in float32). Prompts of at most VERIFY_MAX_QUERY_LEN tokens in
+        a step of only such requests take the C decode pass in float32 instead, so a
+        short prompt's attention precision depends on its step, as the matmuls'
+        does on the step's rows. Measured 2.8x faster than
         float32 for 16 requests x 128 tokens of the default model (9 query heads, 3 KV
         heads, head_dim 64; docs/benchmarks.md session 44)."""
         if kv_cache.dtype == torch.bfloat16 and _native_bf16():

@@ -1,9 +1,11 @@
 """The torch reference attention backend: paged KV-cache writes and attention in plain torch.
 
 Runs on any device (CPU in tests and CPU serving). Computes in float32 whatever the
-cache dtype. Decode tokens (one new token per request) of a step are attended in one
-batched `scaled_dot_product_attention` call; each prefill chunk gets its own call. The
-host loop is over requests, never over tokens.
+cache dtype (`_prefill_dtype`; the CPU backend may pick bf16 for prefills). Decode
+tokens (one new token per request) of a step are attended in one batched
+`scaled_dot_product_attention` call; each prefill chunk gets its own call, except that
+a run of fresh prompts of one length shares one. The host loop is over requests, never
+over tokens.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             mask: torch.Tensor | None, scale: float, soft_cap: float | None,
             is_causal: bool = False) -> torch.Tensor:
-    """softmax(cap(q k^T * scale) masked) v over [..., H, n, D] float32 inputs whose
+    """softmax(cap(q k^T * scale) masked) v over [..., H, n, D] inputs of one dtype whose
     head axis matches or groups (GQA: keys' heads divide the queries'). mask: bool,
     broadcastable to [..., H, n, L], True = attend. soft_cap: Gemma 2's attention
     logit soft-capping, cap * tanh(x / cap), which scaled_dot_product_attention cannot

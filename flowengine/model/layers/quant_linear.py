@@ -303,7 +303,8 @@ class QuantizedWeight:
     Args:
         fmt: "q4_0", "q4_1" or "q8_0". qs, scales: contiguous CPU planes (module
             docstring), filled in place by the loader. dtype: the model's dtype, which
-            `embedding` returns and `dtype` reports (outputs of `matmul` take x's).
+            `embedding` returns and `dtype` reports (outputs of `matmul` take x's dtype,
+            or its `out_dtype`).
     """
 
     def __init__(self, fmt: str, qs: torch.Tensor, scales: torch.Tensor,
@@ -328,7 +329,8 @@ class QuantizedWeight:
 
     def takes_bf16_gemm(self, rows: int, dtype: torch.dtype = torch.float32) -> bool:
         """Whether `matmul` of `rows` activation rows of `dtype` runs as one bf16 GEMM
-        over the dequantized matrix (its output then exactly a bf16 tensor's values)."""
+        over the dequantized matrix (its product then exactly a bf16 tensor's values,
+        before any bias)."""
         limits = (bf16_rows(self.fmt) if dtype == torch.bfloat16
                   else self.bf16_rows if dtype == torch.float32 else None)
         return limits is not None and rows >= limits[1]
@@ -345,7 +347,9 @@ class QuantizedWeight:
         weights times x rounded to 16-bit integers per 32-value block), the AMX-BF16
         body or one bf16 GEMM (products of x and the weights rounded to bf16, a bf16
         model's precision); the result in out_dtype. A bf16 GEMM's result asked for in
-        bf16 is the GEMM's own output (no float32 copy)."""
+        bf16 is the GEMM's own output (no float32 copy), its bias (rounded to bf16)
+        added by the GEMM: with a bias that can differ from asking for float32 and
+        rounding."""
         n, k = self.shape
         if x.shape[-1] != k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
@@ -357,7 +361,7 @@ class QuantizedWeight:
                 else self.bf16_rows if x2.dtype == torch.float32 else None)
         if rows is not None and m >= rows[1]:
             w16 = self.dequantize(torch.bfloat16)
-            if out_dtype == torch.bfloat16:  # the bias added by the GEMM
+            if out_dtype == torch.bfloat16:  # the bias (rounded to bf16) added by the GEMM
                 out = F.linear(x2.to(torch.bfloat16), w16,
                                None if bias is None else bias.to(torch.bfloat16))
             else:  # float32 (or another dtype) out; the bias added in float32
