@@ -174,23 +174,23 @@ class TorchAttentionBackend:
                        scale: float, soft_cap: float | None) -> torch.Tensor:
         """num_reqs fresh prompts of n tokens each, back to back: q [num_reqs * n, Hq, D],
         k/v [num_reqs * n, Hkv, D] (their whole contexts) -> [num_reqs * n, Hq, D], each
-        prompt causal over itself, in one call (in q's dtype, unless soft-capped)."""
+        prompt causal over itself, in one call, in q's dtype (forward's choice)."""
         t, hq, d = q.shape
         n, hkv = t // num_reqs, k.shape[1]
-        dtype = torch.float32 if soft_cap is not None else q.dtype
         # [r, n, H, D] -> [r, H, n, D]: 4-D inputs select the fused CPU flash kernel.
-        query = q.to(dtype).view(num_reqs, n, hq, d).transpose(1, 2)
-        keys = k.to(dtype).view(num_reqs, n, hkv, d).transpose(1, 2)
-        values = v.to(dtype).view(num_reqs, n, hkv, d).transpose(1, 2)
+        query = q.view(num_reqs, n, hq, d).transpose(1, 2)
+        keys = k.view(num_reqs, n, hkv, d).transpose(1, 2)
+        values = v.view(num_reqs, n, hkv, d).transpose(1, 2)
         o = _attend(query, keys, values, None, scale, soft_cap, is_causal=True)
         return o.transpose(1, 2).reshape(t, hq, d)
 
-    @classmethod
-    def _prefill(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                  block_size: int, scale: float, sliding_window: int | None = None,
                  soft_cap: float | None = None) -> torch.Tensor:
-        """One request's n new tokens over its seq_len-token context -> [n, Hq, D]."""
+        """One request's n new tokens over its seq_len-token context -> [n, Hq, D], in
+        q's dtype (forward's choice; the cached prefix's keys and values converted)."""
         num_new = q.shape[0]
         num_cached = seq_len - num_new
         if num_cached == 0:
@@ -202,10 +202,9 @@ class TorchAttentionBackend:
         # 4-D inputs and enable_gqa select PyTorch's fused CPU flash-attention kernel
         # (3-D inputs fall back to the unfused math path, measured ~2x slower) and
         # read each KV head once for its whole query-head group.
-        dtype = torch.float32 if soft_cap is not None else cls._prefill_dtype(kv_cache)
-        query = q.to(dtype).transpose(0, 1)[None]  # [1, Hq, n, D]
-        keys = keys.to(dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
-        values = values.to(dtype).transpose(0, 1)[None]
+        query = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+        keys = keys.to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        values = values.to(q.dtype).transpose(0, 1)[None]
         windowed = sliding_window is not None and sliding_window < seq_len
         if num_cached == 0 and not windowed:
             o = _attend(query, keys, values, None, scale, soft_cap, is_causal=True)
@@ -216,7 +215,7 @@ class TorchAttentionBackend:
             if windowed:
                 mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
             o = _attend(query, keys, values, mask, scale, soft_cap)
-        return o[0].transpose(0, 1).to(q.dtype)
+        return o[0].transpose(0, 1)
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -327,12 +327,19 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
+    def _bf16_limits(self, dtype: torch.dtype) -> tuple[int, int] | None:
+        """(AMX body rows, bf16 GEMM rows) for activations of `dtype`, None: no bf16
+        products (bf16 activations: `bf16_rows(fmt)`; float32: what `use_bf16_gemms`
+        set)."""
+        if dtype == torch.bfloat16:
+            return bf16_rows(self.fmt)
+        return self.bf16_rows if dtype == torch.float32 else None
+
     def takes_bf16_gemm(self, rows: int, dtype: torch.dtype = torch.float32) -> bool:
         """Whether `matmul` of `rows` activation rows of `dtype` runs as one bf16 GEMM
         over the dequantized matrix (its product then exactly a bf16 tensor's values,
         before any bias)."""
-        limits = (bf16_rows(self.fmt) if dtype == torch.bfloat16
-                  else self.bf16_rows if dtype == torch.float32 else None)
+        limits = self._bf16_limits(dtype)
         return limits is not None and rows >= limits[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -357,8 +364,7 @@ class QuantizedWeight:
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         out_dtype = out_dtype or x.dtype
-        rows = (bf16_rows(self.fmt) if x2.dtype == torch.bfloat16
-                else self.bf16_rows if x2.dtype == torch.float32 else None)
+        rows = self._bf16_limits(x2.dtype)
         if rows is not None and m >= rows[1]:
             w16 = self.dequantize(torch.bfloat16)
             if out_dtype == torch.bfloat16:  # the bias (rounded to bf16) added by the GEMM
