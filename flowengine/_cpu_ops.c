@@ -2040,6 +2040,7 @@ typedef struct {
     int q_bf16, kv_bf16;
     float scale, soft_cap;
     int64_t window;
+    int64_t wchunk; /* (request, KV head) items per pool chunk (attention_impl sets it) */
 } attn_args;
 
 static inline float load_elem(const void *p, int64_t i, int bf16)
@@ -2179,47 +2180,17 @@ AVX512 static inline __attribute__((always_inline)) __m512 load_kv16(const char 
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* acc[0..NV) = corr acc + sum_j p[j] V row j (rows[j] + plane bytes), NV = head_dim / 16
- * and KB (bf16 cache) constants after inlining: the accumulators stay in registers (in
- * memory, each position's FMAs waited on the previous store), in two sets for even and
- * odd j. */
+/* Float32 queries, a float32 or (KB) bf16 cache, head_dim a multiple of 16: query
+ * heads g0..g0 + HG - 1 of KV head h over request i's context, 16 positions at a time.
+ * Each K and V row is loaded (and a bf16 one widened, exactly) once for the HG heads:
+ * the scores of the 16 positions for every head (summed by sum16_ps), one vector exp
+ * per head and chunk (the online softmax by chunks), then the weighted V rows; the next
+ * 16 positions' K and V rows are prefetched (a context's blocks lie anywhere in the
+ * cache, out of the hardware prefetcher's reach). HG * NV accumulators stay in
+ * registers (HG * NV <= 16), HG and NV constants after inlining. */
 AVX512 static inline __attribute__((always_inline)) void
-pv_accumulate(__m512 *acc, float corr, const float *p, const char *const *rows, int64_t plane,
-              int64_t n, int NV, const int KB)
-{
-    const int64_t vs = KB ? 32 : 64; /* bytes of 16 values */
-    __m512 r0[MAX_D / 16], r1[MAX_D / 16];
-    const __m512 vc = _mm512_set1_ps(corr);
-    for (int c = 0; c < NV; c++) {
-        r0[c] = _mm512_mul_ps(acc[c], vc);
-        r1[c] = _mm512_setzero_ps();
-    }
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-        const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-        const char *v0 = rows[j] + plane, *v1 = rows[j + 1] + plane;
-        for (int c = 0; c < NV; c++) {
-            r0[c] = _mm512_fmadd_ps(p0, load_kv16(v0 + vs * c, KB), r0[c]);
-            r1[c] = _mm512_fmadd_ps(p1, load_kv16(v1 + vs * c, KB), r1[c]);
-        }
-    }
-    if (j < n) {
-        const __m512 p0 = _mm512_set1_ps(p[j]);
-        const char *v0 = rows[j] + plane;
-        for (int c = 0; c < NV; c++)
-            r0[c] = _mm512_fmadd_ps(p0, load_kv16(v0 + vs * c, KB), r0[c]);
-    }
-    for (int c = 0; c < NV; c++)
-        acc[c] = _mm512_add_ps(r0[c], r1[c]);
-}
-
-/* Float32 queries, a float32 or (KB) bf16 cache, head_dim a multiple of 16: 16
- * positions at a time, their scores summed by sum16_ps, one vector exp per 16, and the
- * next 16 positions' K and V rows prefetched (a context's blocks lie anywhere in the
- * cache, out of the hardware prefetcher's reach). A bf16 cache is widened to float32
- * exactly as it is loaded, so the sums are those of the float32 body over its values. */
-AVX512 static inline __attribute__((always_inline)) void
-attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv, const int KB)
+attend_heads_nv(const attn_args *a, int64_t i, int64_t h, int64_t g0, const int HG,
+                const int64_t nv, const int KB)
 {
     const int64_t G = a->hq / a->hkv, d = a->d, bs = a->block_size;
     const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
@@ -2227,10 +2198,10 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv, co
     const int64_t esz = KB ? 2 : 4, vs = 16 * esz;
     const char *cache = (const char *)a->cache;
     const int64_t plane = a->num_blocks * bs * a->hkv * d * esz; /* bytes */
-    __m512 acc[MAX_G][MAX_D / 16];
-    float q[MAX_G][MAX_D], mx[MAX_G], den[MAX_G];
-    for (int64_t g = 0; g < G; g++) {
-        const float *qg = (const float *)a->q + (tok * a->hq + h * G + g) * d;
+    __m512 acc[HG][MAX_D / 16];
+    float q[HG][MAX_D] __attribute__((aligned(64))), mx[HG], den[HG];
+    for (int g = 0; g < HG; g++) {
+        const float *qg = (const float *)a->q + (tok * a->hq + h * G + g0 + g) * d;
         for (int64_t e = 0; e < d; e++)
             q[g][e] = qg[e] * a->scale;
         for (int64_t c = 0; c < nv; c++)
@@ -2267,26 +2238,31 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv, co
             }
         }
         const __mmask16 live = (__mmask16)((1u << n) - 1);
-        for (int64_t g = 0; g < G; g++) {
-            __m512 t[16];
-            for (int64_t j = 0; j < 16; j++) {
-                if (j >= n) {
-                    t[j] = _mm512_setzero_ps();
-                    continue;
-                }
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(q[g]), load_kv16(rows[j], KB));
+        __m512 t[HG][16]; /* t[g][j]: lanes summing to head g's score of position j */
+        for (int64_t j = 0; j < 16; j++) {
+            if (j >= n) {
+                for (int g = 0; g < HG; g++)
+                    t[g][j] = _mm512_setzero_ps();
+                continue;
+            }
+            __m512 kv[MAX_D / 16];
+            for (int64_t c = 0; c < nv; c++)
+                kv[c] = load_kv16(rows[j] + vs * c, KB);
+            for (int g = 0; g < HG; g++) {
+                __m512 v = _mm512_mul_ps(_mm512_load_ps(q[g]), kv[0]);
                 __m512 u = _mm512_setzero_ps(); /* two chains: half the latency */
                 for (int64_t c = 1; c < nv; c++) {
                     if (c % 2)
-                        u = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
-                                            load_kv16(rows[j] + vs * c, KB), u);
+                        u = _mm512_fmadd_ps(_mm512_load_ps(q[g] + 16 * c), kv[c], u);
                     else
-                        v = _mm512_fmadd_ps(_mm512_loadu_ps(q[g] + 16 * c),
-                                            load_kv16(rows[j] + vs * c, KB), v);
+                        v = _mm512_fmadd_ps(_mm512_load_ps(q[g] + 16 * c), kv[c], v);
                 }
-                t[j] = _mm512_add_ps(v, u);
+                t[g][j] = _mm512_add_ps(v, u);
             }
-            __m512 s = sum16_ps(t);
+        }
+        float pj[HG][16] __attribute__((aligned(64)));
+        for (int g = 0; g < HG; g++) {
+            __m512 s = sum16_ps(t[g]);
             if (a->soft_cap > 0.f) {
                 float sc[16];
                 _mm512_storeu_ps(sc, s);
@@ -2298,32 +2274,63 @@ attend_one_f32_nv(const attn_args *a, int64_t i, int64_t h, const int64_t nv, co
             float cmax = _mm512_reduce_max_ps(s);
             float m_new = cmax > mx[g] ? cmax : mx[g];
             float corr = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
-            __m512 pv = _mm512_maskz_mov_ps(live, exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            __m512 pv = _mm512_maskz_mov_ps(live,
+                                            exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
             den[g] = den[g] * corr + _mm512_reduce_add_ps(pv);
             mx[g] = m_new;
-            float pj[16];
-            _mm512_storeu_ps(pj, pv);
-            pv_accumulate(acc[g], corr, pj, rows, plane, n, nv, KB);
+            _mm512_store_ps(pj[g], pv);
+            const __m512 vc = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < nv; c++)
+                acc[g][c] = _mm512_mul_ps(acc[g][c], vc);
+        }
+        for (int64_t j = 0; j < n; j++) { /* acc[g] += p[g][j] V row j */
+            __m512 vv[MAX_D / 16];
+            for (int64_t c = 0; c < nv; c++)
+                vv[c] = load_kv16(rows[j] + plane + vs * c, KB);
+            for (int g = 0; g < HG; g++) {
+                const __m512 p = _mm512_set1_ps(pj[g][j]);
+                for (int64_t c = 0; c < nv; c++)
+                    acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
         }
     }
 #undef KV_NEXT
-    for (int64_t g = 0; g < G; g++) {
-        float *o = (float *)a->out + (tok * a->hq + h * G + g) * d;
+    for (int g = 0; g < HG; g++) {
+        float *o = (float *)a->out + (tok * a->hq + h * G + g0 + g) * d;
         __m512 inv = _mm512_set1_ps(den[g] > 0.f ? 1.f / den[g] : 0.f);
         for (int64_t c = 0; c < nv; c++)
             _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[g][c], inv));
     }
 }
 
-/* attend_one_f32_nv with head_dim / 16 a constant for the common head sizes (64, 128):
- * loops over it unrolled, accumulators in registers; KB a constant too. */
+/* The query heads of KV head h in groups of HG = 16 / NV (NV = head_dim / 16 a constant
+ * for the common head sizes, 64 and 128: loops unrolled, accumulators in registers),
+ * one at a time for other sizes; KB a constant too. */
 AVX512 static inline __attribute__((always_inline)) void
 attend_one_f32_kb(const attn_args *a, int64_t i, int64_t h, const int KB)
 {
-    switch (a->d / 16) {
-    case 4: attend_one_f32_nv(a, i, h, 4, KB); break;
-    case 8: attend_one_f32_nv(a, i, h, 8, KB); break;
-    default: attend_one_f32_nv(a, i, h, a->d / 16, KB); break;
+    const int64_t G = a->hq / a->hkv;
+    for (int64_t g0 = 0; g0 < G;) {
+        const int64_t left = G - g0;
+        if (a->d == 64) {
+            switch (left >= 4 ? 4 : left) {
+            case 4: attend_heads_nv(a, i, h, g0, 4, 4, KB); g0 += 4; break;
+            case 3: attend_heads_nv(a, i, h, g0, 3, 4, KB); g0 += 3; break;
+            case 2: attend_heads_nv(a, i, h, g0, 2, 4, KB); g0 += 2; break;
+            default: attend_heads_nv(a, i, h, g0, 1, 4, KB); g0 += 1; break;
+            }
+        } else if (a->d == 128) {
+            if (left >= 2) {
+                attend_heads_nv(a, i, h, g0, 2, 8, KB);
+                g0 += 2;
+            } else {
+                attend_heads_nv(a, i, h, g0, 1, 8, KB);
+                g0 += 1;
+            }
+        } else {
+            attend_heads_nv(a, i, h, g0, 1, a->d / 16, KB);
+            g0 += 1;
+        }
     }
 }
 
@@ -2350,39 +2357,33 @@ AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w
 }
 #endif
 
-static void attention_chunk(const void *ctx, int64_t w)
+static void attention_chunk(const void *ctx, int64_t c)
 {
     const attn_args *a = (const attn_args *)ctx;
+    const int64_t w0 = c * a->wchunk, work = a->num_reqs * a->hkv;
+    const int64_t w1 = w0 + a->wchunk < work ? w0 + a->wchunk : work;
 #if HAVE_X86
     if (use_avx512()) {
-        attend_range_avx512(a, w, w + 1);
+        attend_range_avx512(a, w0, w1);
         return;
     }
 #endif
-    attend_range_c(a, w, w + 1);
+    attend_range_c(a, w0, w1);
 }
 
-/* The attention of `a` with up to nth threads; call without the GIL. */
-static void attention_impl(const attn_args *a, int nth)
+/* The attention of `a` with up to nth threads; call without the GIL. A chunk of work is
+ * one request's KV heads where there are requests enough for every thread (its heads'
+ * rows share cache lines' neighbourhoods and blocks: one core reads them), else one
+ * (request, KV head). */
+static void attention_impl(const attn_args *a0, int nth)
 {
-    int64_t work = a->num_reqs * a->hkv;
-    if (nth > work)
-        nth = (int)(work > 0 ? work : 1);
-    int avx = use_avx512();
-    if (!pool_disabled()) {
-        pool_run(attention_chunk, a, work, nth);
-        return;
-    }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
-    for (int64_t w = 0; w < work; w++) {
-#if HAVE_X86
-        if (avx)
-            attend_range_avx512(a, w, w + 1);
-        else
-#endif
-            attend_range_c(a, w, w + 1);
-    }
-    (void)avx;
+    attn_args a = *a0;
+    int64_t work = a.num_reqs * a.hkv;
+    a.wchunk = a.num_reqs >= 2 * (int64_t)nth ? a.hkv : 1;
+    const int64_t chunks = (work + a.wchunk - 1) / a.wchunk;
+    if (nth > chunks)
+        nth = (int)(chunks > 0 ? chunks : 1);
+    pool_run(attention_chunk, &a, chunks, nth);
 }
 
 /* paged_decode_attention(q, q_bf16, tok_idx, req_idx, num_reqs, hq, hkv, d, cache,
