@@ -62,7 +62,10 @@ def test_matches_reference(dtype, hq, hkv, d):
     torch.testing.assert_close(out[1:].float(), ref[1:].float(), **tol)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 8, 128), (6, 2, 80)])
+# GQA ratios 1-5 at head_dim 64 (query heads in groups of up to 4 per K/V row load:
+# 4 + 1 for 5), 1-3 at 128 (groups of up to 2: 2 + 1 for 3), one head at a time at 80
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 64), (10, 2, 64), (4, 2, 64),
+                                      (8, 8, 128), (8, 4, 128), (12, 4, 128), (6, 2, 80)])
 @pytest.mark.parametrize("window", [None, 21])
 def test_float32_queries_over_a_bf16_cache(hq, hkv, d, window):
     """float32 queries over a bf16 cache (`--dtype bfloat16` with quantized weights on
@@ -77,6 +80,30 @@ def test_float32_queries_over_a_bf16_cache(hq, hkv, d, window):
     ref = _reference(q, cache.float(), bt, seq_lens, tok_idx, d ** -0.5, window=window)
     assert torch.isnan(out[0]).all()
     torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (12, 4, 128)])
+def test_a_request_gets_the_same_bits_alone_or_in_a_batch(hq, hkv, d):
+    """With requests enough for every thread a pool chunk is one request's KV heads,
+    else one (request, KV head): each request's output is the same bits either way, and
+    with one thread or two."""
+    lens = [1, 15, 16, 17, 100, 250]
+    cache, bt, seq_lens, _, tok_idx = _case(torch.bfloat16, hq, hkv, d, lens)
+    q = torch.randn(len(lens) + 1, hq, d)
+    batch = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, bt, seq_lens, tok_idx, torch.arange(len(lens)), d ** -0.5,
+                           batch)
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            for i in range(len(lens)):
+                alone = torch.full_like(q, float("nan"))
+                paged_decode_attention(q, cache, bt[i:i + 1], seq_lens[i:i + 1],
+                                       tok_idx[i:i + 1], torch.arange(1), d ** -0.5, alone)
+                assert torch.equal(alone[i + 1], batch[i + 1]), (threads, i)
+        finally:
+            torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("block", [1, 8, 32])
