@@ -1364,7 +1364,7 @@ static inline void thread_range(int64_t N, int tid, int nth, int64_t *n0, int64_
  * wake-up and a join per call; under OpenMP's passive wait each is a futex round trip,
  * and the caller waits for the slowest thread to be scheduled, whatever share of the
  * work it got. A batch-1 decode step makes ~150 such calls. Here instead a job is a
- * list of chunks (64 weight rows, or one (request, KV head) of attention) claimed one at
+ * list of chunks (64 weight rows, or a request's KV heads of attention) claimed one at
  * a time from an atomic counter: the calling thread starts on them at once, the pool's
  * sleeping workers are woken (one futex call) and take what is left when they get a
  * core, and the caller waits only for chunks a worker has actually claimed. A worker
@@ -2017,9 +2017,11 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args)
 /* ------------------------------------------------------------------ decode attention
  *
  * One new token per request over its paged context, straight from the cache: for
- * each (request, KV head) one pass over the context's blocks, the G = Hq / Hkv query
- * heads of that KV head together (each K/V row is read once for the group), with an
- * online softmax (Milakov & Gimelshein 2018) in float32.
+ * each (request, KV head) the G = Hq / Hkv query heads of that KV head pass over the
+ * context's blocks together, each K/V row read once per pass (the portable body: all G
+ * heads in one pass; the AVX-512 body: groups of up to 4 heads at head_dim 64, 2 at
+ * 128, else one head a pass), with an online softmax (Milakov & Gimelshein 2018) in
+ * float32.
  *
  * q     [T, Hq, D] (f32 or bf16), rows tok_idx[i] are request i's decode token
  * cache [2, num_blocks, block_size, Hkv, D] (f32 or bf16; 0 = K, 1 = V)
@@ -2147,9 +2149,6 @@ AVX512 static inline __m512 exp_avx512(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* Float32 cache, head_dim a multiple of 16 (up to MAX_D): 16 positions at a time,
- * their scores for the group's query heads first, then one vector exp and one
- * rescale per chunk (the online softmax by chunks), then the weighted V rows. */
 /* Lane j of the result: the sum of the 16 lanes of t[j] (a 16 x 16 transpose-add in 4
  * levels, ~3 instructions per sum where a horizontal reduction of each takes ~8 and a
  * long dependency chain). */
@@ -2371,15 +2370,20 @@ static void attention_chunk(const void *ctx, int64_t c)
     attend_range_c(a, w0, w1);
 }
 
-/* The attention of `a` with up to nth threads; call without the GIL. A chunk of work is
- * one request's KV heads where there are requests enough for every thread (its heads'
- * rows share cache lines' neighbourhoods and blocks: one core reads them), else one
- * (request, KV head). */
+/* The attention of `a` with up to nth threads; call without the GIL. A pool chunk is
+ * one request's KV heads (one core reads the request's blocks) where there are at least
+ * two requests per thread and no request's context is more than a thread's share of
+ * all of them (a long one would leave the other threads idle), else one (request, KV
+ * head). */
 static void attention_impl(const attn_args *a0, int nth)
 {
     attn_args a = *a0;
-    int64_t work = a.num_reqs * a.hkv;
-    a.wchunk = a.num_reqs >= 2 * (int64_t)nth ? a.hkv : 1;
+    int64_t work = a.num_reqs * a.hkv, total = 0, longest = 0;
+    for (int64_t i = 0; i < a.num_reqs; i++) {
+        total += a.seq_lens[i];
+        longest = a.seq_lens[i] > longest ? a.seq_lens[i] : longest;
+    }
+    a.wchunk = a.num_reqs >= 2 * (int64_t)nth && longest * nth <= total ? a.hkv : 1;
     const int64_t chunks = (work + a.wchunk - 1) / a.wchunk;
     if (nth > chunks)
         nth = (int)(chunks > 0 ? chunks : 1);

@@ -82,12 +82,16 @@ def test_float32_queries_over_a_bf16_cache(hq, hkv, d, window):
     torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
 
 
+# contexts even enough for a pool chunk per request (two threads or one), and one
+# context longer than a thread's share (a chunk per (request, KV head))
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 130, 250, 240],
+                                  [1, 15, 16, 17, 100, 250]])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (12, 4, 128)])
-def test_a_request_gets_the_same_bits_alone_or_in_a_batch(hq, hkv, d):
-    """With requests enough for every thread a pool chunk is one request's KV heads,
-    else one (request, KV head): each request's output is the same bits either way, and
-    with one thread or two."""
-    lens = [1, 15, 16, 17, 100, 250]
+def test_a_request_gets_the_same_bits_alone_or_in_a_batch(hq, hkv, d, lens):
+    """With at least two requests per thread and no context over a thread's share, a
+    pool chunk is one request's KV heads, else one (request, KV head): each request's
+    output is the same bits either way (alone it is always the latter), and with one
+    thread or two."""
     cache, bt, seq_lens, _, tok_idx = _case(torch.bfloat16, hq, hkv, d, lens)
     q = torch.randn(len(lens) + 1, hq, d)
     batch = torch.full_like(q, float("nan"))

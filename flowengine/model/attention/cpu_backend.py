@@ -1,10 +1,10 @@
 """The CPU attention backend: decode straight over the paged KV cache (issue #20).
 
 Decode tokens (one new token per request) are attended by the C kernel
-`paged_decode_attention` (flowengine/_cpu_ops.c): for each (request, KV head) one
-pass over the request's blocks as the block table lists them, the query heads of that
-KV head together (each K and V row loaded once for a group of up to 4 heads at head_dim
-64, 2 at 128), with an online softmax in float32; no copy of the context is
+`paged_decode_attention` (flowengine/_cpu_ops.c): for each (request, KV head) the
+query heads of that KV head pass over the request's blocks as the block table lists
+them, in groups that share each K and V row's load (up to 4 heads at head_dim 64, 2 at
+128), with an online softmax in float32; no copy of the context is
 gathered first, which the torch reference does every step. Float32 and bfloat16
 caches. Steps whose requests all have a few new tokens (at most
 VERIFY_MAX_QUERY_LEN: the verification steps of speculative decoding, k + 1 tokens per
