@@ -9,7 +9,8 @@
 #   serve   (d) `flowengine serve` (FP8 + FP8 KV, --async-scheduling, --placement PLACEMENT,
 #           default multiproc) driven by
 #           `flowengine bench serve` at concurrency 256 (N prompts) and 1 (SERVE_C1_PROMPTS)
-#           (executor timers and, with py-spy on the PATH, 3 s of stacks at c256)
+#           (executor timers and, with py-spy on the PATH, 3 s of stacks at c256;
+#           CLIENT_PROCS=N: c256's requests over N client processes of one command)
 #   tput_fp8kv_c1  (d) the offline engine at batch 1 on SERVE_C1_PROMPTS prompts, FP8 + FP8
 #           KV: the reference of the served c1 TPOT (ms/token = 1000 / output tok/s)
 #   tests   the kernel and FP8 GPU tests (incl. fused rotary + KV write bit for bit;
@@ -94,11 +95,15 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
             (wait_running "$port" 40 && timeout 20 py-spy record --subprocesses --nonblocking \
                 -r 200 -d 3 -f raw -o "$OUT/pyspy_serve.txt" -p "$pid" > /dev/null 2>&1) &
         fi
+        # CLIENT_PROCS > 1: one `bench serve` whose client processes share c256's load
+        # (one Python process parsing every streamed token limits what it measures)
+        local procs=()
+        [ "$c" = 256 ] && [ "${CLIENT_PROCS:-1}" -gt 1 ] && procs=(--num-client-processes "$CLIENT_PROCS")
         # a client takes ~17 s (H200 host, 2026-12-02) before its first request
         timeout "$((c == 1 ? 45 : 60))" "${fe[@]}" bench serve --port "$port" \
             --tokenizer "$MODEL" --num-prompts "$n" --random-input-len "$ILEN" \
             --random-output-len "$OLEN" --max-concurrency "$c" --ignore-eos --disable-tqdm \
-            --result-file "$OUT/serve_c$c.json" > "$OUT/serve_c$c.txt" 2>&1
+            ${procs[@]+"${procs[@]}"} --result-file "$OUT/serve_c$c.json" > "$OUT/serve_c$c.txt" 2>&1
         echo "exit $?"
         grep -E "Successful|Failed|duration|Output token throughput|Mean TPOT|Median TPOT|Mean TTFT|tokeniz" \
             "$OUT/serve_c$c.txt"
@@ -111,7 +116,8 @@ export -f serve wait_server wait_running stop_server prefix_hits metrics_line
 SERVE_FLAGS=${SERVE_FLAGS-$FP8_FLAGS}
 # multiproc: the inproc placement is bound by its one process (issue 12's H200 runs)
 PLACEMENT=${PLACEMENT:-multiproc}
-export OUT MODEL N C1 T0 SERVE_FLAGS ILEN OLEN PLACEMENT
+CLIENT_PROCS=${CLIENT_PROCS:-1}
+export OUT MODEL N C1 T0 SERVE_FLAGS ILEN OLEN PLACEMENT CLIENT_PROCS
 TAIL=20 step serve 130 bash -c serve
 # (d) at concurrency 1 against the offline engine at batch 1 on the same prompts:
 # ms/token = 1000 / output tok/s (prefill included: ~1 token's worth of 200)
