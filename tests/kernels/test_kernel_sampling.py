@@ -78,18 +78,20 @@ def test_race_draws_from_the_tempered_softmax(device: torch.device) -> None:
 
 def test_race_keeps_precision_at_low_temperature_and_a_u_zero_token(device: torch.device) -> None:
     """Two equal logits of 100 at T = 2e-5 (l / T = 5e6): each token half the time over
-    4,000 keys (scores from the row's maximum; l / T itself would round them to 1/4 nat
-    and give ties to token 0: 44% against 50% was measured on the CPU path), within 5
-    binomial standard deviations. And key 6,611,019,833, whose U at token 1,680 is 0
+    2,000 keys (scores from the row's maximum; l / T itself would round them to 1/4 nat
+    and give ties to token 0: 44% against 50% was measured on the CPU path, 5.4
+    standard deviations off here), within 4 binomial standard deviations (the keys are
+    fixed, so the draw is too; 2,000 rather than 4,000 halves the interpreter's time in
+    CI). And key 6,611,019,833, whose U at token 1,680 is 0
     (asserted through `seeded_exponential`), still draws that token when it is the only
     unmasked one, as the torch path's clamped q does (a score of -inf would give
     token 0)."""
-    rows = 4000
+    rows = 2000
     logits = torch.full((rows, 2), 100.0, device=device)
     keys = torch.arange(rows, device=device) * 1_000_003 + 17
     share = float(exponential_race(logits, keys, torch.full((rows,), 5e4, device=device))
                   .float().mean())
-    assert abs(share - 0.5) < 5 * 0.5 / rows ** 0.5, share
+    assert abs(share - 0.5) < 4 * 0.5 / rows ** 0.5, share
     key, token = 6_611_019_833, 1680
     assert torch.isinf(seeded_exponential([key], 4096, torch.device("cpu"))[0, token])
     row = torch.full((1, 4096), float("-inf"), device=device)
