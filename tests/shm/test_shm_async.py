@@ -86,7 +86,10 @@ def test_idle_async_reader_burns_no_cpu(ring) -> None:
     cpu_start = time.process_time()  # all threads: the loop and the helper
     asyncio.run(main())
     cpu_s = time.process_time() - cpu_start
-    assert cpu_s < 0.05, f"idle async reader used {cpu_s * 100:.1f}% of a core"
+    # a polling reader burns the whole second; the bound leaves room for the loop's
+    # setup and for whatever earlier tests left running in this process (7.8% was
+    # measured once on a slow, contended CI-like run against a 5% bound)
+    assert cpu_s < 0.15, f"idle async reader used {cpu_s * 100:.1f}% of a core"
 
 
 def test_send_async_waits_for_room_without_blocking(ring) -> None:
