@@ -98,7 +98,7 @@ serve() {  # (d): one server, concurrency 256 then 1; every client under its own
         # CLIENT_PROCS > 1: one `bench serve` whose client processes share c256's load
         # (one Python process parsing every streamed token limits what it measures)
         local procs=()
-        [ "$c" = 256 ] && [ "${CLIENT_PROCS:-1}" -gt 1 ] && procs=(--num-client-processes "$CLIENT_PROCS")
+        [ "$c" = 256 ] && [ "$CLIENT_PROCS" -gt 1 ] && procs=(--num-client-processes "$CLIENT_PROCS")
         # a client takes ~17 s (H200 host, 2026-12-02) before its first request
         timeout "$((c == 1 ? 45 : 60))" "${fe[@]}" bench serve --port "$port" \
             --tokenizer "$MODEL" --num-prompts "$n" --random-input-len "$ILEN" \
