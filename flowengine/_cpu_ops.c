@@ -286,6 +286,123 @@ AVX512 static void linear_rows_avx512(int fmt, const float *x, int64_t M, int64_
     }
 }
 
+/* ---- AVX2 bodies (CPUs without AVX-512: AMD Zen 1-3, most Intel laptop and desktop
+ * parts): the float32 bodies above at 8 lanes. Each block dequantizes to the same
+ * values as dequant_block_c (d q + m by one FMA, d (q - 8), d q), so results differ
+ * from the portable body only by the order of the sums. */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline void row_scales_avx2(const uint16_t *rs, int64_t count, float *scf)
+{
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(scf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rs + i))));
+    for (; i < count; i++)
+        scf[i] = _cvtsh_ss(rs[i]);
+}
+
+/* Block b of a row: weights 8 i .. 8 i + 7 into w[i] (scf: the row's float scales). */
+AVX2 static inline void dequant_block_avx2(int fmt, const uint8_t *qs, const float *scf,
+                                           int64_t b, __m256 w[4])
+{
+    if (fmt == FMT_Q8_0) {
+        const int8_t *q = (const int8_t *)qs + b * QK;
+        const __m256 d = _mm256_set1_ps(scf[b]);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                        _mm_loadl_epi64((const __m128i *)(q + 8 * i)))));
+        return;
+    }
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(qs + b * (QK / 2)));
+    const __m128i lo = _mm_and_si128(raw, mask); /* weights 0..15 */
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask); /* 16..31 */
+    __m256 q[4];
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    if (fmt == FMT_Q4_1) {
+        const __m256 d = _mm256_set1_ps(scf[2 * b]), m = _mm256_set1_ps(scf[2 * b + 1]);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_fmadd_ps(d, q[i], m);
+    } else {
+        const __m256 d = _mm256_set1_ps(scf[b]), eight = _mm256_set1_ps(8.f);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_mul_ps(d, _mm256_sub_ps(q[i], eight));
+    }
+}
+
+AVX2 static inline float hsum_avx2(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One activation row: four accumulators, two blocks per iteration. */
+AVX2 static inline float dot_row1_avx2(int fmt, const uint8_t *rq, const float *scf,
+                                       const float *x, int64_t nb)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 w[4];
+        dequant_block_avx2(fmt, rq, scf, b, w);
+        const float *xb = x + b * QK;
+        a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0);
+        a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1);
+        a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a2);
+        a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a3);
+    }
+    return hsum_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* Up to 4 activation rows per pass over a weight row (two accumulators each: 8
+ * independent chains in 16 ymm registers with the block's 4 weight vectors). */
+#define MR_AVX2 4
+AVX2 static void linear_rows_avx2(int fmt, const float *x, int64_t M, int64_t K,
+                                  const uint8_t *qs, const uint16_t *sc, int64_t n0,
+                                  int64_t n1, float *out, int64_t N)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[srow];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *rq = qs + n * qrow;
+        row_scales_avx2(sc + n * srow, srow, scf);
+        if (M == 1) {
+            out[n] = dot_row1_avx2(fmt, rq, scf, x, nb);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += MR_AVX2) {
+            const int64_t mr = M - m0 < MR_AVX2 ? M - m0 : MR_AVX2;
+            __m256 ae[MR_AVX2], ao[MR_AVX2];
+            for (int r = 0; r < MR_AVX2; r++)
+                ae[r] = ao[r] = _mm256_setzero_ps();
+            const float *xb = x + m0 * K;
+            for (int64_t b = 0; b < nb; b++, xb += QK) {
+                __m256 w[4];
+                dequant_block_avx2(fmt, rq, scf, b, w);
+                switch (mr) { /* unrolled so that the accumulators stay in registers */
+#define ROW(r)                                                                          \
+    ae[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb + (r) * K), ae[r]);                 \
+    ao[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + (r) * K + 8), ao[r]);             \
+    ae[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + (r) * K + 16), ae[r]);            \
+    ao[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + (r) * K + 24), ao[r]);
+                case 4: ROW(3) /* fallthrough */
+                case 3: ROW(2) /* fallthrough */
+                case 2: ROW(1) /* fallthrough */
+                default: ROW(0)
+#undef ROW
+                }
+            }
+            for (int64_t r = 0; r < mr; r++)
+                out[(m0 + r) * N + n] = hsum_avx2(_mm256_add_ps(ae[r], ao[r]));
+        }
+    }
+}
+
 /* ---- the panel body (PANEL_MIN_ROWS or more activation rows)
  *
  * 16 weight rows at a time are dequantized into a float32 panel stored transposed,
@@ -1333,6 +1450,23 @@ static int use_avx512(void)
 #endif
 }
 
+/* Whether the AVX2 bodies run where the AVX-512 ones do not: AVX2, FMA and F16C in
+ * cpuid, and FLOWENGINE_CPU_NO_AVX2 unset. */
+static int use_avx2(void)
+{
+#if HAVE_X86
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c") && !getenv("FLOWENGINE_CPU_NO_AVX2");
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
 static int use_vnni(void)
 {
 #if HAVE_X86
@@ -1658,7 +1792,7 @@ static int check_fmt(int fmt)
 /* A matmul as a pool job: chunk c is weight rows [64 c, 64 c + 64). */
 #define LINEAR_CHUNK 64
 typedef struct {
-    int fmt, vnni, avx;
+    int fmt, vnni, avx, avx2;
     const float *x;
     int64_t M, K;
     const uint8_t *qs;
@@ -1767,6 +1901,8 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
 #if HAVE_X86
         if (j->avx)
             linear_rows_avx512(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N);
+        else if (j->avx2)
+            linear_rows_avx2(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N);
         else
 #endif
             linear_rows_c(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N);
@@ -1781,6 +1917,8 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
 #if HAVE_X86
             if (j->avx)
                 linear_rows_avx512(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N);
+            else if (j->avx2)
+                linear_rows_avx2(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N);
             else
 #endif
                 linear_rows_c(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N);
@@ -1883,7 +2021,7 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
             vnni_prepare_row(fmt, x + r * K, K, &act, r);
     }
 #endif
-    linear_job job = {fmt, vnni, avx, x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth),
+    linear_job job = {fmt, vnni, avx, !avx && use_avx2(), x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth),
                       NULL, xb, NULL};
 #if HAVE_AMX
     if (i8buf != NULL)
@@ -2972,7 +3110,7 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
         return PyUnicode_FromString("avx512-vnni");
     if (use_avx512() && rows >= panel_min_rows())
         return PyUnicode_FromString("avx512-panels");
-    return PyUnicode_FromString(use_avx512() ? "avx512" : "c");
+    return PyUnicode_FromString(use_avx512() ? "avx512" : use_avx2() ? "avx2" : "c");
 }
 
 /* ------------------------------------------------------------------ sampling

@@ -460,6 +460,8 @@ def test_online_int8_round_trip():
 
 
 _PORTABLE = """
+import os
+os.environ["FLOWENGINE_CPU_NO_AVX2"] = "1"  # read at the extension's first use
 import numpy as np, torch, sys
 sys.path.insert(0, {here!r})
 from test_quant_kernels import _gguf_weight
@@ -480,6 +482,45 @@ print("ok")
 
 def test_portable_body_without_avx512():
     _run_ok(_PORTABLE, "FLOWENGINE_CPU_NO_AVX512", "1")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# The AVX2 body (CPUs without AVX-512; forced here with FLOWENGINE_CPU_NO_AVX512=1):
+# every format, 3 and 5 blocks per row, row counts around its groups of 4 and past one
+# cache tile (row_tile(96) = 104 rows), against float64 over gguf's dequantized values.
+_AVX2 = """
+import numpy as np, torch, sys
+sys.path.insert(0, {here!r})
+from test_quant_kernels import _gguf_weight
+from flowengine import _cpu_ops
+assert not _cpu_ops.has_avx512()
+assert _cpu_ops.linear_path(1) == "avx2", _cpu_ops.linear_path(1)
+for fmt in ("q4_0", "q4_1", "q8_0"):
+    for k in (96, 160):
+        w, ref = _gguf_weight(fmt, 37, k, 11)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 13, 130):
+            x = torch.randn(rows, k) * 3
+            want = x.double() @ ref.double().t()
+            err = (w.matmul(x).double() - want).abs().max().item()
+            assert err < 1e-5 * (1 + want.abs().max().item()), (fmt, k, rows, err)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(),
+                    reason="no AVX2/FMA/F16C on this CPU")
+def test_avx2_body():
+    _run_ok(_AVX2, "FLOWENGINE_CPU_NO_AVX512", "1")
 
 
 # The VNNI path's activation quantization (flowengine/_cpu_ops.c): each 32-value block
