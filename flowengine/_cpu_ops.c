@@ -2268,6 +2268,13 @@ static void attend_range_c(const attn_args *a, int64_t w0, int64_t w1)
 }
 
 #if HAVE_X86
+/* The same code, vectorised by the compiler for AVX2 + FMA (CPUs without AVX-512). */
+AVX2 static void attend_range_avx2(const attn_args *a, int64_t w0, int64_t w1)
+{
+    for (int64_t w = w0; w < w1; w++)
+        attend_one(a, w / a->hkv, w % a->hkv);
+}
+
 /* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r
  * (relative error ~2e-7), times 2^n by vscalefps; e^x underflows to 0 below -87. */
 AVX512 static inline __m512 exp_avx512(__m512 x)
@@ -2502,6 +2509,10 @@ static void attention_chunk(const void *ctx, int64_t c)
 #if HAVE_X86
     if (use_avx512()) {
         attend_range_avx512(a, w0, w1);
+        return;
+    }
+    if (use_avx2()) {
+        attend_range_avx2(a, w0, w1);
         return;
     }
 #endif
@@ -2811,6 +2822,78 @@ AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, fl
         out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
+/* exp_avx512 at 8 lanes (the same polynomial; 2^n built in the exponent bits, x
+ * clamped to [-87, 88]) and SiLU-and-mul with it, for CPUs without AVX-512. */
+AVX2 static inline __m256 exp_avx2(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+AVX2 static void silu_mul_avx2(const float *g, const float *u, int64_t n, float *out)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(
+                                      _mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++)
+        out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* 8 bf16 widened exactly; 8 floats rounded to bf16 as f32_to_bf16 rounds (NaN stays
+ * NaN). */
+AVX2 static inline __m256 bf16_load8_avx2(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+AVX2 static inline __m128i bf16_round_avx2(__m256 f)
+{
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
+                           nan);
+    /* the 8 values (< 2^16) into the low 128 bits: pack within lanes, then gather */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+AVX2 static void silu_mul_bf16_avx2(const uint16_t *g, const uint16_t *u, int64_t n,
+                                    uint16_t *out)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = bf16_load8_avx2(g + i);
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        __m256 r = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                 bf16_load8_avx2(u + i));
+        _mm_storeu_si128((__m128i *)(out + i), bf16_round_avx2(r));
+    }
+    for (; i < n; i++) {
+        float x = bf16_to_f32(g[i]);
+        out[i] = f32_to_bf16(x / (1.f + expf(-x)) * bf16_to_f32(u[i]));
+    }
+}
+
 AVX512 static void silu_mul_bf16_avx512(const uint16_t *g, const uint16_t *u, int64_t n,
                                         uint16_t *out)
 {
@@ -2837,6 +2920,13 @@ static void silu_mul_row(const void *g, const void *u, int64_t I, void *out, int
             silu_mul_bf16_avx512(g, u, I, out);
         else
             silu_mul_avx512(g, u, I, out);
+        return;
+    }
+    if (use_avx2()) {
+        if (bf16)
+            silu_mul_bf16_avx2(g, u, I, out);
+        else
+            silu_mul_avx2(g, u, I, out);
         return;
     }
 #endif
