@@ -18,7 +18,10 @@ dot products (vpdpbusd), 4 weight rows per pass; for up to 13 rows they dequanti
 one block at a time into registers, for up to 8 activation rows at once; from 14 rows
 (batched decode, prefill) 16 weight rows at a time are dequantized into a small
 transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
-sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). Above
+sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). A CPU with AVX2, FMA
+and F16C but no AVX-512 (AMD Zen 1-3, most Intel client parts) takes an AVX2 body for
+every row count: one block at a time dequantized into registers, up to 4 activation
+rows at once. Above
 DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
 With `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) on a CPU whose oneDNN
 multiplies bf16 natively, products may be bf16 (`bf16_rows`): on a CPU with AMX-BF16
@@ -182,12 +185,13 @@ _OPS = None  # the module once imported (a decode step makes ~120 matmul calls)
 def kernel_paths() -> str:
     """Which C bodies the quantized matmuls run on this CPU, in words (chosen at run
     time from cpuid; FLOWENGINE_CPU_NO_VNNI=1 / FLOWENGINE_CPU_NO_AVX512=1 /
-    FLOWENGINE_CPU_PANEL_MIN_ROWS=0 opt out)."""
+    FLOWENGINE_CPU_NO_AVX2=1 / FLOWENGINE_CPU_PANEL_MIN_ROWS=0 opt out)."""
     ops = _ops()
     names = {"avx512-vnni": "AVX512-VNNI integer dot products (activations as three int8 "
                             "levels, float32 accuracy)",
              "avx512": "AVX-512 float32 dot products",
              "avx512-panels": "AVX-512 float32, 16-row dequantized panels",
+             "avx2": "AVX2 + FMA float32 dot products (no AVX-512 on this CPU)",
              "c": "portable C float32"}
     parts, start, path = [], 1, ops.linear_path(1)
     for rows in range(2, DEQUANT_MIN_ROWS + 2):
