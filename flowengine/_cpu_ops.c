@@ -22,7 +22,8 @@
  *
  * Each function has an AVX-512 body (selected at run time with
  * __builtin_cpu_supports) and a portable C body, so the module builds with gcc on any
- * machine; only x86-64 gets the intrinsics.
+ * machine; only x86-64 gets the intrinsics. The quantized matmul, the decode attention
+ * and SiLU-and-mul also have AVX2 + FMA bodies for x86-64 CPUs without AVX-512.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -341,7 +342,53 @@ AVX2 static inline float hsum_avx2(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* One activation row: four accumulators, two blocks per iteration. */
+/* exp_avx512 (below) at 8 lanes: the same polynomial, 2^n built in the exponent bits
+ * for x clamped to [-87, 88], and +inf above 88.72 (where e^x overflows float32), as
+ * vscalefps gives there. */
+AVX2 static inline __m256 exp_avx2(__m256 x)
+{
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228394f), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
+                            _mm256_set1_ps(INFINITY), over);
+}
+
+/* 8 bf16 widened exactly; 8 floats rounded to bf16 as f32_to_bf16 rounds (NaN stays
+ * NaN). */
+AVX2 static inline __m256 bf16_load8_avx2(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+AVX2 static inline __m128i bf16_round_avx2(__m256 f)
+{
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
+                           nan);
+    /* the 8 values (< 2^16) into the low 128 bits: pack within lanes, then gather */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+/* One activation row: four accumulators (one per 8 weights of a block). */
 AVX2 static inline float dot_row1_avx2(int fmt, const uint8_t *rq, const float *scf,
                                        const float *x, int64_t nb)
 {
@@ -2268,15 +2315,146 @@ static void attend_range_c(const attn_args *a, int64_t w0, int64_t w1)
 }
 
 #if HAVE_X86
-/* The same code, vectorised by the compiler for AVX2 + FMA (CPUs without AVX-512). */
+/* Lane j of the result: the sum of the 8 lanes of t[j] (an 8 x 8 transpose-add). */
+AVX2 static inline __m256 sum8_ps(const __m256 *t)
+{
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+    /* a: t[0..3]'s sums of lanes 0-3, then of lanes 4-7; b: t[4..7]'s */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+AVX2 static inline float hmax_avx2(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* 8 cache values at p as float32: float32, or bf16 (KB) widened exactly. */
+AVX2 static inline __attribute__((always_inline)) __m256 load_kv8(const char *p, const int KB)
+{
+    if (KB)
+        return bf16_load8_avx2((const uint16_t *)p);
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* attend_heads_nv's chunked online softmax at 8 lanes, one query head at a time (an
+ * AVX2 core has 16 vector registers: the NV = head_dim / 8 accumulators of one head):
+ * query head g of KV head h over request i's context, 8 positions per chunk, their
+ * scores summed by sum8_ps, one vector exp per chunk. Float32 queries, a float32 or
+ * (KB) bf16 cache, head_dim a multiple of 8; NV and KB constants after inlining. */
+AVX2 static inline __attribute__((always_inline)) void
+attend_head_avx2(const attn_args *a, int64_t i, int64_t h, int64_t g, const int64_t nv,
+                 const int KB)
+{
+    const int64_t G = a->hq / a->hkv, d = a->d, bs = a->block_size;
+    const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
+    const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
+    const int64_t esz = KB ? 2 : 4, vs = 8 * esz;
+    const char *cache = (const char *)a->cache;
+    const int64_t plane = a->num_blocks * bs * a->hkv * d * esz; /* bytes */
+    __m256 acc[MAX_D / 8];
+    float q[MAX_D] __attribute__((aligned(32))), mx = -INFINITY, den = 0.f;
+    const float *qg = (const float *)a->q + (tok * a->hq + h * G + g) * d;
+    for (int64_t e = 0; e < d; e++)
+        q[e] = qg[e] * a->scale;
+    for (int64_t c = 0; c < nv; c++)
+        acc[c] = _mm256_setzero_ps();
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    int64_t blk = start / bs, off = start % bs;
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    for (int64_t j0 = start; j0 < len; j0 += 8) {
+        const int64_t n = len - j0 < 8 ? len - j0 : 8;
+        const char *rows[8];
+        for (int64_t j = 0; j < n; j++) { /* walk the block table, no division per row */
+            rows[j] = cache + (((int64_t)bt[blk] * bs + off) * a->hkv + h) * d * esz;
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        __m256 t[8]; /* t[j]: lanes summing to position j's score */
+        for (int64_t j = 0; j < 8; j++) {
+            if (j >= n) {
+                t[j] = _mm256_setzero_ps();
+                continue;
+            }
+            __m256 v = _mm256_mul_ps(_mm256_load_ps(q), load_kv8(rows[j], KB));
+            __m256 u = _mm256_setzero_ps(); /* two chains: half the latency */
+            for (int64_t c = 1; c < nv; c++) {
+                const __m256 k = load_kv8(rows[j] + vs * c, KB);
+                if (c % 2)
+                    u = _mm256_fmadd_ps(_mm256_load_ps(q + 8 * c), k, u);
+                else
+                    v = _mm256_fmadd_ps(_mm256_load_ps(q + 8 * c), k, v);
+            }
+            t[j] = _mm256_add_ps(v, u);
+        }
+        __m256 s = sum8_ps(t);
+        if (a->soft_cap > 0.f) {
+            float sc[8];
+            _mm256_storeu_ps(sc, s);
+            for (int64_t j = 0; j < n; j++)
+                sc[j] = a->soft_cap * tanhf(sc[j] / a->soft_cap);
+            s = _mm256_loadu_ps(sc);
+        }
+        const __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+        s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, live);
+        const float cmax = hmax_avx2(s), m_new = cmax > mx ? cmax : mx;
+        const float corr = mx == -INFINITY ? 0.f : expf(mx - m_new);
+        const __m256 pv = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(s, _mm256_set1_ps(m_new))));
+        den = den * corr + hsum_avx2(pv);
+        mx = m_new;
+        float pj[8] __attribute__((aligned(32)));
+        _mm256_store_ps(pj, pv);
+        const __m256 vc = _mm256_set1_ps(corr);
+        for (int64_t c = 0; c < nv; c++)
+            acc[c] = _mm256_mul_ps(acc[c], vc);
+        for (int64_t j = 0; j < n; j++) { /* acc += p[j] V row j */
+            const __m256 p = _mm256_set1_ps(pj[j]);
+            for (int64_t c = 0; c < nv; c++)
+                acc[c] = _mm256_fmadd_ps(p, load_kv8(rows[j] + plane + vs * c, KB), acc[c]);
+        }
+    }
+    float *o = (float *)a->out + (tok * a->hq + h * G + g) * d;
+    const __m256 inv = _mm256_set1_ps(den > 0.f ? 1.f / den : 0.f);
+    for (int64_t c = 0; c < nv; c++)
+        _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+/* KV head h of request i: each query head by attend_head_avx2 (head_dim 64 and 128
+ * unrolled), for float32 queries with head_dim a multiple of 8; the portable code,
+ * vectorised by the compiler for AVX2 + FMA, otherwise (bf16 queries). */
 AVX2 static void attend_range_avx2(const attn_args *a, int64_t w0, int64_t w1)
 {
-    for (int64_t w = w0; w < w1; w++)
-        attend_one(a, w / a->hkv, w % a->hkv);
+    const int chunked = !a->q_bf16 && a->d % 8 == 0;
+    const int64_t G = a->hq / a->hkv;
+    for (int64_t w = w0; w < w1; w++) {
+        const int64_t i = w / a->hkv, h = w % a->hkv;
+        if (!chunked) {
+            attend_one(a, i, h);
+            continue;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            if (a->d == 64 && a->kv_bf16)
+                attend_head_avx2(a, i, h, g, 8, 1);
+            else if (a->d == 64)
+                attend_head_avx2(a, i, h, g, 8, 0);
+            else if (a->d == 128 && a->kv_bf16)
+                attend_head_avx2(a, i, h, g, 16, 1);
+            else if (a->d == 128)
+                attend_head_avx2(a, i, h, g, 16, 0);
+            else
+                attend_head_avx2(a, i, h, g, a->d / 8, a->kv_bf16);
+        }
+    }
 }
 
 /* e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r
- * (relative error ~2e-7), times 2^n by vscalefps; e^x underflows to 0 below -87. */
+ * (relative error ~2e-7), times 2^n by vscalefps; x is clamped below at -87 (e^-87 ~
+ * 1.6e-38 there, not 0). */
 AVX512 static inline __m512 exp_avx512(__m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -2787,8 +2965,8 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
  *     r = r + h, x = norm2(r);  g = x Wgu^T;  m = silu(g[:I]) * g[I:];  h = m Wd^T
  * and after the last layer out = norm_final(r + h). The same bodies as the separate
  * calls (linear_impl, attention_impl, rms_norm_impl, rope_impl, write_kv_impl), so the
- * result is the one the per-operator path computes, up to silu: exp by exp_avx512
- * (relative error ~2e-7) instead of torch's Sleef exp.
+ * result is the one the per-operator path computes, up to silu: exp by exp_avx512 or
+ * exp_avx2 (relative error ~2e-7) instead of torch's Sleef exp.
  *
  * Per layer l, row l of the int64 table [L, 15]: ln1_w, qkv (fmt, qs, sc), o (fmt, qs,
  * sc), ln2_w, gate_up (fmt, qs, sc), down (fmt, qs, sc), kv_cache ([2, nb, bs, Hkv, D],
@@ -2822,26 +3000,7 @@ AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, fl
         out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* exp_avx512 at 8 lanes (the same polynomial; 2^n built in the exponent bits, x
- * clamped to [-87, 88]) and SiLU-and-mul with it, for CPUs without AVX-512. */
-AVX2 static inline __m256 exp_avx2(__m256 x)
-{
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
+/* SiLU-and-mul at 8 lanes with exp_avx2, for CPUs without AVX-512. */
 AVX2 static void silu_mul_avx2(const float *g, const float *u, int64_t n, float *out)
 {
     int64_t i = 0;
@@ -2853,28 +3012,6 @@ AVX2 static void silu_mul_avx2(const float *g, const float *u, int64_t n, float 
     }
     for (; i < n; i++)
         out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-}
-
-/* 8 bf16 widened exactly; 8 floats rounded to bf16 as f32_to_bf16 rounds (NaN stays
- * NaN). */
-AVX2 static inline __m256 bf16_load8_avx2(const uint16_t *p)
-{
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-AVX2 static inline __m128i bf16_round_avx2(__m256 f)
-{
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)),
-                           nan);
-    /* the 8 values (< 2^16) into the low 128 bits: pack within lanes, then gather */
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
 AVX2 static void silu_mul_bf16_avx2(const uint16_t *g, const uint16_t *u, int64_t n,
@@ -3190,7 +3327,8 @@ static PyObject *py_has_amx_int8(PyObject *self, PyObject *unused)
 }
 
 /* The body a matmul of `rows` activation rows runs: "avx512-vnni" (integer dot
- * products over three int8 levels of the activations), "avx512" (float32) or "c". */
+ * products over three int8 levels of the activations), "avx512-panels" or "avx512"
+ * (float32), "avx2" (float32, no AVX-512) or "c". */
 static PyObject *py_linear_path(PyObject *self, PyObject *args)
 {
     long long rows;
@@ -3614,7 +3752,8 @@ static PyMethodDef methods[] = {
      "pairs_ptr, num_pairs): -inf where a grammar bitmask row disallows a token."},
     {"linear_path", py_linear_path, METH_VARARGS,
      "linear_path(rows): the body a matmul of that many activation rows runs "
-     "('avx512-vnni', 'avx512-panels', 'avx512' or 'c'; K a multiple of 16 for panels)."},
+     "('avx512-vnni', 'avx512-panels', 'avx512', 'avx2' or 'c'; K a multiple of 16 for "
+     "panels)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -467,6 +467,7 @@ sys.path.insert(0, {here!r})
 from test_quant_kernels import _gguf_weight
 from flowengine import _cpu_ops
 assert not _cpu_ops.has_avx512()
+assert _cpu_ops.linear_path(1) == "c", _cpu_ops.linear_path(1)
 for fmt in ("q4_0", "q4_1", "q8_0"):
     w, ref = _gguf_weight(fmt, 19, 96, 5)
     assert torch.equal(w.dequantize(), ref), fmt
