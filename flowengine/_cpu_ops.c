@@ -2068,7 +2068,8 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
             vnni_prepare_row(fmt, x + r * K, K, &act, r);
     }
 #endif
-    linear_job job = {fmt, vnni, avx, !avx && use_avx2(), x, M, K, qs, sc, N, out, NULL, linear_chunk_rows(N, nth),
+    linear_job job = {fmt, vnni, avx, !avx && use_avx2(), x, M, K, qs, sc, N, out, NULL,
+                      linear_chunk_rows(N, nth),
                       NULL, xb, NULL};
 #if HAVE_AMX
     if (i8buf != NULL)
@@ -3000,16 +3001,19 @@ AVX512 static void silu_mul_avx512(const float *g, const float *u, int64_t n, fl
         out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* SiLU-and-mul at 8 lanes with exp_avx2, for CPUs without AVX-512. */
+/* SiLU-and-mul at 8 lanes with exp_avx2, for CPUs without AVX-512: silu(x) * u, the
+ * one body of the float32 and bf16 versions. */
+AVX2 static inline __m256 silu_mul8_avx2(__m256 x, __m256 u)
+{
+    __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
 AVX2 static void silu_mul_avx2(const float *g, const float *u, int64_t n, float *out)
 {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps(g + i);
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(
-                                      _mm256_set1_ps(1.f), e)), _mm256_loadu_ps(u + i)));
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, silu_mul8_avx2(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
     for (; i < n; i++)
         out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
@@ -3019,10 +3023,7 @@ AVX2 static void silu_mul_bf16_avx2(const uint16_t *g, const uint16_t *u, int64_
 {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 x = bf16_load8_avx2(g + i);
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        __m256 r = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                 bf16_load8_avx2(u + i));
+        __m256 r = silu_mul8_avx2(bf16_load8_avx2(g + i), bf16_load8_avx2(u + i));
         _mm_storeu_si128((__m128i *)(out + i), bf16_round_avx2(r));
     }
     for (; i < n; i++) {

@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from test_quant_kernels import _cpu_flags  # tests/cpu is on sys.path (no __init__)
+
+from flowengine.executor.cpu_threads import cpu_flags
 
 _cpu_ops = pytest.importorskip("flowengine._cpu_ops")
 
@@ -28,7 +29,7 @@ SWITCHES = {"avx2": {"FLOWENGINE_CPU_NO_AVX512": "1"},
 @pytest.mark.parametrize("body", ["avx2", "c"])
 def test_kernel_tests_pass_on_the_other_bodies(body):
     if body == "avx2":
-        if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        if not {"avx2", "fma", "f16c"} <= cpu_flags():
             pytest.skip("no AVX2/FMA/F16C on this CPU")
         if not _cpu_ops.has_avx512():
             pytest.skip("no AVX-512 here: the kernel tests themselves run the AVX2 bodies")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from flowengine.executor.cpu_threads import cpu_flags
 from flowengine.model.layers.quant_linear import (
     DEQUANT_MIN_ROWS,
     QuantizedWeight,
@@ -485,17 +486,6 @@ def test_portable_body_without_avx512():
     _run_ok(_PORTABLE, "FLOWENGINE_CPU_NO_AVX512", "1")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 # The AVX2 body (CPUs without AVX-512; forced here with FLOWENGINE_CPU_NO_AVX512=1):
 # every format, 3 and 5 blocks per row, row counts around its groups of 4 and past one
 # cache tile (row_tile(96) = 104 rows), against float64 over gguf's dequantized values.
@@ -518,7 +508,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(),
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(),
                     reason="no AVX2/FMA/F16C on this CPU")
 def test_avx2_body():
     _run_ok(_AVX2, "FLOWENGINE_CPU_NO_AVX512", "1")
