@@ -601,6 +601,147 @@ AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int
     }
 }
 
+/* ---- the AVX2 panel body (CPUs without AVX-512; panel_min_rows_avx2() or more rows)
+ *
+ * The panel scheme above at 8 lanes: 16 weight rows dequantized (dequant_block_avx2's
+ * values) and transposed into wt[k][16]; then per k two weight vectors and, for each of
+ * up to PANEL2_MB activation rows, one broadcast x[m][k] and two FMAs. 6 rows x 16
+ * outputs are 12 accumulators, with the 2 weight vectors and the broadcast 15 of the 16
+ * ymm registers, so the loop is FMA-bound (two broadcast loads per 4 FMAs). The
+ * dequantization and transpose (~30 instructions per 16 weights) are paid once per
+ * panel per block of activation rows. Each output is one float32 chain over k in
+ * order, whatever tile its row falls in. */
+#define PANEL2_MB 6
+
+/* dst[c * ds + r] = src[r * ss + c] for r, c < 8. */
+AVX2 static inline void transpose8_ps_avx2(const float *src, int64_t ss, float *dst, int64_t ds)
+{
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_ps(src + i * ss);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    /* r[4i + j]: rows 4i..4i+3, column j of each 128-bit lane (lane l: column 4l + j) */
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(dst + j * ds, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
+        _mm256_storeu_ps(dst + (4 + j) * ds, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+    }
+}
+
+/* wt[k * 16 + r] = weight (n0 + r, k) for r < np (<= 16), 0 for the rows past np. */
+AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *sc, int64_t K,
+                                    int64_t n0, int64_t np, float *wt)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    float scf[16][srow];
+    float blk[16 * 32];
+    for (int64_t r = 0; r < np; r++)
+        row_scales_avx2(sc + (n0 + r) * srow, srow, scf[r]);
+    if (np < 16)
+        memset(blk + np * 32, 0, (size_t)(16 - np) * 32 * sizeof(float));
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t r = 0; r < np; r++) {
+            __m256 w[4];
+            dequant_block_avx2(fmt, qs + (n0 + r) * qrow, scf[r], b, w);
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(blk + r * 32 + 8 * i, w[i]);
+        }
+        float *dst = wt + b * QK * 16;
+        for (int c = 0; c < 32; c += 8) {
+            transpose8_ps_avx2(blk + c, 32, dst + c * 16, 16);
+            transpose8_ps_avx2(blk + 8 * 32 + c, 32, dst + c * 16 + 8, 16);
+        }
+    }
+}
+
+/* out[m0 + r][n0 .. n0 + np) for r < TR (a constant after inlining, <= PANEL2_MB):
+ * xt = the activation tile packed [K][PANEL2_MB]. */
+AVX2 static inline __attribute__((always_inline)) void
+panel_tile_avx2(const float *xt, int64_t K, const float *wt, int64_t m0, const int TR,
+                int64_t n0, int64_t np, float *out, int64_t N)
+{
+    __m256 lo[PANEL2_MB], hi[PANEL2_MB];
+    for (int r = 0; r < TR; r++)
+        lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(wt + k * 16), w1 = _mm256_loadu_ps(wt + k * 16 + 8);
+        for (int r = 0; r < TR; r++) {
+            const __m256 xb = _mm256_broadcast_ss(xt + k * PANEL2_MB + r);
+            lo[r] = _mm256_fmadd_ps(xb, w0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xb, w1, hi[r]);
+        }
+    }
+    if (np == 16) {
+        for (int r = 0; r < TR; r++) {
+            _mm256_storeu_ps(out + (m0 + r) * N + n0, lo[r]);
+            _mm256_storeu_ps(out + (m0 + r) * N + n0 + 8, hi[r]);
+        }
+        return;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np), lane);
+    const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np - 8), lane);
+    for (int r = 0; r < TR; r++) {
+        _mm256_maskstore_ps(out + (m0 + r) * N + n0, mlo, lo[r]);
+        _mm256_maskstore_ps(out + (m0 + r) * N + n0 + 8, mhi, hi[r]);
+    }
+}
+
+/* xp[t][k][r] = x[(PANEL2_MB t + r) K + k] (0 past row M): floats
+ * ceil(M / PANEL2_MB) * PANEL2_MB * K. */
+static void pack_activations_avx2(const float *x, int64_t M, int64_t K, float *xp)
+{
+    for (int64_t t = 0; t * PANEL2_MB < M; t++) {
+        float *dst = xp + t * PANEL2_MB * K;
+        for (int64_t r = 0; r < PANEL2_MB; r++) {
+            const int64_t m = t * PANEL2_MB + r;
+            if (m < M) {
+                const float *src = x + m * K;
+                for (int64_t k = 0; k < K; k++)
+                    dst[k * PANEL2_MB + r] = src[k];
+            } else {
+                for (int64_t k = 0; k < K; k++)
+                    dst[k * PANEL2_MB + r] = 0.f;
+            }
+        }
+    }
+}
+
+/* Weight rows n0..n1 against all M activation rows (packed by pack_activations_avx2
+ * into xp) through 16-row weight panels (wt: 16 x K floats of scratch), the activation
+ * rows in blocks of panel_block_rows(). */
+AVX2 static void linear_panels_avx2(int fmt, const float *xp, int64_t M, int64_t K,
+                                    const uint8_t *qs, const uint16_t *sc, int64_t n0,
+                                    int64_t n1, float *out, int64_t N, float *wt)
+{
+    int64_t mb = panel_block_rows(); /* a multiple of the tile: xp is tile by tile */
+    if (mb < INT64_MAX)
+        mb = (mb + PANEL2_MB - 1) / PANEL2_MB * PANEL2_MB;
+    for (int64_t b0 = 0; b0 < M; b0 += mb) {
+        const int64_t b1 = M - b0 < mb ? M : b0 + mb;
+        for (int64_t n = n0; n < n1; n += 16) {
+            const int64_t np = n1 - n < 16 ? n1 - n : 16;
+            dequant_panel_avx2(fmt, qs, sc, K, n, np, wt);
+            for (int64_t m0 = b0; m0 < b1; m0 += PANEL2_MB) {
+                const float *xt = xp + m0 * K;
+                switch (b1 - m0 < PANEL2_MB ? b1 - m0 : PANEL2_MB) {
+#define TILE(mr) case mr: panel_tile_avx2(xt, K, wt, m0, mr, n, np, out, N); break;
+                TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+#undef TILE
+                }
+            }
+        }
+    }
+}
+
 /* 16 bf16 values widened to float32 (exact). */
 AVX512 static inline __m512 bf16_load16_avx512(const uint16_t *p)
 {
@@ -1890,6 +2031,23 @@ static int64_t panel_min_rows(void)
     return cached;
 }
 
+/* The same for the AVX2 panel body (linear_panels_avx2); FLOWENGINE_CPU_PANEL_MIN_ROWS
+ * overrides it too. Measured (session 47, 2-core AMD EPYC Zen 3, all matmuls of a
+ * decode step with the weights from memory, benchmarks/cpu_matmul_step.py, ms, 2
+ * alternated rounds, panels / linear_rows_avx2): 6 rows 28-29 / 21-23, 8 33-36 / 25-26,
+ * 10 30-36 / 34, 12 33-43 / 36-37, 16 39 / 59, 32 67 / 138, 128 217 / 432. */
+#define PANEL_MIN_ROWS_AVX2 12
+static int64_t panel_min_rows_avx2(void)
+{
+    static int64_t cached = -1;
+    if (cached < 0) {
+        cached = (int64_t)env_number("FLOWENGINE_CPU_PANEL_MIN_ROWS", PANEL_MIN_ROWS_AVX2);
+        if (cached <= 0)
+            cached = INT64_MAX;
+    }
+    return cached;
+}
+
 /* This thread's panel scratch of at least `floats` floats (kept for the thread's life;
  * NULL when it cannot be allocated). */
 static float *panel_buffer(int64_t floats)
@@ -1939,7 +2097,10 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
     if (j->xp != NULL) {
         float *wt = panel_buffer(16 * K);
         if (wt != NULL) {
-            linear_panels_avx512(j->fmt, j->xp, M, K, j->qs, j->sc, n0, n1, j->out, N, wt);
+            if (j->avx)
+                linear_panels_avx512(j->fmt, j->xp, M, K, j->qs, j->sc, n0, n1, j->out, N, wt);
+            else
+                linear_panels_avx2(j->fmt, j->xp, M, K, j->qs, j->sc, n0, n1, j->out, N, wt);
             return;
         }
     }
@@ -2081,6 +2242,12 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
         xp = (float *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(float));
         if (xp != NULL)
             pack_activations_avx512(x, M, K, xp);
+        job.xp = xp;
+    } else if (xb == NULL && !vnni && job.avx2 && M >= panel_min_rows_avx2()) {
+        xp = (float *)aligned_alloc(
+            64, (size_t)(((M + PANEL2_MB - 1) / PANEL2_MB * PANEL2_MB * K * 4 + 63) / 64 * 64));
+        if (xp != NULL)
+            pack_activations_avx2(x, M, K, xp);
         job.xp = xp;
     }
 #endif
@@ -3339,6 +3506,8 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
         return PyUnicode_FromString("avx512-vnni");
     if (use_avx512() && rows >= panel_min_rows())
         return PyUnicode_FromString("avx512-panels");
+    if (!use_avx512() && use_avx2() && rows >= panel_min_rows_avx2())
+        return PyUnicode_FromString("avx2-panels");
     return PyUnicode_FromString(use_avx512() ? "avx512" : use_avx2() ? "avx2" : "c");
 }
 

@@ -486,24 +486,31 @@ def test_portable_body_without_avx512():
     _run_ok(_PORTABLE, "FLOWENGINE_CPU_NO_AVX512", "1")
 
 
-# The AVX2 body (CPUs without AVX-512; forced here with FLOWENGINE_CPU_NO_AVX512=1):
-# every format, 3 and 5 blocks per row, row counts around its groups of 4 and past one
-# cache tile (row_tile(96) = 104 rows), against float64 over gguf's dequantized values.
+# The AVX2 bodies (CPUs without AVX-512; forced here with FLOWENGINE_CPU_NO_AVX512=1):
+# every format, 3 and 5 blocks per row, 37 weight rows (a short last panel of 5); the
+# row body's counts around its groups of 4, and from 12 rows the panel body's tiles of
+# 6 rows with every remainder 0-5, against float64 over gguf's dequantized values; the
+# panel body's outputs the same bits in any split of the rows.
 _AVX2 = """
 import numpy as np, torch, sys
 sys.path.insert(0, {here!r})
 from test_quant_kernels import _gguf_weight
 from flowengine import _cpu_ops
 assert not _cpu_ops.has_avx512()
-assert _cpu_ops.linear_path(1) == "avx2", _cpu_ops.linear_path(1)
+paths = [_cpu_ops.linear_path(r) for r in (1, 11, 12, 2048)]
+assert paths == ["avx2", "avx2", "avx2-panels", "avx2-panels"], paths
 for fmt in ("q4_0", "q4_1", "q8_0"):
     for k in (96, 160):
         w, ref = _gguf_weight(fmt, 37, k, 11)
-        for rows in (1, 2, 3, 4, 5, 8, 9, 13, 130):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 11, 12, 13, 14, 15, 16, 17, 130):
             x = torch.randn(rows, k) * 3
             want = x.double() @ ref.double().t()
             err = (w.matmul(x).double() - want).abs().max().item()
             assert err < 1e-5 * (1 + want.abs().max().item()), (fmt, k, rows, err)
+        x = torch.randn(40, k)
+        out = w.matmul(x)
+        assert torch.equal(out, torch.cat([w.matmul(x[:20]), w.matmul(x[20:])])), (fmt, k)
+        assert torch.equal(out, torch.cat([w.matmul(x[:14]), w.matmul(x[14:])])), (fmt, k)
 print("ok")
 """
 

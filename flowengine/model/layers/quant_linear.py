@@ -19,9 +19,10 @@ one block at a time into registers, for up to 8 activation rows at once; from 14
 (batched decode, prefill) 16 weight rows at a time are dequantized into a small
 transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
 sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). A CPU with AVX2, FMA
-and F16C but no AVX-512 (AMD Zen 1-3, most Intel client parts) takes an AVX2 body for
-every row count: one block at a time dequantized into registers, up to 4 activation
-rows at once. Above
+and F16C but no AVX-512 (AMD Zen 1-3, most Intel client parts) takes an AVX2 body
+up to 11 rows (one block at a time dequantized into registers, up to 4 activation
+rows at once) and from 12 rows the panel scheme at 8 lanes (16 weight rows, tiles of 6
+activation rows: 2x the former body's rate at 32-128 rows). Above
 DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
 With `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) on a CPU whose oneDNN
 multiplies bf16 natively, products may be bf16 (`bf16_rows`): on a CPU with AMX-BF16
@@ -192,6 +193,7 @@ def kernel_paths() -> str:
              "avx512": "AVX-512 float32 dot products",
              "avx512-panels": "AVX-512 float32, 16-row dequantized panels",
              "avx2": "AVX2 + FMA float32 dot products (no AVX-512 on this CPU)",
+             "avx2-panels": "AVX2 + FMA float32, 16-row dequantized panels",
              "c": "portable C float32"}
     parts, start, path = [], 1, ops.linear_path(1)
     for rows in range(2, DEQUANT_MIN_ROWS + 2):
