@@ -388,22 +388,58 @@ AVX2 static inline __m128i bf16_round_avx2(__m256 f)
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
-/* One activation row: four accumulators (one per 8 weights of a block). */
+/* One activation row, factored per block: sum_j w_j x_j = d (q . x) + m sum(x) for
+ * Q4_1 (d (q . x) - 8 d sum(x) for Q4_0, d (q . x) for Q8_0), the codes q converted
+ * to float straight from the packed bytes (8 bytes zero- or sign-extended to 8 int32
+ * lanes: a Q4 block's low nibbles are weights 0-15, its high ones 16-31), so the
+ * dequantization's 4 FMAs and 2 byte shuffles per block are gone. sx: the block sums of
+ * x. The same products as d q x to float32 rounding, summed in another order. */
+AVX2 static inline __m256 codes_dot_avx2(int fmt, const uint8_t *rq, int64_t b, const float *xb)
+{
+    __m256 q0, q1, q2, q3;
+    if (fmt == FMT_Q8_0) {
+        const int8_t *q = (const int8_t *)rq + b * QK;
+        q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+        q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+        q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16))));
+        q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 24))));
+    } else {
+        const uint8_t *q = rq + b * (QK / 2);
+        const __m256i mask = _mm256_set1_epi32(0x0f);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+        q1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+        q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+        q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    }
+    __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xb));
+    t = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xb + 8), t);
+    t = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xb + 16), t);
+    return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xb + 24), t);
+}
+
 AVX2 static inline float dot_row1_avx2(int fmt, const uint8_t *rq, const float *scf,
-                                       const float *x, int64_t nb)
+                                       const float *x, const float *sx, int64_t nb)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 w[4];
-        dequant_block_avx2(fmt, rq, scf, b, w);
-        const float *xb = x + b * QK;
-        a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a0);
-        a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a1);
-        a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a2);
-        a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a3);
+    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1; /* scf stride: (d, m) pairs for Q4_1 */
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) { /* two accumulators: the FMA chains of two blocks */
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(scf[ds * b]), codes_dot_avx2(fmt, rq, b, x + b * QK), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(scf[ds * (b + 1)]),
+                             codes_dot_avx2(fmt, rq, b + 1, x + (b + 1) * QK), a1);
     }
-    return hsum_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    if (b < nb)
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(scf[ds * b]), codes_dot_avx2(fmt, rq, b, x + b * QK), a0);
+    float off = 0.f;
+    if (fmt == FMT_Q4_1)
+        for (b = 0; b < nb; b++)
+            off += scf[2 * b + 1] * sx[b];
+    else if (fmt == FMT_Q4_0)
+        for (b = 0; b < nb; b++)
+            off -= 8.f * scf[b] * sx[b];
+    return hsum_avx2(_mm256_add_ps(a0, a1)) + off;
 }
 
 /* Up to 4 activation rows per pass over a weight row (two accumulators each: 8
@@ -414,12 +450,19 @@ AVX2 static void linear_rows_avx2(int fmt, const float *x, int64_t M, int64_t K,
                                   int64_t n1, float *out, int64_t N)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
-    float scf[srow];
+    float scf[srow], sx[nb];
+    if (M == 1 && fmt != FMT_Q8_0)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * QK;
+            sx[b] = hsum_avx2(_mm256_add_ps(
+                _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
+        }
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *rq = qs + n * qrow;
         row_scales_avx2(sc + n * srow, srow, scf);
         if (M == 1) {
-            out[n] = dot_row1_avx2(fmt, rq, scf, x, nb);
+            out[n] = dot_row1_avx2(fmt, rq, scf, x, sx, nb);
             continue;
         }
         for (int64_t m0 = 0; m0 < M; m0 += MR_AVX2) {
