@@ -3703,12 +3703,40 @@ AVX512 static int64_t argmax_first_avx512(const float *l, int64_t V)
 }
 #endif
 
+#if HAVE_X86
+/* argmax_first_avx512 at 8 lanes, two maxima in flight. */
+AVX2 static int64_t argmax_first_avx2(const float *l, int64_t V)
+{
+    const int64_t n16 = V / 16 * 16;
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    for (int64_t t = 0; t < n16; t += 16) { /* a NaN lane keeps the maximum */
+        m0 = _mm256_max_ps(_mm256_loadu_ps(l + t), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(l + t + 8), m1);
+    }
+    float mx = hmax_avx2(_mm256_max_ps(m0, m1));
+    for (int64_t t = n16; t < V; t++)
+        mx = l[t] > mx ? l[t] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    for (int64_t t = 0; t < n16; t += 8) {
+        const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + t), vm, _CMP_EQ_OQ));
+        if (eq)
+            return t + __builtin_ctz((unsigned)eq);
+    }
+    for (int64_t t = n16; t < V; t++)
+        if (l[t] == mx)
+            return t;
+    return 0; /* every logit NaN */
+}
+#endif
+
 /* The first index of the maximum (torch.argmax's tie rule); NaN logits are skipped. */
 static int64_t argmax_first(const float *l, int64_t V)
 {
 #if HAVE_X86
     if (use_avx512())
         return argmax_first_avx512(l, V);
+    if (use_avx2())
+        return argmax_first_avx2(l, V);
 #endif
     int64_t best = 0;
     for (int64_t t = 1; t < V; t++)
@@ -3893,6 +3921,115 @@ static int use_avx512dq(void)
 }
 #endif
 
+#if HAVE_X86
+/* The AVX2 race (CPUs without AVX512-DQ): race_avx512 at 8 lanes. AVX2 has no 64-bit
+ * multiply, so splitmix64's is built from three 32 x 32 -> 64-bit products (the low 64
+ * bits of a b: alo blo + ((ahi blo + alo bhi) << 32)); the hash bits are the same,
+ * so the uniforms are. log_avx2 is log_ps with the mantissa and exponent taken from
+ * the bits (x normal and positive here: u >= 2^-24, q = -log u >= 6e-8), so the scores
+ * are log_ps's too. */
+AVX2 static inline __m256i mullo64_avx2(__m256i a, __m256i blo, __m256i bhi)
+{
+    const __m256i lo = _mm256_mul_epu32(a, blo);
+    const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), blo),
+                                           _mm256_mul_epu32(a, bhi));
+    return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+AVX2 static inline __m256i splitmix_avx2(__m256i z)
+{
+    const __m256i m1lo = _mm256_set1_epi64x((long long)(SM_MIX1 & 0xffffffffu));
+    const __m256i m1hi = _mm256_set1_epi64x((long long)(SM_MIX1 >> 32));
+    const __m256i m2lo = _mm256_set1_epi64x((long long)(SM_MIX2 & 0xffffffffu));
+    const __m256i m2hi = _mm256_set1_epi64x((long long)(SM_MIX2 >> 32));
+    z = mullo64_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), m1lo, m1hi);
+    z = mullo64_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), m2lo, m2hi);
+    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+AVX2 static inline __m256 log_avx2(__m256 x)
+{
+    const __m256i bits = _mm256_castps_si256(x);
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23),
+                                                   _mm256_set1_epi32(126)));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
+    const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+    e = _mm256_sub_ps(e, _mm256_and_ps(small, _mm256_set1_ps(1.0f)));
+    m = _mm256_add_ps(m, _mm256_and_ps(small, m));
+    const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
+    const __m256 z = _mm256_mul_ps(f, f);
+    __m256 y = _mm256_set1_ps(7.0376836292E-2f);
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.1514610310E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.1676998740E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.2420140846E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.4249322787E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.6668057665E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0000714765E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-2.4999993993E-1f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(3.3333331174E-1f));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, f), z);
+    y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, y);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
+}
+
+/* The race over [0, n8) (a multiple of 8): the best score and its index. */
+AVX2 static void race_avx2(const float *l, float it, int64_t n8, float thr, float mx,
+                           float thr_d, uint64_t key, float *best_score, int64_t *best_index)
+{
+    const __m256i step = _mm256_set1_epi64x((long long)(8 * SM_GAMMA));
+    __m256i za = _mm256_set_epi64x((long long)(key + 4 * SM_GAMMA), (long long)(key + 3 * SM_GAMMA),
+                                   (long long)(key + 2 * SM_GAMMA), (long long)(key + SM_GAMMA));
+    __m256i zb = _mm256_add_epi64(za, _mm256_set1_epi64x((long long)(4 * SM_GAMMA)));
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256 vit = _mm256_set1_ps(it), vthr = _mm256_set1_ps(thr);
+    const __m256 vmx = _mm256_set1_ps(mx), vthr_d = _mm256_set1_ps(thr_d);
+    const __m256 lowest = _mm256_set1_ps(-FLT_MAX), half = _mm256_set1_ps(0.5f);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(1.0f / 16777216.0f);
+    __m256 best = ninf;
+    __m256i best_t = _mm256_setzero_si256();
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t t = 0; t < n8; t += 8) {
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(l + t), vit);
+        const __m256 d = _mm256_sub_ps(s, vmx);
+        const __m256 keep = _mm256_and_ps(
+            _mm256_and_ps(_mm256_cmp_ps(s, vthr, _CMP_GE_OQ), _mm256_cmp_ps(d, vthr_d, _CMP_GE_OQ)),
+            _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+        const __m256i ha = _mm256_srli_epi64(splitmix_avx2(za), 40);
+        const __m256i hb = _mm256_srli_epi64(splitmix_avx2(zb), 40);
+        za = _mm256_add_epi64(za, step);
+        zb = _mm256_add_epi64(zb, step);
+        if (!_mm256_movemask_ps(keep))
+            continue;
+        /* tokens t..t+3 in the low dwords of ha, t+4..t+7 of hb (each < 2^24) */
+        const __m256i h = _mm256_permutevar8x32_epi32(
+            _mm256_or_si256(ha, _mm256_slli_epi64(hb, 32)), order);
+        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(h), scale);
+        const __m256 drawn = _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_GT_OQ);
+        const __m256 q = _mm256_sub_ps(_mm256_setzero_ps(),
+                                       log_avx2(_mm256_blendv_ps(half, u, _mm256_and_ps(keep, drawn))));
+        /* U = 0: the lowest finite score, as race_avx512 */
+        const __m256 score = _mm256_blendv_ps(lowest, _mm256_sub_ps(d, log_avx2(q)), drawn);
+        const __m256 better = _mm256_and_ps(keep, _mm256_cmp_ps(score, best, _CMP_GT_OQ));
+        best = _mm256_blendv_ps(best, score, better);
+        best_t = _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(best_t),
+            _mm256_castsi256_ps(_mm256_add_epi32(lanes, _mm256_set1_epi32((int)t))), better));
+    }
+    float bs[8];
+    int32_t bt[8];
+    _mm256_storeu_ps(bs, best);
+    _mm256_storeu_si256((__m256i *)bt, best_t);
+    for (int i = 0; i < 8; i++)
+        if (bs[i] > *best_score || (bs[i] == *best_score && bs[i] != -INFINITY
+                                     && bt[i] < *best_index)) {
+            *best_score = bs[i];
+            *best_index = bt[i];
+        }
+}
+#endif
+
 /* The race over the tokens with s >= thr (s-domain filters) and s - mx >= thr_d (min-p);
  * scores are taken relative to the maximum mx, where float32 keeps the precision of the
  * logits at any temperature (l / T of 1e6 would round a score to 1/16 nat). */
@@ -3905,6 +4042,9 @@ static int64_t race_row(const float *l, float it, int64_t V, float thr, float mx
     if (use_avx512dq() && V < ((int64_t)1 << 31)) {
         t = V / 16 * 16;
         race_avx512(l, it, t, thr, mx, thr_d, key, &best, &best_t);
+    } else if (!use_avx512() && use_avx2() && V < ((int64_t)1 << 31)) {
+        t = V / 8 * 8;
+        race_avx2(l, it, t, thr, mx, thr_d, key, &best, &best_t);
     }
 #endif
     for (; t < V; t++) {

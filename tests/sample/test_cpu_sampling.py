@@ -105,20 +105,34 @@ def test_all_greedy_batch_is_torch_argmax() -> None:
     logits[2, 17] = logits[2, 4000] = 40.0    # across groups
     logits[3, 4097] = logits[3, 4098] = 40.0  # in the tail past the last full group
     logits[4] = float("-inf")
+    logits[5, 2] = logits[5, 6] = 40.0        # inside one 8-lane group (the AVX2 body)
     states = [SamplingState(SamplingParams(temperature=0.0), [1], []) for _ in range(9)]
     got = Sampler()(logits, states).sampled_token_ids
     assert torch.equal(got, logits.argmax(dim=-1))
-    assert got[1:5].tolist() == [5, 17, 4097, 0]
+    assert got[1:6].tolist() == [5, 17, 4097, 0, 2]
 
 
-def test_the_scalar_body_picks_the_same_tokens() -> None:
-    """FLOWENGINE_CPU_NO_AVX512=1 (read once per process) takes the scalar loops (libm's
-    logf) instead of the AVX-512 bodies: the seeded and greedy tests, in a subprocess."""
+@pytest.mark.parametrize("body", ["avx2", "scalar"])
+def test_the_other_bodies_pick_the_same_tokens(body: str) -> None:
+    """FLOWENGINE_CPU_NO_AVX512=1 (read once per process) takes the AVX2 bodies (8
+    lanes; splitmix64's 64-bit products from 32-bit ones), and with
+    FLOWENGINE_CPU_NO_AVX2=1 too the scalar loops (libm's logf), instead of the AVX-512
+    bodies: the seeded and greedy tests, in a subprocess."""
     import os
     import subprocess
     import sys
 
+    from flowengine.executor.cpu_threads import cpu_flags
+
+    if body == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("no AVX2/FMA/F16C on this CPU")
     env = dict(os.environ, FLOWENGINE_CPU_NO_AVX512="1")
+    if body == "scalar":
+        env["FLOWENGINE_CPU_NO_AVX2"] = "1"
+    probe = subprocess.run([sys.executable, "-c", "from flowengine import _cpu_ops as o; "
+                            "print(o.has_avx512(), o.linear_path(1))"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.split() == ["False", "avx2" if body == "avx2" else "c"], probe.stderr
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"{__file__}::test_seeded_rows_pick_the_torch_paths_token",
                            f"{__file__}::test_all_greedy_batch_is_torch_argmax"],
