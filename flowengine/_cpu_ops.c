@@ -651,7 +651,7 @@ AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int
  * up to PANEL2_MB activation rows, one broadcast x[m][k] and two FMAs. 6 rows x 16
  * outputs are 12 accumulators, with the 2 weight vectors and the broadcast 15 of the 16
  * ymm registers, so the loop is FMA-bound (two broadcast loads per 4 FMAs). The
- * dequantization and transpose (~30 instructions per 16 weights) are paid once per
+ * dequantization and transpose (~20 instructions per 16 weights) are paid once per
  * panel per block of activation rows. Each output is one float32 chain over k in
  * order, whatever tile its row falls in. */
 #define PANEL2_MB 6
@@ -2567,11 +2567,12 @@ AVX2 static inline __attribute__((always_inline)) __m256 load_kv8(const char *p,
  * accumulators) after every 8 positions and read each V row once per query head; this
  * one was 1.3-1.5x faster at 912-position contexts on a 2-core Zen 3 and level at 228
  * (benchmarks/cpu_decode_attention.py, docs/benchmarks.md session 47), where reading
- * the cache (rows of one KV head at a stride of all KV heads, blocks scattered) takes
- * about half the time. The sums are float32 as before, in another order (the segment
- * rescaling of flash-decoding, Dao et al. 2023). */
+ * the cache (its blocks scattered over it) takes about half the time. The sums are
+ * float32 as before, in another order (the segment rescaling of flash-decoding, Dao et
+ * al. 2023). */
 #define ATT2_GH 3
 #define ATT2_SEG 64
+
 /* acc[g][c0 .. c0 + 8 W) += sum_j p[g][j] V_j over n positions, for gh heads (W and
  * GH constants after inlining: GH * W <= 12 accumulators). */
 AVX2 static inline __attribute__((always_inline)) void
@@ -3782,13 +3783,52 @@ static inline int top_p_bucket(float s, float thr, float mx)
     return d < TOPP_BINS - 1 ? (int)d : TOPP_BINS - 1;
 }
 
+#if HAVE_X86
+/* The first pass of top_p_threshold over [0, n8) (a multiple of 8) at 8 lanes: each
+ * kept token's e^(s - mx) by exp_avx2 (relative error ~2e-7 against expf's ~1 ulp),
+ * added to its bucket's mass in double, token by token in order as the scalar loop
+ * does; the buckets are top_p_bucket's. */
+AVX2 static void top_p_masses_avx2(const float *l, float it, int64_t n8, float thr, float mx,
+                                   double *mass, double *total)
+{
+    const __m256 vit = _mm256_set1_ps(it), vthr = _mm256_set1_ps(thr), vmx = _mm256_set1_ps(mx);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), last = _mm256_set1_ps((float)(TOPP_BINS - 1));
+    for (int64_t t = 0; t < n8; t += 8) {
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(l + t), vit);
+        const int keep = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(s, vthr, _CMP_GE_OQ),
+                                                          _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ)));
+        if (!keep)
+            continue;
+        /* (mx - s) 16 is exact in float as in double; clamped before the conversion */
+        const __m256 d = _mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vmx, s), _mm256_set1_ps(16.f)),
+                                       last);
+        float w[8];
+        int32_t b[8];
+        _mm256_storeu_ps(w, exp_avx2(_mm256_sub_ps(s, vmx)));
+        _mm256_storeu_si256((__m256i *)b, _mm256_cvttps_epi32(d));
+        for (int j = 0; j < 8; j++)
+            if (keep >> j & 1) {
+                mass[b[j]] += w[j];
+                *total += w[j];
+            }
+    }
+}
+#endif
+
 /* The top-p threshold in s over the tokens with s >= thr; -inf keeps them all. */
 static float top_p_threshold(const float *l, float it, int64_t V, float thr, float mx, float p,
                              float *scratch)
 {
     double mass[TOPP_BINS] = {0};
     double total = 0;
-    for (int64_t t = 0; t < V; t++) {
+    int64_t t0 = 0;
+#if HAVE_X86
+    if (!use_avx512() && use_avx2()) {
+        t0 = V / 8 * 8;
+        top_p_masses_avx2(l, it, t0, thr, mx, mass, &total);
+    }
+#endif
+    for (int64_t t = t0; t < V; t++) {
         float s = l[t] * it;
         int b = top_p_bucket(s, thr, mx);
         if (b < 0)
