@@ -3861,6 +3861,26 @@ static float top_p_threshold(const float *l, float it, int64_t V, float thr, flo
 }
 
 #if HAVE_X86
+/* The vector races' lanes into the running best: a higher score wins, an equal one at a
+ * lower token index (the scalar loop's order). */
+static void race_merge_lanes(const float *bs, const int32_t *bt, int n, float *best_score,
+                             int64_t *best_index)
+{
+    for (int i = 0; i < n; i++)
+        if (bs[i] > *best_score || (bs[i] == *best_score && bs[i] != -INFINITY
+                                     && bt[i] < *best_index)) {
+            *best_score = bs[i];
+            *best_index = bt[i];
+        }
+}
+
+/* Cephes' logf polynomial in f = m - 1, highest degree first (log_ps, log_avx2). */
+static const float LOGF_POLY[9] = {7.0376836292E-2f, -1.1514610310E-1f, 1.1676998740E-1f,
+                                   -1.2420140846E-1f, 1.4249322787E-1f, -1.6668057665E-1f,
+                                   2.0000714765E-1f, -2.4999993993E-1f, 3.3333331174E-1f};
+#endif
+
+#if HAVE_X86
 #define AVX512DQ __attribute__((target("avx512f,avx512dq,fma")))
 /* log(x) for x > 0 (finite), 16 lanes: Cephes' logf (x = m 2^e, m in [sqrt(1/2),
  * sqrt(2)), a degree-9 polynomial in m - 1), ~1 ulp; the race needs no more. */
@@ -3873,15 +3893,9 @@ AVX512DQ static inline __m512 log_ps(__m512 x)
     m = _mm512_mask_add_ps(m, small, m, m);
     __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
     __m512 z = _mm512_mul_ps(f, f);
-    __m512 y = _mm512_set1_ps(7.0376836292E-2f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993E-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174E-1f));
+    __m512 y = _mm512_set1_ps(LOGF_POLY[0]);
+    for (int i = 1; i < 9; i++)
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(LOGF_POLY[i]));
     y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
     y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
     y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
@@ -3944,12 +3958,7 @@ AVX512DQ static void race_avx512(const float *l, float it, int64_t n16, float th
     int32_t bt[16];
     _mm512_storeu_ps(bs, best);
     _mm512_storeu_si512((void *)bt, best_t);
-    for (int i = 0; i < 16; i++)
-        if (bs[i] > *best_score || (bs[i] == *best_score && bs[i] != -INFINITY
-                                     && bt[i] < *best_index)) {
-            *best_score = bs[i];
-            *best_index = bt[i];
-        }
+    race_merge_lanes(bs, bt, 16, best_score, best_index);
 }
 
 static int use_avx512dq(void)
@@ -3999,15 +4008,9 @@ AVX2 static inline __m256 log_avx2(__m256 x)
     m = _mm256_add_ps(m, _mm256_and_ps(small, m));
     const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
     const __m256 z = _mm256_mul_ps(f, f);
-    __m256 y = _mm256_set1_ps(7.0376836292E-2f);
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.1514610310E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.1676998740E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.2420140846E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.4249322787E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.6668057665E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0000714765E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-2.4999993993E-1f));
-    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(3.3333331174E-1f));
+    __m256 y = _mm256_set1_ps(LOGF_POLY[0]);
+    for (int i = 1; i < 9; i++)
+        y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(LOGF_POLY[i]));
     y = _mm256_mul_ps(_mm256_mul_ps(y, f), z);
     y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
     y = _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, y);
@@ -4061,12 +4064,7 @@ AVX2 static void race_avx2(const float *l, float it, int64_t n8, float thr, floa
     int32_t bt[8];
     _mm256_storeu_ps(bs, best);
     _mm256_storeu_si256((__m256i *)bt, best_t);
-    for (int i = 0; i < 8; i++)
-        if (bs[i] > *best_score || (bs[i] == *best_score && bs[i] != -INFINITY
-                                     && bt[i] < *best_index)) {
-            *best_score = bs[i];
-            *best_index = bt[i];
-        }
+    race_merge_lanes(bs, bt, 8, best_score, best_index);
 }
 #endif
 
