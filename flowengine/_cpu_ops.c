@@ -420,7 +420,7 @@ AVX2 static inline __m256 codes_dot_avx2(int fmt, const uint8_t *rq, int64_t b, 
 }
 
 AVX2 static inline float dot_row1_avx2(int fmt, const uint8_t *rq, const float *scf,
-                                       const float *x, const float *sx, int64_t nb)
+                                       const float *x, const float *sxs, int64_t ns, int64_t nb)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1; /* scf stride: (d, m) pairs for Q4_1 */
@@ -432,14 +432,11 @@ AVX2 static inline float dot_row1_avx2(int fmt, const uint8_t *rq, const float *
     }
     if (b < nb)
         a0 = _mm256_fmadd_ps(_mm256_set1_ps(scf[ds * b]), codes_dot_avx2(fmt, rq, b, x + b * QK), a0);
-    float off = 0.f;
-    if (fmt == FMT_Q4_1)
-        for (b = 0; b < nb; b++)
-            off += scf[2 * b + 1] * sx[b];
-    else if (fmt == FMT_Q4_0)
-        for (b = 0; b < nb; b++)
-            off -= 8.f * scf[b] * sx[b];
-    return hsum_avx2(_mm256_add_ps(a0, a1)) + off;
+    /* the offsets m sum(x) (Q4_1) or -8 d sum(x) (Q4_0): scf against sxs, 8 at a time */
+    __m256 o = _mm256_setzero_ps();
+    for (int64_t i = 0; i < ns; i += 8)
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(scf + i), _mm256_loadu_ps(sxs + i), o);
+    return hsum_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), o));
 }
 
 /* Up to 4 activation rows per pass over a weight row (two accumulators each: 8
@@ -450,19 +447,31 @@ AVX2 static void linear_rows_avx2(int fmt, const float *x, int64_t M, int64_t K,
                                   int64_t n1, float *out, int64_t N)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
-    float scf[srow], sx[nb];
-    if (M == 1 && fmt != FMT_Q8_0)
+    /* 1 row: sxs[i] multiplies scf[i] in the offset term: m_b sum(x_b) for Q4_1 (scf
+     * holds (d, m) pairs, so sxs = 0, sum(x_0), 0, sum(x_1), ...), -8 d_b sum(x_b) for
+     * Q4_0, nothing for Q8_0 (ns = 0); both padded with zeros to ns, a multiple of 8. */
+    const int64_t ns = M == 1 && fmt != FMT_Q8_0 ? (srow + 7) / 8 * 8 : 0;
+    float scf[(srow + 7) / 8 * 8], sxs[ns > 0 ? ns : 1];
+    for (int64_t i = srow; i < (srow + 7) / 8 * 8; i++)
+        scf[i] = 0.f;
+    if (ns > 0) {
+        memset(sxs, 0, (size_t)ns * sizeof(float));
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + b * QK;
-            sx[b] = hsum_avx2(_mm256_add_ps(
+            const float s = hsum_avx2(_mm256_add_ps(
                 _mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
                 _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24))));
+            if (fmt == FMT_Q4_1)
+                sxs[2 * b + 1] = s;
+            else
+                sxs[b] = -8.f * s;
         }
+    }
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *rq = qs + n * qrow;
         row_scales_avx2(sc + n * srow, srow, scf);
         if (M == 1) {
-            out[n] = dot_row1_avx2(fmt, rq, scf, x, sx, nb);
+            out[n] = dot_row1_avx2(fmt, rq, scf, x, sxs, ns, nb);
             continue;
         }
         for (int64_t m0 = 0; m0 < M; m0 += MR_AVX2) {
@@ -690,7 +699,16 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
         row_scales_avx2(sc + (n0 + r) * srow, srow, scf[r]);
     if (np < 16)
         memset(blk + np * 32, 0, (size_t)(16 - np) * 32 * sizeof(float));
+    /* The next panel's scales now, its codes a few lines per block: the weights come
+     * from memory, and prefetching them here took ~5% off a 16-row decode step's
+     * matmuls (session 48, benchmarks/cpu_matmul_step.py, paired rounds). */
+    const char *next = (const char *)(qs + (n0 + 16) * qrow);
+    const int64_t lines = 16 * qrow / 64;
+    for (int64_t i = 0; i < 16 * srow * 2; i += 64)
+        _mm_prefetch((const char *)(sc + (n0 + 16) * srow) + i, _MM_HINT_T0);
     for (int64_t b = 0; b < nb; b++) {
+        for (int64_t l = b * lines / nb; l < (b + 1) * lines / nb; l++)
+            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
         for (int64_t r = 0; r < np; r++) {
             __m256 w[4];
             dequant_block_avx2(fmt, qs + (n0 + r) * qrow, scf[r], b, w);
