@@ -2573,9 +2573,12 @@ AVX2 static inline __attribute__((always_inline)) __m256 load_kv8(const char *p,
  * head_dim a multiple of 8 (KB: a bf16 cache). Per group of up to ATT2_GH query heads
  * and per segment of up to ATT2_SEG positions, three passes instead of one online
  * softmax per 8 positions:
- *   1. the scores of each head: 8 positions at a time, two FMA chains per position,
- *      the 8 dot products summed by sum8_ps, into a buffer (the segment's K rows stay
- *      in L1 for the group's next heads);
+ *   1. the scores of every head of the group (scores_avx2): each K row loaded once
+ *      for the group's heads, two FMA chains per head and position, 8 positions'
+ *      dot products summed by sum8_ps, into a buffer; then per head the soft cap,
+ *      the mask past the context and the max. One head at a time (each K row loaded
+ *      again from L1 per head) took ~1.35x as long with the cache in L3 (session 48,
+ *      cpu_decode_attention.py --layers 1 --threads 1 --context 1000);
  *   2. per head the segment's max, one rescale of the running sum and output by
  *      e^(old max - new max), and p = e^(s - max) 8 lanes at a time;
  *   3. acc[g] += p[g][j] V_j, a slice of up to 4 vectors (32 dims) of every head of
@@ -2632,6 +2635,49 @@ pv_avx2(const char *const *vrows, int64_t n, const float *p, const int GH, float
     }
 }
 
+/* sc[g * ATT2_SEG + j] = q[g] . K_j for j < n (<= ATT2_SEG; the lanes past n of the
+ * last 8 are 0) and g < GH (a constant after inlining): each K row is loaded once for
+ * the GH heads, two FMA chains per head (even and odd 8-value slices, as before). */
+AVX2 static inline __attribute__((always_inline)) void
+scores_avx2(const char *const *krows, int64_t n, float q[][MAX_D], const int GH, int64_t d,
+            const int KB, float *sc)
+{
+    const int64_t esz = KB ? 2 : 4, nv = d / 8;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t m = n - j0 < 8 ? n - j0 : 8;
+        __m256 t[ATT2_GH][8];
+        for (int64_t j = 0; j < 8; j++) {
+            if (j >= m) {
+                for (int g = 0; g < GH; g++)
+                    t[g][j] = _mm256_setzero_ps();
+                continue;
+            }
+            const char *kr = krows[j0 + j];
+            __m256 e[ATT2_GH], o[ATT2_GH];
+            for (int g = 0; g < GH; g++)
+                e[g] = o[g] = _mm256_setzero_ps();
+            int64_t c = 0;
+            for (; c + 2 <= nv; c += 2) {
+                const __m256 k0 = load_kv8(kr + 8 * esz * c, KB);
+                const __m256 k1 = load_kv8(kr + 8 * esz * (c + 1), KB);
+                for (int g = 0; g < GH; g++) {
+                    e[g] = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), k0, e[g]);
+                    o[g] = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c + 8), k1, o[g]);
+                }
+            }
+            if (c < nv) {
+                const __m256 k0 = load_kv8(kr + 8 * esz * c, KB);
+                for (int g = 0; g < GH; g++)
+                    e[g] = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), k0, e[g]);
+            }
+            for (int g = 0; g < GH; g++)
+                t[g][j] = _mm256_add_ps(e[g], o[g]);
+        }
+        for (int g = 0; g < GH; g++)
+            _mm256_store_ps(sc + g * ATT2_SEG + j0, sum8_ps(t[g]));
+    }
+}
+
 AVX2 static inline __attribute__((always_inline)) void
 attend_group_avx2(const attn_args *a, int64_t i, int64_t h, const int KB)
 {
@@ -2668,30 +2714,17 @@ attend_group_avx2(const attn_args *a, int64_t i, int64_t h, const int KB)
                     blk++;
                 }
             }
+            switch (gh) { /* pass 1: the scores of every head of the group */
+            case 3: scores_avx2(krows, n, q, 3, d, KB, sc); break;
+            case 2: scores_avx2(krows, n, q, 2, d, KB, sc); break;
+            default: scores_avx2(krows, n, q, 1, d, KB, sc); break;
+            }
             for (int g = 0; g < gh; g++) {
                 float *sg = sc + g * ATT2_SEG;
                 __m256 smax = _mm256_set1_ps(-INFINITY);
-                for (int64_t j0 = 0; j0 < n; j0 += 8) { /* pass 1: scores */
+                for (int64_t j0 = 0; j0 < n; j0 += 8) { /* the scores' cap, mask and max */
                     const int64_t m = n - j0 < 8 ? n - j0 : 8;
-                    __m256 t[8];
-                    for (int64_t j = 0; j < 8; j++) {
-                        if (j >= m) {
-                            t[j] = _mm256_setzero_ps();
-                            continue;
-                        }
-                        const char *kr = krows[j0 + j];
-                        __m256 v = _mm256_mul_ps(_mm256_load_ps(q[g]), load_kv8(kr, KB));
-                        __m256 u = _mm256_setzero_ps(); /* two chains: half the latency */
-                        for (int64_t c = 1; c < nv; c++) {
-                            const __m256 k = load_kv8(kr + 8 * esz * c, KB);
-                            if (c % 2)
-                                u = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), k, u);
-                            else
-                                v = _mm256_fmadd_ps(_mm256_load_ps(q[g] + 8 * c), k, v);
-                        }
-                        t[j] = _mm256_add_ps(v, u);
-                    }
-                    __m256 s = sum8_ps(t);
+                    __m256 s = _mm256_load_ps(sg + j0);
                     if (a->soft_cap > 0.f) {
                         float tmp[8];
                         _mm256_storeu_ps(tmp, s);
