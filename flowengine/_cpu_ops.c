@@ -656,69 +656,110 @@ AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int
 /* ---- the AVX2 panel body (CPUs without AVX-512; panel_min_rows_avx2() or more rows)
  *
  * The panel scheme above at 8 lanes: 16 weight rows dequantized (dequant_block_avx2's
- * values) and transposed into wt[k][16]; then per k two weight vectors and, for each of
- * up to PANEL2_MB activation rows, one broadcast x[m][k] and two FMAs. 6 rows x 16
- * outputs are 12 accumulators, with the 2 weight vectors and the broadcast 15 of the 16
- * ymm registers, so the loop is FMA-bound (two broadcast loads per 4 FMAs). The
- * dequantization and transpose (~20 instructions per 16 weights) are paid once per
- * panel per block of activation rows. Each output is one float32 chain over k in
+ * values) into wt[k][16] (dequant_panel_avx2); then per k two weight vectors and, for
+ * each of up to PANEL2_MB activation rows, one broadcast x[m][k] and two FMAs. 6 rows x
+ * 16 outputs are 12 accumulators, with the 2 weight vectors and the broadcast 15 of the
+ * 16 ymm registers, so the loop is FMA-bound (two broadcast loads per 4 FMAs). The
+ * dequantization is paid once per panel per block of activation rows. Each output is one float32 chain over k in
  * order, whatever tile its row falls in. */
 #define PANEL2_MB 6
 
-/* dst[c * ds + r] = src[r * ss + c] for r, c < 8. */
-AVX2 static inline void transpose8_ps_avx2(const float *src, int64_t ss, float *dst, int64_t ds)
+/* The codes of 8 weight rows, transposed: t[p] = byte 2p of rows 0..7, then byte 2p + 1
+ * of rows 0..7, from v[i] = bytes 0..15 of row i (3 rounds of 8 unpacks). */
+AVX2 static inline void transpose8x16_epi8(const __m128i v[8], __m128i t[8])
 {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm256_loadu_ps(src + i * ss);
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; i++) { /* a[2i]: bytes 0..7 of rows 2i, 2i+1 interleaved */
+        a[2 * i] = _mm_unpacklo_epi8(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm_unpackhi_epi8(v[2 * i], v[2 * i + 1]);
     }
-    for (int i = 0; i < 2; i++) {
-        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    /* r[4i + j]: rows 4i..4i+3, column j of each 128-bit lane (lane l: column 4l + j) */
-    for (int j = 0; j < 4; j++) {
-        _mm256_storeu_ps(dst + j * ds, _mm256_permute2f128_ps(r[j], r[4 + j], 0x20));
-        _mm256_storeu_ps(dst + (4 + j) * ds, _mm256_permute2f128_ps(r[j], r[4 + j], 0x31));
+    for (int i = 0; i < 2; i++) /* b: 4 bytes x 4 rows (rows 4i..4i+3) */
+        for (int h = 0; h < 2; h++) {
+            b[4 * i + 2 * h] = _mm_unpacklo_epi16(a[4 * i + h], a[4 * i + 2 + h]);
+            b[4 * i + 2 * h + 1] = _mm_unpackhi_epi16(a[4 * i + h], a[4 * i + 2 + h]);
+        }
+    /* b[q] (q < 4): bytes 4q..4q+3 of rows 0..3; b[4 + q]: of rows 4..7 */
+    for (int q = 0; q < 4; q++) {
+        t[2 * q] = _mm_unpacklo_epi32(b[q], b[4 + q]);
+        t[2 * q + 1] = _mm_unpackhi_epi32(b[q], b[4 + q]);
     }
 }
 
-/* wt[k * 16 + r] = weight (n0 + r, k) for r < np (<= 16), 0 for the rows past np. */
+/* wt[k * 16 + r] = weight (n0 + r, k) for r < np (<= 16); the rows past np hold zeros
+ * (their scales are 0). Each weight is dequant_block_avx2's value (the same operation
+ * on the same code and scales), but the codes are transposed first, as bytes (8 rows x
+ * 16 bytes in 24 unpacks), so that 8 rows at one k take one zero-extension, a mask or
+ * a shift, a conversion and an FMA with the rows' scales, and one store. Transposing
+ * the dequantized floats instead (8x8 per 64 weights, through a row buffer) took 8 ymm
+ * stores and ~18 shuffles per 32 weights against one store port and two shuffle pipes
+ * on Zen 3: 0.87 of its time here, 0.91 of a 16-row decode step's matmuls (session 48,
+ * paired rounds). The bytes stay in registers: read back from a buffer as 8-byte
+ * halves of 16-byte stores (a failed store-to-load forwarding each) they were slower
+ * than the floats. Prefetches the next panel's codes and scales. */
 AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *sc, int64_t K,
                                     int64_t n0, int64_t np, float *wt)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
-    float scf[16][srow];
-    float blk[16 * 32];
-    for (int64_t r = 0; r < np; r++)
-        row_scales_avx2(sc + (n0 + r) * srow, srow, scf[r]);
-    if (np < 16)
-        memset(blk + np * 32, 0, (size_t)(16 - np) * 32 * sizeof(float));
-    /* The next panel's scales now, its codes a few lines per block: the weights come
-     * from memory, and prefetching them here took ~5% off a 16-row decode step's
-     * matmuls (session 48, benchmarks/cpu_matmul_step.py, paired rounds). */
+    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1; /* scf stride: (d, m) pairs for Q4_1 */
+    float scf[srow], dT[nb * 16], mT[nb * 16];  /* [b][r]: block b's scale of row r */
+    const uint8_t *rows[16];
+    for (int r = 0; r < 16; r++) {
+        rows[r] = qs + (n0 + (r < np ? r : 0)) * qrow;
+        if (r < np)
+            row_scales_avx2(sc + (n0 + r) * srow, srow, scf);
+        for (int64_t b = 0; b < nb; b++) {
+            dT[b * 16 + r] = r < np ? scf[ds * b] : 0.f;
+            mT[b * 16 + r] = r < np && fmt == FMT_Q4_1 ? scf[2 * b + 1] : 0.f;
+        }
+    }
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    /* the next panel's scales now, its codes a few lines per block */
     const char *next = (const char *)(qs + (n0 + 16) * qrow);
     const int64_t lines = 16 * qrow / 64;
     for (int64_t i = 0; i < 16 * srow * 2; i += 64)
         _mm_prefetch((const char *)(sc + (n0 + 16) * srow) + i, _MM_HINT_T0);
     for (int64_t b = 0; b < nb; b++) {
+        float *dst = wt + b * QK * 16;
         for (int64_t l = b * lines / nb; l < (b + 1) * lines / nb; l++)
             _mm_prefetch(next + 64 * l, _MM_HINT_T0);
-        for (int64_t r = 0; r < np; r++) {
-            __m256 w[4];
-            dequant_block_avx2(fmt, qs + (n0 + r) * qrow, scf[r], b, w);
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(blk + r * 32 + 8 * i, w[i]);
-        }
-        float *dst = wt + b * QK * 16;
-        for (int c = 0; c < 32; c += 8) {
-            transpose8_ps_avx2(blk + c, 32, dst + c * 16, 16);
-            transpose8_ps_avx2(blk + 8 * 32 + c, 32, dst + c * 16 + 8, 16);
+        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+            const __m256 d = _mm256_loadu_ps(dT + b * 16 + 8 * h);
+            if (fmt == FMT_Q8_0) {
+                for (int half = 0; half < 2; half++) { /* bytes (weights) 16 half + 0..15 */
+                    __m128i v[8], t[8];
+                    for (int i = 0; i < 8; i++)
+                        v[i] = _mm_loadu_si128((const __m128i *)(rows[8 * h + i] + b * QK + 16 * half));
+                    transpose8x16_epi8(v, t);
+                    for (int j = 0; j < 16; j++) {
+                        const __m128i tj = j % 2 ? _mm_srli_si128(t[j / 2], 8) : t[j / 2];
+                        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(tj));
+                        _mm256_storeu_ps(dst + (16 * half + j) * 16 + 8 * h, _mm256_mul_ps(d, q));
+                    }
+                }
+                continue;
+            }
+            __m128i v[8], t[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = _mm_loadu_si128((const __m128i *)(rows[8 * h + i] + b * (QK / 2)));
+            transpose8x16_epi8(v, t);
+            const __m256 m = _mm256_loadu_ps(mT + b * 16 + 8 * h);
+            for (int j = 0; j < 16; j++) { /* byte j: weight j (low nibble), j + 16 (high) */
+                const __m128i tj = j % 2 ? _mm_srli_si128(t[j / 2], 8) : t[j / 2];
+                const __m256i c = _mm256_cvtepu8_epi32(tj);
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+                __m256 wl, wh;
+                if (fmt == FMT_Q4_1) {
+                    wl = _mm256_fmadd_ps(d, lo, m);
+                    wh = _mm256_fmadd_ps(d, hi, m);
+                } else {
+                    wl = _mm256_mul_ps(d, _mm256_sub_ps(lo, eight));
+                    wh = _mm256_mul_ps(d, _mm256_sub_ps(hi, eight));
+                }
+                _mm256_storeu_ps(dst + j * 16 + 8 * h, wl);
+                _mm256_storeu_ps(dst + (j + 16) * 16 + 8 * h, wh);
+            }
         }
     }
 }
