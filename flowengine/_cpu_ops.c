@@ -660,8 +660,8 @@ AVX512 static void linear_panels_avx512(int fmt, const float *xp, int64_t M, int
  * each of up to PANEL2_MB activation rows, one broadcast x[m][k] and two FMAs. 6 rows x
  * 16 outputs are 12 accumulators, with the 2 weight vectors and the broadcast 15 of the
  * 16 ymm registers, so the loop is FMA-bound (two broadcast loads per 4 FMAs). The
- * dequantization is paid once per panel per block of activation rows. Each output is one float32 chain over k in
- * order, whatever tile its row falls in. */
+ * dequantization is paid once per panel per block of activation rows. Each output is
+ * one float32 chain over k in order, whatever tile its row falls in. */
 #define PANEL2_MB 6
 
 /* The codes of 8 weight rows, transposed: t[p] = byte 2p of rows 0..7, then byte 2p + 1
