@@ -729,12 +729,14 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
                 for (int half = 0; half < 2; half++) { /* bytes (weights) 16 half + 0..15 */
                     __m128i v[8], t[8];
                     for (int i = 0; i < 8; i++)
-                        v[i] = _mm_loadu_si128((const __m128i *)(rows[8 * h + i] + b * QK + 16 * half));
+                        v[i] = _mm_loadu_si128(
+                            (const __m128i *)(rows[8 * h + i] + b * QK + 16 * half));
                     transpose8x16_epi8(v, t);
+                    float *dh = dst + 16 * half * 16 + 8 * h;
                     for (int j = 0; j < 16; j++) {
                         const __m128i tj = j % 2 ? _mm_srli_si128(t[j / 2], 8) : t[j / 2];
                         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(tj));
-                        _mm256_storeu_ps(dst + (16 * half + j) * 16 + 8 * h, _mm256_mul_ps(d, q));
+                        _mm256_storeu_ps(dh + j * 16, _mm256_mul_ps(d, q));
                     }
                 }
                 continue;
