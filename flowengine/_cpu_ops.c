@@ -701,7 +701,9 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
     const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1; /* scf stride: (d, m) pairs for Q4_1 */
-    float scf[srow], dT[nb * 16], mT[nb * 16];  /* [b][r]: block b's scale of row r */
+    const int q41 = fmt == FMT_Q4_1;
+    /* [b][r]: block b's scale d (and Q4_1's offset m) of row r */
+    float scf[srow], dT[nb * 16], mT[q41 ? nb * 16 : 1];
     const uint8_t *rows[16];
     for (int r = 0; r < 16; r++) {
         rows[r] = qs + (n0 + (r < np ? r : 0)) * qrow;
@@ -709,7 +711,8 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
             row_scales_avx2(sc + (n0 + r) * srow, srow, scf);
         for (int64_t b = 0; b < nb; b++) {
             dT[b * 16 + r] = r < np ? scf[ds * b] : 0.f;
-            mT[b * 16 + r] = r < np && fmt == FMT_Q4_1 ? scf[2 * b + 1] : 0.f;
+            if (q41)
+                mT[b * 16 + r] = r < np ? scf[2 * b + 1] : 0.f;
         }
     }
     const __m256i mask = _mm256_set1_epi32(0x0f);
@@ -745,14 +748,14 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
             for (int i = 0; i < 8; i++)
                 v[i] = _mm_loadu_si128((const __m128i *)(rows[8 * h + i] + b * (QK / 2)));
             transpose8x16_epi8(v, t);
-            const __m256 m = _mm256_loadu_ps(mT + b * 16 + 8 * h);
+            const __m256 m = q41 ? _mm256_loadu_ps(mT + b * 16 + 8 * h) : _mm256_setzero_ps();
             for (int j = 0; j < 16; j++) { /* byte j: weight j (low nibble), j + 16 (high) */
                 const __m128i tj = j % 2 ? _mm_srli_si128(t[j / 2], 8) : t[j / 2];
                 const __m256i c = _mm256_cvtepu8_epi32(tj);
                 const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask));
                 const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
                 __m256 wl, wh;
-                if (fmt == FMT_Q4_1) {
+                if (q41) {
                     wl = _mm256_fmadd_ps(d, lo, m);
                     wh = _mm256_fmadd_ps(d, hi, m);
                 } else {
