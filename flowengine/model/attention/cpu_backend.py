@@ -12,12 +12,21 @@ request) take the same C pass with one virtual request per new token: token t of
 request with q_len new tokens sits at position seq_len - q_len + t, so it is a decode
 token over the request's block-table row with context length seq_len - (q_len - 1 - t)
 (causal within the step, sliding window relative to its own position). Longer prefill
-chunks keep the reference's SDPA path (PyTorch's fused CPU flash-attention kernel).
-Without the C extension, or for a head_dim / group size the kernel does not take,
-decode falls back to the reference.
+chunks take the C kernel `paged_prefill_attention` on CPUs with AVX2 and without
+AVX-512: per (request, KV head, block of query tokens) a flash-attention pass over the
+cache's keys and values (the chunk's own, written first, and any cached prefix), with
+register tiles for the scores and the weighted values; 2.2x faster than PyTorch's CPU
+flash-attention kernel for one 128-token prompt of the default model and for 16 of them
+(docs/benchmarks.md, session 49). Elsewhere (AVX-512 CPUs, not measured against it;
+soft caps; bf16 queries; a bf16 cache where the CPU multiplies bf16 natively) prefill
+keeps the reference's SDPA path. Without the C extension, or for a head_dim / group
+size the kernels do not take, attention falls back to the reference.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -94,6 +103,108 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         out.data_ptr(), torch.get_num_threads())
 
 
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start: torch.Tensor,
+                            seq_lens: torch.Tensor, reqs: torch.Tensor, scale: float,
+                            out: torch.Tensor, *, sliding_window: int | None = None) -> None:
+    """Causal attention of the listed requests' new tokens over their paged contexts,
+    into `out` (the C kernel `paged_prefill_attention`, AVX2; the tokens' own K/V must
+    be in the cache already).
+
+    Args:
+        q: [T, Hq, D] float32, contiguous; request r's new tokens are rows
+            query_start[r] .. query_start[r + 1] - 1, at positions seq_lens[r] - n ..
+            seq_lens[r] - 1 (n = their count).
+        kv_cache: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, contiguous.
+        block_tables: [R, max_blocks] int32, contiguous; row r is request r's.
+        query_start: [R + 1] int64. seq_lens: [R] int32 (context with the new tokens).
+        reqs: [N] int64, the requests to attend (the others' rows are not written).
+        out: [T, Hq, D] float32, contiguous.
+        sliding_window: a token at position p attends to p - sliding_window < j <= p.
+
+    Raises:
+        ValueError: a dtype, layout or size the kernel does not take, a CPU without
+            AVX2 + FMA, or a request with no new tokens or fewer context positions
+            than new tokens (nothing is written).
+        IndexError: a context longer than its block-table row.
+    """
+    ops = _kernel()
+    if ops is None:
+        raise ValueError("the C extension flowengine._cpu_ops is not built")
+    t, hq, d = q.shape
+    _, num_blocks, block_size, hkv, d_kv = kv_cache.shape
+    if (q.dtype != torch.float32 or out.dtype != torch.float32 or out.shape != q.shape
+            or kv_cache.dtype not in _DTYPES or d != d_kv):
+        raise ValueError(f"paged_prefill_attention does not take q {tuple(q.shape)} "
+                         f"{q.dtype}, cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    for name, tensor, dtype in (("block_tables", block_tables, torch.int32),
+                                ("query_start", query_start, torch.int64),
+                                ("seq_lens", seq_lens, torch.int32),
+                                ("reqs", reqs, torch.int64)):
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor")
+    if not (q.is_contiguous() and kv_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("q, kv_cache and out must be contiguous")
+    num_reqs = seq_lens.shape[0]
+    if (query_start.shape[0] != num_reqs + 1 or block_tables.shape[0] < num_reqs
+            or (reqs.numel() and (int(reqs.min()) < 0 or int(reqs.max()) >= num_reqs))
+            or int(query_start[-1]) > t):
+        raise ValueError("paged_prefill_attention: query_start, seq_lens, block_tables "
+                         "and reqs disagree on the requests")
+    ops.paged_prefill_attention(
+        q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), _DTYPES[kv_cache.dtype], hq, hkv,
+        d, num_blocks, block_size, block_tables.data_ptr(), block_tables.shape[1],
+        query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.shape[0], scale,
+        sliding_window or 0, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=1)
+def _prefill_kernel_on() -> bool:
+    """Whether prompt chunks take the C prefill kernel: the extension is built, the CPU
+    has AVX2 + FMA and no AVX-512 (where PyTorch's SDPA has 16-lane bodies and ours
+    has not been measured against it)."""
+    ops = _kernel()
+    return ops is not None and ops.has_avx2() and not ops.has_avx512()
+
+
+class _PrefillPlan(NamedTuple):
+    """What the prefill kernel and the decode kernel take for a step with prompt chunks,
+    built once per step (all layers share `meta`)."""
+
+    starts: torch.Tensor        # [R + 1] int64, query_start_loc
+    seq_lens: torch.Tensor      # [R] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32, contiguous
+    chunks: torch.Tensor        # int64: the requests with more than one new token
+    decode: list[int]           # the requests with one
+    starts_list: list[int]
+    seq_lens_list: list[int]
+    num_tokens: int             # starts[-1]: the rows past it are padding
+
+
+def _prefill_plan(meta: AttentionMetadata) -> _PrefillPlan | None:
+    """The step's _PrefillPlan, cached on `meta`; None when no request has more than one
+    new token."""
+    cached = getattr(meta, "_cpu_prefill_plan", False)
+    if cached is not False:
+        return cached
+    starts = meta.query_start_loc_cpu.to(torch.int64).contiguous()
+    q_lens = starts[1:] - starts[:-1]
+    chunks = torch.nonzero(q_lens > 1).flatten()
+    plan = None
+    if chunks.numel():
+        block_tables = meta.block_tables
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            block_tables = block_tables.to(torch.int32).contiguous()
+        plan = _PrefillPlan(starts, meta.seq_lens_cpu.to(torch.int32).contiguous(),
+                            block_tables, chunks, torch.nonzero(q_lens == 1).flatten().tolist(),
+                            starts.tolist(), meta.seq_lens_cpu.tolist(), int(starts[-1]))
+    try:
+        meta._cpu_prefill_plan = plan
+    except AttributeError:  # a metadata type with slots: build it each layer
+        pass
+    return plan
+
+
 def _decode_plan(meta: AttentionMetadata, q: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(tok_idx, req_idx, seq_lens int32, block_tables int32) of a CPU step where every
@@ -155,6 +266,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 or kv_cache.dtype not in _DTYPES or q.shape[2] > _MAX_HEAD_DIM
                 or q.shape[1] // kv_cache.shape[3] > _MAX_GROUP
                 or not cpu_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)):
+            out = self._prefill_step(q, k, v, kv_cache, meta, scale, sliding_window,
+                                     logits_soft_cap)
+            if out is not None:
+                return out
             return super().forward(q, k, v, kv_cache, meta, scale,
                                    sliding_window=sliding_window,
                                    logits_soft_cap=logits_soft_cap)
@@ -162,6 +277,39 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(q)
         paged_decode_attention(q, kv_cache, block_tables, lens, tok_idx, req_idx, scale, out,
                                soft_cap=logits_soft_cap, sliding_window=sliding_window)
+        return out
+
+    def _prefill_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      sliding_window: int | None, soft_cap: float | None
+                      ) -> torch.Tensor | None:
+        """A step with prompt chunks (more than one new token for some request): the
+        K/V write, then every such request by the C prefill kernel
+        (`paged_prefill_attention`, which reads the chunk's keys and values and any
+        cached prefix from the cache) and the one-token requests by the decode kernel;
+        padding rows are zeros. None (nothing written) where the kernel does not apply:
+        no prompt chunk, a soft cap, bfloat16 queries, a head_dim that is not a multiple
+        of 8, a CPU without AVX2 or with AVX-512 (measured only without it), or a bf16
+        cache on a CPU that multiplies bf16 natively (_prefill_dtype's bf16 SDPA)."""
+        if (meta.max_query_len <= 1 or soft_cap is not None or not _prefill_kernel_on()
+                or q.dtype != torch.float32 or not q.is_contiguous()
+                or kv_cache.dtype not in _DTYPES or q.shape[2] % 8
+                or q.shape[2] > _MAX_HEAD_DIM or q.shape[1] % kv_cache.shape[3]
+                or q.shape[1] // kv_cache.shape[3] > _MAX_GROUP
+                or self._prefill_dtype(kv_cache) != torch.float32):
+            return None
+        plan = _prefill_plan(meta)
+        if plan is None or plan.num_tokens > q.shape[0]:
+            return None
+        self._write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if plan.num_tokens < q.shape[0]:
+            out[plan.num_tokens:] = 0
+        paged_prefill_attention(q, kv_cache, plan.block_tables, plan.starts, plan.seq_lens,
+                                plan.chunks, scale, out, sliding_window=sliding_window)
+        if plan.decode:
+            self._decode(q, kv_cache, meta, plan.decode, plan.starts_list, plan.seq_lens_list,
+                         scale, out, sliding_window, None)
         return out
 
     @staticmethod
