@@ -30,6 +30,17 @@ from flowengine.model.attention.torch_backend import TorchAttentionBackend
 BLOCK = 16
 
 
+def step(backend, meta_args: tuple, layers: list, d: int) -> tuple[float, list[torch.Tensor]]:
+    """One step's attention over every layer: (ms, the layers' outputs)."""
+    outs = []
+    t0 = time.perf_counter()
+    # one metadata object per step, shared by its layers, as in the engine
+    meta = AttentionMetadata(*meta_args)
+    for cache, q, k, v in layers:
+        outs.append(backend.forward(q, k, v, cache, meta, d ** -0.5))
+    return (time.perf_counter() - t0) * 1e3, outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="1x128,16x128,1x512",
@@ -61,26 +72,18 @@ def main() -> None:
                    torch.randn(r * n, hkv, d), torch.randn(r * n, hkv, d))
                   for _ in range(a.layers)]
 
-        def step(backend) -> tuple[float, list[torch.Tensor]]:
-            outs = []
-            t0 = time.perf_counter()
-            # one metadata object per step, shared by its layers, as in the engine
-            meta = AttentionMetadata(qsl, seq_lens, bt, slots, n, n, qsl, seq_lens)
-            for cache, q, k, v in layers:
-                outs.append(backend.forward(q, k, v, cache, meta, d ** -0.5))
-            return (time.perf_counter() - t0) * 1e3, outs
-
+        meta_args = (qsl, seq_lens, bt, slots, n, n, qsl, seq_lens)
         ref_b, c_b = TorchAttentionBackend(), CpuAttentionBackend()
-        step(ref_b)
-        step(c_b)
+        step(ref_b, meta_args, layers, d)
+        step(c_b, meta_args, layers, d)
         t_ref, t_c = [], []
         diff = 0.0
         for _ in range(a.rounds):
-            t, o_ref = step(ref_b)
+            t, o_ref = step(ref_b, meta_args, layers, d)
             t_ref.append(t)
-            t, o_c = step(c_b)
+            t, o_c = step(c_b, meta_args, layers, d)
             t_c.append(t)
-            diff = max(diff, max((x - y).abs().max().item() for x, y in zip(o_ref, o_c)))
+            diff = max(diff, max((x - y).abs().max().item() for x, y in zip(o_ref, o_c, strict=True)))
         mr, mc = statistics.median(t_ref), statistics.median(t_c)
         print(f"| {r} x {n} | {mr:.2f} | {mc:.2f} | {mr / mc:.2f} | {diff:.1e} |")
     print(f"load average after {os.getloadavg()[0]:.2f}")
