@@ -2503,6 +2503,8 @@ typedef struct {
     float scale, soft_cap;
     int64_t window;
     int64_t wchunk; /* (request, KV head) items per pool chunk (attention_impl sets it) */
+    int64_t parts;  /* > 1: the AVX2 body's context parts per item (attention_impl) */
+    float *partial; /* [num_reqs * hkv * parts][G][d + 2]: a part's sums, max, denominator */
 } attn_args;
 
 static inline float load_elem(const void *p, int64_t i, int bf16)
@@ -2741,15 +2743,16 @@ scores_avx2(const char *const *krows, int64_t n, float q[][MAX_D], const int GH,
 }
 
 AVX2 static inline __attribute__((always_inline)) void
-attend_group_avx2(const attn_args *a, int64_t i, int64_t h, const int KB)
+attend_group_avx2(const attn_args *a, int64_t i, int64_t h, int64_t first, int64_t len,
+                  float *part, const int KB)
 {
     const int64_t G = a->hq / a->hkv, d = a->d, nv = d / 8, bs = a->block_size;
-    const int64_t len = a->seq_lens[i], tok = a->tok_idx[i];
+    const int64_t tok = a->tok_idx[i];
     const int32_t *bt = a->block_tables + a->req_idx[i] * a->bt_stride;
     const int64_t esz = KB ? 2 : 4;
     const char *cache = (const char *)a->cache;
     const int64_t plane = a->num_blocks * bs * a->hkv * d * esz; /* bytes */
-    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t start = first;
     const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
     float q[ATT2_GH][MAX_D] __attribute__((aligned(32)));
     float acc[ATT2_GH * MAX_D], sc[ATT2_GH * ATT2_SEG] __attribute__((aligned(32)));
@@ -2837,6 +2840,13 @@ attend_group_avx2(const attn_args *a, int64_t i, int64_t h, const int KB)
             }
         }
         for (int g = 0; g < gh; g++) {
+            if (part != NULL) { /* a part of the context: its sums, max and denominator */
+                float *pg = part + (g0 + g) * (d + 2);
+                memcpy(pg, acc + g * d, (size_t)d * sizeof(float));
+                pg[d] = mx[g];
+                pg[d + 1] = den[g];
+                continue;
+            }
             float *o = (float *)a->out + (tok * a->hq + h * G + g0 + g) * d;
             const __m256 inv = _mm256_set1_ps(den[g] > 0.f ? 1.f / den[g] : 0.f);
             for (int64_t c = 0; c < nv; c++)
@@ -2853,12 +2863,86 @@ AVX2 static void attend_range_avx2(const attn_args *a, int64_t w0, int64_t w1)
     const int chunked = !a->q_bf16 && a->d % 8 == 0;
     for (int64_t w = w0; w < w1; w++) {
         const int64_t i = w / a->hkv, h = w % a->hkv;
+        const int64_t len = a->seq_lens[i];
+        const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
         if (!chunked)
             attend_one(a, i, h);
         else if (a->kv_bf16)
-            attend_group_avx2(a, i, h, 1);
+            attend_group_avx2(a, i, h, start, len, NULL, 1);
         else
-            attend_group_avx2(a, i, h, 0);
+            attend_group_avx2(a, i, h, start, len, NULL, 0);
+    }
+}
+
+/* Context positions per part of a long context (attend_part_avx2). Paired rounds
+ * (30 layers' caches from memory, 2 threads, Zen 3, session 49): one request of 1000
+ * positions took 0.86 / 0.88 / 0.91 of the unsplit time with parts of 128 / 256 / 512;
+ * at 200 positions parts of 128 took 1.05-1.09 of it; at 4 or 16 requests no gain. */
+#define ATT2_PART 256
+
+/* The number of parts of request i's context: it depends on the request's own context
+ * alone, so that a request's output does not depend on the batch or the threads. */
+static inline int64_t att2_parts(const attn_args *a, int64_t i)
+{
+    const int64_t len = a->seq_lens[i];
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    return len - start > ATT2_PART ? (len - start + ATT2_PART - 1) / ATT2_PART : 1;
+}
+
+/* Item c of a split pass: (request, KV head) c / a->parts, its part c % a->parts (none
+ * past the request's own count). A request of one part is written as the unsplit body
+ * writes it; a part of a longer one leaves its unnormalised sums, max and denominator
+ * in a->partial for attend_merge. Splitting a long context keeps both cores busy at
+ * one or two requests (3 KV heads on 2 threads left one idle a third of the time). */
+AVX2 static void attend_part_avx2(const attn_args *a, int64_t c)
+{
+    const int64_t w = c / a->parts, p = c % a->parts, i = w / a->hkv, h = w % a->hkv;
+    const int64_t np = att2_parts(a, i), len = a->seq_lens[i];
+    if (p >= np)
+        return;
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t first = start + p * ATT2_PART;
+    const int64_t last = np == 1 ? len : (first + ATT2_PART < len ? first + ATT2_PART : len);
+    float *part = np == 1 ? NULL
+                          : a->partial + (w * a->parts + p) * (a->hq / a->hkv) * (a->d + 2);
+    if (a->kv_bf16)
+        attend_group_avx2(a, i, h, first, last, part, 1);
+    else
+        attend_group_avx2(a, i, h, first, last, part, 0);
+}
+
+/* The outputs of the split requests from their parts' sums (flash-decoding's
+ * reduction: Dao et al. 2023): max M over the parts, den = sum den_p e^(m_p - M),
+ * out = sum acc_p e^(m_p - M) / den, the parts in order. */
+static void attend_merge(const attn_args *a)
+{
+    const int64_t G = a->hq / a->hkv, d = a->d;
+    for (int64_t w = 0; w < a->num_reqs * a->hkv; w++) {
+        const int64_t i = w / a->hkv, h = w % a->hkv, np = att2_parts(a, i);
+        if (np == 1)
+            continue;
+        for (int64_t g = 0; g < G; g++) {
+            float m = -INFINITY, den = 0.f;
+            for (int64_t p = 0; p < np; p++) {
+                const float mp = a->partial[((w * a->parts + p) * G + g) * (d + 2) + d];
+                m = mp > m ? mp : m;
+            }
+            float *o = (float *)a->out + (a->tok_idx[i] * a->hq + h * G + g) * d;
+            for (int64_t c = 0; c < d; c++)
+                o[c] = 0.f;
+            for (int64_t p = 0; p < np; p++) {
+                const float *pg = a->partial + ((w * a->parts + p) * G + g) * (d + 2);
+                if (pg[d] == -INFINITY)
+                    continue;
+                const float f = expf(pg[d] - m);
+                den += pg[d + 1] * f;
+                for (int64_t c = 0; c < d; c++)
+                    o[c] += pg[c] * f;
+            }
+            const float inv = den > 0.f ? 1.f / den : 0.f;
+            for (int64_t c = 0; c < d; c++)
+                o[c] *= inv;
+        }
     }
 }
 
@@ -3092,6 +3176,12 @@ AVX512 static void attend_range_avx512(const attn_args *a, int64_t w0, int64_t w
 static void attention_chunk(const void *ctx, int64_t c)
 {
     const attn_args *a = (const attn_args *)ctx;
+#if HAVE_X86
+    if (a->parts > 1) {
+        attend_part_avx2(a, c);
+        return;
+    }
+#endif
     const int64_t w0 = c * a->wchunk, work = a->num_reqs * a->hkv;
     const int64_t w1 = w0 + a->wchunk < work ? w0 + a->wchunk : work;
 #if HAVE_X86
@@ -3111,7 +3201,9 @@ static void attention_chunk(const void *ctx, int64_t c)
  * one request's KV heads (one core reads the request's blocks) where there are at least
  * two requests per thread and no request's context is more than a thread's share of
  * all of them (a long one would leave the other threads idle), else one (request, KV
- * head). */
+ * head). The AVX2 body on a CPU without AVX-512 runs a batch with a context of more
+ * than ATT2_PART positions as one chunk per (request, KV head, part) instead, then
+ * merges the parts (attend_part_avx2, attend_merge). */
 static void attention_impl(const attn_args *a0, int nth)
 {
     attn_args a = *a0;
@@ -3121,6 +3213,36 @@ static void attention_impl(const attn_args *a0, int nth)
         longest = a.seq_lens[i] > longest ? a.seq_lens[i] : longest;
     }
     a.wchunk = a.num_reqs >= 2 * (int64_t)nth && longest * nth <= total ? a.hkv : 1;
+    a.parts = 1;
+    a.partial = NULL;
+#if HAVE_X86
+    /* The AVX2 body (float32 queries, head_dim a multiple of 8) splits long contexts */
+    if (use_avx2() && !use_avx512() && !a.q_bf16 && a.d % 8 == 0 && a.d <= MAX_D) {
+        for (int64_t i = 0; i < a.num_reqs; i++) {
+            const int64_t np = att2_parts(&a, i);
+            a.parts = np > a.parts ? np : a.parts;
+        }
+        if (a.parts > 1) {
+            static __thread float *buf = NULL;
+            static __thread int64_t cap = 0;
+            const int64_t need = work * a.parts * (a.hq / a.hkv) * (a.d + 2);
+            if (cap < need) {
+                free(buf);
+                buf = (float *)malloc((size_t)need * sizeof(float));
+                cap = buf != NULL ? need : 0;
+            }
+            if (buf == NULL) {
+                a.parts = 1; /* no scratch: the unsplit pass */
+            } else {
+                a.partial = buf;
+                const int64_t items = work * a.parts;
+                pool_run(attention_chunk, &a, items, nth < items ? nth : (int)items);
+                attend_merge(&a);
+                return;
+            }
+        }
+    }
+#endif
     const int64_t chunks = (work + a.wchunk - 1) / a.wchunk;
     if (nth > chunks)
         nth = (int)(chunks > 0 ? chunks : 1);

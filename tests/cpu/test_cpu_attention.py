@@ -110,6 +110,36 @@ def test_a_request_gets_the_same_bits_alone_or_in_a_batch(hq, hkv, d, lens):
             torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (520, None), (None, 30.0)])
+def test_long_contexts_in_parts(kv_dtype, window, soft_cap):
+    """Contexts over 256 positions (after the window) are attended in parts of 256 by
+    the AVX2 body and merged (flash-decoding's reduction); what a request gets depends
+    on its own context only: the reference's values, and the same bits alone, in the
+    batch and on one thread or two."""
+    lens = [256, 257, 512, 600, 1000, 5]
+    cache, bt, seq_lens, _, tok_idx = _case(kv_dtype, 9, 3, 64, lens)
+    q = 3 * torch.randn(len(lens) + 1, 9, 64)
+    batch = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, bt, seq_lens, tok_idx, torch.arange(len(lens)), 0.125,
+                           batch, soft_cap=soft_cap, sliding_window=window)
+    ref = _reference(q, cache.float(), bt, seq_lens, tok_idx, 0.125, soft_cap, window)
+    assert torch.isnan(batch[0]).all()
+    torch.testing.assert_close(batch[1:], ref[1:], rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            for i in range(len(lens)):
+                alone = torch.full_like(q, float("nan"))
+                paged_decode_attention(q, cache, bt[i:i + 1], seq_lens[i:i + 1],
+                                       tok_idx[i:i + 1], torch.arange(1), 0.125, alone,
+                                       soft_cap=soft_cap, sliding_window=window)
+                assert torch.equal(alone[i + 1], batch[i + 1]), (threads, i)
+        finally:
+            torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("block", [1, 8, 32])
 @pytest.mark.parametrize("window", [None, 21])
 def test_other_block_sizes(block, window):
