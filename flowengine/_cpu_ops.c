@@ -2609,6 +2609,23 @@ AVX2 static inline float hmax_avx2(__m256 v)
     return _mm_cvtss_f32(m);
 }
 
+/* s[j] = e^(s[j] - m) for the lanes of s[0 .. n rounded up to 8) that are not -inf, 0
+ * for those that are (masked positions); returns their sum. s 32-byte aligned. */
+AVX2 static inline __attribute__((always_inline)) float softmax_weights_avx2(float *s,
+                                                                             int64_t n, float m)
+{
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 psum = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const __m256 v = _mm256_load_ps(s + j0);
+        const __m256 live = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m256 p = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(v, mv)));
+        psum = _mm256_add_ps(psum, p);
+        _mm256_store_ps(s + j0, p);
+    }
+    return hsum_avx2(psum);
+}
+
 /* 8 cache values at p as float32: float32, or bf16 (KB) widened exactly. */
 AVX2 static inline __attribute__((always_inline)) __m256 load_kv8(const char *p, const int KB)
 {
@@ -2805,16 +2822,7 @@ attend_group_avx2(const attn_args *a, int64_t i, int64_t h, int64_t first, int64
                 /* pass 2: the new max, the rescale, the probabilities */
                 const float cmax = hmax_avx2(smax), m_new = cmax > mx[g] ? cmax : mx[g];
                 const float corr = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m_new);
-                __m256 psum = _mm256_setzero_ps();
-                const __m256 mv = _mm256_set1_ps(m_new);
-                for (int64_t j0 = 0; j0 < n; j0 += 8) {
-                    const __m256 s = _mm256_load_ps(sg + j0);
-                    const __m256 live = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                    const __m256 pv = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(s, mv)));
-                    psum = _mm256_add_ps(psum, pv);
-                    _mm256_store_ps(sg + j0, pv);
-                }
-                den[g] = den[g] * corr + hsum_avx2(psum);
+                den[g] = den[g] * corr + softmax_weights_avx2(sg, n, m_new);
                 mx[g] = m_new;
                 if (corr != 1.f) {
                     const __m256 cv = _mm256_set1_ps(corr);
@@ -3406,19 +3414,6 @@ pf_pv_tile(const char *const *vrows, int64_t n, const float *P, const float *cor
             _mm256_storeu_ps(O + (m0 + r) * d + c0 + 8 * w, acc[r][w]);
 }
 
-/* This thread's prefill scratch of at least `floats` floats, 32-byte aligned. */
-static float *pf_buffer(int64_t floats)
-{
-    static __thread float *buf = NULL;
-    static __thread int64_t cap = 0;
-    if (cap < floats) {
-        free(buf);
-        buf = (float *)aligned_alloc(64, (size_t)(floats + 15) / 16 * 64);
-        cap = buf != NULL ? floats : 0;
-    }
-    return buf;
-}
-
 AVX2 static inline __attribute__((always_inline)) void
 pf_item(const pf_args *a, int64_t i, int64_t h, int64_t r0, int64_t r1, float *mem,
         const int KB)
@@ -3498,16 +3493,7 @@ pf_item(const pf_args *a, int64_t i, int64_t h, int64_t r0, int64_t r1, float *m
                 continue;
             }
             corr[m] = mx[m] == -INFINITY ? 0.f : expf(mx[m] - m_new);
-            const __m256 mv = _mm256_set1_ps(m_new);
-            __m256 psum = _mm256_setzero_ps();
-            for (int64_t j0 = 0; j0 < n16; j0 += 8) {
-                const __m256 s = _mm256_load_ps(sm + j0);
-                const __m256 live = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                const __m256 p = _mm256_and_ps(live, exp_avx2(_mm256_sub_ps(s, mv)));
-                psum = _mm256_add_ps(psum, p);
-                _mm256_store_ps(sm + j0, p);
-            }
-            den[m] = den[m] * corr[m] + hsum_avx2(psum);
+            den[m] = den[m] * corr[m] + softmax_weights_avx2(sm, n16, m_new);
             mx[m] = m_new;
         }
         /* 4. O = O corr + P V */
@@ -3550,7 +3536,8 @@ AVX2 static void pf_chunk(const void *ctx, int64_t c)
     const int64_t h = local % a->hkv, r0 = blk * a->qb;
     const int64_t r1 = r0 + a->qb < n_new ? r0 + a->qb : n_new;
     const int64_t G = a->hq / a->hkv, M = a->qb * G, d = a->d;
-    float *mem = pf_buffer(2 * M * d + d * PF_SEG + M * PF_SEG + 6 * M + 8);
+    /* the thread's matmul panel scratch: no matmul runs in this thread meanwhile */
+    float *mem = panel_buffer(2 * M * d + d * PF_SEG + M * PF_SEG + 6 * M + 8);
     if (mem == NULL) {
         ((pf_args *)ctx)->failed = 1;
         return;
@@ -3590,27 +3577,17 @@ static PyObject *py_paged_prefill_attention(PyObject *self, PyObject *args)
                      "of 8 up to %d), heads %lld/%lld not supported", d, MAX_D, hq, hkv);
         return NULL;
     }
-    pf_args a;
-    a.q = (const float *)(uintptr_t)qp;
-    a.out = (float *)(uintptr_t)op;
-    a.cache = (const char *)(uintptr_t)cp;
-    a.kv_bf16 = kvbf;
-    a.hq = hq;
-    a.hkv = hkv;
-    a.d = d;
-    a.block_size = bs;
-    a.num_blocks = nblocks;
-    a.bt_stride = bts;
-    a.block_tables = (const int32_t *)(uintptr_t)btp;
-    a.query_start = (const int64_t *)(uintptr_t)qsp;
-    a.seq_lens = (const int32_t *)(uintptr_t)slp;
-    a.reqs = (const int64_t *)(uintptr_t)rp;
-    a.nreqs = nlisted;
-    a.scale = (float)scale;
-    a.window = window > 0 ? window : 0;
-    a.failed = 0;
     const int64_t G = hq / hkv;
-    a.qb = PF_M / G > 1 ? PF_M / G : 1;
+    pf_args a = {
+        .q = (const float *)(uintptr_t)qp, .out = (float *)(uintptr_t)op,
+        .cache = (const char *)(uintptr_t)cp, .kv_bf16 = kvbf, .hq = hq, .hkv = hkv, .d = d,
+        .block_size = bs, .num_blocks = nblocks, .bt_stride = bts,
+        .block_tables = (const int32_t *)(uintptr_t)btp,
+        .query_start = (const int64_t *)(uintptr_t)qsp,
+        .seq_lens = (const int32_t *)(uintptr_t)slp, .reqs = (const int64_t *)(uintptr_t)rp,
+        .nreqs = nlisted, .qb = PF_M / G > 1 ? PF_M / G : 1, .scale = (float)scale,
+        .window = window > 0 ? window : 0, .failed = 0,
+    };
     int64_t *starts = (int64_t *)malloc((size_t)(nlisted + 1) * sizeof(int64_t));
     if (starts == NULL)
         return PyErr_NoMemory();
@@ -3635,7 +3612,7 @@ static PyObject *py_paged_prefill_attention(PyObject *self, PyObject *args)
         starts[k + 1] = starts[k] + (n_new + a.qb - 1) / a.qb * hkv;
     }
     a.item_start = starts;
-    if (pf_buffer(2 * a.qb * G * d + d * PF_SEG + a.qb * G * PF_SEG + 6 * a.qb * G + 8) == NULL) {
+    if (panel_buffer(2 * a.qb * G * d + d * PF_SEG + a.qb * G * PF_SEG + 6 * a.qb * G + 8) == NULL) {
         free(starts);
         return PyErr_NoMemory();
     }

@@ -82,6 +82,23 @@ def test_float32_queries_over_a_bf16_cache(hq, hkv, d, window):
     torch.testing.assert_close(out[1:], ref[1:], rtol=1e-5, atol=1e-5)
 
 
+def _assert_same_bits_alone(q, cache, bt, seq_lens, tok_idx, batch, scale, **kwargs):
+    """Each request of the batch whose outputs are `batch`, attended alone on one thread
+    and on two, gets the same bits."""
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            for i in range(len(seq_lens)):
+                alone = torch.full_like(q, float("nan"))
+                paged_decode_attention(q, cache, bt[i:i + 1], seq_lens[i:i + 1],
+                                       tok_idx[i:i + 1], torch.arange(1), scale, alone,
+                                       **kwargs)
+                assert torch.equal(alone[i + 1], batch[i + 1]), (threads, i)
+        finally:
+            torch.set_num_threads(before)
+
+
 # contexts even enough for a pool chunk per request (two threads or one), and one
 # context longer than a thread's share (a chunk per (request, KV head))
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 130, 250, 240],
@@ -97,17 +114,7 @@ def test_a_request_gets_the_same_bits_alone_or_in_a_batch(hq, hkv, d, lens):
     batch = torch.full_like(q, float("nan"))
     paged_decode_attention(q, cache, bt, seq_lens, tok_idx, torch.arange(len(lens)), d ** -0.5,
                            batch)
-    before = torch.get_num_threads()
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        try:
-            for i in range(len(lens)):
-                alone = torch.full_like(q, float("nan"))
-                paged_decode_attention(q, cache, bt[i:i + 1], seq_lens[i:i + 1],
-                                       tok_idx[i:i + 1], torch.arange(1), d ** -0.5, alone)
-                assert torch.equal(alone[i + 1], batch[i + 1]), (threads, i)
-        finally:
-            torch.set_num_threads(before)
+    _assert_same_bits_alone(q, cache, bt, seq_lens, tok_idx, batch, d ** -0.5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -126,18 +133,8 @@ def test_long_contexts_in_parts(kv_dtype, window, soft_cap):
     ref = _reference(q, cache.float(), bt, seq_lens, tok_idx, 0.125, soft_cap, window)
     assert torch.isnan(batch[0]).all()
     torch.testing.assert_close(batch[1:], ref[1:], rtol=1e-5, atol=1e-5)
-    before = torch.get_num_threads()
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        try:
-            for i in range(len(lens)):
-                alone = torch.full_like(q, float("nan"))
-                paged_decode_attention(q, cache, bt[i:i + 1], seq_lens[i:i + 1],
-                                       tok_idx[i:i + 1], torch.arange(1), 0.125, alone,
-                                       soft_cap=soft_cap, sliding_window=window)
-                assert torch.equal(alone[i + 1], batch[i + 1]), (threads, i)
-        finally:
-            torch.set_num_threads(before)
+    _assert_same_bits_alone(q, cache, bt, seq_lens, tok_idx, batch, 0.125, soft_cap=soft_cap,
+                            sliding_window=window)
 
 
 @pytest.mark.parametrize("block", [1, 8, 32])

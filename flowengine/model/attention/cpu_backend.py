@@ -58,6 +58,17 @@ def _kernel():
     return _cpu_ops
 
 
+def _check_layout(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                  **index: tuple[torch.Tensor, torch.dtype]) -> None:
+    """Raise ValueError unless q, kv_cache and out are contiguous and each index tensor
+    (name=(tensor, dtype)) is a contiguous tensor of its dtype."""
+    for name, (tensor, dtype) in index.items():
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor")
+    if not (q.is_contiguous() and kv_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("q, kv_cache and out must be contiguous")
+
+
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, tok_idx: torch.Tensor, req_idx: torch.Tensor,
                            scale: float, out: torch.Tensor, *, soft_cap: float | None = None,
@@ -87,14 +98,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
             or d != d_kv or d > _MAX_HEAD_DIM or hq % hkv or hq // hkv > _MAX_GROUP):
         raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} {q.dtype}, "
                          f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
-    for name, tensor, dtype in (("block_tables", block_tables, torch.int32),
-                                ("seq_lens", seq_lens, torch.int32),
-                                ("tok_idx", tok_idx, torch.int64),
-                                ("req_idx", req_idx, torch.int64)):
-        if tensor.dtype != dtype or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor")
-    if not (q.is_contiguous() and kv_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("q, kv_cache and out must be contiguous")
+    _check_layout(q, kv_cache, out, block_tables=(block_tables, torch.int32),
+                  seq_lens=(seq_lens, torch.int32), tok_idx=(tok_idx, torch.int64),
+                  req_idx=(req_idx, torch.int64))
     ops.paged_decode_attention(
         q.data_ptr(), _DTYPES[q.dtype], tok_idx.data_ptr(), req_idx.data_ptr(),
         tok_idx.shape[0], hq, hkv, d, kv_cache.data_ptr(), _DTYPES[kv_cache.dtype],
@@ -137,14 +143,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
             or kv_cache.dtype not in _DTYPES or d != d_kv):
         raise ValueError(f"paged_prefill_attention does not take q {tuple(q.shape)} "
                          f"{q.dtype}, cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
-    for name, tensor, dtype in (("block_tables", block_tables, torch.int32),
-                                ("query_start", query_start, torch.int64),
-                                ("seq_lens", seq_lens, torch.int32),
-                                ("reqs", reqs, torch.int64)):
-        if tensor.dtype != dtype or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor")
-    if not (q.is_contiguous() and kv_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("q, kv_cache and out must be contiguous")
+    _check_layout(q, kv_cache, out, block_tables=(block_tables, torch.int32),
+                  query_start=(query_start, torch.int64), seq_lens=(seq_lens, torch.int32),
+                  reqs=(reqs, torch.int64))
     num_reqs = seq_lens.shape[0]
     if (query_start.shape[0] != num_reqs + 1 or block_tables.shape[0] < num_reqs
             or (reqs.numel() and (int(reqs.min()) < 0 or int(reqs.max()) >= num_reqs))
