@@ -2503,8 +2503,10 @@ typedef struct {
     float scale, soft_cap;
     int64_t window;
     int64_t wchunk; /* (request, KV head) items per pool chunk (attention_impl sets it) */
-    int64_t parts;  /* > 1: the AVX2 body's context parts per item (attention_impl) */
-    float *partial; /* [num_reqs * hkv * parts][G][d + 2]: a part's sums, max, denominator */
+    /* split pass (attention_impl): request i's items (KV head, part) are part_off[i] ..
+     * part_off[i + 1] - 1, item c's sums, max and denominator partial[c][G][d + 2] */
+    const int64_t *part_off; /* NULL: no split */
+    float *partial;
 } attn_args;
 
 static inline float load_elem(const void *p, int64_t i, int bf16)
@@ -2897,22 +2899,27 @@ static inline int64_t att2_parts(const attn_args *a, int64_t i)
     return len - start > ATT2_PART ? (len - start + ATT2_PART - 1) / ATT2_PART : 1;
 }
 
-/* Item c of a split pass: (request, KV head) c / a->parts, its part c % a->parts (none
- * past the request's own count). A request of one part is written as the unsplit body
- * writes it; a part of a longer one leaves its unnormalised sums, max and denominator
- * in a->partial for attend_merge. Splitting a long context keeps both cores busy at
- * one or two requests (3 KV heads on 2 threads left one idle a third of the time). */
+/* Item c of a split pass: request i with part_off[i] <= c < part_off[i + 1], its KV
+ * head and part. A request of one part is written as the unsplit body writes it; a
+ * part of a longer one leaves its unnormalised sums, max and denominator in
+ * a->partial for attend_merge. Splitting a long context keeps both cores busy at one or
+ * two requests (3 KV heads on 2 threads left one idle a third of the time). */
 AVX2 static void attend_part_avx2(const attn_args *a, int64_t c)
 {
-    const int64_t w = c / a->parts, p = c % a->parts, i = w / a->hkv, h = w % a->hkv;
-    const int64_t np = att2_parts(a, i), len = a->seq_lens[i];
-    if (p >= np)
-        return;
+    int64_t lo = 0, hi = a->num_reqs; /* the last i with part_off[i] <= c */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (a->part_off[mid] <= c)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const int64_t i = lo, np = att2_parts(a, i), len = a->seq_lens[i];
+    const int64_t h = (c - a->part_off[i]) / np, p = (c - a->part_off[i]) % np;
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
     const int64_t first = start + p * ATT2_PART;
     const int64_t last = np == 1 ? len : (first + ATT2_PART < len ? first + ATT2_PART : len);
-    float *part = np == 1 ? NULL
-                          : a->partial + (w * a->parts + p) * (a->hq / a->hkv) * (a->d + 2);
+    float *part = np == 1 ? NULL : a->partial + c * (a->hq / a->hkv) * (a->d + 2);
     if (a->kv_bf16)
         attend_group_avx2(a, i, h, first, last, part, 1);
     else
@@ -2929,17 +2936,18 @@ static void attend_merge(const attn_args *a)
         const int64_t i = w / a->hkv, h = w % a->hkv, np = att2_parts(a, i);
         if (np == 1)
             continue;
+        const float *parts = a->partial + (a->part_off[i] + h * np) * G * (d + 2);
         for (int64_t g = 0; g < G; g++) {
             float m = -INFINITY, den = 0.f;
             for (int64_t p = 0; p < np; p++) {
-                const float mp = a->partial[((w * a->parts + p) * G + g) * (d + 2) + d];
+                const float mp = parts[(p * G + g) * (d + 2) + d];
                 m = mp > m ? mp : m;
             }
             float *o = (float *)a->out + (a->tok_idx[i] * a->hq + h * G + g) * d;
             for (int64_t c = 0; c < d; c++)
                 o[c] = 0.f;
             for (int64_t p = 0; p < np; p++) {
-                const float *pg = a->partial + ((w * a->parts + p) * G + g) * (d + 2);
+                const float *pg = parts + (p * G + g) * (d + 2);
                 if (pg[d] == -INFINITY)
                     continue;
                 const float f = expf(pg[d] - m);
@@ -3185,7 +3193,7 @@ static void attention_chunk(const void *ctx, int64_t c)
 {
     const attn_args *a = (const attn_args *)ctx;
 #if HAVE_X86
-    if (a->parts > 1) {
+    if (a->part_off != NULL) {
         attend_part_avx2(a, c);
         return;
     }
@@ -3221,33 +3229,43 @@ static void attention_impl(const attn_args *a0, int nth)
         longest = a.seq_lens[i] > longest ? a.seq_lens[i] : longest;
     }
     a.wchunk = a.num_reqs >= 2 * (int64_t)nth && longest * nth <= total ? a.hkv : 1;
-    a.parts = 1;
+    a.part_off = NULL;
     a.partial = NULL;
 #if HAVE_X86
-    /* The AVX2 body (float32 queries, head_dim a multiple of 8) splits long contexts */
-    if (use_avx2() && !use_avx512() && !a.q_bf16 && a.d % 8 == 0 && a.d <= MAX_D) {
-        for (int64_t i = 0; i < a.num_reqs; i++) {
-            const int64_t np = att2_parts(&a, i);
-            a.parts = np > a.parts ? np : a.parts;
+    /* The AVX2 body (float32 queries, head_dim a multiple of 8) splits long contexts:
+     * the items' offsets, then their partial sums (~G / 512 of the KV cache's bytes) */
+    int split = 0;
+    if (use_avx2() && !use_avx512() && !a.q_bf16 && a.d % 8 == 0 && a.d <= MAX_D)
+        for (int64_t i = 0; i < a.num_reqs && !split; i++)
+            split = att2_parts(&a, i) > 1;
+    if (split) {
+        static __thread int64_t *off = NULL, off_cap = 0;
+        static __thread float *buf = NULL;
+        static __thread int64_t cap = 0;
+        if (off_cap < a.num_reqs + 1) {
+            free(off);
+            off = (int64_t *)malloc((size_t)(a.num_reqs + 1) * sizeof(int64_t));
+            off_cap = off != NULL ? a.num_reqs + 1 : 0;
         }
-        if (a.parts > 1) {
-            static __thread float *buf = NULL;
-            static __thread int64_t cap = 0;
-            const int64_t need = work * a.parts * (a.hq / a.hkv) * (a.d + 2);
+        int64_t items = 0;
+        if (off != NULL) {
+            off[0] = 0;
+            for (int64_t i = 0; i < a.num_reqs; i++)
+                off[i + 1] = off[i] + a.hkv * att2_parts(&a, i);
+            items = off[a.num_reqs];
+            const int64_t need = items * (a.hq / a.hkv) * (a.d + 2);
             if (cap < need) {
                 free(buf);
                 buf = (float *)malloc((size_t)need * sizeof(float));
                 cap = buf != NULL ? need : 0;
             }
-            if (buf == NULL) {
-                a.parts = 1; /* no scratch: the unsplit pass */
-            } else {
-                a.partial = buf;
-                const int64_t items = work * a.parts;
-                pool_run(attention_chunk, &a, items, nth < items ? nth : (int)items);
-                attend_merge(&a);
-                return;
-            }
+        }
+        if (off != NULL && buf != NULL) { /* else the unsplit pass */
+            a.part_off = off;
+            a.partial = buf;
+            pool_run(attention_chunk, &a, items, nth < items ? nth : (int)items);
+            attend_merge(&a);
+            return;
         }
     }
 #endif
