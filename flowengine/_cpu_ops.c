@@ -2509,6 +2509,13 @@ typedef struct {
     float *partial;
 } attn_args;
 
+/* The first position a query at context length len attends: len - window with a
+ * sliding window shorter than the context, else 0. */
+static inline int64_t attn_start(const attn_args *a, int64_t len)
+{
+    return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
 static inline float load_elem(const void *p, int64_t i, int bf16)
 {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -2543,7 +2550,7 @@ static inline __attribute__((always_inline)) void attend_one(const attn_args *a,
         den[g] = 0.f;
     }
     const int64_t plane = a->num_blocks * bs * a->hkv * d; /* elements of K (or V) */
-    int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    int64_t start = attn_start(a, len);
     for (int64_t j = start; j < len; j++) {
         int64_t off = (((int64_t)bt[j / bs] * bs + j % bs) * a->hkv + h) * d;
         const float *k = row_f32(a->cache, off, d, a->kv_bf16, kbuf);
@@ -2762,7 +2769,7 @@ scores_avx2(const char *const *krows, int64_t n, float q[][MAX_D], const int GH,
 }
 
 AVX2 static inline __attribute__((always_inline)) void
-attend_group_avx2(const attn_args *a, int64_t i, int64_t h, int64_t first, int64_t len,
+attend_group_avx2(const attn_args *a, int64_t i, int64_t h, int64_t start, int64_t len,
                   float *part, const int KB)
 {
     const int64_t G = a->hq / a->hkv, d = a->d, nv = d / 8, bs = a->block_size;
@@ -2771,7 +2778,6 @@ attend_group_avx2(const attn_args *a, int64_t i, int64_t h, int64_t first, int64
     const int64_t esz = KB ? 2 : 4;
     const char *cache = (const char *)a->cache;
     const int64_t plane = a->num_blocks * bs * a->hkv * d * esz; /* bytes */
-    const int64_t start = first;
     const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
     float q[ATT2_GH][MAX_D] __attribute__((aligned(32)));
     float acc[ATT2_GH * MAX_D], sc[ATT2_GH * ATT2_SEG] __attribute__((aligned(32)));
@@ -2874,7 +2880,7 @@ AVX2 static void attend_range_avx2(const attn_args *a, int64_t w0, int64_t w1)
     for (int64_t w = w0; w < w1; w++) {
         const int64_t i = w / a->hkv, h = w % a->hkv;
         const int64_t len = a->seq_lens[i];
-        const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+        const int64_t start = attn_start(a, len);
         if (!chunked)
             attend_one(a, i, h);
         else if (a->kv_bf16)
@@ -2895,7 +2901,7 @@ AVX2 static void attend_range_avx2(const attn_args *a, int64_t w0, int64_t w1)
 static inline int64_t att2_parts(const attn_args *a, int64_t i)
 {
     const int64_t len = a->seq_lens[i];
-    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t start = attn_start(a, len);
     return len - start > ATT2_PART ? (len - start + ATT2_PART - 1) / ATT2_PART : 1;
 }
 
@@ -2916,7 +2922,7 @@ AVX2 static void attend_part_avx2(const attn_args *a, int64_t c)
     }
     const int64_t i = lo, np = att2_parts(a, i), len = a->seq_lens[i];
     const int64_t h = (c - a->part_off[i]) / np, p = (c - a->part_off[i]) % np;
-    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t start = attn_start(a, len);
     const int64_t first = start + p * ATT2_PART;
     const int64_t last = np == 1 ? len : (first + ATT2_PART < len ? first + ATT2_PART : len);
     float *part = np == 1 ? NULL : a->partial + c * (a->hq / a->hkv) * (a->d + 2);
@@ -3041,7 +3047,7 @@ attend_heads_nv(const attn_args *a, int64_t i, int64_t h, int64_t g0, const int 
         mx[g] = -INFINITY;
         den[g] = 0.f;
     }
-    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t start = attn_start(a, len);
     /* positions walk the block table: (blk, off) of the next row, no division per row */
     int64_t blk = start / bs, off = start % bs;
 #define KV_NEXT(dst)                                                                    \
@@ -3432,6 +3438,13 @@ pf_pv_tile(const char *const *vrows, int64_t n, const float *P, const float *cor
             _mm256_storeu_ps(O + (m0 + r) * d + c0 + 8 * w, acc[r][w]);
 }
 
+/* Floats of a work item's scratch for M query vectors of head_dim d (pf_item's
+ * layout: Q, O, kt, S, max, denominator, rescale factor, positions). */
+static inline int64_t pf_scratch_floats(int64_t M, int64_t d)
+{
+    return 2 * M * d + d * PF_SEG + M * PF_SEG + 6 * M + 8;
+}
+
 AVX2 static inline __attribute__((always_inline)) void
 pf_item(const pf_args *a, int64_t i, int64_t h, int64_t r0, int64_t r1, float *mem,
         const int KB)
@@ -3555,7 +3568,7 @@ AVX2 static void pf_chunk(const void *ctx, int64_t c)
     const int64_t r1 = r0 + a->qb < n_new ? r0 + a->qb : n_new;
     const int64_t G = a->hq / a->hkv, M = a->qb * G, d = a->d;
     /* the thread's matmul panel scratch: no matmul runs in this thread meanwhile */
-    float *mem = panel_buffer(2 * M * d + d * PF_SEG + M * PF_SEG + 6 * M + 8);
+    float *mem = panel_buffer(pf_scratch_floats(M, d));
     if (mem == NULL) {
         ((pf_args *)ctx)->failed = 1;
         return;
@@ -3630,7 +3643,7 @@ static PyObject *py_paged_prefill_attention(PyObject *self, PyObject *args)
         starts[k + 1] = starts[k] + (n_new + a.qb - 1) / a.qb * hkv;
     }
     a.item_start = starts;
-    if (panel_buffer(2 * a.qb * G * d + d * PF_SEG + a.qb * G * PF_SEG + 6 * a.qb * G + 8) == NULL) {
+    if (panel_buffer(pf_scratch_floats(a.qb * G, d)) == NULL) {
         free(starts);
         return PyErr_NoMemory();
     }
