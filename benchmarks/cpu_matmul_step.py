@@ -12,7 +12,8 @@ benchmarks/cpu_quant_rows.py's per-matmul figures. Norms, attention and sampling
 not in it: the difference to benchmarks/cpu_decode_rows.py's whole step is theirs.
 
 Bodies (`_cpu_ops.linear`'s choice forced per call): `float32` the float32 kernels
-(VNNI up to 3 rows where the CPU has it, else the register and panel bodies), `i8` the
+(VNNI up to 3 rows where the CPU has it, else the register and panel bodies), `int16`
+the AVX2 int16 panel body (CPUs without AVX-512, from its row count up), `i8` the
 AMX-INT8 body (up to _cpu_ops.AMX_INT8_MAX_ROWS rows), `bf16` the AMX-BF16 body; a body
 the CPU lacks, or rows the AMX-INT8 body does not take, are skipped. Prints the median
 ms per step over --rounds, bodies and row counts alternated within each round, with the
@@ -41,13 +42,14 @@ HEAD = ("q8_0", 49152, 576)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,2,3,4,8,16")
-    p.add_argument("--bodies", default="float32,i8,bf16")
+    p.add_argument("--bodies", default="float32,int16,i8,bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     a = p.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     bodies = a.bodies.split(",")
-    available = {"float32": True, "i8": ops.has_amx_int8(), "bf16": ops.has_amx()}
+    available = {"float32": True, "int16": "int16" in ops.linear_path(1 << 20),
+                 "i8": ops.has_amx_int8(), "bf16": ops.has_amx()}
     weights = [[packed(*s) for s in LAYER_SHAPES] for _ in range(LAYERS)]
     head = packed(*HEAD)
     xs = {(m, k): torch.randn(m, k) for m in rows for k in (576, 1536)}
@@ -59,7 +61,8 @@ def main() -> None:
                    w[1].data_ptr(), n, outs[(m, n)].data_ptr(), a.threads, amx_min, no_int8)
 
     def step(m: int, body: str) -> float:
-        amx_min, no_int8 = (0, False) if body == "float32" else (1, body == "bf16")
+        amx_min, no_int8 = {"float32": (0, True), "int16": (0, False), "i8": (1, False),
+                            "bf16": (1, True)}[body]
         t0 = time.perf_counter()
         for layer in weights:
             for shape, w in zip(LAYER_SHAPES, layer):
@@ -68,7 +71,8 @@ def main() -> None:
         return (time.perf_counter() - t0) * 1e3
 
     runs = [(m, b) for m in rows for b in bodies if available.get(b)
-            and not (b == "i8" and m > ops.AMX_INT8_MAX_ROWS)]
+            and not (b == "i8" and m > ops.AMX_INT8_MAX_ROWS)
+            and not (b == "int16" and "int16" not in ops.linear_path(m))]
     print("load before", open("/proc/loadavg").read().split()[:3])
     res: dict[tuple[int, str], list[float]] = {r: [] for r in runs}
     for m, b in runs:  # warm-up

@@ -849,6 +849,265 @@ AVX2 static void linear_panels_avx2(int fmt, const float *xp, int64_t M, int64_t
     }
 }
 
+/* ---- the AVX2 int16 panel body (CPUs without AVX-512; panel_min_rows_avx2() or more
+ * rows, unless the caller asks for float32 activations)
+ *
+ * The panel scheme of linear_panels_avx2 with integer products. Each 32-value block b of
+ * an activation row is rounded to int16 A = round(x / s_b), s_b = max|x_b| / I16_TOP, so
+ * |x - s_b A| <= s_b / 2 (1.5e-5 of the block's largest value); the weights keep their
+ * integer codes q (Q4_1: 0..15, Q4_0: q - 8, Q8_0: the int8). vpmaddwd multiplies 16
+ * int16 pairs and adds each pair into an int32 lane, so with a weight vector holding, for
+ * 8 weight rows, the codes at k and k + 1 side by side, and x's pair (A_k, A_k+1)
+ * broadcast, one instruction does 16 multiply-adds into 8 outputs, where an FMA does 8.
+ * Zen 3 issues two vpmaddwd and two vpaddd per cycle beside each other (measured: 108
+ * G multiply-adds/s per core against 51 for FMAs), so the products cost half the time.
+ * Per block the int32 sums I (exact: |I| <= 32 * 32767 * 128 < 2^31) are folded into
+ * float32 accumulators:
+ *     sum_b w x = d s_b I + m sum x_b   (Q4_1; Q4_0 and Q8_0: d s_b I)
+ * with sum x_b the float32 sum of the block. Accuracy: the default model's greedy run
+ * (16 prompts x 24 tokens) chose transformers' tokens at every step, logprobs within
+ * 1.7e-3 (float32 activations: 2.6e-5). Layouts:
+ *   activations, per tile t of I16_MB rows, block b, pair p, row r:
+ *       a[((t nb + b) 16 + p) I16_MB + r] = A_2p | A_2p+1 << 16 (int32)
+ *       s, xs[(t nb + b) I16_MB + r]
+ *   weight panel (16 rows), per block b, pair p, half h (rows 8h..8h+7):
+ *       wq[((b 16 + p) 2 + h) 16 + 2 i + j] = code (row 8h + i, k = 32 b + 2p + j)
+ * A NaN in a block makes s_b NaN (its outputs NaN, as the float32 body's are). */
+#define I16_TOP 32767.f
+#define I16_MB 4 /* activation rows per tile: 8 int32 accumulators in registers */
+
+typedef struct {
+    int64_t nb, tiles;
+    int32_t *a; /* [tiles][nb][16][I16_MB] */
+    float *s;   /* [tiles][nb][I16_MB] */
+    float *xs;  /* [tiles][nb][I16_MB] */
+} i16_act;
+
+/* Round x[M, K] into `a` (its buffers sized for ceil(M / I16_MB) tiles; rows past M
+ * zero). */
+AVX2 static void pack_activations_i16(const float *x, int64_t M, int64_t K, i16_act *a)
+{
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < a->tiles * I16_MB; m++) {
+        const int64_t t = m / I16_MB, r = m % I16_MB;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t *dst = a->a + (t * nb + b) * 16 * I16_MB + r;
+            float *s = a->s + (t * nb + b) * I16_MB + r;
+            float *xs = a->xs + (t * nb + b) * I16_MB + r;
+            if (m >= M) {
+                for (int p = 0; p < 16; p++)
+                    dst[p * I16_MB] = 0;
+                *s = *xs = 0.f;
+                continue;
+            }
+            const float *xb = x + m * K + b * QK;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++)
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                                    _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                                    _mm256_andnot_ps(sign, v[3])));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+            float amax = _mm_cvtss_f32(h);
+            int nan = 0;
+            for (int i = 0; i < 4; i++)
+                nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+            /* a block below 2^-100 is scaled by 2^100 first (exact), or TOP / amax
+             * would overflow */
+            const float pre = amax < 0x1p-100f ? 0x1p100f : 1.f;
+            amax *= pre;
+            float inv = amax > 0.f ? I16_TOP / amax : 0.f, sb = amax / I16_TOP / pre;
+            if (nan) {
+                inv = 0.f;
+                sb = NAN;
+            }
+            const __m256 vp = _mm256_set1_ps(pre), vi = _mm256_set1_ps(inv);
+            int32_t A[32];
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_si256(
+                    (__m256i *)(A + 8 * i),
+                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], vp), vi)));
+            for (int p = 0; p < 16; p++)
+                dst[p * I16_MB] = (int32_t)(((uint32_t)A[2 * p] & 0xffffu)
+                                               | ((uint32_t)A[2 * p + 1] << 16));
+            *s = sb;
+            *xs = hsum_avx2(_mm256_add_ps(_mm256_add_ps(v[0], v[1]),
+                                          _mm256_add_ps(v[2], v[3])));
+        }
+    }
+}
+
+/* The codes of weight rows n0..n0 + np (<= 16) into the panel wq (layout above; rows
+ * past np zero), their scales d into dT[b][16] and Q4_1's offsets m into mT[b][16]. */
+AVX2 static void dequant_panel_i16(int fmt, const uint8_t *qs, const uint16_t *sc, int64_t K,
+                                   int64_t n0, int64_t np, int16_t *wq, float *dT, float *mT)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1;
+    const int q41 = fmt == FMT_Q4_1;
+    float scf[srow];
+    const uint8_t *rows[16];
+    for (int r = 0; r < 16; r++) {
+        rows[r] = qs + (n0 + (r < np ? r : 0)) * qrow;
+        if (r < np)
+            row_scales_avx2(sc + (n0 + r) * srow, srow, scf);
+        for (int64_t b = 0; b < nb; b++) {
+            dT[b * 16 + r] = r < np ? scf[ds * b] : 0.f;
+            if (q41)
+                mT[b * 16 + r] = r < np ? scf[2 * b + 1] : 0.f;
+        }
+    }
+    const __m256i mask = _mm256_set1_epi16(0x0f), eight = _mm256_set1_epi16(8);
+    const char *next = (const char *)(qs + (n0 + 16) * qrow);
+    const int64_t lines = 16 * qrow / 64;
+    for (int64_t i = 0; i < 16 * srow * 2; i += 64)
+        _mm_prefetch((const char *)(sc + (n0 + 16) * srow) + i, _MM_HINT_T0);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t l = b * lines / nb; l < (b + 1) * lines / nb; l++)
+            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+            /* rows past np: their codes are row n0's, masked to 0 */
+            const __m256i live = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32((int)(np - 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            int16_t *dst = wq + b * 16 * 32 + 16 * h;
+            if (fmt == FMT_Q8_0) {
+                for (int half = 0; half < 2; half++) { /* weights 16 half + 0..15 */
+                    __m128i v[8], t[8];
+                    for (int i = 0; i < 8; i++)
+                        v[i] = _mm_loadu_si128(
+                            (const __m128i *)(rows[8 * h + i] + b * QK + 16 * half));
+                    transpose8x16_epi8(v, t);
+                    for (int j = 0; j < 8; j++) { /* pair 8 half + j: bytes 2j, 2j + 1 */
+                        const __m128i pr = _mm_unpacklo_epi8(t[j], _mm_srli_si128(t[j], 8));
+                        const __m256i c = _mm256_and_si256(_mm256_cvtepi8_epi16(pr), live);
+                        _mm256_storeu_si256((__m256i *)(dst + (8 * half + j) * 32), c);
+                    }
+                }
+                continue;
+            }
+            __m128i v[8], t[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = _mm_loadu_si128((const __m128i *)(rows[8 * h + i] + b * (QK / 2)));
+            transpose8x16_epi8(v, t);
+            for (int j = 0; j < 8; j++) { /* bytes 2j, 2j + 1: pairs j (low), j + 8 (high) */
+                const __m256i c = _mm256_cvtepu8_epi16(
+                    _mm_unpacklo_epi8(t[j], _mm_srli_si128(t[j], 8)));
+                __m256i lo = _mm256_and_si256(c, mask), hi = _mm256_srli_epi16(c, 4);
+                if (!q41) {
+                    lo = _mm256_sub_epi16(lo, eight);
+                    hi = _mm256_sub_epi16(hi, eight);
+                }
+                _mm256_storeu_si256((__m256i *)(dst + j * 32), _mm256_and_si256(lo, live));
+                _mm256_storeu_si256((__m256i *)(dst + (j + 8) * 32), _mm256_and_si256(hi, live));
+            }
+        }
+    }
+}
+
+/* out[m0 + r][n0 .. n0 + np) for r < TR (a constant after inlining, <= I16_MB), the
+ * activation tile t of `a`. */
+AVX2 static inline __attribute__((always_inline)) void
+panel_tile_i16(const i16_act *a, int64_t t, const int16_t *wq, const float *dT,
+               const float *mT, int q41, int64_t m0, const int TR, int64_t n0, int64_t np,
+               float *out, int64_t N)
+{
+    const int64_t nb = a->nb;
+    __m256 lo[I16_MB], hi[I16_MB];
+    for (int r = 0; r < TR; r++)
+        lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int32_t *ab = a->a + (t * nb + b) * 16 * I16_MB;
+        const int16_t *wb = wq + b * 16 * 32;
+        __m256i il[I16_MB], ih[I16_MB];
+        for (int r = 0; r < TR; r++)
+            il[r] = ih[r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + p * 32));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + p * 32 + 16));
+            for (int r = 0; r < TR; r++) {
+                /* vbroadcastss: a load alone on Zen 3 (vpbroadcastd: ~2% slower) */
+                const __m256i xa = _mm256_castps_si256(
+                    _mm256_broadcast_ss((const float *)(ab + p * I16_MB + r)));
+                /* in asm: GCC otherwise adds into a new register and copies it back
+                 * (8 moves per pair of 8 products, past Zen 3's 6 per cycle) */
+                __m256i t0, t1;
+                __asm__("vpmaddwd %[w0], %[xa], %[t0]\n\t"
+                        "vpmaddwd %[w1], %[xa], %[t1]\n\t"
+                        "vpaddd %[t0], %[lo], %[lo]\n\t"
+                        "vpaddd %[t1], %[hi], %[hi]"
+                        : [lo] "+x"(il[r]), [hi] "+x"(ih[r]), [t0] "=&x"(t0), [t1] "=&x"(t1)
+                        : [xa] "x"(xa), [w0] "x"(w0), [w1] "x"(w1));
+            }
+        }
+        const float *sb = a->s + (t * nb + b) * I16_MB, *xs = a->xs + (t * nb + b) * I16_MB;
+        const __m256 d0 = _mm256_loadu_ps(dT + b * 16), d1 = _mm256_loadu_ps(dT + b * 16 + 8);
+        for (int r = 0; r < TR; r++) {
+            const __m256 s = _mm256_set1_ps(sb[r]);
+            __m256 l = lo[r], h = hi[r];
+            if (q41) { /* m sum x_b first: one pass over the accumulators */
+                const __m256 xv = _mm256_set1_ps(xs[r]);
+                l = _mm256_fmadd_ps(_mm256_loadu_ps(mT + b * 16), xv, l);
+                h = _mm256_fmadd_ps(_mm256_loadu_ps(mT + b * 16 + 8), xv, h);
+            }
+            lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il[r]), _mm256_mul_ps(d0, s), l);
+            hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[r]), _mm256_mul_ps(d1, s), h);
+        }
+    }
+    if (np == 16) {
+        for (int r = 0; r < TR; r++) {
+            _mm256_storeu_ps(out + (m0 + r) * N + n0, lo[r]);
+            _mm256_storeu_ps(out + (m0 + r) * N + n0 + 8, hi[r]);
+        }
+        return;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np), lane);
+    const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np - 8), lane);
+    for (int r = 0; r < TR; r++) {
+        _mm256_maskstore_ps(out + (m0 + r) * N + n0, mlo, lo[r]);
+        _mm256_maskstore_ps(out + (m0 + r) * N + n0 + 8, mhi, hi[r]);
+    }
+}
+
+/* Floats of panel scratch linear_panels_i16 needs for K: the codes, then dT and mT. */
+static inline int64_t i16_panel_floats(int64_t K) { return 16 * K / 2 + 2 * (K / QK) * 16; }
+
+/* Weight rows n0..n1 against all M activation rows (rounded into `a`) through 16-row
+ * integer panels (scratch: i16_panel_floats(K) floats), the rows in blocks of
+ * panel_block_rows(). */
+AVX2 static void linear_panels_i16(int fmt, const i16_act *a, int64_t M, int64_t K,
+                                   const uint8_t *qs, const uint16_t *sc, int64_t n0,
+                                   int64_t n1, float *out, int64_t N, float *scratch)
+{
+    const int64_t nb = K / QK;
+    int16_t *wq = (int16_t *)scratch;
+    float *dT = scratch + 16 * K / 2, *mT = dT + nb * 16;
+    const int q41 = fmt == FMT_Q4_1;
+    int64_t mb = panel_block_rows();
+    if (mb < INT64_MAX)
+        mb = (mb + I16_MB - 1) / I16_MB * I16_MB;
+    for (int64_t b0 = 0; b0 < M; b0 += mb) {
+        const int64_t b1 = M - b0 < mb ? M : b0 + mb;
+        for (int64_t n = n0; n < n1; n += 16) {
+            const int64_t np = n1 - n < 16 ? n1 - n : 16;
+            dequant_panel_i16(fmt, qs, sc, K, n, np, wq, dT, mT);
+            for (int64_t m0 = b0; m0 < b1; m0 += I16_MB) {
+                const int64_t t = m0 / I16_MB;
+                switch (b1 - m0 < I16_MB ? b1 - m0 : I16_MB) {
+#define TILE(mr) case mr: panel_tile_i16(a, t, wq, dT, mT, q41, m0, mr, n, np, out, N); break;
+                TILE(1) TILE(2) TILE(3) TILE(4)
+#undef TILE
+                }
+            }
+        }
+    }
+}
+
 /* 16 bf16 values widened to float32 (exact). */
 AVX512 static inline __m512 bf16_load16_avx512(const uint16_t *p)
 {
@@ -1762,6 +2021,24 @@ static int use_avx2(void)
 #endif
 }
 
+/* Activation rows from which the AVX2 int16 panel body (linear_panels_i16) runs on CPUs
+ * without AVX-512; FLOWENGINE_CPU_INT16_MIN_ROWS overrides (0: never, float32 bodies
+ * only). Measured (session 50, 2-core AMD EPYC Zen 3, benchmarks/cpu_matmul_step.py,
+ * ms per step, float32 bodies / int16): 1 row 6.8-7.0 / 9.6-9.8, 2 10.4 / 10.2-11.1,
+ * 3 12.3-12.7 / 11.5-12.4, 4 13.5-14.5 / 13.0, 6 23 / 15, 8 26 / 17, 10 34 / 19,
+ * 16 33.5-34.7 / 25.6-26.4, 128 200-208 / 156-166. */
+#define I16_MIN_ROWS 4
+static int64_t i16_min_rows(void)
+{
+    static int64_t cached = -1;
+    if (cached < 0) {
+        cached = (int64_t)env_number("FLOWENGINE_CPU_INT16_MIN_ROWS", I16_MIN_ROWS);
+        if (cached <= 0 || !use_avx2())
+            cached = INT64_MAX;
+    }
+    return cached;
+}
+
 static int use_vnni(void)
 {
 #if HAVE_X86
@@ -2099,6 +2376,7 @@ typedef struct {
     const float *xp; /* the panel body's packed activations, or NULL */
     const uint16_t *xb; /* the AMX body's packed bf16 activations, or NULL */
     const void *i8;     /* the AMX-INT8 body's packed activations (i8_act), or NULL */
+    const void *i16;    /* the AVX2 int16 body's rounded activations (i16_act), or NULL */
 } linear_job;
 
 /* Cache blocking of the float32 bodies (more than VNNI_MAX_ROWS rows): each weight row
@@ -2201,6 +2479,14 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
 #endif
     const int64_t M = j->M, K = j->K, N = j->N, tile = row_tile(K);
 #if HAVE_X86
+    if (j->i16 != NULL) {
+        float *t = panel_buffer(i16_panel_floats(K));
+        if (t != NULL) {
+            linear_panels_i16(j->fmt, (const i16_act *)j->i16, M, K, j->qs, j->sc, n0, n1,
+                              j->out, N, t);
+            return;
+        }
+    }
     if (j->xp != NULL) {
         float *wt = panel_buffer(16 * K);
         if (wt != NULL) {
@@ -2338,19 +2624,35 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
 #endif
     linear_job job = {fmt, vnni, avx, !avx && use_avx2(), x, M, K, qs, sc, N, out, NULL,
                       linear_chunk_rows(N, nth),
-                      NULL, xb, NULL};
+                      NULL, xb, NULL, NULL};
 #if HAVE_AMX
     if (i8buf != NULL)
         job.i8 = &i8;
 #endif
     float *xp = NULL;
 #if HAVE_X86
+    i16_act a16;
+    void *i16buf = NULL;
+    if (xb == NULL && !vnni && job.avx2 && M >= i16_min_rows() && !no_i8) {
+        a16.nb = K / QK;
+        a16.tiles = (M + I16_MB - 1) / I16_MB;
+        const size_t n = (size_t)(a16.tiles * a16.nb * I16_MB);
+        i16buf = malloc(n * (16 * sizeof(int32_t) + 2 * sizeof(float)));
+        if (i16buf != NULL) {
+            a16.a = (int32_t *)i16buf;
+            a16.s = (float *)(a16.a + 16 * n);
+            a16.xs = a16.s + n;
+            pack_activations_i16(x, M, K, &a16);
+            job.i16 = &a16;
+        }
+    }
     if (xb == NULL && !vnni && avx && M >= panel_min_rows() && K % 16 == 0) {
         xp = (float *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K) * sizeof(float));
         if (xp != NULL)
             pack_activations_avx512(x, M, K, xp);
         job.xp = xp;
-    } else if (xb == NULL && !vnni && job.avx2 && M >= panel_min_rows_avx2()) {
+    } else if (xb == NULL && !vnni && job.i16 == NULL && job.avx2
+               && M >= panel_min_rows_avx2()) {
         xp = (float *)aligned_alloc(
             64, (size_t)(((M + PANEL2_MB - 1) / PANEL2_MB * PANEL2_MB * K * 4 + 63) / 64 * 64));
         if (xp != NULL)
@@ -2378,6 +2680,7 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
     }
 #if HAVE_X86
     free(buf);
+    free(i16buf);
 #endif
     free(xp);
     free(xb);
@@ -4228,7 +4531,8 @@ static PyObject *py_has_amx_int8(PyObject *self, PyObject *unused)
 
 /* The body a matmul of `rows` activation rows runs: "avx512-vnni" (integer dot
  * products over three int8 levels of the activations), "avx512-panels" or "avx512"
- * (float32), "avx2" (float32, no AVX-512) or "c". */
+ * (float32), "avx2-int16-panels" (int16 products, no AVX-512), "avx2-panels" or "avx2"
+ * (float32, no AVX-512) or "c". Matmuls called with no_int8 run float32 bodies. */
 static PyObject *py_linear_path(PyObject *self, PyObject *args)
 {
     long long rows;
@@ -4238,6 +4542,8 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
         return PyUnicode_FromString("avx512-vnni");
     if (use_avx512() && rows >= panel_min_rows())
         return PyUnicode_FromString("avx512-panels");
+    if (!use_avx512() && rows >= i16_min_rows())
+        return PyUnicode_FromString("avx2-int16-panels");
     if (!use_avx512() && use_avx2() && rows >= panel_min_rows_avx2())
         return PyUnicode_FromString("avx2-panels");
     return PyUnicode_FromString(use_avx512() ? "avx512" : use_avx2() ? "avx2" : "c");

@@ -55,11 +55,12 @@ def _gguf_weight(fmt: str, n: int, k: int, seed: int) -> tuple[QuantizedWeight, 
     return QuantizedWeight(fmt, packed.qs, packed.scales), ref
 
 
-def _run_ok(script: str, env_name: str, env_value: str, **fields) -> None:
+def _run_ok(script: str, env_name: str, env_value: str, more_env: dict | None = None,
+            **fields) -> None:
     """Run `script` (a template with {here} and `fields`) in a fresh interpreter with
-    one environment variable set (the C extension reads its switches once, at first
-    use); the script must print "ok"."""
-    env = dict(os.environ, **{env_name: env_value})
+    one environment variable set (and `more_env`: the C extension reads its switches
+    once, at first use); the script must print "ok"."""
+    env = dict(os.environ, **{env_name: env_value}, **(more_env or {}))
     code = script.format(here=os.path.dirname(os.path.abspath(__file__)), **fields)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -457,7 +458,12 @@ def test_online_int8_round_trip():
     assert bool((err <= step * (0.5 + 2.0 ** -11) + 127 * (d16 - step).abs() + 1e-7).all())
     assert torch.equal(deq[3, :32], torch.zeros(32))
     x = torch.randn(4, 128)
-    torch.testing.assert_close(weight.matmul(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
+    from flowengine import _cpu_ops
+    if _cpu_ops.linear_path(4) == "avx2-int16-panels":  # x rounded to 16 bits per block
+        err = (weight.matmul(x).double() - x.double() @ deq.double().t()).abs()
+        assert bool((err <= _rounding_bound(x, deq, 32767, "q8_0")).all())
+    else:
+        torch.testing.assert_close(weight.matmul(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
 
 
 _PORTABLE = """
@@ -486,7 +492,8 @@ def test_portable_body_without_avx512():
     _run_ok(_PORTABLE, "FLOWENGINE_CPU_NO_AVX512", "1")
 
 
-# The AVX2 bodies (CPUs without AVX-512; forced here with FLOWENGINE_CPU_NO_AVX512=1):
+# The AVX2 float32 bodies (CPUs without AVX-512; forced here with
+# FLOWENGINE_CPU_NO_AVX512=1, the int16 body off with FLOWENGINE_CPU_INT16_MIN_ROWS=0):
 # every format, 3 and 5 blocks per row, 37 weight rows (a short last panel of 5); the
 # row body's counts around its groups of 4, and from 12 rows the panel body's tiles of
 # 6 rows with every remainder 0-5, against float64 over gguf's dequantized values; the
@@ -518,7 +525,64 @@ print("ok")
 @pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(),
                     reason="no AVX2/FMA/F16C on this CPU")
 def test_avx2_body():
-    _run_ok(_AVX2, "FLOWENGINE_CPU_NO_AVX512", "1")
+    _run_ok(_AVX2, "FLOWENGINE_CPU_NO_AVX512", "1", {"FLOWENGINE_CPU_INT16_MIN_ROWS": "0"})
+
+
+# The AVX2 int16 panel body (CPUs without AVX-512, from 4 activation rows): every format,
+# 1, 3, 18, 19 and 48 blocks per row, 37 and 83 weight rows (short last panels); tiles of
+# 4 rows with every remainder; heavy-tailed activations with an outlier, an all-zero
+# block and a block of tiny values (below 2^-100: scaled first); within the activations'
+# rounding (_rounding_bound, TOP = 32767) of float64 over gguf's dequantized values; each
+# row the same bits in any batch (its rounding is its own); a NaN row gives NaN in its
+# own outputs only; no_int8 (and fewer rows) the float32 bodies.
+_AVX2_INT16 = """
+import torch, sys
+sys.path.insert(0, {here!r})
+from test_quant_kernels import _gguf_weight, _rounding_bound, _float_bound
+from flowengine import _cpu_ops
+from flowengine.model.layers.quant_linear import FORMATS
+assert not _cpu_ops.has_avx512()
+paths = [_cpu_ops.linear_path(r) for r in (1, 3, 4, 12, 2048)]
+assert paths == ["avx2", "avx2"] + ["avx2-int16-panels"] * 3, paths
+g = torch.Generator().manual_seed({seed})
+for fmt in ("q4_0", "q4_1", "q8_0"):
+    for k, n in ((32, 37), (96, 83), (576, 37), (608, 83), (1536, 37)):
+        w, ref = _gguf_weight(fmt, n, k, {seed} + k)
+        for rows in (4, 5, 6, 7, 8, 9, 16, 17, 130):
+            x = torch.randn(rows, k, generator=g) * torch.rand(rows, k, generator=g) ** 4 * 4
+            x[:, 3] = 300.0
+            x[0, -32:] = 0
+            if k > 32:
+                x[1, :32] = torch.randn(32, generator=g) * 1e-38
+            out = w.matmul(x)
+            err = (out.double() - x.double() @ ref.double().t()).abs()
+            bound = _rounding_bound(x, ref, 32767, fmt)
+            assert bool((err <= bound).all()), (fmt, k, rows, float((err / bound).max()))
+        x = torch.randn(40, k, generator=g)
+        out = w.matmul(x)
+        assert torch.equal(out, torch.cat([w.matmul(x[:20]), w.matmul(x[20:])])), (fmt, k)
+        assert torch.equal(out, torch.cat([w.matmul(x[:7]), w.matmul(x[7:])])), (fmt, k)
+        assert torch.equal(out[5:9], w.matmul(x[5:9])), (fmt, k)
+        x[6, 10] = float("nan")
+        nan = w.matmul(x)
+        assert bool(nan[6].isnan().all()) and not bool(nan[torch.arange(40) != 6].isnan().any())
+        assert torch.equal(nan[torch.arange(40) != 6], out[torch.arange(40) != 6]), (fmt, k)
+        # no_int8: float32 activations (the panel body), within float32 rounding
+        x = x[:16].nan_to_num()
+        f32 = torch.empty(16, n)
+        _cpu_ops.linear(FORMATS[fmt][0], x.data_ptr(), 16, k, w.qs.data_ptr(),
+                        w.scales.data_ptr(), n, f32.data_ptr(), 2, 0, True)
+        err = (f32.double() - x.double() @ ref.double().t()).abs().max().item()
+        assert err <= _float_bound(x, ref), (fmt, k, err)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(),
+                    reason="no AVX2/FMA/F16C on this CPU")
+def test_avx2_int16_body():
+    _run_ok(_AVX2_INT16, "FLOWENGINE_CPU_NO_AVX512", "1",
+            seed=int(torch.randint(0, 2**20, ()).item()))
 
 
 # The VNNI path's activation quantization (flowengine/_cpu_ops.c): each 32-value block
@@ -527,16 +591,34 @@ _TOP = {"q4_0": 127 * 2**16, "q4_1": 127 * 2**16, "q8_0": 2097000}
 
 
 def _vnni_bound(fmt: str, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per output [rows, n]: half a quantization step of every block of x times that
-    block's |w|, plus float32 rounding: 5e-6 of sum over blocks of sum |x| times the
+    return _rounding_bound(x, ref, _TOP[fmt], fmt)
+
+
+def _float_bound(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """REL_TOL's bound for float32 sums of [rows, K] x [n, K]."""
+    return REL_TOL * x.shape[1] ** 0.5 * x.abs().max().item() * ref.abs().max().item()
+
+
+def _rounding_bound(x: torch.Tensor, ref: torch.Tensor, top: float,
+                    fmt: str = "q8_0") -> torch.Tensor:
+    """Per output [rows, n] of a body that rounds each 32-value block of x to integer
+    multiples of max|x_block| / top: half a quantization step of every block of x times that
+    block's |w| (Q4_1: the larger of |w| and |w - m| = |d q|, since the rounded x multiply
+    d q and the offset m multiplies the exact sum of x; m is the block's smallest
+    dequantized value, the one of code 0), plus float32 rounding: 5e-6 of sum over blocks
+    of sum |x| times the
     block's largest |w|, because the kernel sums d s sum(q A) and the offset term (m or
     -8 d times sum x) separately, each up to ~16 d sum |x| whatever the weight itself is.
     (The bound used sum |x| |w|, which fails when an outlier of x meets a weight near 0,
     e.g. Q4_0's q = 8: 4.4% of random Q4_0 cases at K = 32 with a 300 outlier.)"""
     rows, k = x.shape
     xb = x.double().abs().view(rows, k // 32, 32)
-    wb = ref.double().abs().view(-1, k // 32, 32)
-    step = xb.amax(-1) / _TOP[fmt]  # [rows, nb]
+    wb = ref.double().view(-1, k // 32, 32)
+    if fmt == "q4_1":
+        wb = torch.maximum(wb.abs(), (wb - wb.amin(-1, keepdim=True)).abs())
+    else:
+        wb = wb.abs()
+    step = xb.amax(-1) / top  # [rows, nb]
     return 0.5 * step @ wb.sum(-1).t() + 5e-6 * (xb.sum(-1) @ wb.amax(-1).t())
 
 

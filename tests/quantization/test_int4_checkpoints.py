@@ -12,7 +12,11 @@ or for groups that are not 32-aligned the tile-dequantizing fallback: both compu
 reference's weights exactly in float32 and differ only in summation order (blocks of
 32, then groups, against one dot product). Measured: max |delta logit| 0.9e-4 .. 2.2e-4 (five cases, two runs)
 with |logits| up to ~20; bounded at 1e-3 (5e-5 of the largest logit), and greedy ids
-must be equal.
+must be equal. On a CPU with AVX2 and no AVX-512 the Q4_1 matmuls of 4 or more rows
+take the int16 body (each 32-value block of the activations rounded to multiples of
+its largest value / 32767): measured 1.9e-2 .. 4.0e-2 on this random model (its
+activations are not normalised the way a trained model's are), bounded at 0.1; greedy
+ids still equal.
 
 CI runs two cases (act-order GPTQ and AWQ, ~10 s); FLOWENGINE_INT4_ALL_CASES=1 runs all
 five.
@@ -47,6 +51,20 @@ PROMPTS = {"short": [5, 17, 3], "medium": list(range(40, 70)), "one": [9]}
 NUM_NEW = 8
 
 ATOL = 1e-3
+ATOL_INT16 = 0.1
+
+
+def _int16_body() -> bool:
+    """Whether batched Q4_1 matmuls take the AVX2 int16 body on this CPU."""
+    from flowengine.model.layers.quant_linear import kernels_available
+
+    if not kernels_available():
+        return False
+    from flowengine import _cpu_ops
+
+    return _cpu_ops.linear_path(4) == "avx2-int16-panels"
+
+
 CASES = {
     # name: (quantize_checkpoint kwargs, CPU path)
     "gptq-asym-actorder": (dict(method="gptq", sym=False, desc_act=True), "q4_1"),
@@ -117,5 +135,6 @@ def test_int4_checkpoint_matches_dequantized_reference(case: str, float_dir: str
             logits = ref(torch.tensor([seq])).logits[0, len(prompt) - 1:len(seq) - 1]
         assert logits.argmax(-1).tolist() == seqs[rid].outputs, (case, rid)
         worst = max(worst, (torch.stack(seqs[rid].logits) - logits).abs().max().item())
-    print(f"{case}: max |delta logit| {worst:.2e} (atol {ATOL})")
-    assert worst <= ATOL, case
+    atol = ATOL_INT16 if cpu_path == "q4_1" and _int16_body() else ATOL
+    print(f"{case}: max |delta logit| {worst:.2e} (atol {atol})")
+    assert worst <= atol, case

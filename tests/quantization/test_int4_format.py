@@ -72,6 +72,16 @@ def test_checkpoint_layouts_convert_to_the_same_weights(method: str, sym: bool,
     assert (err <= 0.5 * step + 1e-6).float().mean().item() > 0.95
 
 
+def _int16_body(rows: int) -> bool:
+    from flowengine.model.layers.quant_linear import kernels_available
+
+    if not kernels_available():
+        return False
+    from flowengine import _cpu_ops
+
+    return _cpu_ops.linear_path(rows) == "avx2-int16-panels"
+
+
 def test_int4_linear_cpu_paths_are_exact() -> None:
     # Q4_1 repack (+ rounding correction) and the tiled fallback against (q - z) * s.
     n = 48
@@ -96,7 +106,10 @@ def test_int4_linear_cpu_paths_are_exact() -> None:
             x = torch.randn(m, k)
             want = torch.nn.functional.linear(x.double(), ref_w.double(),
                                               layer.bias.double())
-            torch.testing.assert_close(layer(x).double(), want, atol=2e-5, rtol=1e-5)
+            # the exact weights: float32 sums; the AVX2 int16 body (4+ rows, CPUs
+            # without AVX-512) rounds x to 16 bits per 32-value block (measured 1.5e-3)
+            atol = 4e-3 if q4_1 and _int16_body(m) else 2e-5
+            torch.testing.assert_close(layer(x).double(), want, atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("qc", "match"), [
