@@ -18,7 +18,9 @@
  * The dequantized weights are exactly the float32 values gguf.quants.dequantize
  * gives (d * q is exact in float32, and d * q + m is one rounding, done here by one
  * fused multiply-add), so a matmul differs from float32 over the dequantized matrix
- * only by the order of the sums. Activations and outputs are float32.
+ * only by the order of the sums, except where a body rounds the activations to
+ * integers per 32-value block (AVX512-VNNI: 24 bits; AMX-INT8 with --dtype bfloat16
+ * and the AVX2 int16 panel body: 16 bits). Activations and outputs are float32.
  *
  * Each function has an AVX-512 body (selected at run time with
  * __builtin_cpu_supports) and a portable C body, so the module builds with gcc on any
@@ -883,6 +885,42 @@ typedef struct {
     float *xs;  /* [tiles][nb][I16_MB] */
 } i16_act;
 
+/* Block xb[32] rounded: A = round(x / s), s = max|x| / I16_TOP (NaN when the block has a
+ * NaN: A = 0), xs = the float32 sum of the block. */
+AVX2 static inline void round_block_i16(const float *xb, int32_t A[32], float *s, float *xs)
+{
+    __m256 v[4];
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                            _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                            _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    float amax = _mm_cvtss_f32(h);
+    int nan = 0;
+    for (int i = 0; i < 4; i++)
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    /* a block below 2^-100 is scaled by 2^100 first (exact), or TOP / amax would
+     * overflow */
+    const float pre = amax < 0x1p-100f ? 0x1p100f : 1.f;
+    amax *= pre;
+    float inv = amax > 0.f ? I16_TOP / amax : 0.f, sb = amax / I16_TOP / pre;
+    if (nan) {
+        inv = 0.f;
+        sb = NAN;
+    }
+    const __m256 vp = _mm256_set1_ps(pre), vi = _mm256_set1_ps(inv);
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_si256((__m256i *)(A + 8 * i),
+                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], vp), vi)));
+    *s = sb;
+    *xs = hsum_avx2(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
 /* Round x[M, K] into `a` (its buffers sized for ceil(M / I16_MB) tiles; rows past M
  * zero). */
 AVX2 static void pack_activations_i16(const float *x, int64_t M, int64_t K, i16_act *a)
@@ -900,43 +938,11 @@ AVX2 static void pack_activations_i16(const float *x, int64_t M, int64_t K, i16_
                 *s = *xs = 0.f;
                 continue;
             }
-            const float *xb = x + m * K + b * QK;
-            __m256 v[4];
-            for (int i = 0; i < 4; i++)
-                v[i] = _mm256_loadu_ps(xb + 8 * i);
-            const __m256 sign = _mm256_set1_ps(-0.f);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
-                                                    _mm256_andnot_ps(sign, v[1])),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
-                                                    _mm256_andnot_ps(sign, v[3])));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-            float amax = _mm_cvtss_f32(h);
-            int nan = 0;
-            for (int i = 0; i < 4; i++)
-                nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-            /* a block below 2^-100 is scaled by 2^100 first (exact), or TOP / amax
-             * would overflow */
-            const float pre = amax < 0x1p-100f ? 0x1p100f : 1.f;
-            amax *= pre;
-            float inv = amax > 0.f ? I16_TOP / amax : 0.f, sb = amax / I16_TOP / pre;
-            if (nan) {
-                inv = 0.f;
-                sb = NAN;
-            }
-            const __m256 vp = _mm256_set1_ps(pre), vi = _mm256_set1_ps(inv);
             int32_t A[32];
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_si256(
-                    (__m256i *)(A + 8 * i),
-                    _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], vp), vi)));
+            round_block_i16(x + m * K + b * QK, A, s, xs);
             for (int p = 0; p < 16; p++)
                 dst[p * I16_MB] = (int32_t)(((uint32_t)A[2 * p] & 0xffffu)
-                                               | ((uint32_t)A[2 * p + 1] << 16));
-            *s = sb;
-            *xs = hsum_avx2(_mm256_add_ps(_mm256_add_ps(v[0], v[1]),
-                                          _mm256_add_ps(v[2], v[3])));
+                                            | ((uint32_t)A[2 * p + 1] << 16));
         }
     }
 }
@@ -2564,8 +2570,11 @@ static void amx_pack_chunk(const void *ctx, int64_t c)
 /* out[M, N] = x[M, K] W^T with up to nth threads; call without the GIL. From amx_min
  * rows (0: never) the AMX bodies run where the CPU has them: up to AMXI8_MAX_ROWS rows
  * the AMX-INT8 body (unless no_i8; activations rounded to 16 bits per block), more rows
- * the AMX-BF16 body (bf16 products); float32 sums either way. Returns -1 when the
- * activation buffer cannot be allocated (nothing written), else 0. */
+ * the AMX-BF16 body (bf16 products); float32 sums either way. On CPUs with AVX2 and no
+ * AVX-512, from i16_min_rows() rows the int16 panel body (unless no_i8; activations
+ * rounded to 16 bits per block). Returns -1 when the AMX activation buffer cannot be
+ * allocated (nothing written), else 0 (an int16 buffer that cannot be allocated falls
+ * back to the float32 bodies). */
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
                        const uint16_t *sc, int64_t N, float *out, int nth, int64_t amx_min,
                        int no_i8)
@@ -5097,7 +5106,9 @@ static PyMethodDef methods[] = {
      "[, no_int8]]): out[M, N] float32 = x[M, K] float32 @ dequant(W[N, K])^T; from "
      "amx_min_rows rows (0 = never) on AMX where the CPU has it: up to 8 rows int8 "
      "products of the activations rounded per 32-value block (AMX-INT8; not with "
-     "no_int8), more rows bf16 products (AMX-BF16)."},
+     "no_int8), more rows bf16 products (AMX-BF16). Without AVX-512, from "
+     "FLOWENGINE_CPU_INT16_MIN_ROWS (4) rows int16 products of the activations rounded "
+     "per 32-value block (not with no_int8)."},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads[, bf16]): out[N, K] "
      "float32, or with bf16 those values rounded to bfloat16 (nearest even)."},

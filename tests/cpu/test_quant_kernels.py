@@ -528,13 +528,14 @@ def test_avx2_body():
     _run_ok(_AVX2, "FLOWENGINE_CPU_NO_AVX512", "1", {"FLOWENGINE_CPU_INT16_MIN_ROWS": "0"})
 
 
-# The AVX2 int16 panel body (CPUs without AVX-512, from 4 activation rows): every format,
-# 1, 3, 18, 19 and 48 blocks per row, 37 and 83 weight rows (short last panels); tiles of
-# 4 rows with every remainder; heavy-tailed activations with an outlier, an all-zero
-# block and a block of tiny values (below 2^-100: scaled first); within the activations'
-# rounding (_rounding_bound, TOP = 32767) of float64 over gguf's dequantized values; each
-# row the same bits in any batch (its rounding is its own); a NaN row gives NaN in its
-# own outputs only; no_int8 (and fewer rows) the float32 bodies.
+# The AVX2 int16 panel body (CPUs without AVX-512, from 4 activation rows; 1-3 rows the
+# float32 row body): every format, 1, 3, 18, 19 and 48 blocks per row, 37 and 83 weight
+# rows (short last panels of 16); tiles of 4 rows with every remainder; heavy-tailed
+# activations with an outlier, an all-zero block and a block of tiny values (below
+# 2^-100: scaled first); within the activations' rounding (_rounding_bound, TOP = 32767)
+# of float64 over gguf's dequantized values; each row the same bits in any batch of 4 or
+# more rows (its rounding is its own); a NaN row gives NaN in its own outputs only;
+# no_int8 the float32 bodies.
 _AVX2_INT16 = """
 import torch, sys
 sys.path.insert(0, {here!r})
@@ -543,16 +544,16 @@ from flowengine import _cpu_ops
 from flowengine.model.layers.quant_linear import FORMATS
 assert not _cpu_ops.has_avx512()
 paths = [_cpu_ops.linear_path(r) for r in (1, 3, 4, 12, 2048)]
-assert paths == ["avx2", "avx2"] + ["avx2-int16-panels"] * 3, paths
+assert paths == ["avx2"] * 2 + ["avx2-int16-panels"] * 3, paths
 g = torch.Generator().manual_seed({seed})
 for fmt in ("q4_0", "q4_1", "q8_0"):
     for k, n in ((32, 37), (96, 83), (576, 37), (608, 83), (1536, 37)):
         w, ref = _gguf_weight(fmt, n, k, {seed} + k)
-        for rows in (4, 5, 6, 7, 8, 9, 16, 17, 130):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 130):
             x = torch.randn(rows, k, generator=g) * torch.rand(rows, k, generator=g) ** 4 * 4
             x[:, 3] = 300.0
             x[0, -32:] = 0
-            if k > 32:
+            if k > 32 and rows > 1:
                 x[1, :32] = torch.randn(32, generator=g) * 1e-38
             out = w.matmul(x)
             err = (out.double() - x.double() @ ref.double().t()).abs()
@@ -563,17 +564,19 @@ for fmt in ("q4_0", "q4_1", "q8_0"):
         assert torch.equal(out, torch.cat([w.matmul(x[:20]), w.matmul(x[20:])])), (fmt, k)
         assert torch.equal(out, torch.cat([w.matmul(x[:7]), w.matmul(x[7:])])), (fmt, k)
         assert torch.equal(out[5:9], w.matmul(x[5:9])), (fmt, k)
+        assert torch.equal(out[10:14], w.matmul(x[10:14])), (fmt, k)
         x[6, 10] = float("nan")
         nan = w.matmul(x)
         assert bool(nan[6].isnan().all()) and not bool(nan[torch.arange(40) != 6].isnan().any())
         assert torch.equal(nan[torch.arange(40) != 6], out[torch.arange(40) != 6]), (fmt, k)
         # no_int8: float32 activations (the panel body), within float32 rounding
-        x = x[:16].nan_to_num()
-        f32 = torch.empty(16, n)
-        _cpu_ops.linear(FORMATS[fmt][0], x.data_ptr(), 16, k, w.qs.data_ptr(),
-                        w.scales.data_ptr(), n, f32.data_ptr(), 2, 0, True)
-        err = (f32.double() - x.double() @ ref.double().t()).abs().max().item()
-        assert err <= _float_bound(x, ref), (fmt, k, err)
+        for rows in (4, 16):
+            xr = x[:rows].nan_to_num()
+            f32 = torch.empty(rows, n)
+            _cpu_ops.linear(FORMATS[fmt][0], xr.data_ptr(), rows, k, w.qs.data_ptr(),
+                            w.scales.data_ptr(), n, f32.data_ptr(), 2, 0, True)
+            err = (f32.double() - xr.double() @ ref.double().t()).abs().max().item()
+            assert err <= _float_bound(xr, ref), (fmt, k, rows, err)
 print("ok")
 """
 

@@ -20,9 +20,15 @@ one block at a time into registers, for up to 8 activation rows at once; from 14
 transposed float32 panel that every tile of 16 activation rows reuses (no horizontal
 sums; ~1.7x the dot-product body's rate at 64+ rows on AVX-512). A CPU with AVX2, FMA
 and F16C but no AVX-512 (AMD Zen 1-3, most Intel client parts) takes an AVX2 body
-up to 11 rows (one block at a time dequantized into registers, up to 4 activation
-rows at once) and from 12 rows the panel scheme at 8 lanes (16 weight rows, tiles of 6
-activation rows: 2x the former body's rate at 32-128 rows). Above
+up to 3 rows (one block at a time dequantized into registers, up to 4 activation
+rows at once) and from 4 rows the int16 panel body: each 32-value block of the
+activations rounded to int16 multiples of max|x_block| / 32767 (error <= 1.5e-5 of
+the block's largest value; logprobs of the default model within 3.1e-3 of float32,
+greedy ids unchanged), 16 weight rows' codes unpacked to int16 into a panel, and
+vpmaddwd (16 products per instruction, twice an FMA's 8) into int32 sums per block,
+scaled into float32 (0.65-0.8 of the float32 panel body's time at 6-128 rows;
+FLOWENGINE_CPU_INT16_MIN_ROWS=0 keeps float32 activations: the float32 panel body
+from 12 rows, 16 weight rows, tiles of 6 activation rows). Above
 DEQUANT_MIN_ROWS the matrix is dequantized into a float32 scratch for torch's GEMM.
 With `--dtype bfloat16` (`use_bf16_gemms`; or bf16 activations) on a CPU whose oneDNN
 multiplies bf16 natively, products may be bf16 (`bf16_rows`): on a CPU with AMX-BF16
@@ -36,7 +42,8 @@ no AMX) the matrix is dequantized into a bf16 scratch for one oneDNN bf16 GEMM
 (prefill).
 The dequantized values are exactly gguf.quants.dequantize's, so results differ from
 float32 over the dequantized matrix only by the order of the sums (and, on the VNNI
-path, by the activations' rounding to 24 bits per block).
+path, by the activations' rounding to 24 bits per block; on the AVX2 int16 body, to 16
+bits per block).
 
 `int8` (online, from a float checkpoint) quantizes to the q8_0 layout: symmetric, one
 float16 scale per 32 weights of a row (llama.cpp's quantize_row_q8_0 rounding).
@@ -186,7 +193,8 @@ _OPS = None  # the module once imported (a decode step makes ~120 matmul calls)
 def kernel_paths() -> str:
     """Which C bodies the quantized matmuls run on this CPU, in words (chosen at run
     time from cpuid; FLOWENGINE_CPU_NO_VNNI=1 / FLOWENGINE_CPU_NO_AVX512=1 /
-    FLOWENGINE_CPU_NO_AVX2=1 / FLOWENGINE_CPU_PANEL_MIN_ROWS=0 opt out)."""
+    FLOWENGINE_CPU_NO_AVX2=1 / FLOWENGINE_CPU_PANEL_MIN_ROWS=0 /
+    FLOWENGINE_CPU_INT16_MIN_ROWS=0 opt out)."""
     ops = _ops()
     names = {"avx512-vnni": "AVX512-VNNI integer dot products (activations as three int8 "
                             "levels, float32 accuracy)",
@@ -194,6 +202,8 @@ def kernel_paths() -> str:
              "avx512-panels": "AVX-512 float32, 16-row dequantized panels",
              "avx2": "AVX2 + FMA float32 dot products (no AVX-512 on this CPU)",
              "avx2-panels": "AVX2 + FMA float32, 16-row dequantized panels",
+             "avx2-int16-panels": "AVX2 int16 products (activations rounded to 16 bits "
+                                  "per 32-value block), 16-row panels of the codes",
              "c": "portable C float32"}
     parts, start, path = [], 1, ops.linear_path(1)
     for rows in range(2, DEQUANT_MIN_ROWS + 2):
