@@ -441,12 +441,98 @@ AVX2 static inline float dot_row1_avx2(int fmt, const uint8_t *rq, const float *
     return hsum_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), o));
 }
 
+#define I16_TOP 32767.f /* the int16 bodies' largest |A| */
+
+/* Block xb[32] rounded: A = round(x / s), s = max|x| / I16_TOP (NaN when the block has a
+ * NaN: A = 0), xs = the float32 sum of the block. */
+AVX2 static inline void round_block_i16(const float *xb, int32_t A[32], float *s, float *xs)
+{
+    __m256 v[4];
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                            _mm256_andnot_ps(sign, v[1])),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                            _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    float amax = _mm_cvtss_f32(h);
+    int nan = 0;
+    for (int i = 0; i < 4; i++)
+        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    /* a block below 2^-100 is scaled by 2^100 first (exact), or TOP / amax would
+     * overflow */
+    const float pre = amax < 0x1p-100f ? 0x1p100f : 1.f;
+    amax *= pre;
+    float inv = amax > 0.f ? I16_TOP / amax : 0.f, sb = amax / I16_TOP / pre;
+    if (nan) {
+        inv = 0.f;
+        sb = NAN;
+    }
+    const __m256 vp = _mm256_set1_ps(pre), vi = _mm256_set1_ps(inv);
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_si256((__m256i *)(A + 8 * i),
+                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], vp), vi)));
+    *s = sb;
+    *xs = hsum_avx2(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
+/* One activation row with int16 products: x rounded per block as the int16 panel body
+ * rounds it (xa = A in k order, xsc = the blocks' s), then per block
+ *     sum_j w_j x_j ~= d s (q . A) + m sum(x)     (Q4_0: - 8 d sum(x); Q8_0: no offset)
+ * with q . A by vpmaddwd on the codes zero- or sign-extended to int16 straight from the
+ * packed bytes (16 products per instruction; the float32 body converts every code to
+ * float and multiplies 8 at a time), exact in int32, then one FMA per block by d s. The
+ * offsets are dot_row1_avx2's (scf against sxs). */
+/* q . A of block b as 8 int32 partial sums, converted to float (exact below 2^24). */
+AVX2 static inline __m256 codes_dot_i16(int fmt, const uint8_t *rq, int64_t b, const int16_t *xa)
+{
+    __m256i lo, hi;
+    if (fmt == FMT_Q8_0) {
+        const __m128i *q = (const __m128i *)(rq + b * QK);
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(q));
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1));
+    } else {
+        const __m256i c =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rq + b * (QK / 2))));
+        lo = _mm256_and_si256(c, _mm256_set1_epi16(0x0f));
+        hi = _mm256_srli_epi16(c, 4);
+    }
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(
+        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xa + b * QK))),
+        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xa + b * QK + 16)))));
+}
+
+AVX2 static inline float dot_row1_i16(int fmt, const uint8_t *rq, const float *scf,
+                                      const int16_t *xa, const float *xsc, const float *sxs,
+                                      int64_t ns, int64_t nb)
+{
+    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) { /* two accumulators: the FMA chains of two blocks */
+        a0 = _mm256_fmadd_ps(codes_dot_i16(fmt, rq, b, xa), _mm256_set1_ps(scf[ds * b] * xsc[b]),
+                             a0);
+        a1 = _mm256_fmadd_ps(codes_dot_i16(fmt, rq, b + 1, xa),
+                             _mm256_set1_ps(scf[ds * (b + 1)] * xsc[b + 1]), a1);
+    }
+    if (b < nb)
+        a0 = _mm256_fmadd_ps(codes_dot_i16(fmt, rq, b, xa), _mm256_set1_ps(scf[ds * b] * xsc[b]),
+                             a0);
+    __m256 o = _mm256_setzero_ps();
+    for (int64_t i = 0; i < ns; i += 8)
+        o = _mm256_fmadd_ps(_mm256_loadu_ps(scf + i), _mm256_loadu_ps(sxs + i), o);
+    return hsum_avx2(_mm256_add_ps(_mm256_add_ps(a0, a1), o));
+}
+
 /* Up to 4 activation rows per pass over a weight row (two accumulators each: 8
  * independent chains in 16 ymm registers with the block's 4 weight vectors). */
 #define MR_AVX2 4
 AVX2 static void linear_rows_avx2(int fmt, const float *x, int64_t M, int64_t K,
                                   const uint8_t *qs, const uint16_t *sc, int64_t n0,
-                                  int64_t n1, float *out, int64_t N)
+                                  int64_t n1, float *out, int64_t N, int i16)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
     /* 1 row: sxs[i] multiplies scf[i] in the offset term: m_b sum(x_b) for Q4_1 (scf
@@ -469,9 +555,23 @@ AVX2 static void linear_rows_avx2(int fmt, const float *x, int64_t M, int64_t K,
                 sxs[b] = -8.f * s;
         }
     }
+    i16 = i16 && M == 1;
+    int16_t xa[i16 ? K : 1];
+    float xsc[i16 ? nb : 1];
+    for (int64_t b = 0; i16 && b < nb; b++) {
+        int32_t A[32];
+        float xs;
+        round_block_i16(x + b * QK, A, xsc + b, &xs);
+        for (int k = 0; k < 32; k++)
+            xa[b * QK + k] = (int16_t)A[k];
+    }
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *rq = qs + n * qrow;
         row_scales_avx2(sc + n * srow, srow, scf);
+        if (i16) {
+            out[n] = dot_row1_i16(fmt, rq, scf, xa, xsc, sxs, ns, nb);
+            continue;
+        }
         if (M == 1) {
             out[n] = dot_row1_avx2(fmt, rq, scf, x, sxs, ns, nb);
             continue;
@@ -875,7 +975,6 @@ AVX2 static void linear_panels_avx2(int fmt, const float *xp, int64_t M, int64_t
  *   weight panel (16 rows), per block b, pair p, half h (rows 8h..8h+7):
  *       wq[((b 16 + p) 2 + h) 16 + 2 i + j] = code (row 8h + i, k = 32 b + 2p + j)
  * A NaN in a block makes s_b NaN (its outputs NaN, as the float32 body's are). */
-#define I16_TOP 32767.f
 #define I16_MB 4 /* activation rows per tile: 8 int32 accumulators in registers */
 
 typedef struct {
@@ -884,42 +983,6 @@ typedef struct {
     float *s;   /* [tiles][nb][I16_MB] */
     float *xs;  /* [tiles][nb][I16_MB] */
 } i16_act;
-
-/* Block xb[32] rounded: A = round(x / s), s = max|x| / I16_TOP (NaN when the block has a
- * NaN: A = 0), xs = the float32 sum of the block. */
-AVX2 static inline void round_block_i16(const float *xb, int32_t A[32], float *s, float *xs)
-{
-    __m256 v[4];
-    for (int i = 0; i < 4; i++)
-        v[i] = _mm256_loadu_ps(xb + 8 * i);
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
-                                            _mm256_andnot_ps(sign, v[1])),
-                              _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
-                                            _mm256_andnot_ps(sign, v[3])));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    float amax = _mm_cvtss_f32(h);
-    int nan = 0;
-    for (int i = 0; i < 4; i++)
-        nan |= _mm256_movemask_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-    /* a block below 2^-100 is scaled by 2^100 first (exact), or TOP / amax would
-     * overflow */
-    const float pre = amax < 0x1p-100f ? 0x1p100f : 1.f;
-    amax *= pre;
-    float inv = amax > 0.f ? I16_TOP / amax : 0.f, sb = amax / I16_TOP / pre;
-    if (nan) {
-        inv = 0.f;
-        sb = NAN;
-    }
-    const __m256 vp = _mm256_set1_ps(pre), vi = _mm256_set1_ps(inv);
-    for (int i = 0; i < 4; i++)
-        _mm256_storeu_si256((__m256i *)(A + 8 * i),
-                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], vp), vi)));
-    *s = sb;
-    *xs = hsum_avx2(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-}
 
 /* Round x[M, K] into `a` (its buffers sized for ceil(M / I16_MB) tiles; rows past M
  * zero). */
@@ -2045,6 +2108,19 @@ static int64_t i16_min_rows(void)
     return cached;
 }
 
+/* One activation row with int16 products (dot_row1_i16) on CPUs without AVX-512, unless
+ * FLOWENGINE_CPU_INT16_ONE_ROW=0 or the int16 bodies are off. Measured (session 50, Zen
+ * 3, benchmarks/cpu_matmul_step.py --rows 1, 15 alternated rounds, ms per step, float32
+ * / int16): 2 threads 5.75 / 4.74, 1 thread 11.09 / 9.03. 2-3 rows stay float32 (the
+ * int16 panel body measured level with the float32 row body there). */
+static int i16_one_row(void)
+{
+    static int cached = -1;
+    if (cached < 0)
+        cached = i16_min_rows() != INT64_MAX && env_number("FLOWENGINE_CPU_INT16_ONE_ROW", 1) != 0;
+    return cached;
+}
+
 static int use_vnni(void)
 {
 #if HAVE_X86
@@ -2383,6 +2459,7 @@ typedef struct {
     const uint16_t *xb; /* the AMX body's packed bf16 activations, or NULL */
     const void *i8;     /* the AMX-INT8 body's packed activations (i8_act), or NULL */
     const void *i16;    /* the AVX2 int16 body's rounded activations (i16_act), or NULL */
+    int i16_row;        /* one row: dot_row1_i16 instead of dot_row1_avx2 */
 } linear_job;
 
 /* Cache blocking of the float32 bodies (more than VNNI_MAX_ROWS rows): each weight row
@@ -2509,7 +2586,7 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
         if (j->avx)
             linear_rows_avx512(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N);
         else if (j->avx2)
-            linear_rows_avx2(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N);
+            linear_rows_avx2(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N, j->i16_row);
         else
 #endif
             linear_rows_c(j->fmt, j->x, M, K, j->qs, j->sc, n0, n1, j->out, N);
@@ -2525,7 +2602,7 @@ static void linear_rows_any(const linear_job *j, int64_t n0, int64_t n1)
             if (j->avx)
                 linear_rows_avx512(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N);
             else if (j->avx2)
-                linear_rows_avx2(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N);
+                linear_rows_avx2(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N, 0);
             else
 #endif
                 linear_rows_c(j->fmt, xt, mt, K, j->qs, j->sc, b0, b1, ot, N);
@@ -2571,8 +2648,8 @@ static void amx_pack_chunk(const void *ctx, int64_t c)
  * rows (0: never) the AMX bodies run where the CPU has them: up to AMXI8_MAX_ROWS rows
  * the AMX-INT8 body (unless no_i8; activations rounded to 16 bits per block), more rows
  * the AMX-BF16 body (bf16 products); float32 sums either way. On CPUs with AVX2 and no
- * AVX-512, from i16_min_rows() rows the int16 panel body (unless no_i8; activations
- * rounded to 16 bits per block). Returns -1 when the AMX activation buffer cannot be
+ * AVX-512, from i16_min_rows() rows the int16 panel body and for one row dot_row1_i16
+ * (unless no_i8; activations rounded to 16 bits per block). Returns -1 when the AMX activation buffer cannot be
  * allocated (nothing written), else 0 (an int16 buffer that cannot be allocated falls
  * back to the float32 bodies). */
 static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint8_t *qs,
@@ -2633,7 +2710,8 @@ static int linear_impl(int fmt, const float *x, int64_t M, int64_t K, const uint
 #endif
     linear_job job = {fmt, vnni, avx, !avx && use_avx2(), x, M, K, qs, sc, N, out, NULL,
                       linear_chunk_rows(N, nth),
-                      NULL, xb, NULL, NULL};
+                      NULL, xb, NULL, NULL, 0};
+    job.i16_row = job.avx2 && M == 1 && !no_i8 && i16_one_row();
 #if HAVE_AMX
     if (i8buf != NULL)
         job.i8 = &i8;
@@ -4540,7 +4618,8 @@ static PyObject *py_has_amx_int8(PyObject *self, PyObject *unused)
 
 /* The body a matmul of `rows` activation rows runs: "avx512-vnni" (integer dot
  * products over three int8 levels of the activations), "avx512-panels" or "avx512"
- * (float32), "avx2-int16-panels" (int16 products, no AVX-512), "avx2-panels" or "avx2"
+ * (float32), "avx2-int16-panels" or "avx2-int16" (int16 products, no AVX-512: the panel
+ * body, the one-row body), "avx2-panels" or "avx2"
  * (float32, no AVX-512) or "c". Matmuls called with no_int8 run float32 bodies. */
 static PyObject *py_linear_path(PyObject *self, PyObject *args)
 {
@@ -4553,6 +4632,8 @@ static PyObject *py_linear_path(PyObject *self, PyObject *args)
         return PyUnicode_FromString("avx512-panels");
     if (!use_avx512() && rows >= i16_min_rows())
         return PyUnicode_FromString("avx2-int16-panels");
+    if (!use_avx512() && rows == 1 && i16_one_row())
+        return PyUnicode_FromString("avx2-int16");
     if (!use_avx512() && use_avx2() && rows >= panel_min_rows_avx2())
         return PyUnicode_FromString("avx2-panels");
     return PyUnicode_FromString(use_avx512() ? "avx512" : use_avx2() ? "avx2" : "c");
@@ -5107,8 +5188,8 @@ static PyMethodDef methods[] = {
      "amx_min_rows rows (0 = never) on AMX where the CPU has it: up to 8 rows int8 "
      "products of the activations rounded per 32-value block (AMX-INT8; not with "
      "no_int8), more rows bf16 products (AMX-BF16). Without AVX-512, from "
-     "FLOWENGINE_CPU_INT16_MIN_ROWS (4) rows int16 products of the activations rounded "
-     "per 32-value block (not with no_int8)."},
+     "FLOWENGINE_CPU_INT16_MIN_ROWS (4) rows, and for 1 row, int16 products of the "
+     "activations rounded per 32-value block (not with no_int8)."},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(fmt, qs_ptr, scales_ptr, N, K, out_ptr, num_threads[, bf16]): out[N, K] "
      "float32, or with bf16 those values rounded to bfloat16 (nearest even)."},

@@ -528,8 +528,8 @@ def test_avx2_body():
     _run_ok(_AVX2, "FLOWENGINE_CPU_NO_AVX512", "1", {"FLOWENGINE_CPU_INT16_MIN_ROWS": "0"})
 
 
-# The AVX2 int16 panel body (CPUs without AVX-512, from 4 activation rows; 1-3 rows the
-# float32 row body): every format, 1, 3, 18, 19 and 48 blocks per row, 37 and 83 weight
+# The AVX2 int16 bodies (CPUs without AVX-512: the panel body from 4 activation rows,
+# the one-row body for 1; 2-3 rows the float32 row body): every format, 1, 3, 18, 19 and 48 blocks per row, 37 and 83 weight
 # rows (short last panels of 16); tiles of 4 rows with every remainder; heavy-tailed
 # activations with an outlier, an all-zero block and a block of tiny values (below
 # 2^-100: scaled first); within the activations' rounding (_rounding_bound, TOP = 32767)
@@ -544,7 +544,7 @@ from flowengine import _cpu_ops
 from flowengine.model.layers.quant_linear import FORMATS
 assert not _cpu_ops.has_avx512()
 paths = [_cpu_ops.linear_path(r) for r in (1, 3, 4, 12, 2048)]
-assert paths == ["avx2"] * 2 + ["avx2-int16-panels"] * 3, paths
+assert paths == ["avx2-int16", "avx2"] + ["avx2-int16-panels"] * 3, paths
 g = torch.Generator().manual_seed({seed})
 for fmt in ("q4_0", "q4_1", "q8_0"):
     for k, n in ((32, 37), (96, 83), (576, 37), (608, 83), (1536, 37)):
@@ -569,8 +569,8 @@ for fmt in ("q4_0", "q4_1", "q8_0"):
         nan = w.matmul(x)
         assert bool(nan[6].isnan().all()) and not bool(nan[torch.arange(40) != 6].isnan().any())
         assert torch.equal(nan[torch.arange(40) != 6], out[torch.arange(40) != 6]), (fmt, k)
-        # no_int8: float32 activations (the panel body), within float32 rounding
-        for rows in (4, 16):
+        # no_int8: float32 activations (the row and panel bodies), within float32 rounding
+        for rows in (1, 16):
             xr = x[:rows].nan_to_num()
             f32 = torch.empty(rows, n)
             _cpu_ops.linear(FORMATS[fmt][0], xr.data_ptr(), rows, k, w.qs.data_ptr(),
