@@ -729,6 +729,13 @@ static int64_t panel_block_rows(void)
     return rows;
 }
 
+/* panel_block_rows() rounded up to a multiple of `tile` rows. */
+static int64_t panel_block_rows_of(int64_t tile)
+{
+    const int64_t mb = panel_block_rows();
+    return mb < INT64_MAX ? (mb + tile - 1) / tile * tile : mb;
+}
+
 /* Weight rows n0..n1 against all M activation rows (packed by pack_activations_avx512
  * into xp) through 16-row weight panels (wt: 16 x K floats of scratch), the
  * activation rows in blocks of panel_block_rows(). */
@@ -787,6 +794,27 @@ AVX2 static inline void transpose8x16_epi8(const __m128i v[8], __m128i t[8])
     }
 }
 
+/* A 16-row panel's code rows (rows past np: row n0's) and, per block b and row r, its
+ * scale d in dT[b][16] and Q4_1's offset m in mT[b][16] (0 past np). */
+AVX2 static inline void panel_rows_scales_avx2(int fmt, const uint8_t *qs, const uint16_t *sc,
+                                               int64_t K, int64_t n0, int64_t np,
+                                               const uint8_t *rows[16], float *dT, float *mT)
+{
+    const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
+    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1; /* scf stride: (d, m) pairs for Q4_1 */
+    float scf[srow];
+    for (int r = 0; r < 16; r++) {
+        rows[r] = qs + (n0 + (r < np ? r : 0)) * qrow;
+        if (r < np)
+            row_scales_avx2(sc + (n0 + r) * srow, srow, scf);
+        for (int64_t b = 0; b < nb; b++) {
+            dT[b * 16 + r] = r < np ? scf[ds * b] : 0.f;
+            if (fmt == FMT_Q4_1)
+                mT[b * 16 + r] = r < np ? scf[2 * b + 1] : 0.f;
+        }
+    }
+}
+
 /* wt[k * 16 + r] = weight (n0 + r, k) for r < np (<= 16); the rows past np hold zeros
  * (their scales are 0). Each weight is dequant_block_avx2's value (the same operation
  * on the same code and scales), but the codes are transposed first, as bytes (8 rows x
@@ -802,21 +830,11 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
                                     int64_t n0, int64_t np, float *wt)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
-    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1; /* scf stride: (d, m) pairs for Q4_1 */
     const int q41 = fmt == FMT_Q4_1;
     /* [b][r]: block b's scale d (and Q4_1's offset m) of row r */
-    float scf[srow], dT[nb * 16], mT[q41 ? nb * 16 : 1];
+    float dT[nb * 16], mT[q41 ? nb * 16 : 1];
     const uint8_t *rows[16];
-    for (int r = 0; r < 16; r++) {
-        rows[r] = qs + (n0 + (r < np ? r : 0)) * qrow;
-        if (r < np)
-            row_scales_avx2(sc + (n0 + r) * srow, srow, scf);
-        for (int64_t b = 0; b < nb; b++) {
-            dT[b * 16 + r] = r < np ? scf[ds * b] : 0.f;
-            if (q41)
-                mT[b * 16 + r] = r < np ? scf[2 * b + 1] : 0.f;
-        }
-    }
+    panel_rows_scales_avx2(fmt, qs, sc, K, n0, np, rows, dT, mT);
     const __m256i mask = _mm256_set1_epi32(0x0f);
     const __m256 eight = _mm256_set1_ps(8.f);
     /* the next panel's scales now, its codes a few lines per block */
@@ -871,6 +889,28 @@ AVX2 static void dequant_panel_avx2(int fmt, const uint8_t *qs, const uint16_t *
     }
 }
 
+/* out[m0 + r][n0 .. n0 + np) = (lo[r], hi[r]) for r < TR: a tile's 16 outputs per row,
+ * the last np < 16 under a mask. */
+AVX2 static inline __attribute__((always_inline)) void
+store_tile16_avx2(float *out, int64_t N, int64_t m0, const int TR, int64_t n0, int64_t np,
+                  const __m256 *lo, const __m256 *hi)
+{
+    if (np == 16) {
+        for (int r = 0; r < TR; r++) {
+            _mm256_storeu_ps(out + (m0 + r) * N + n0, lo[r]);
+            _mm256_storeu_ps(out + (m0 + r) * N + n0 + 8, hi[r]);
+        }
+        return;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np), lane);
+    const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np - 8), lane);
+    for (int r = 0; r < TR; r++) {
+        _mm256_maskstore_ps(out + (m0 + r) * N + n0, mlo, lo[r]);
+        _mm256_maskstore_ps(out + (m0 + r) * N + n0 + 8, mhi, hi[r]);
+    }
+}
+
 /* out[m0 + r][n0 .. n0 + np) for r < TR (a constant after inlining, <= PANEL2_MB):
  * xt = the activation tile packed [K][PANEL2_MB]. */
 AVX2 static inline __attribute__((always_inline)) void
@@ -888,20 +928,7 @@ panel_tile_avx2(const float *xt, int64_t K, const float *wt, int64_t m0, const i
             hi[r] = _mm256_fmadd_ps(xb, w1, hi[r]);
         }
     }
-    if (np == 16) {
-        for (int r = 0; r < TR; r++) {
-            _mm256_storeu_ps(out + (m0 + r) * N + n0, lo[r]);
-            _mm256_storeu_ps(out + (m0 + r) * N + n0 + 8, hi[r]);
-        }
-        return;
-    }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np), lane);
-    const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np - 8), lane);
-    for (int r = 0; r < TR; r++) {
-        _mm256_maskstore_ps(out + (m0 + r) * N + n0, mlo, lo[r]);
-        _mm256_maskstore_ps(out + (m0 + r) * N + n0 + 8, mhi, hi[r]);
-    }
+    store_tile16_avx2(out, N, m0, TR, n0, np, lo, hi);
 }
 
 /* xp[t][k][r] = x[(PANEL2_MB t + r) K + k] (0 past row M): floats
@@ -931,9 +958,7 @@ AVX2 static void linear_panels_avx2(int fmt, const float *xp, int64_t M, int64_t
                                     const uint8_t *qs, const uint16_t *sc, int64_t n0,
                                     int64_t n1, float *out, int64_t N, float *wt)
 {
-    int64_t mb = panel_block_rows(); /* a multiple of the tile: xp is tile by tile */
-    if (mb < INT64_MAX)
-        mb = (mb + PANEL2_MB - 1) / PANEL2_MB * PANEL2_MB;
+    const int64_t mb = panel_block_rows_of(PANEL2_MB); /* xp is tile by tile */
     for (int64_t b0 = 0; b0 < M; b0 += mb) {
         const int64_t b1 = M - b0 < mb ? M : b0 + mb;
         for (int64_t n = n0; n < n1; n += 16) {
@@ -1016,20 +1041,9 @@ AVX2 static void dequant_panel_i16(int fmt, const uint8_t *qs, const uint16_t *s
                                    int64_t n0, int64_t np, int16_t *wq, float *dT, float *mT)
 {
     const int64_t nb = K / QK, qrow = qs_row_bytes(fmt, K), srow = sc_row_halves(fmt, K);
-    const int64_t ds = fmt == FMT_Q4_1 ? 2 : 1;
     const int q41 = fmt == FMT_Q4_1;
-    float scf[srow];
     const uint8_t *rows[16];
-    for (int r = 0; r < 16; r++) {
-        rows[r] = qs + (n0 + (r < np ? r : 0)) * qrow;
-        if (r < np)
-            row_scales_avx2(sc + (n0 + r) * srow, srow, scf);
-        for (int64_t b = 0; b < nb; b++) {
-            dT[b * 16 + r] = r < np ? scf[ds * b] : 0.f;
-            if (q41)
-                mT[b * 16 + r] = r < np ? scf[2 * b + 1] : 0.f;
-        }
-    }
+    panel_rows_scales_avx2(fmt, qs, sc, K, n0, np, rows, dT, mT);
     const __m256i mask = _mm256_set1_epi16(0x0f), eight = _mm256_set1_epi16(8);
     const char *next = (const char *)(qs + (n0 + 16) * qrow);
     const int64_t lines = 16 * qrow / 64;
@@ -1127,20 +1141,7 @@ panel_tile_i16(const i16_act *a, int64_t t, const int16_t *wq, const float *dT,
             hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[r]), _mm256_mul_ps(d1, s), h);
         }
     }
-    if (np == 16) {
-        for (int r = 0; r < TR; r++) {
-            _mm256_storeu_ps(out + (m0 + r) * N + n0, lo[r]);
-            _mm256_storeu_ps(out + (m0 + r) * N + n0 + 8, hi[r]);
-        }
-        return;
-    }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mlo = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np), lane);
-    const __m256i mhi = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)np - 8), lane);
-    for (int r = 0; r < TR; r++) {
-        _mm256_maskstore_ps(out + (m0 + r) * N + n0, mlo, lo[r]);
-        _mm256_maskstore_ps(out + (m0 + r) * N + n0 + 8, mhi, hi[r]);
-    }
+    store_tile16_avx2(out, N, m0, TR, n0, np, lo, hi);
 }
 
 /* Floats of panel scratch linear_panels_i16 needs for K: the codes, then dT and mT. */
@@ -1157,9 +1158,7 @@ AVX2 static void linear_panels_i16(int fmt, const i16_act *a, int64_t M, int64_t
     int16_t *wq = (int16_t *)scratch;
     float *dT = scratch + 16 * K / 2, *mT = dT + nb * 16;
     const int q41 = fmt == FMT_Q4_1;
-    int64_t mb = panel_block_rows();
-    if (mb < INT64_MAX)
-        mb = (mb + I16_MB - 1) / I16_MB * I16_MB;
+    const int64_t mb = panel_block_rows_of(I16_MB);
     for (int64_t b0 = 0; b0 < M; b0 += mb) {
         const int64_t b1 = M - b0 < mb ? M : b0 + mb;
         for (int64_t n = n0; n < n1; n += 16) {
