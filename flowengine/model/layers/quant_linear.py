@@ -367,7 +367,9 @@ class QuantizedWeight:
         """x [..., K] (any float dtype) -> x @ W^T (+ bias) [..., N] in out_dtype (None:
         x's dtype).
 
-        float32 accumulation over exactly dequantized weights, except for bf16 x on a
+        float32 accumulation over exactly dequantized weights (on a CPU with AVX2 and
+        no AVX-512, for 1 and for 4 or more rows, times x rounded to int16 per 32-value
+        block: see the module docstring), except for bf16 x on a
         CPU with native bf16 GEMMs and float32 x where `use_bf16_gemms` set
         `bf16_rows`: there, from `bf16_rows(fmt)`'s counts of rows, with float32
         accumulation, the AMX-INT8 body (up to `amx_int8_max_rows()` rows: the exact
