@@ -18,6 +18,13 @@ AMX-INT8 body (up to _cpu_ops.AMX_INT8_MAX_ROWS rows), `bf16` the AMX-BF16 body;
 the CPU lacks, or rows the AMX-INT8 body does not take, are skipped. Prints the median
 ms per step over --rounds, bodies and row counts alternated within each round, with the
 load average before and after.
+
+`--pages 4k,huge` also alternates where the weights live: `4k` torch's own allocations
+(4 KiB pages), `huge` one arena advised for transparent huge pages
+(flowengine/executor/cpu_hugepages.py, where the engine puts a CPU model's weights; the
+default):
+
+    python benchmarks/cpu_matmul_step.py --rows 1,16 --bodies int16 --pages 4k,huge --rounds 21
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 from cpu_quant_rows import packed  # this folder is sys.path[0] when run as a script
 
 from flowengine import _cpu_ops as ops
+from flowengine.executor import cpu_hugepages
 from flowengine.model.layers.quant_linear import FORMATS
 
 LAYERS = 30
@@ -45,13 +53,26 @@ def main() -> None:
     p.add_argument("--bodies", default="float32,int16,i8,bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--pages", default="huge", help="4k and/or huge, comma-separated")
     a = p.parse_args()
+    pages = a.pages.split(",")
     rows = [int(r) for r in a.rows.split(",")]
     bodies = a.bodies.split(",")
     available = {"float32": True, "int16": "int16" in ops.linear_path(1 << 20),
                  "i8": ops.has_amx_int8(), "bf16": ops.has_amx()}
-    weights = [[packed(*s) for s in LAYER_SHAPES] for _ in range(LAYERS)]
-    head = packed(*HEAD)
+    weights = {"4k": [[packed(*s) for s in LAYER_SHAPES] for _ in range(LAYERS)]}
+    head = {"4k": packed(*HEAD)}
+    if "huge" in pages:  # the same bytes, copied into one huge-page arena
+        tensors = [t for layer in weights["4k"] for w in layer for t in w] + list(head["4k"])
+        arena = cpu_hugepages.HugePageArena(sum((t.nbytes + 63) // 64 * 64 for t in tensors))
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            v = arena.take(t.nbytes).view(t.dtype).view(t.shape)
+            return v.copy_(t)
+
+        weights["huge"] = [[tuple(moved(t) for t in w) for w in layer]
+                           for layer in weights["4k"]]
+        head["huge"] = tuple(moved(t) for t in head["4k"])
     xs = {(m, k): torch.randn(m, k) for m in rows for k in (576, 1536)}
     outs = {(m, n): torch.empty(m, n) for m in rows for n in (960, 576, 3072, 49152)}
 
@@ -60,30 +81,30 @@ def main() -> None:
         ops.linear(FORMATS[fmt][0], xs[(m, k)].data_ptr(), m, k, w[0].data_ptr(),
                    w[1].data_ptr(), n, outs[(m, n)].data_ptr(), a.threads, amx_min, no_int8)
 
-    def step(m: int, body: str) -> float:
+    def step(m: int, body: str, page: str) -> float:
         amx_min, no_int8 = {"float32": (0, True), "int16": (0, False), "i8": (1, False),
                             "bf16": (1, True)}[body]
         t0 = time.perf_counter()
-        for layer in weights:
+        for layer in weights[page]:
             for shape, w in zip(LAYER_SHAPES, layer):
                 mm(shape, w, m, amx_min, no_int8)
-        mm(HEAD, head, m, amx_min, no_int8)
+        mm(HEAD, head[page], m, amx_min, no_int8)
         return (time.perf_counter() - t0) * 1e3
 
-    runs = [(m, b) for m in rows for b in bodies if available.get(b)
+    runs = [(m, b, pg) for m in rows for b in bodies for pg in pages if available.get(b)
             and not (b == "i8" and m > ops.AMX_INT8_MAX_ROWS)
             and not (b == "int16" and "int16" not in ops.linear_path(m))]
     print("load before", open("/proc/loadavg").read().split()[:3])
-    res: dict[tuple[int, str], list[float]] = {r: [] for r in runs}
-    for m, b in runs:  # warm-up
-        step(m, b)
+    res: dict[tuple[int, str, str], list[float]] = {r: [] for r in runs}
+    for r in runs:  # warm-up
+        step(*r)
     for _ in range(a.rounds):
-        for m, b in runs:
-            res[(m, b)].append(step(m, b))
-    print(f"| rows | body | ms per step, median of {a.rounds} | min | max |")
-    print("|---:|---|---:|---:|---:|")
-    for (m, b), v in res.items():
-        print(f"| {m} | {b} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+        for r in runs:
+            res[r].append(step(*r))
+    print(f"| rows | body | pages | ms per step, median of {a.rounds} | min | max |")
+    print("|---:|---|---|---:|---:|---:|")
+    for (m, b, pg), v in res.items():
+        print(f"| {m} | {b} | {pg} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
     print("load after", open("/proc/loadavg").read().split()[:3])
 
 

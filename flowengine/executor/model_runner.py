@@ -15,6 +15,7 @@ import torch
 from flowengine.config import CacheConfig
 from flowengine.distributed.pp_group import SINGLE_STAGE, PipelineStage
 from flowengine.distributed.tp_group import SINGLE_RANK, TensorParallelGroup
+from flowengine.executor import cpu_hugepages
 from flowengine.executor.input_batch import BlockIds, InputBatch, RequestState, StepInputs
 from flowengine.executor.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from flowengine.executor.spec_verify import verification_rows
@@ -98,6 +99,8 @@ class ModelRunner:
         self.model = load_model(model_config, load_format, dtype, self.device,
                                 gguf_file=gguf_file, attn_backend=attn_backend, seed=seed,
                                 tp=tp, quantization=quantization, pp=pp)
+        if self.device.type == "cpu":  # the weights on huge pages (executor/cpu_hugepages.py)
+            cpu_hugepages.rehome_module(self.model)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, RequestState] = {}
@@ -123,8 +126,12 @@ class ModelRunner:
         shape = (2, cache_config.num_blocks, cache_config.block_size,
                  model_config.num_kv_heads // self.tp.world_size, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in self.pp.layer_range(model_config.num_layers)]
+        layers = len(self.pp.layer_range(model_config.num_layers))
+        if self.device.type == "cpu":  # on huge pages (executor/cpu_hugepages.py)
+            self.kv_caches = cpu_hugepages.zeros([shape] * layers, self.kv_cache_dtype)
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                              for _ in range(layers)]
         self.input_batch = self._make_input_batch(cache_config.block_size)
 
     def _make_input_batch(self, block_size: int) -> InputBatch:
