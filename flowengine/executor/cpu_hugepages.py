@@ -18,9 +18,10 @@ memory; tensors that share a storage keep sharing it). `zeros` allocates the KV 
 from an arena: fresh anonymous pages are zero, and they are touched at once so the
 memory is committed at start-up as `torch.zeros` commits it.
 
-Measured (benchmarks/cpu_matmul_step.py's matmuls of one batch-1 step, the weights in
-one arena against torch's own allocations, alternated in one process, 2-vCPU Zen 3):
-0.91-0.97 of the time in four runs of 21 rounds.
+Measured (benchmarks/cpu_matmul_step.py --pages 4k,huge: the matmuls of one decode
+step, the weights in one arena against torch's own allocations, alternated in one
+process, 2-vCPU Zen 3, docs/benchmarks.md session 51): 0.91-0.97 of the time at 1 row
+in six runs of 21 rounds, 0.96-0.99 at 4 rows, ~1.0 at 16 (compute-bound there).
 
 FLOWENGINE_CPU_HUGEPAGES=0 turns it off (torch's allocations, for comparisons).
 """
