@@ -20,9 +20,9 @@ ms per step over --rounds, bodies and row counts alternated within each round, w
 load average before and after.
 
 `--pages 4k,huge` also alternates where the weights live: `4k` torch's own allocations
-(4 KiB pages), `huge` one arena advised for transparent huge pages
-(flowengine/executor/cpu_hugepages.py, where the engine puts a CPU model's weights; the
-default):
+(4 KiB pages, the default), `huge` one arena advised for transparent huge pages
+(flowengine/executor/cpu_hugepages.py, where the engine puts a CPU model's weights with
+FLOWENGINE_CPU_HUGEPAGES=1):
 
     python benchmarks/cpu_matmul_step.py --rows 1,16 --bodies int16 --pages 4k,huge --rounds 21
 """
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--bodies", default="float32,int16,i8,bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--pages", default="huge", help="4k and/or huge, comma-separated")
+    p.add_argument("--pages", default="4k", help="4k and/or huge, comma-separated")
     a = p.parse_args()
     pages = a.pages.split(",")
     rows = [int(r) for r in a.rows.split(",")]

@@ -21,9 +21,16 @@ memory is committed at start-up as `torch.zeros` commits it.
 Measured (benchmarks/cpu_matmul_step.py --pages 4k,huge: the matmuls of one decode
 step, the weights in one arena against torch's own allocations, alternated in one
 process, 2-vCPU Zen 3, docs/benchmarks.md session 51): 0.91-0.97 of the time at 1 row
-in six runs of 21 rounds, 0.96-0.99 at 4 rows, ~1.0 at 16 (compute-bound there).
+in six runs of 21 rounds, 0.96-0.99 at 4 rows, ~1.0 at 16 (compute-bound there); the
+whole decode step showed no gain above that host's noise.
 
-FLOWENGINE_CPU_HUGEPAGES=0 turns it off (torch's allocations, for comparisons).
+Opt-in, FLOWENGINE_CPU_HUGEPAGES=1, because of what it costs on some VMs: on that
+guest, whose virtio balloon reports free memory to the host (VIRTIO_BALLOON_F_REPORTING:
+free blocks of 2 MiB and up go back to the host, which faults them in again when the
+guest touches them), the first touch of 1 GB of huge pages took 13 s against 0.8 s for
+torch.zeros (later ones 1.5 s against 0.5-1.1), which made start-up and the test suite
+slower than the matmuls gained. On a host without that, it is worth turning on for a
+memory-bound batch-1 decode.
 """
 
 from __future__ import annotations
@@ -54,9 +61,9 @@ def thp_setting() -> str:
 
 def enabled() -> bool:
     """Whether CPU weights and KV caches go to huge-page arenas (Linux with
-    MADV_HUGEPAGE, FLOWENGINE_CPU_HUGEPAGES not 0)."""
+    MADV_HUGEPAGE, and FLOWENGINE_CPU_HUGEPAGES=1)."""
     return (hasattr(mmap, "MADV_HUGEPAGE")
-            and os.environ.get("FLOWENGINE_CPU_HUGEPAGES", "1") != "0")
+            and os.environ.get("FLOWENGINE_CPU_HUGEPAGES", "0") == "1")
 
 
 class HugePageArena:

@@ -99,7 +99,7 @@ class ModelRunner:
         self.model = load_model(model_config, load_format, dtype, self.device,
                                 gguf_file=gguf_file, attn_backend=attn_backend, seed=seed,
                                 tp=tp, quantization=quantization, pp=pp)
-        if self.device.type == "cpu":  # the weights on huge pages (executor/cpu_hugepages.py)
+        if self.device.type == "cpu":  # weights on huge pages if opted in (cpu_hugepages.py)
             cpu_hugepages.rehome_module(self.model)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -127,7 +127,7 @@ class ModelRunner:
                  model_config.num_kv_heads // self.tp.world_size, model_config.head_dim)
         # Zeroed, not empty: see the NOTE in TorchAttentionBackend._decode.
         layers = len(self.pp.layer_range(model_config.num_layers))
-        if self.device.type == "cpu":  # on huge pages (executor/cpu_hugepages.py)
+        if self.device.type == "cpu":  # on huge pages if opted in (cpu_hugepages.py)
             self.kv_caches = cpu_hugepages.zeros([shape] * layers, self.kv_cache_dtype)
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)

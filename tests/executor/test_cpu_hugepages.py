@@ -3,13 +3,21 @@ sharing and identity; the KV cache's zeros; the switch that turns it off."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from torch import nn
 
 from flowengine.executor import cpu_hugepages as hp
 
-pytestmark = pytest.mark.skipif(not hp.enabled(), reason="no MADV_HUGEPAGE on this platform")
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
+                                reason="no MADV_HUGEPAGE on this platform")
+
+
+@pytest.fixture(autouse=True)
+def _opted_in(monkeypatch) -> None:
+    monkeypatch.setenv("FLOWENGINE_CPU_HUGEPAGES", "1")
 
 
 def _advised(ptr: int) -> bool:
@@ -70,17 +78,22 @@ def test_rehome_moves_in_place_keeping_values_and_sharing() -> None:
     assert torch.equal(m[1](m[0](x)), y)
 
 
-def test_rehome_leaves_small_modules_and_the_off_switch(monkeypatch) -> None:
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_rehome_leaves_small_modules_and_is_off_by_default(monkeypatch, setting) -> None:
     small = nn.Linear(8, 8)
     ptr = small.weight.data_ptr()
-    assert hp.rehome_module(small) == 0 and small.weight.data_ptr() == ptr
+    assert hp.enabled() and hp.rehome_module(small) == 0 and small.weight.data_ptr() == ptr
     m, planes, _ = _model()
     ptr = planes.qs.data_ptr()
-    monkeypatch.setenv("FLOWENGINE_CPU_HUGEPAGES", "0")
+    if setting is None:
+        monkeypatch.delenv("FLOWENGINE_CPU_HUGEPAGES")
+    else:
+        monkeypatch.setenv("FLOWENGINE_CPU_HUGEPAGES", setting)
     assert not hp.enabled()
     assert hp.rehome_module(m) == 0 and planes.qs.data_ptr() == ptr
     caches = hp.zeros([(2, 4, 3)], torch.float32)
     assert caches[0].shape == (2, 4, 3) and not caches[0].any()
+    assert not _advised(caches[0].data_ptr())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
