@@ -1,5 +1,5 @@
 """executor/cpu_hugepages.py: tensors moved into a huge-page arena keep their values,
-sharing and identity; the KV cache's zeros; the switch that turns it off."""
+sharing and identity; the KV cache's zeros; the opt-in switch (off by default)."""
 
 from __future__ import annotations
 
