@@ -28,8 +28,8 @@ Opt-in, FLOWENGINE_CPU_HUGEPAGES=1, because of what it costs on some VMs: on tha
 guest, whose virtio balloon reports free memory to the host (VIRTIO_BALLOON_F_REPORTING:
 free blocks of 2 MiB and up go back to the host, which faults them in again when the
 guest touches them), the first touch of 1 GB of huge pages took 13 s against 0.8 s for
-torch.zeros (later ones 1.5 s against 0.5-1.1), which made start-up and the test suite
-slower than the matmuls gained. On a host without that, it is worth turning on for a
+torch.zeros (later ones 1.5 s against 0.5-1.1): seconds of start-up per GB, more
+than the matmuls gain there. On a host without that, it is worth turning on for a
 memory-bound batch-1 decode.
 """
 
