@@ -64,7 +64,8 @@ def main() -> None:
     head = {"4k": packed(*HEAD)}
     if "huge" in pages:  # the same bytes, copied into one huge-page arena
         tensors = [t for layer in weights["4k"] for w in layer for t in w] + list(head["4k"])
-        arena = cpu_hugepages.HugePageArena(sum((t.nbytes + 63) // 64 * 64 for t in tensors))
+        arena = cpu_hugepages.HugePageArena(sum(cpu_hugepages.padded_bytes(t.nbytes)
+                                                  for t in tensors))
 
         def moved(t: torch.Tensor) -> torch.Tensor:
             v = arena.take(t.nbytes).view(t.dtype).view(t.shape)

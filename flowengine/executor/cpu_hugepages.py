@@ -93,11 +93,12 @@ class HugePageArena:
         if off + nbytes > self.size:
             raise MemoryError(f"huge-page arena of {self.size} bytes has no room for "
                               f"{nbytes} more at {off}")
-        self._off = (off + nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._off = off + padded_bytes(nbytes)
         return self._bytes[off:off + nbytes]
 
 
-def _padded(nbytes: int) -> int:
+def padded_bytes(nbytes: int) -> int:
+    """What `take(nbytes)` uses of an arena: nbytes rounded up to 64."""
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
@@ -107,9 +108,8 @@ def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tenso
     (committed at start-up, as torch.zeros commits them)."""
     if not enabled():
         return [torch.zeros(s, dtype=dtype) for s in shapes]
-    item = torch.empty((), dtype=dtype).element_size()
-    sizes = [item * int(torch.Size(s).numel()) for s in shapes]
-    arena = HugePageArena(sum(_padded(n) for n in sizes))
+    sizes = [dtype.itemsize * torch.Size(s).numel() for s in shapes]
+    arena = HugePageArena(sum(padded_bytes(n) for n in sizes))
     out = []
     for s, n in zip(shapes, sizes, strict=True):
         t = arena.take(n)
@@ -160,7 +160,7 @@ def rehome_module(module: nn.Module, min_bytes: int = 1 << 20) -> int:
         if s.nbytes() > 0:
             groups.setdefault(s.data_ptr(), []).append(t)
             sizes[s.data_ptr()] = s.nbytes()
-    total = sum(_padded(n) for n in sizes.values())
+    total = sum(padded_bytes(n) for n in sizes.values())
     if total < min_bytes:
         return 0
     arena = HugePageArena(total)
