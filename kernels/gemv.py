@@ -4,8 +4,11 @@ for bf16/fp16 weights, FP8 E4M3 weights with per-output-channel scales (W8A16) a
 
 At M <= 8 the product is a read of the weights: no `tl.dot` (no padding to 16 rows),
 products in fp32 reduced with `tl.sum`. A program owns BLOCK_N output columns and one
-of SPLIT_K slices of K; the fp32 partials are added in a fixed order by fp8_linear's
-split-K reduce kernel (deterministic), which also adds the bias and casts.
+of SPLIT_K slices of K. The fp32 partials are added in a fixed order (split 0, 1, ...:
+deterministic) by the tile's last program to finish, which also adds the bias, casts and
+stores (`_finish_tile`: one launch per GEMV; per-device tile counters that the last
+program resets, so CUDA graphs replay it as is); FLOWENGINE_GEMV_FUSED_FINISH=0 goes
+back to fp8_linear's split-K reduce kernel as a second launch (the same bits).
 
 - dense / FP8, weight [N, K]: each step loads a [BLOCK_N, BLOCK_K] tile contiguous
   along K (wide loads) and, at M = 1, accumulates w * x elementwise in a
@@ -43,16 +46,54 @@ GEMV_MAX_M = 8
 # the table's W4A16 entries for this group size only.
 GEMV_W4_GROUP = 128
 _REDUCE_BLOCK = 1024
+# FLOWENGINE_GEMV_FUSED_FINISH=0: split-K partials reduced by a second launch (_finish), as
+# before the in-kernel finish (A/B runs).
+_FUSED_FINISH = os.environ.get("FLOWENGINE_GEMV_FUSED_FINISH", "1") != "0"
+# Split-K tile counters (one int32 per BLOCK_N tile of a call), per device: zero between
+# calls, since the last program of each tile resets its counter.
+_COUNTER_SLOTS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 
 
 @triton.jit
+def _finish_tile(acc, part_ptr, out_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n,
+                 m_valid, n_valid, N, part_stride: tl.int64,
+                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # acc: this program's [BLOCK_M, BLOCK_N] fp32 sums over its K slice. With SPLIT_K > 1
+    # each program stores its partial, then counts itself in with an acq_rel atomic
+    # (after a barrier, so the whole tile's stores precede the count); the tile's last
+    # program adds the partials in split order 0, 1, ... (the same sums, in the same
+    # order, as _split_k_reduce_kernel: the result does not depend on which program
+    # came last), adds the bias, casts, stores and resets the counter for the next call.
+    # The "serial split-K with a semaphore" of CUTLASS's GEMM universal, one launch.
+    mask = m_valid[:, None] & n_valid[None, :]
+    idx = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    last = True
+    if SPLIT_K > 1:
+        tl.store(part_ptr + pid_k.to(tl.int64) * part_stride + idx, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+    if last:
+        if SPLIT_K > 1:
+            acc = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                acc += tl.load(part_ptr + s * part_stride + idx, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dense_gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, out_ptr,
+    x_ptr, w_ptr, w_scale_ptr, out_ptr, final_ptr, bias_ptr, count_ptr,
     M, x_stride: tl.int64, out_stride_split: tl.int64,
-    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -85,18 +126,23 @@ def _dense_gemv_kernel(
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_SCALE:
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
-    out = (out_ptr + pid_k.to(tl.int64) * out_stride_split
-           + offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
-    tl.store(out, acc, mask=m_valid[:, None] & n_valid[None, :])
+    if FUSED:
+        _finish_tile(acc, out_ptr, final_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m,
+                     offs_n, m_valid, n_valid, N, out_stride_split, SPLIT_K, HAS_BIAS)
+    else:
+        out = (out_ptr + pid_k.to(tl.int64) * out_stride_split
+               + offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
+        tl.store(out, acc, mask=m_valid[:, None] & n_valid[None, :])
 
 
 @triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr,
-    M, x_stride: tl.int64, out_stride_split: tl.int64,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr, final_ptr, bias_ptr,
+    count_ptr, M, x_stride: tl.int64, out_stride_split: tl.int64,
     N: tl.constexpr, K: tl.constexpr, GROUP_SIZE: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_G_IDX: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_G_IDX: tl.constexpr, FUSED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -169,9 +215,13 @@ def _w4a16_gemv_kernel(
                 acc += s[None, :] * (qx - z[None, :] * xsum[:, None])
     if REDUCE_ONCE:
         acc += tl.sum(acc2, axis=0)[None, :]
-    out = (out_ptr + pid_k.to(tl.int64) * out_stride_split
-           + offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
-    tl.store(out, acc, mask=m_valid[:, None] & n_valid[None, :])
+    if FUSED:
+        _finish_tile(acc, out_ptr, final_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m,
+                     offs_n, m_valid, n_valid, N, out_stride_split, SPLIT_K, HAS_BIAS)
+    else:
+        out = (out_ptr + pid_k.to(tl.int64) * out_stride_split
+               + offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
+        tl.store(out, acc, mask=m_valid[:, None] & n_valid[None, :])
 
 
 # --- configs ---------------------------------------------------------------------------
@@ -256,6 +306,31 @@ def _finish(target: torch.Tensor, split: int, bias: torch.Tensor | None, m: int,
     return out
 
 
+def _counter_buffer(device: torch.device) -> torch.Tensor | None:
+    """The device's split-K tile counters, made on first use; None while a CUDA graph is
+    being captured and none exists yet (its memory would belong to the graph's pool)."""
+    buf = _counters.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
+
+
+def _outputs(x: torch.Tensor, split: int, m: int, n: int, tiles: int
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(fp32 partials [split, M, N], the [M, N] output, the tile counters): with counters
+    the kernel finishes in place (_finish_tile); without (switched off, more tiles than
+    counters, or capturing before the first call) it writes the partials and _finish
+    reduces them. At split 1 in place the output doubles as the unused partials."""
+    counters = _counter_buffer(x.device) if _FUSED_FINISH and tiles <= _COUNTER_SLOTS else None
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if counters is not None else None
+    if out is not None and split == 1:
+        return out, out, counters
+    return torch.empty((split, m, n), dtype=torch.float32, device=x.device), out, counters
+
+
 def _check_x(x: torch.Tensor) -> tuple[int, int]:
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     m, k = x.shape
@@ -297,15 +372,18 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     block_n, block_k, split, warps, stages = config or gemv_config(fmt, m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
-    target = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _dense_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, weight_scale if weight_scale is not None else target, target,
+    tiles = triton.cdiv(n, block_n)
+    target, out, counters = _outputs(x, split, m, n, tiles)
+    _dense_gemv_kernel[(tiles, split)](
+        x, weight, weight_scale if weight_scale is not None else target, target, out,
+        bias if bias is not None else target, counters if counters is not None else target,
         m, x.stride(0), target.stride(0),
-        N=n, K=k, K_PER_SPLIT=k_per_split,
+        N=n, K=k, K_PER_SPLIT=k_per_split, SPLIT_K=split,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_SCALE=weight_scale is not None, num_warps=warps, num_stages=stages,
+        HAS_SCALE=weight_scale is not None, FUSED=counters is not None,
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
     )
-    return _finish(target, split, bias, m, n, x.dtype)
+    return out if counters is not None else _finish(target, split, bias, m, n, x.dtype)
 
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -345,12 +423,15 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         block_k = max(8, min(block_k, group_size & -group_size))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
-    target = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _w4a16_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, qweight, qzeros, scales, g_idx if g_idx is not None else qweight, target,
+    tiles = triton.cdiv(n, block_n)
+    target, out, counters = _outputs(x, split, m, n, tiles)
+    _w4a16_gemv_kernel[(tiles, split)](
+        x, qweight, qzeros, scales, g_idx if g_idx is not None else qweight, target, out,
+        bias if bias is not None else target, counters if counters is not None else target,
         m, x.stride(0), target.stride(0),
-        N=n, K=k, GROUP_SIZE=group_size, K_PER_SPLIT=k_per_split,
+        N=n, K=k, GROUP_SIZE=group_size, K_PER_SPLIT=k_per_split, SPLIT_K=split,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_G_IDX=g_idx is not None, num_warps=warps, num_stages=stages,
+        HAS_G_IDX=g_idx is not None, FUSED=counters is not None, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=stages,
     )
-    return _finish(target, split, bias, m, n, x.dtype)
+    return out if counters is not None else _finish(target, split, bias, m, n, x.dtype)

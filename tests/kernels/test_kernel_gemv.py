@@ -96,6 +96,34 @@ def test_w4a16_gemv_matches_reference(m, n, k, group_size, split, block_k, act_o
         _poisoned_check(out, ref, bound)
 
 
+@pytest.mark.parametrize(("m", "split"), [(1, 1), (1, 4), (3, 2), (8, 3)])
+def test_split_k_finished_in_kernel_equals_the_reduce_launch(m, split, device, monkeypatch):
+    """The in-kernel split-K finish (the last program of a tile adds the partials, bias
+    and cast) gives the bits of the separate reduce launch, and leaves every tile counter
+    at zero for the next call (a CUDA graph replays it as is)."""
+    from flowengine.kernels import gemv
+
+    n, k, group = 80, 512, 128
+    qweight, scales, qzeros, _ = _random_int4(n, k, group, False, device)
+    weight = torch.randn(n, k, device=device).to(torch.float16)
+    x = torch.randn(m, k, device=device).to(torch.float16)
+    b = torch.randn(n, device=device).to(torch.float16)
+
+    def both():
+        return (w4a16_gemv(x, qweight, scales, qzeros, None, group, b,
+                           config=(16, 128, split, 4, 2)),
+                dense_gemv(x, weight, b, config=(16, 128, split, 4, 2)))
+
+    monkeypatch.setattr(gemv, "_FUSED_FINISH", False)
+    reference = both()
+    monkeypatch.setattr(gemv, "_FUSED_FINISH", True)
+    for _ in range(2):
+        for got, want in zip(both(), reference):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    counters = gemv._counters[x.device]
+    assert int(counters.count_nonzero()) == 0
+
+
 def test_gemv_rejects_bad_shapes(device):
     x = torch.randn(9, 64, device=device)
     with pytest.raises(ValueError):
