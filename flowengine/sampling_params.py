@@ -128,14 +128,18 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def spec(self) -> str:
         """The constraint as one canonical string: the cache key of its compiled
-        grammar with `kind` (JSON kinds re-serialized with sorted keys, so the same
-        schema written two ways compiles once)."""
+        grammar with `kind` (JSON kinds re-serialized compactly, so the same schema
+        as a dict or as JSON text compiles once).
+
+        NOTE: keys keep their order: a schema's `properties` order is the order in
+        which the backends generate them (e.g. "reasoning" before "answer"), so
+        sorting them would change the output."""
         kind = self.kind
         value = getattr(self, kind)
         if kind in ("json", "structural_tag"):
             if isinstance(value, str):
                 value = _json.loads(value)
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return _json.dumps(value, separators=(",", ":"))
         if kind == "choice":
             return _json.dumps(value, ensure_ascii=False)
         if kind == "json_object":
