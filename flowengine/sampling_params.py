@@ -153,6 +153,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     Fields follow vLLM's `SamplingParams` (same names, same meaning):
 
     - n: number of completions for the prompt (>= 1); they share the prompt's KV blocks.
+      The engine's input processor refuses n over 16384 (vLLM's VLLM_MAX_N_SEQUENCES
+      default, `input_processor.MAX_N_SEQUENCES`).
     - temperature: >= 0; 0 means greedy.
     - top_p: in (0, 1]; top_k: -1/0 (off) or >= 1; min_p: in [0, 1].
     - presence_penalty, frequency_penalty: in [-2, 2], over generated tokens (OpenAI's

@@ -22,6 +22,10 @@ from flowengine.tokenize.chat import apply_chat_template, encode_text
 # which may also carry "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
 PromptType = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
+# The most samples (`n`) one request may fan out into: vLLM's VLLM_MAX_N_SEQUENCES
+# default. SamplingParams takes any int64 n (the rings carry it); past this, building
+# the n child requests alone took minutes and tens of GB before anything ran.
+MAX_N_SEQUENCES = 16384
 # Chat-template options of a conversation request (vLLM's request field names); they
 # travel with the messages as {"messages": [...], "chat_template_kwargs": {...}, ...}.
 CHAT_OPTIONS = (
@@ -198,7 +202,8 @@ class InputProcessor:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> ProcessedPrompt:
-        """Validate one request and fan it out into `params.n` `NewRequest`s.
+        """Validate one request and fan it out into `params.n` `NewRequest`s (ValueError
+        for n over MAX_N_SEQUENCES).
 
         pooling_params: an embedding request (the pooling runner's only kind; then
         `params` is ignored): one prefill-only NewRequest whose result is the pooled
@@ -219,6 +224,9 @@ class InputProcessor:
         if pooling_params is not None or self.pooler_config is not None:
             return self._process_pooling(request_id, prompt, pooling_params, priority,
                                          arrival_time, prompt_token_ids, cache_salt)
+        if params.n > MAX_N_SEQUENCES:
+            raise ValueError(f"n={params.n} exceeds {MAX_N_SEQUENCES}, the most completions "
+                             "one request may ask for; ask for fewer")
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:

@@ -45,3 +45,16 @@ def test_ordinary_requests_still_pass(ip) -> None:
     processed = ip.process("r2", "hello", SamplingParams(max_tokens=2, n=2), priority=3)
     assert [c.request_id for c in processed.children] == ["r2-0", "r2-1"]
     assert {c.priority for c in processed.children} == {3}
+
+
+def test_n_over_the_limit_is_refused_before_any_sample_is_built(ip) -> None:
+    """SamplingParams takes any int64 n; fanning out n=10**7 children took minutes and
+    17 GB before the engine saw a request. Past MAX_N_SEQUENCES (vLLM's
+    VLLM_MAX_N_SEQUENCES default) it is a ValueError naming n."""
+    from flowengine.engine.input_processor import MAX_N_SEQUENCES
+
+    too_many = MAX_N_SEQUENCES + 1
+    with pytest.raises(ValueError, match=f"n={too_many} exceeds {MAX_N_SEQUENCES}"):
+        ip.process("r3", "hello", SamplingParams(max_tokens=2, n=too_many))
+    processed = ip.process("r4", "hi", SamplingParams(max_tokens=1, n=MAX_N_SEQUENCES))
+    assert len(processed.children) == MAX_N_SEQUENCES
