@@ -235,6 +235,7 @@ class InputProcessor:
         self.validate(ids, params)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        self.check_allowed_token_ids(params)
         now = time.monotonic() if arrival_time is None else arrival_time
         children = [
             NewRequest(
@@ -372,6 +373,31 @@ class InputProcessor:
                 raise ValueError(
                     f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
                 )
+
+    def check_allowed_token_ids(self, params: SamplingParams) -> None:
+        """Raise ValueError when allowed_token_ids leaves nothing to sample: every
+        allowed id is a one-token bad word, or, with min_tokens > 0, every remaining one
+        ends the request (EOS, a stop token id), which min_tokens suppresses. Every
+        logit would be -inf, and the sampler would emit token 0, outside the allowed
+        set. (A structured-output grammar that rules out the rest is caught in the
+        engine: the request then finishes with an error.)"""
+        if params.allowed_token_ids is None:
+            return
+        banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        left = set(params.allowed_token_ids) - banned
+        if not left:
+            raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans "
+                             "every one of them; allow more ids or drop those bad words")
+        if params.min_tokens > 0:
+            ends = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                ends.update(t for t in (self.eos_token_id, *self.extra_eos_token_ids)
+                            if t is not None)
+            if not left - ends:
+                raise ValueError(
+                    f"min_tokens={params.min_tokens} suppresses EOS and the stop token ids, "
+                    "but allowed_token_ids allows nothing else (bad_words aside); allow "
+                    "more ids or drop min_tokens")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Params of sample `index`: seeded samples get seed + index so they differ."""

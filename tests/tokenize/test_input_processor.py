@@ -58,3 +58,31 @@ def test_n_over_the_limit_is_refused_before_any_sample_is_built(ip) -> None:
         ip.process("r3", "hello", SamplingParams(max_tokens=2, n=too_many))
     processed = ip.process("r4", "hi", SamplingParams(max_tokens=1, n=MAX_N_SEQUENCES))
     assert len(processed.children) == MAX_N_SEQUENCES
+
+
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(fresh_byte_bpe_tokenizer):
+    """allowed_token_ids=[EOS] with min_tokens=3 (or allowed ids that bad_words all ban)
+    masked every logit, and the sampler emitted token 0, outside the allowed set, with
+    no error. The contradiction is a ValueError before the request runs."""
+    tok = fresh_byte_bpe_tokenizer
+    eos, extra = 5, 6
+    ip = InputProcessor(tok, max_model_len=512, vocab_size=len(tok), eos_token_id=eos,
+                        extra_eos_token_ids=(extra,))
+    word_ids = list(tok.encode("a", add_special_tokens=False))
+    assert len(word_ids) == 1  # a one-token bad word: always banned
+    refused = [
+        SamplingParams(allowed_token_ids=[eos], min_tokens=3),
+        SamplingParams(allowed_token_ids=[eos, extra, 9], stop_token_ids=[9], min_tokens=1),
+        SamplingParams(allowed_token_ids=word_ids, bad_words=["a"]),
+        SamplingParams(allowed_token_ids=word_ids + [eos], bad_words=["a"], min_tokens=1),
+    ]
+    for params in refused:
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            ip.process("r5", "hi", params)
+    accepted = [
+        SamplingParams(allowed_token_ids=[eos], min_tokens=3, ignore_eos=True),
+        SamplingParams(allowed_token_ids=[eos, 9], min_tokens=3),
+        SamplingParams(allowed_token_ids=[eos]),  # may end at once: that is allowed
+    ]
+    for params in accepted:
+        assert ip.process("r6", "hi", params).children
