@@ -217,6 +217,12 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if pooling_params is None and self.pooler_config is None:
+            # NOTE: SamplingParams validates at construction, but its fields can be set
+            # afterwards (sp.n = 0 fanned out no sample: an IndexError, or "ended
+            # without output"; sp.stop = "ab" stopped at "a" or "b"): a copy validates
+            # and normalises them again.
+            params = params.clone()
         check_priority(priority)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")

@@ -86,3 +86,28 @@ def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(fresh_byte_b
     ]
     for params in accepted:
         assert ip.process("r6", "hi", params).children
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("n", 0, "n must be an integer >= 1"),
+    ("temperature", -1.0, "temperature must be >= 0"),
+    ("stop", 5, "stop must be a list of non-empty strings"),
+    ("logprobs", -3, "logprobs must be >= 0"),
+])
+def test_fields_set_after_construction_are_validated_again(ip, field, value, match) -> None:
+    """SamplingParams is a mutable struct: a field set after construction skipped its
+    check; n = 0 fanned out no sample, and the caller got an IndexError (submit) or
+    "1 requests ended without output" (LLM)."""
+    params = SamplingParams(max_tokens=2)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=match):
+        ip.process("r7", "hi", params)
+
+
+def test_a_stop_string_set_after_construction_stays_one_string(ip) -> None:
+    """sp.stop = "ab" (set, not constructed) was read as the stop strings "a" and "b"."""
+    params = SamplingParams(max_tokens=2)
+    params.stop = "ab"
+    processed = ip.process("r8", "hi", params)
+    assert processed.sampling_params.stop == ["ab"]
+    assert [c.sampling_params.stop_strings for c in processed.children] == [["ab"]]
