@@ -128,14 +128,18 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def spec(self) -> str:
         """The constraint as one canonical string: the cache key of its compiled
-        grammar with `kind` (JSON kinds re-serialized with sorted keys, so the same
-        schema written two ways compiles once)."""
+        grammar with `kind` (JSON kinds re-serialized compactly, so the same schema
+        as a dict or as JSON text compiles once).
+
+        NOTE: keys keep their order: a schema's `properties` order is the order in
+        which the backends generate them (e.g. "reasoning" before "answer"), so
+        sorting them would change the output."""
         kind = self.kind
         value = getattr(self, kind)
         if kind in ("json", "structural_tag"):
             if isinstance(value, str):
                 value = _json.loads(value)
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return _json.dumps(value, separators=(",", ":"))
         if kind == "choice":
             return _json.dumps(value, ensure_ascii=False)
         if kind == "json_object":
@@ -149,6 +153,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     Fields follow vLLM's `SamplingParams` (same names, same meaning):
 
     - n: number of completions for the prompt (>= 1); they share the prompt's KV blocks.
+      The engine's input processor refuses n over 16384 (vLLM's VLLM_MAX_N_SEQUENCES
+      default, `input_processor.MAX_N_SEQUENCES`).
     - temperature: >= 0; 0 means greedy.
     - top_p: in (0, 1]; top_k: -1/0 (off) or >= 1; min_p: in [0, 1].
     - presence_penalty, frequency_penalty: in [-2, 2], over generated tokens (OpenAI's

@@ -22,6 +22,10 @@ from flowengine.tokenize.chat import apply_chat_template, encode_text
 # which may also carry "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
 PromptType = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
+# The most samples (`n`) one request may fan out into: vLLM's VLLM_MAX_N_SEQUENCES
+# default. SamplingParams takes any int64 n (the rings carry it); past this, building
+# the n child requests alone took minutes and tens of GB before anything ran.
+MAX_N_SEQUENCES = 16384
 # Chat-template options of a conversation request (vLLM's request field names); they
 # travel with the messages as {"messages": [...], "chat_template_kwargs": {...}, ...}.
 CHAT_OPTIONS = (
@@ -198,7 +202,8 @@ class InputProcessor:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> ProcessedPrompt:
-        """Validate one request and fan it out into `params.n` `NewRequest`s.
+        """Validate one request and fan it out into `params.n` `NewRequest`s (ValueError
+        for n over MAX_N_SEQUENCES).
 
         pooling_params: an embedding request (the pooling runner's only kind; then
         `params` is ignored): one prefill-only NewRequest whose result is the pooled
@@ -212,6 +217,12 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
+        if pooling_params is None and self.pooler_config is None:
+            # NOTE: SamplingParams validates at construction, but its fields can be set
+            # afterwards (sp.n = 0 fanned out no sample: an IndexError, or "ended
+            # without output"; sp.stop = "ab" stopped at "a" or "b"): a copy validates
+            # and normalises them again.
+            params = params.clone()
         check_priority(priority)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
@@ -219,6 +230,9 @@ class InputProcessor:
         if pooling_params is not None or self.pooler_config is not None:
             return self._process_pooling(request_id, prompt, pooling_params, priority,
                                          arrival_time, prompt_token_ids, cache_salt)
+        if params.n > MAX_N_SEQUENCES:
+            raise ValueError(f"n={params.n} exceeds {MAX_N_SEQUENCES}, the most completions "
+                             "one request may ask for; ask for fewer")
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
         else:
@@ -227,6 +241,7 @@ class InputProcessor:
         self.validate(ids, params)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        self.check_allowed_token_ids(params)
         now = time.monotonic() if arrival_time is None else arrival_time
         children = [
             NewRequest(
@@ -364,6 +379,31 @@ class InputProcessor:
                 raise ValueError(
                     f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
                 )
+
+    def check_allowed_token_ids(self, params: SamplingParams) -> None:
+        """Raise ValueError when allowed_token_ids leaves nothing to sample: every
+        allowed id is a one-token bad word, or, with min_tokens > 0, every remaining one
+        ends the request (EOS, a stop token id), which min_tokens suppresses. Every
+        logit would be -inf, and the sampler would emit token 0, outside the allowed
+        set. (A structured-output grammar that rules out the rest is caught in the
+        engine: the request then finishes with an error.)"""
+        if params.allowed_token_ids is None:
+            return
+        banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        left = set(params.allowed_token_ids) - banned
+        if not left:
+            raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans "
+                             "every one of them; allow more ids or drop those bad words")
+        if params.min_tokens > 0:
+            ends = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                ends.update(t for t in (self.eos_token_id, *self.extra_eos_token_ids)
+                            if t is not None)
+            if not left - ends:
+                raise ValueError(
+                    f"min_tokens={params.min_tokens} suppresses EOS and the stop token ids, "
+                    "but allowed_token_ids allows nothing else (bad_words aside); allow "
+                    "more ids or drop min_tokens")
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Params of sample `index`: seeded samples get seed + index so they differ."""

@@ -105,12 +105,7 @@ class LLM:
         and nothing is generated. `priority`, if given, has one entry per prompt
         (ValueError otherwise).
         """
-        if isinstance(prompts, Sequence) and not isinstance(prompts, str) and not prompts:
-            raise ValueError("the prompt is empty: give a prompt, token ids or a list of them")
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt
+        prompts = self._prompt_list(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give "
                              "one per prompt (vLLM's rule)")
@@ -313,6 +308,11 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        """One prompt or a list of them, as a list. Raises TypeError for anything else
+        (None, a number, bytes), ValueError for an empty list."""
+        if not isinstance(prompts, (str, dict, Sequence)) or isinstance(prompts, bytes):
+            raise TypeError("prompts must be a prompt (text, token ids or a dict) or a list "
+                            f"of them, not {type(prompts).__name__}")
         if isinstance(prompts, Sequence) and not isinstance(prompts, str) and not prompts:
             raise ValueError("the prompt is empty: give a prompt, token ids or a list of them")
         if isinstance(prompts, (str, dict)) or (

@@ -17,6 +17,11 @@ from flowengine.sampling_params import SamplingParams
 # that (seed, i) pairs of nearby seeds do not collide for small i.
 _SEED_STRIDE = 1_000_003
 _SEED_MODULUS = 2**63
+# The largest temperature the float32 sampling tensors hold: a larger (finite) one
+# would become inf there, and logits / inf = 0 ties every token, so top-k, top-p and
+# min-p would keep the whole vocabulary. The tempered distribution is uniform over
+# what the filters keep at either value.
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 def step_seed(seed: int, output_index: int) -> int:
@@ -67,7 +72,7 @@ def static_row(params: SamplingParams, vocab_size: int) -> tuple:
     greedy = p.is_greedy
     special = bool(p.bad_words_token_ids or p.allowed_token_ids is not None or p.logit_bias
                    or (not greedy and p.seed is not None) or p.min_tokens > 0)
-    return (vocab_size, greedy, 1.0 if greedy else p.temperature,
+    return (vocab_size, greedy, 1.0 if greedy else min(p.temperature, _MAX_TEMPERATURE),
             vocab_size if greedy or p.top_k <= 0 else min(p.top_k, vocab_size),
             1.0 if greedy else p.top_p, 0.0 if greedy else p.min_p, p.repetition_penalty,
             p.frequency_penalty, p.presence_penalty,

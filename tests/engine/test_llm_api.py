@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowengine import LLM, SamplingParams
+from flowengine.beam_search import BeamSearchParams
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,17 @@ def test_bad_input_is_refused_and_engine_keeps_serving(llm, make, match):
     out = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
     _free(llm)
+
+
+@pytest.mark.parametrize("prompts", [None, 5, 2.5])
+def test_prompts_of_the_wrong_type_are_a_type_error_naming_the_type(llm, prompts):
+    """generate(None) raised "object of type 'NoneType' has no len()" from deep inside;
+    the error names the argument and the type given."""
+    kind = type(prompts).__name__
+    with pytest.raises(TypeError, match=f"prompts must be a prompt .* list of them, not {kind}"):
+        llm.generate(prompts, SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match=f"not {kind}"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=1))
 
 
 def test_over_long_prompt_message_states_both_lengths(llm):

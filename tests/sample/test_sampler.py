@@ -288,3 +288,22 @@ def test_a_batch_of_equal_params_shares_one_static_row(params: SamplingParams) -
                 a, b = getattr(got, field), getattr(want, field)
                 assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), field
     assert all(r.sampling_row is reqs[0].sampling_row for r in reqs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("host_path", [True, False])
+@pytest.mark.parametrize("temperature", [1e30, 3.5e38, 1e300])
+def test_top_k_holds_at_temperatures_beyond_float32(device: str, host_path: bool,
+                                                   temperature: float, monkeypatch) -> None:
+    """A finite temperature above float32's max (SamplingParams accepts any finite one)
+    became inf in the float32 metadata: logits / inf = 0 tied every token, so top-k
+    kept the whole vocabulary. Whatever the temperature, a row samples from its top k
+    (top-p and min-p act on the tempered probabilities, uniform at such temperatures)."""
+    if not host_path:
+        monkeypatch.setattr(Sampler, "_can_race_on_host", staticmethod(lambda logits: False))
+    rows = 48
+    logits = torch.randn(rows, VOCAB).to(device)
+    params = [SamplingParams(temperature=temperature, top_k=2, seed=i) for i in range(rows)]
+    ids = Sampler(seed=3)(logits, [SamplingState(p, [1], []) for p in params]).sampled_token_ids
+    top2 = logits.topk(2, dim=-1).indices
+    assert (ids.unsqueeze(1) == top2).any(dim=1).all(), (ids.tolist(), top2.tolist())

@@ -310,3 +310,22 @@ def test_manager_compiles_once_per_spec_off_the_calling_thread(tokenizer, vocab_
     assert "structured_outputs.regex is invalid" in manager.poll(broken)
     assert not manager.has_matcher("r5") and manager.num_compiling == 0
     manager.shutdown()
+
+
+def test_json_schema_properties_are_generated_in_the_schema_order(backend, tokenizer,
+                                                                  vocab_size):
+    """A schema's properties come out in the order it lists them (vLLM passes the
+    schema as given): "reasoning" before "answer" is how a caller asks the model to
+    think first. The canonical spec once sorted the keys, so "answer" came first."""
+    eos = tokenizer.eos_token_id
+    schema = {"type": "object",
+              "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    for so in (StructuredOutputsParams(json=schema),
+               StructuredOutputsParams(json=json.dumps(schema))):
+        assert list(json.loads(so.spec)["properties"]) == ["reasoning", "answer"]
+        grammar = backend.compile("json", so.spec, OPTS)
+        matcher = grammar.new_matcher([eos])
+        for t in tokenizer.encode('{"reasoning":"2+2=4","answer":4}', add_special_tokens=False):
+            assert matcher.accept_token(t)
+        assert eos in allowed(matcher, vocab_size)

@@ -45,3 +45,69 @@ def test_ordinary_requests_still_pass(ip) -> None:
     processed = ip.process("r2", "hello", SamplingParams(max_tokens=2, n=2), priority=3)
     assert [c.request_id for c in processed.children] == ["r2-0", "r2-1"]
     assert {c.priority for c in processed.children} == {3}
+
+
+def test_n_over_the_limit_is_refused_before_any_sample_is_built(ip) -> None:
+    """SamplingParams takes any int64 n; fanning out n=10**7 children took minutes and
+    17 GB before the engine saw a request. Past MAX_N_SEQUENCES (vLLM's
+    VLLM_MAX_N_SEQUENCES default) it is a ValueError naming n."""
+    from flowengine.engine.input_processor import MAX_N_SEQUENCES
+
+    too_many = MAX_N_SEQUENCES + 1
+    with pytest.raises(ValueError, match=f"n={too_many} exceeds {MAX_N_SEQUENCES}"):
+        ip.process("r3", "hello", SamplingParams(max_tokens=2, n=too_many))
+    processed = ip.process("r4", "hi", SamplingParams(max_tokens=1, n=MAX_N_SEQUENCES))
+    assert len(processed.children) == MAX_N_SEQUENCES
+
+
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(fresh_byte_bpe_tokenizer):
+    """allowed_token_ids=[EOS] with min_tokens=3 (or allowed ids that bad_words all ban)
+    masked every logit, and the sampler emitted token 0, outside the allowed set, with
+    no error. The contradiction is a ValueError before the request runs."""
+    tok = fresh_byte_bpe_tokenizer
+    eos, extra = 5, 6
+    ip = InputProcessor(tok, max_model_len=512, vocab_size=len(tok), eos_token_id=eos,
+                        extra_eos_token_ids=(extra,))
+    word_ids = list(tok.encode("a", add_special_tokens=False))
+    assert len(word_ids) == 1  # a one-token bad word: always banned
+    refused = [
+        SamplingParams(allowed_token_ids=[eos], min_tokens=3),
+        SamplingParams(allowed_token_ids=[eos, extra, 9], stop_token_ids=[9], min_tokens=1),
+        SamplingParams(allowed_token_ids=word_ids, bad_words=["a"]),
+        SamplingParams(allowed_token_ids=word_ids + [eos], bad_words=["a"], min_tokens=1),
+    ]
+    for params in refused:
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            ip.process("r5", "hi", params)
+    accepted = [
+        SamplingParams(allowed_token_ids=[eos], min_tokens=3, ignore_eos=True),
+        SamplingParams(allowed_token_ids=[eos, 9], min_tokens=3),
+        SamplingParams(allowed_token_ids=[eos]),  # may end at once: that is allowed
+    ]
+    for params in accepted:
+        assert ip.process("r6", "hi", params).children
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("n", 0, "n must be an integer >= 1"),
+    ("temperature", -1.0, "temperature must be >= 0"),
+    ("stop", 5, "stop must be a list of non-empty strings"),
+    ("logprobs", -3, "logprobs must be >= 0"),
+])
+def test_fields_set_after_construction_are_validated_again(ip, field, value, match) -> None:
+    """SamplingParams is a mutable struct: a field set after construction skipped its
+    check; n = 0 fanned out no sample, and the caller got an IndexError (submit) or
+    "1 requests ended without output" (LLM)."""
+    params = SamplingParams(max_tokens=2)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=match):
+        ip.process("r7", "hi", params)
+
+
+def test_a_stop_string_set_after_construction_stays_one_string(ip) -> None:
+    """sp.stop = "ab" (set, not constructed) was read as the stop strings "a" and "b"."""
+    params = SamplingParams(max_tokens=2)
+    params.stop = "ab"
+    processed = ip.process("r8", "hi", params)
+    assert processed.sampling_params.stop == ["ab"]
+    assert [c.sampling_params.stop_strings for c in processed.children] == [["ab"]]
