@@ -17,16 +17,18 @@ from flowengine.entrypoints.grpc import generate_pb2 as pb  # noqa: E402
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc  # noqa: E402
 from flowengine.entrypoints.grpc.server import GrpcServer, sampling_params_from  # noqa: E402
 from flowengine.entrypoints.openai.generation import Admission  # noqa: E402
+from flowengine.entrypoints.openai.sampling import RequestLimits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from openai_fake_engine import FakeEngine  # noqa: E402
 
 
-def _run(scenario, **engine_kwargs):
+def _run(scenario, limits=None, **engine_kwargs):
     async def main():
         engine = FakeEngine(**engine_kwargs)
         admission = Admission(max_queue_len=1)
-        server = GrpcServer(engine, ("fake-model",), admission, health_interval_s=0.05)
+        server = GrpcServer(engine, ("fake-model",), admission, health_interval_s=0.05,
+                            limits=limits)
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -75,6 +77,23 @@ def test_admission_is_shared_with_http():
         assert admission.num_pending == 0
 
     _run(scenario)
+
+
+def test_max_request_tokens_is_checked_as_on_http():
+    """--max-request-tokens holds for gRPC calls too (it did not: a call could ask for
+    more tokens than the server lets an HTTP request ask for)."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        for request in (_request(max_tokens=9), _request()):  # unset: 16
+            for call in (stub.Generate, lambda r: stub.GenerateStream(r).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(request)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "over this server's limit of 8 (--max-request-tokens)" in err.value.details()
+        assert (await stub.Generate(_request(max_tokens=8))).text == "abcabcab"
+        assert not engine.running and admission.num_pending == 0
+
+    _run(scenario, limits=RequestLimits(max_request_tokens=8))
 
 
 def test_cancelling_a_call_aborts_its_engine_request():

@@ -28,6 +28,7 @@ from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
 from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import Admission
+from flowengine.entrypoints.openai.sampling import RequestLimits, check_limits
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -91,13 +92,16 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         model_names: names a request's `model` may use; the first is the default.
         admission: the HTTP server's queue limit, shared (requests waiting for their
             first output, both front doors together).
+        limits: the HTTP server's per-request limits (`--max-request-tokens`), checked
+            as the HTTP routes check them.
     """
 
     def __init__(self, engine: EngineClient, model_names: tuple[str, ...],
-                 admission: Admission) -> None:
+                 admission: Admission, limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.admission = admission
+        self.limits = limits or RequestLimits()
         self.draining = False
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
@@ -162,6 +166,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
         if params.n != 1:
             raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, "n must be 1")
+        try:
+            check_limits(self.limits, params, 1, self.engine.max_model_len)
+        except APIError as err:
+            raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, err.message) from err
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             self.admission.enter()
@@ -199,15 +207,16 @@ class GrpcServer:
     """`flowengine.v1.Generate` + `grpc.health.v1.Health` on `host:port`.
 
     Args:
-        engine, model_names, admission: as GenerateServicer.
+        engine, model_names, admission, limits: as GenerateServicer.
         host, port: where to listen (port 0: a free port; `port` holds it after start).
         health_interval_s: how often the health status is refreshed from the engine.
     """
 
     def __init__(self, engine: EngineClient, model_names: tuple[str, ...], admission: Admission,
-                 host: str = "127.0.0.1", port: int = 0, health_interval_s: float = 1.0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, health_interval_s: float = 1.0,
+                 limits: RequestLimits | None = None) -> None:
         self.engine = engine
-        self.servicer = GenerateServicer(engine, model_names, admission)
+        self.servicer = GenerateServicer(engine, model_names, admission, limits)
         self.health = health.aio.HealthServicer()
         self.host = host
         self.port = port

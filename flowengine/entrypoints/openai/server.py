@@ -252,7 +252,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="also serve gRPC (service flowengine.v1.Generate, proto/flowengine/v1/"
         "generate.proto, and grpc.health.v1) on this port of --host, on the same engine "
-        "and queue limit as HTTP (needs the 'grpc' extra: pip install flowengine[grpc])",
+        "and limits as HTTP (needs the 'grpc' extra: pip install flowengine[grpc])",
     )
     return p
 
@@ -556,9 +556,11 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
             if options.grpc_port is not None and not engine_died:
                 from flowengine.entrypoints.grpc.server import GrpcServer
 
-                # Same engine, same queue limit: one admission for both front doors.
+                # Same engine, same queue and request limits: one admission for both
+                # front doors.
                 grpc_server = GrpcServer(engine, names, server.context.admission,
-                                         host=options.host, port=options.grpc_port)
+                                         host=options.host, port=options.grpc_port,
+                                         limits=server.context.limits)
                 try:
                     await grpc_server.start()
                 except OSError as err:
