@@ -144,6 +144,37 @@ def test_required_schema_merges_defs():
     assert info.value.param == "tools[1].function.parameters"
 
 
+def test_required_schema_keeps_local_refs():
+    """Refs other than `#/$defs/` (draft-07's `definitions`, a property, the root) still
+    resolve once the parameters sit inside the required array's schema (they pointed
+    to its root: a valid tool was a 400, "Cannot find field 'definitions'")."""
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object",
+        "properties": {"loc": {"$ref": "#/definitions/Loc"}, "size": {"type": "integer"},
+                       "copy": {"$ref": "#/properties/size"}, "child": {"$ref": "#"},
+                       "tag": {"enum": [{"$ref": "#/data"}]}},
+        "required": ["loc"],
+        "definitions": {"Loc": {"type": "string", "enum": ["Paris", "Oslo"]}}}}}
+    schema = tool_choice_schema(_resolve(tools=[WEATHER, tree], tool_choice="required"))
+    parameters = schema["items"]["anyOf"][1]["properties"]["parameters"]
+    base = "#/items/anyOf/1/properties/parameters"
+    assert parameters["properties"]["loc"] == {"$ref": base + "/definitions/Loc"}
+    assert parameters["properties"]["child"] == {"$ref": base}
+    assert parameters["properties"]["tag"] == {"enum": [{"$ref": "#/data"}]}  # data, kept
+    assert tree["function"]["parameters"]["properties"]["child"] == {"$ref": "#"}
+    ok = [{"name": "tree", "parameters": {"loc": "Oslo", "copy": 2,
+                                          "child": {"loc": "Paris"}}}]  # fmt: skip
+    jsonschema.validate(ok, schema)
+    for bad in ({"loc": "Rome"}, {"loc": "Oslo", "copy": "2"}, {"loc": "Oslo", "child": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "tree", "parameters": bad}], schema)
+    from flowengine.sampling_params import StructuredOutputsParams
+    from flowengine.structured_outputs.validate import validate_structured_outputs
+
+    for backend in ("xgrammar", "guidance"):  # both compile it
+        validate_structured_outputs(StructuredOutputsParams(json=schema), backend)
+
+
 def test_hermes_template_renders_tools_calls_and_results(tokenizer):
     from flowengine.tokenize.chat import apply_chat_template, load_chat_template
 
