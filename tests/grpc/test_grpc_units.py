@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from openai_fake_engine import FakeEngine  # noqa: E402
 
 
-def _run(scenario, limits=None, **engine_kwargs):
+def _run(scenario, limits=None, health_interval_s=0.05, **engine_kwargs):
     async def main():
         engine = FakeEngine(**engine_kwargs)
         admission = Admission(max_queue_len=1)
-        server = GrpcServer(engine, ("fake-model",), admission, health_interval_s=0.05,
-                            limits=limits)
+        server = GrpcServer(engine, ("fake-model",), admission,
+                            health_interval_s=health_interval_s, limits=limits)
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -140,6 +140,32 @@ def test_dead_engine_and_draining_server():
         assert "shutting down" in err.value.details()
 
     _run(scenario)
+
+
+def test_start_draining_refuses_new_calls_and_running_ones_finish():
+    """When the HTTP server starts its drain (SIGTERM), gRPC refuses new calls and
+    reports NOT_SERVING at once, while running calls finish (it went on admitting calls
+    and reporting SERVING until the HTTP drain had ended)."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        running = stub.GenerateStream(_request("abc", max_tokens=30))
+        first = await running.read()
+        server.start_draining()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(_request(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for service in ("", "flowengine.v1.Generate"):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        texts = [first.text]
+        while (chunk := await running.read()) is not grpc.aio.EOF:
+            texts.append(chunk.text)
+            finish_reason = chunk.finish_reason
+        assert "".join(texts) == "abc" * 10 and finish_reason == "length"
+
+    # A refresh interval longer than the test: NOT_SERVING comes from start_draining.
+    _run(scenario, health_interval_s=60.0, step_s=0.005)
 
 
 def test_sampling_params_mapping():

@@ -223,6 +223,7 @@ class GrpcServer:
         self.health_interval_s = health_interval_s
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._draining_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         """Listen and serve; returns the port. Raises OSError if it cannot bind."""
@@ -261,10 +262,21 @@ class GrpcServer:
             await asyncio.sleep(self.health_interval_s)
             await self._refresh_health()
 
+    def start_draining(self) -> None:
+        """Refuse new calls (UNAVAILABLE) and report NOT_SERVING from now on, as the HTTP
+        server does while it drains; running calls go on until `stop`. Call on the
+        server's loop."""
+        self.servicer.draining = True
+        if self._server is not None and self._draining_task is None:
+            # Now, not at the health watcher's next refresh.
+            self._draining_task = asyncio.get_running_loop().create_task(self._refresh_health())
+
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """Refuse new calls, let running ones finish for up to `grace_s`, then cancel
         the rest (their engine requests are aborted)."""
         self.servicer.draining = True
+        if self._draining_task is not None:
+            await self._draining_task
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

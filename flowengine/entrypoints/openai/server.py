@@ -552,7 +552,6 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
                     logger.error("%s", err)
                     return 1
                 api_servers = procs
-                server.on_begin_shutdown = api_servers.terminate
             if options.grpc_port is not None and not engine_died:
                 from flowengine.entrypoints.grpc.server import GrpcServer
 
@@ -566,6 +565,16 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
                 except OSError as err:
                     logger.error("%s", err)
                     return 1
+
+            def begin_shutdown() -> None:
+                # The other front doors drain with this one: the other API server
+                # processes (SIGTERM), gRPC refusing new calls.
+                if api_servers is not None:
+                    api_servers.terminate()
+                if grpc_server is not None:
+                    grpc_server.start_draining()
+
+            server.on_begin_shutdown = begin_shutdown
             if not engine_died:
                 await server.serve(sock, install_signal_handlers=True)
         finally:
