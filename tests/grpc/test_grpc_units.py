@@ -168,6 +168,29 @@ def test_start_draining_refuses_new_calls_and_running_ones_finish():
     _run(scenario, health_interval_s=60.0, step_s=0.005)
 
 
+def test_engine_failure_is_internal_and_its_cause_stays_in_the_log(caplog):
+    """An exception of the server's own mid-call is INTERNAL with HTTP's 500 message,
+    logged with its traceback (it was UNKNOWN with the exception's text sent to the
+    client)."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        engine.fail_after_tokens = 2
+        async def read_all(request):
+            return [c async for c in stub.GenerateStream(request)]
+
+        for call in (stub.Generate, read_all):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(_request(max_tokens=5))
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert err.value.details() == "internal server error; see the server log"
+        engine.fail_after_tokens = None
+        assert (await stub.Generate(_request(max_tokens=2))).text == "ab"
+        assert not engine.running and admission.num_pending == 0
+
+    _run(scenario)
+    assert "fake engine failure" in caplog.text
+
+
 def test_sampling_params_mapping():
     msg = pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=7, stop=["\n"],
                             stop_token_ids=[2], seed=3, ignore_eos=True)

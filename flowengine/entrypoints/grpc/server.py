@@ -27,7 +27,7 @@ from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOver
 from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
 from flowengine.entrypoints.openai.errors import APIError
-from flowengine.entrypoints.openai.generation import Admission
+from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.sampling import RequestLimits, check_limits
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
@@ -197,6 +197,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         except EngineDeadError as err:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE,
                             f"the engine is not running: {err}") from err
+        except GrpcError:
+            raise
+        except Exception as err:  # a failure of the server's own: logged, never sent
+            raise GrpcError(grpc.StatusCode.INTERNAL, engine_error(err).message) from err
         finally:
             if pending:
                 self.admission.leave()
