@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from openai_fake_engine import FakeEngine  # noqa: E402
 
 
-def _run(scenario, limits=None, health_interval_s=0.05, **engine_kwargs):
+def _run(scenario, limits=None, health_interval_s=0.05, api_key=None, **engine_kwargs):
     async def main():
         engine = FakeEngine(**engine_kwargs)
         admission = Admission(max_queue_len=1)
         server = GrpcServer(engine, ("fake-model",), admission,
-                            health_interval_s=health_interval_s, limits=limits)
+                            health_interval_s=health_interval_s, limits=limits,
+                            api_key=api_key)
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -189,6 +190,31 @@ def test_engine_failure_is_internal_and_its_cause_stays_in_the_log(caplog):
 
     _run(scenario)
     assert "fake engine failure" in caplog.text
+
+
+def test_api_key_is_required_as_on_http():
+    """With --api-key, a call needs the metadata `authorization: Bearer <key>` (gRPC
+    served anyone: the key that guards HTTP did not guard this door); health needs none."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sekrit"),),
+                         (("x-api-key", "sekrit"),)):
+            for call in (stub.Generate, lambda r, **kw: stub.GenerateStream(r, **kw).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(_request(max_tokens=2), metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "authorization: Bearer <key>" in err.value.details()
+        assert not engine.submitted
+        ok = (("authorization", "Bearer sekrit"),)
+        assert (await stub.Generate(_request(max_tokens=2), metadata=ok)).text == "ab"
+        chunks = [c async for c in stub.GenerateStream(_request(max_tokens=2), metadata=ok)]
+        assert "".join(c.text for c in chunks) == "ab"
+        health = health_pb2_grpc.HealthStub(channel)
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        assert admission.num_pending == 0
+
+    _run(scenario, api_key="sekrit")
 
 
 def test_sampling_params_mapping():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 import uuid
@@ -94,14 +95,18 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             first output, both front doors together).
         limits: the HTTP server's per-request limits (`--max-request-tokens`), checked
             as the HTTP routes check them.
+        api_key: the HTTP server's `--api-key`: if set, calls must carry the metadata
+            `authorization: Bearer <key>` (HTTP's header), else UNAUTHENTICATED.
     """
 
     def __init__(self, engine: EngineClient, model_names: tuple[str, ...],
-                 admission: Admission, limits: RequestLimits | None = None) -> None:
+                 admission: Admission, limits: RequestLimits | None = None,
+                 api_key: str | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.admission = admission
         self.limits = limits or RequestLimits()
+        self.api_key = api_key
         self.draining = False
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
@@ -110,6 +115,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         token_ids: list[int] = []
         last = None
         try:
+            self._check_api_key(context)
             async for req_id, out in self._outputs(request):
                 rid = req_id
                 completion = out.outputs[0]
@@ -130,6 +136,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                              ) -> AsyncIterator[pb.GenerateResponse]:
         num_generated = 0
         try:
+            self._check_api_key(context)
             async for rid, out in self._outputs(request):
                 completion = out.outputs[0]
                 num_generated += len(completion.token_ids)
@@ -142,6 +149,20 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 yield resp
         except GrpcError as err:
             await context.abort(err.code, err.message)
+
+    def _check_api_key(self, context: Any) -> None:
+        """Raise GrpcError(UNAUTHENTICATED) unless the call carries the server's key as
+        the metadata `authorization: Bearer <key>` (compared in constant time)."""
+        if self.api_key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              self.api_key.encode()):
+            return
+        raise GrpcError(grpc.StatusCode.UNAUTHENTICATED,
+                        "invalid or missing API key; send the metadata "
+                        "'authorization: Bearer <key>'")
 
     async def _outputs(self, request: pb.GenerateRequest) -> AsyncIterator[tuple[str, Any]]:
         """(request id, RequestOutput delta) of the request until it finishes. Raises
@@ -211,16 +232,16 @@ class GrpcServer:
     """`flowengine.v1.Generate` + `grpc.health.v1.Health` on `host:port`.
 
     Args:
-        engine, model_names, admission, limits: as GenerateServicer.
+        engine, model_names, admission, limits, api_key: as GenerateServicer.
         host, port: where to listen (port 0: a free port; `port` holds it after start).
         health_interval_s: how often the health status is refreshed from the engine.
     """
 
     def __init__(self, engine: EngineClient, model_names: tuple[str, ...], admission: Admission,
                  host: str = "127.0.0.1", port: int = 0, health_interval_s: float = 1.0,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, api_key: str | None = None) -> None:
         self.engine = engine
-        self.servicer = GenerateServicer(engine, model_names, admission, limits)
+        self.servicer = GenerateServicer(engine, model_names, admission, limits, api_key)
         self.health = health.aio.HealthServicer()
         self.host = host
         self.port = port

@@ -119,7 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes "
+        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes and gRPC calls "
         f"(default: ${API_KEY_ENVS[0]} or ${API_KEY_ENVS[1]}; prefer the environment, "
         "command lines are visible to other users)",
     )
@@ -555,11 +555,12 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
             if options.grpc_port is not None and not engine_died:
                 from flowengine.entrypoints.grpc.server import GrpcServer
 
-                # Same engine, same queue and request limits: one admission for both
-                # front doors.
+                # Same engine, same queue and request limits (one admission for both
+                # front doors), same API key.
                 grpc_server = GrpcServer(engine, names, server.context.admission,
                                          host=options.host, port=options.grpc_port,
-                                         limits=server.context.limits)
+                                         limits=server.context.limits,
+                                         api_key=options.app.api_key)
                 try:
                     await grpc_server.start()
                 except OSError as err:
