@@ -5,13 +5,16 @@ OpenAI's rules: a function name is 1 to 64 letters, digits, underscores or dashe
 unique in the request; `parameters` is a JSON Schema of an object, valid against the
 JSON Schema meta-schema of its `$schema` dialect (Draft 2020-12 by default).
 
-Pure Python (jsonschema only): no server imports, no torch.
+Pure Python (jsonschema, orjson): no server imports, no torch.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_NAME_LEN = 64
@@ -52,20 +55,47 @@ def check_parameters(index: int, name: str, parameters: Any) -> None:
         raise ToolError(
             f"Invalid schema for function {name!r}: schema must be a JSON Schema of "
             f"'type: \"object\"', got 'type: {kind!r}'", field)
-    from jsonschema import exceptions, validators
-
     dialect = parameters.get("$schema")
     if dialect is not None and not isinstance(dialect, str):
         raise ToolError(
             f"the parameters of function {name!r} are not a valid JSON Schema: $schema "
             "must be a URI string", field)
+    try:
+        text = orjson.dumps(parameters)
+    except orjson.JSONEncodeError:  # not JSON data (offline tools), or nested too deeply
+        problem = _schema_problem(parameters)
+    else:
+        problem = _cached_schema_problem(text)
+    if problem == _TOO_DEEP:
+        raise ToolError(f"the parameters of function {name!r} nest too deeply", field)
+    if problem is not None:
+        raise ToolError(
+            f"the parameters of function {name!r} are not a valid JSON Schema: {problem}",
+            field)
+
+
+_TOO_DEEP = "nests too deeply"
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_schema_problem(text: bytes) -> str | None:
+    """`_schema_problem` of a schema given as its JSON text, remembered: the meta-schema
+    check costs milliseconds a tool on the event loop, agents send the same tools every
+    turn, and a server request checks them twice (its route, then the chat template)."""
+    return _schema_problem(orjson.loads(text))
+
+
+def _schema_problem(parameters: Mapping[str, Any]) -> str | None:
+    """Why `parameters` breaks the meta-schema of its `$schema` dialect (Draft 2020-12 by
+    default), or None if it does not."""
+    from jsonschema import exceptions, validators
+
     cls = validators.validator_for(parameters, default=validators.Draft202012Validator)
     try:
         cls.check_schema(parameters)
     except RecursionError:
-        raise ToolError(f"the parameters of function {name!r} nest too deeply", field) from None
+        return _TOO_DEEP
     except exceptions.SchemaError as err:
         where = "/".join(str(p) for p in err.path)
-        raise ToolError(
-            f"the parameters of function {name!r} are not a valid JSON Schema: "
-            f"{err.message}" + (f" (at {where})" if where else ""), field) from None
+        return err.message + (f" (at {where})" if where else "")
+    return None

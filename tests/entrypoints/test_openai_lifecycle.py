@@ -141,3 +141,48 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr == "" and result.stdout == ""  # no unknown keys, no warnings
+
+
+def test_sigterm_drains_grpc_with_http(tmp_path, notify_socket):
+    """With --grpc-port, the drain that SIGTERM starts covers gRPC too: new calls get
+    UNAVAILABLE and health NOT_SERVING while HTTP drains (gRPC went on admitting calls
+    and reporting SERVING until the HTTP drain had ended)."""
+    grpc = pytest.importorskip("grpc")
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from flowengine.entrypoints.grpc import generate_pb2 as pb
+    from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        grpc_port = probe.getsockname()[1]
+    name, sock = notify_socket
+    proc = spawn_server(tmp_path, name, "make_engine", "--grpc-port", str(grpc_port))
+    try:
+        assert sock.recv(4096) == b"STATUS=loading the model"
+        base_url = f"http://127.0.0.1:{sock.recv(4096).decode().rsplit(':', 1)[1]}"
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb_grpc.GenerateStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        request = pb.GenerateRequest(text="ab", sampling_params=pb.SamplingParams(
+            temperature=0.0, max_tokens=2))
+        assert stub.Generate(request, timeout=30).text == "ab"
+        started = threading.Semaphore(0)
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(stream_completion, base_url, started)
+            assert started.acquire(timeout=30)
+            proc.send_signal(signal.SIGTERM)
+            assert sock.recv(4096) == b"STOPPING=1\nSTATUS=draining in-flight requests"
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(request, timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            check = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert future.result(timeout=60) == ("abcdef" * 10, "length")
+        channel.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in (tmp_path / "server.log").read_text()

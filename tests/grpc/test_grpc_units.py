@@ -17,16 +17,19 @@ from flowengine.entrypoints.grpc import generate_pb2 as pb  # noqa: E402
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc  # noqa: E402
 from flowengine.entrypoints.grpc.server import GrpcServer, sampling_params_from  # noqa: E402
 from flowengine.entrypoints.openai.generation import Admission  # noqa: E402
+from flowengine.entrypoints.openai.sampling import RequestLimits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from openai_fake_engine import FakeEngine  # noqa: E402
 
 
-def _run(scenario, **engine_kwargs):
+def _run(scenario, limits=None, health_interval_s=0.05, api_key=None, **engine_kwargs):
     async def main():
         engine = FakeEngine(**engine_kwargs)
         admission = Admission(max_queue_len=1)
-        server = GrpcServer(engine, ("fake-model",), admission, health_interval_s=0.05)
+        server = GrpcServer(engine, ("fake-model",), admission,
+                            health_interval_s=health_interval_s, limits=limits,
+                            api_key=api_key)
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -77,6 +80,23 @@ def test_admission_is_shared_with_http():
     _run(scenario)
 
 
+def test_max_request_tokens_is_checked_as_on_http():
+    """--max-request-tokens holds for gRPC calls too (it did not: a call could ask for
+    more tokens than the server lets an HTTP request ask for)."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        for request in (_request(max_tokens=9), _request()):  # unset: 16
+            for call in (stub.Generate, lambda r: stub.GenerateStream(r).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(request)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "over this server's limit of 8 (--max-request-tokens)" in err.value.details()
+        assert (await stub.Generate(_request(max_tokens=8))).text == "abcabcab"
+        assert not engine.running and admission.num_pending == 0
+
+    _run(scenario, limits=RequestLimits(max_request_tokens=8))
+
+
 def test_cancelling_a_call_aborts_its_engine_request():
     async def scenario(engine, admission, server, channel):
         stub = pb_grpc.GenerateStub(channel)
@@ -121,6 +141,80 @@ def test_dead_engine_and_draining_server():
         assert "shutting down" in err.value.details()
 
     _run(scenario)
+
+
+def test_start_draining_refuses_new_calls_and_running_ones_finish():
+    """When the HTTP server starts its drain (SIGTERM), gRPC refuses new calls and
+    reports NOT_SERVING at once, while running calls finish (it went on admitting calls
+    and reporting SERVING until the HTTP drain had ended)."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        running = stub.GenerateStream(_request("abc", max_tokens=30))
+        first = await running.read()
+        server.start_draining()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(_request(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for service in ("", "flowengine.v1.Generate"):
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        texts = [first.text]
+        while (chunk := await running.read()) is not grpc.aio.EOF:
+            texts.append(chunk.text)
+            finish_reason = chunk.finish_reason
+        assert "".join(texts) == "abc" * 10 and finish_reason == "length"
+
+    # A refresh interval longer than the test: NOT_SERVING comes from start_draining.
+    _run(scenario, health_interval_s=60.0, step_s=0.005)
+
+
+def test_engine_failure_is_internal_and_its_cause_stays_in_the_log(caplog):
+    """An exception of the server's own mid-call is INTERNAL with HTTP's 500 message,
+    logged with its traceback (it was UNKNOWN with the exception's text sent to the
+    client)."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        engine.fail_after_tokens = 2
+        async def read_all(request):
+            return [c async for c in stub.GenerateStream(request)]
+
+        for call in (stub.Generate, read_all):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(_request(max_tokens=5))
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert err.value.details() == "internal server error; see the server log"
+        engine.fail_after_tokens = None
+        assert (await stub.Generate(_request(max_tokens=2))).text == "ab"
+        assert not engine.running and admission.num_pending == 0
+
+    _run(scenario)
+    assert "fake engine failure" in caplog.text
+
+
+def test_api_key_is_required_as_on_http():
+    """With --api-key, a call needs the metadata `authorization: Bearer <key>` (gRPC
+    served anyone: the key that guards HTTP did not guard this door); health needs none."""
+    async def scenario(engine, admission, server, channel):
+        stub = pb_grpc.GenerateStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sekrit"),),
+                         (("x-api-key", "sekrit"),)):
+            for call in (stub.Generate, lambda r, **kw: stub.GenerateStream(r, **kw).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(_request(max_tokens=2), metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "authorization: Bearer <key>" in err.value.details()
+        assert not engine.submitted
+        ok = (("authorization", "Bearer sekrit"),)
+        assert (await stub.Generate(_request(max_tokens=2), metadata=ok)).text == "ab"
+        chunks = [c async for c in stub.GenerateStream(_request(max_tokens=2), metadata=ok)]
+        assert "".join(c.text for c in chunks) == "ab"
+        health = health_pb2_grpc.HealthStub(channel)
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        assert admission.num_pending == 0
+
+    _run(scenario, api_key="sekrit")
 
 
 def test_sampling_params_mapping():

@@ -10,8 +10,9 @@ import msgspec
 import pytest
 
 from flowengine.entrypoints.openai.errors import APIError
-from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
+from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionTool
 from flowengine.entrypoints.openai.tool_parsers.request import (
+    check_tools,
     resolve_tool_choice,
     tool_choice_schema,
 )
@@ -142,6 +143,64 @@ def test_required_schema_merges_defs():
     with pytest.raises(APIError, match="'Point'") as info:
         tool_choice_schema(choice)
     assert info.value.param == "tools[1].function.parameters"
+
+
+def test_required_schema_keeps_local_refs():
+    """Refs other than `#/$defs/` (draft-07's `definitions`, a property, the root) still
+    resolve once the parameters sit inside the required array's schema (they pointed
+    to its root: a valid tool was a 400, "Cannot find field 'definitions'")."""
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object",
+        "properties": {"loc": {"$ref": "#/definitions/Loc"}, "size": {"type": "integer"},
+                       "copy": {"$ref": "#/properties/size"}, "child": {"$ref": "#"},
+                       "tag": {"enum": [{"$ref": "#/data"}]}},
+        "required": ["loc"],
+        "definitions": {"Loc": {"type": "string", "enum": ["Paris", "Oslo"]}}}}}
+    schema = tool_choice_schema(_resolve(tools=[WEATHER, tree], tool_choice="required"))
+    parameters = schema["items"]["anyOf"][1]["properties"]["parameters"]
+    base = "#/items/anyOf/1/properties/parameters"
+    assert parameters["properties"]["loc"] == {"$ref": base + "/definitions/Loc"}
+    assert parameters["properties"]["child"] == {"$ref": base}
+    assert parameters["properties"]["tag"] == {"enum": [{"$ref": "#/data"}]}  # data, kept
+    assert tree["function"]["parameters"]["properties"]["child"] == {"$ref": "#"}
+    ok = [{"name": "tree", "parameters": {"loc": "Oslo", "copy": 2,
+                                          "child": {"loc": "Paris"}}}]  # fmt: skip
+    jsonschema.validate(ok, schema)
+    for bad in ({"loc": "Rome"}, {"loc": "Oslo", "copy": "2"}, {"loc": "Oslo", "child": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "tree", "parameters": bad}], schema)
+    from flowengine.sampling_params import StructuredOutputsParams
+    from flowengine.structured_outputs.validate import validate_structured_outputs
+
+    for backend in ("xgrammar", "guidance"):  # both compile it
+        validate_structured_outputs(StructuredOutputsParams(json=schema), backend)
+
+
+def test_meta_schema_check_runs_once_per_distinct_schema(monkeypatch):
+    """The meta-schema check (milliseconds a tool, on the server's event loop) is
+    remembered by the schema's JSON text: a request's tools are checked by its route and
+    again by the chat template, and agents send the same tools every turn (a request
+    with a few hundred tools held every other client up for seconds)."""
+    from flowengine.tokenize import tool_check
+
+    checked = []
+    real = tool_check._schema_problem
+    monkeypatch.setattr(tool_check, "_schema_problem",
+                        lambda schema: checked.append(schema) or real(schema))
+    tool_check._cached_schema_problem.cache_clear()
+    renamed = {"type": "function", "function": {**WEATHER["function"], "name": "other"}}
+    tz = {"type": "function", "function": {"name": "tz", "parameters": {"type": "object"}}}
+    tools = msgspec.convert([WEATHER, tz, renamed, TIME], list[ChatCompletionTool])
+    for _ in range(3):
+        assert len(check_tools(tools)) == 4
+    assert checked == [WEATHER["function"]["parameters"], tz["function"]["parameters"]]
+    bad = msgspec.convert([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], list[ChatCompletionTool])
+    for _ in range(2):  # a remembered problem is the same 400
+        with pytest.raises(APIError, match="not a valid JSON Schema: 'nonsense'") as info:
+            check_tools(bad)
+        assert info.value.param == "tools[0].function.parameters"
+    assert len(checked) == 3
 
 
 def test_hermes_template_renders_tools_calls_and_results(tokenizer):

@@ -318,3 +318,31 @@ def test_auto_without_the_flag_is_vllms_400(servers):
             "messages": [{"role": "user", "content": "think"}]})
         assert resp.json()["choices"][0]["message"] == {
             "role": "assistant", "content": SCRIPTS["think"]}
+
+
+def test_tokenize_renders_tools_as_chat_does(tokenizer):
+    """/tokenize with `messages` and `tools` (vLLM's field) counts the tools the chat
+    template renders, and checks them as the chat route does (the tools were ignored:
+    the count was that of a request without them)."""
+    from pathlib import Path
+
+    from flowengine.tokenize.chat import apply_chat_template, load_chat_template
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    template = load_chat_template(str(examples / "templates/tool_chat_template_hermes.jinja"))
+    engine = ScriptedEngine(SCRIPTS)
+    engine.tokenizer, engine.chat_template = tokenizer, template  # a real template step
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=30) as http:
+        resp = http.post("/tokenize", json={"messages": messages, "tools": [WEATHER, TIME]})
+        assert resp.status_code == 200, resp.text
+        plain = apply_chat_template(tokenizer, messages, chat_template=template)
+        ids = apply_chat_template(tokenizer, messages, chat_template=template,
+                                  tools=[WEATHER, TIME])
+        assert resp.json()["tokens"] == ids and ids != plain
+        bad = {**WEATHER, "function": {**WEATHER["function"], "name": "a b"}}
+        resp = http.post("/tokenize", json={"messages": messages, "tools": [TIME, bad]})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "tools[1].function.name"
+        resp = http.post("/tokenize", json={"messages": messages, "tools": []})
+        assert resp.json()["tokens"] == plain

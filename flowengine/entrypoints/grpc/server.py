@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 import uuid
@@ -27,7 +28,8 @@ from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOver
 from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
 from flowengine.entrypoints.openai.errors import APIError
-from flowengine.entrypoints.openai.generation import Admission
+from flowengine.entrypoints.openai.generation import Admission, engine_error
+from flowengine.entrypoints.openai.sampling import RequestLimits, check_limits
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -91,13 +93,20 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         model_names: names a request's `model` may use; the first is the default.
         admission: the HTTP server's queue limit, shared (requests waiting for their
             first output, both front doors together).
+        limits: the HTTP server's per-request limits (`--max-request-tokens`), checked
+            as the HTTP routes check them.
+        api_key: the HTTP server's `--api-key`: if set, calls must carry the metadata
+            `authorization: Bearer <key>` (HTTP's header), else UNAUTHENTICATED.
     """
 
     def __init__(self, engine: EngineClient, model_names: tuple[str, ...],
-                 admission: Admission) -> None:
+                 admission: Admission, limits: RequestLimits | None = None,
+                 api_key: str | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.admission = admission
+        self.limits = limits or RequestLimits()
+        self.api_key = api_key
         self.draining = False
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
@@ -106,6 +115,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         token_ids: list[int] = []
         last = None
         try:
+            self._check_api_key(context)
             async for req_id, out in self._outputs(request):
                 rid = req_id
                 completion = out.outputs[0]
@@ -126,6 +136,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                              ) -> AsyncIterator[pb.GenerateResponse]:
         num_generated = 0
         try:
+            self._check_api_key(context)
             async for rid, out in self._outputs(request):
                 completion = out.outputs[0]
                 num_generated += len(completion.token_ids)
@@ -138,6 +149,20 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                 yield resp
         except GrpcError as err:
             await context.abort(err.code, err.message)
+
+    def _check_api_key(self, context: Any) -> None:
+        """Raise GrpcError(UNAUTHENTICATED) unless the call carries the server's key as
+        the metadata `authorization: Bearer <key>` (compared in constant time)."""
+        if self.api_key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              self.api_key.encode()):
+            return
+        raise GrpcError(grpc.StatusCode.UNAUTHENTICATED,
+                        "invalid or missing API key; send the metadata "
+                        "'authorization: Bearer <key>'")
 
     async def _outputs(self, request: pb.GenerateRequest) -> AsyncIterator[tuple[str, Any]]:
         """(request id, RequestOutput delta) of the request until it finishes. Raises
@@ -162,6 +187,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
             raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
         if params.n != 1:
             raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, "n must be 1")
+        try:
+            check_limits(self.limits, params, 1, self.engine.max_model_len)
+        except APIError as err:
+            raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, err.message) from err
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             self.admission.enter()
@@ -189,6 +218,10 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         except EngineDeadError as err:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE,
                             f"the engine is not running: {err}") from err
+        except GrpcError:
+            raise
+        except Exception as err:  # a failure of the server's own: logged, never sent
+            raise GrpcError(grpc.StatusCode.INTERNAL, engine_error(err).message) from err
         finally:
             if pending:
                 self.admission.leave()
@@ -199,21 +232,23 @@ class GrpcServer:
     """`flowengine.v1.Generate` + `grpc.health.v1.Health` on `host:port`.
 
     Args:
-        engine, model_names, admission: as GenerateServicer.
+        engine, model_names, admission, limits, api_key: as GenerateServicer.
         host, port: where to listen (port 0: a free port; `port` holds it after start).
         health_interval_s: how often the health status is refreshed from the engine.
     """
 
     def __init__(self, engine: EngineClient, model_names: tuple[str, ...], admission: Admission,
-                 host: str = "127.0.0.1", port: int = 0, health_interval_s: float = 1.0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, health_interval_s: float = 1.0,
+                 limits: RequestLimits | None = None, api_key: str | None = None) -> None:
         self.engine = engine
-        self.servicer = GenerateServicer(engine, model_names, admission)
+        self.servicer = GenerateServicer(engine, model_names, admission, limits, api_key)
         self.health = health.aio.HealthServicer()
         self.host = host
         self.port = port
         self.health_interval_s = health_interval_s
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._draining_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         """Listen and serve; returns the port. Raises OSError if it cannot bind."""
@@ -252,10 +287,21 @@ class GrpcServer:
             await asyncio.sleep(self.health_interval_s)
             await self._refresh_health()
 
+    def start_draining(self) -> None:
+        """Refuse new calls (UNAVAILABLE) and report NOT_SERVING from now on, as the HTTP
+        server does while it drains; running calls go on until `stop`. Call on the
+        server's loop."""
+        self.servicer.draining = True
+        if self._server is not None and self._draining_task is None:
+            # Now, not at the health watcher's next refresh.
+            self._draining_task = asyncio.get_running_loop().create_task(self._refresh_health())
+
     async def stop(self, grace_s: float | None = 5.0) -> None:
         """Refuse new calls, let running ones finish for up to `grace_s`, then cancel
         the rest (their engine requests are aborted)."""
         self.servicer.draining = True
+        if self._draining_task is not None:
+            await self._draining_task
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -119,7 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes "
+        help=f"require 'Authorization: Bearer KEY' on /v1 and tokenizer routes and gRPC calls "
         f"(default: ${API_KEY_ENVS[0]} or ${API_KEY_ENVS[1]}; prefer the environment, "
         "command lines are visible to other users)",
     )
@@ -252,7 +252,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="also serve gRPC (service flowengine.v1.Generate, proto/flowengine/v1/"
         "generate.proto, and grpc.health.v1) on this port of --host, on the same engine "
-        "and queue limit as HTTP (needs the 'grpc' extra: pip install flowengine[grpc])",
+        "and limits as HTTP (needs the 'grpc' extra: pip install flowengine[grpc])",
     )
     return p
 
@@ -552,18 +552,30 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
                     logger.error("%s", err)
                     return 1
                 api_servers = procs
-                server.on_begin_shutdown = api_servers.terminate
             if options.grpc_port is not None and not engine_died:
                 from flowengine.entrypoints.grpc.server import GrpcServer
 
-                # Same engine, same queue limit: one admission for both front doors.
+                # Same engine, same queue and request limits (one admission for both
+                # front doors), same API key.
                 grpc_server = GrpcServer(engine, names, server.context.admission,
-                                         host=options.host, port=options.grpc_port)
+                                         host=options.host, port=options.grpc_port,
+                                         limits=server.context.limits,
+                                         api_key=options.app.api_key)
                 try:
                     await grpc_server.start()
                 except OSError as err:
                     logger.error("%s", err)
                     return 1
+
+            def begin_shutdown() -> None:
+                # The other front doors drain with this one: the other API server
+                # processes (SIGTERM), gRPC refusing new calls.
+                if api_servers is not None:
+                    api_servers.terminate()
+                if grpc_server is not None:
+                    grpc_server.start_draining()
+
+            server.on_begin_shutdown = begin_shutdown
             if not engine_died:
                 await server.serve(sock, install_signal_handlers=True)
         finally:

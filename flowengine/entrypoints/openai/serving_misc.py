@@ -27,6 +27,7 @@ from flowengine.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from flowengine.entrypoints.openai.sampling import chat_messages
+from flowengine.entrypoints.openai.tool_parsers.request import check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,11 @@ async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
     ctx.resolve_model(req.model)
     tokenizer = ctx.tokenizer
     if isinstance(req, TokenizeChatRequest):
-        # The engine's own template step, so the count is what a chat request uses.
+        # The engine's own template step, so the count is what a chat request uses
+        # (its tools rendered too, checked as the chat route checks them).
         from flowengine.tokenize.chat import apply_chat_template
 
+        tools = check_tools(req.tools) if req.tools else None
         try:
             ids = apply_chat_template(
                 tokenizer,
@@ -82,6 +85,7 @@ async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
                 continue_final_message=req.continue_final_message,
                 chat_template=getattr(ctx.engine, "chat_template", None),  # --chat-template
                 chat_template_kwargs=req.chat_template_kwargs,
+                tools=tools,
             )
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err

@@ -14,7 +14,6 @@ Each violation is an `APIError(400)` naming the field.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +110,9 @@ def tool_choice_schema(choice: ToolChoice) -> dict[str, Any] | None:
     Named: that function's parameters. Required: vLLM's array of
     {"name": <one tool's name>, "parameters": <its parameters>} objects (anyOf the
     tools), at least one item, at most one without parallel_tool_calls; `$defs` of the
-    tools are merged to the top (the same name with two schemas is a 400).
+    tools are merged to the top (the same name with two schemas is a 400), and the
+    tools' other local `$ref`s (`#`, `#/definitions/...`, `#/properties/...`) point to
+    where their parameters now are.
     """
     if choice.mode == "named":
         assert choice.tools is not None
@@ -124,7 +125,8 @@ def tool_choice_schema(choice: ToolChoice) -> dict[str, Any] | None:
     branches = []
     for i, tool in enumerate(choice.tools):
         fn = tool["function"]
-        parameters = copy.deepcopy(fn["parameters"])
+        base = f"#/items/anyOf/{i}/properties/parameters"
+        parameters = _nest_refs(fn["parameters"], base)  # a copy
         for name, schema in parameters.pop("$defs", {}).items():
             if name in defs and defs[name] != schema:
                 raise bad_request(
@@ -150,6 +152,30 @@ def tool_choice_schema(choice: ToolChoice) -> dict[str, Any] | None:
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+# Keywords whose values are instances, not schemas: a "$ref" key inside is data.
+_INSTANCE_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
+
+
+def _nest_refs(schema: Any, base: str) -> Any:
+    """`schema` with its local `$ref`s (JSON pointers from its root, `#...`) made
+    pointers from the root of the schema it is nested in at `base`; refs into the
+    merged `#/$defs/` stay."""
+    if isinstance(schema, list):
+        return [_nest_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#") \
+                and not value.startswith("#/$defs/"):
+            out[key] = base + value[1:]
+        elif key in _INSTANCE_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _nest_refs(value, base)
+    return out
 
 
 __all__ = ["APIError", "ToolChoice", "check_tools", "resolve_tool_choice", "tool_choice_schema"]
