@@ -25,8 +25,10 @@ rounded as below (0.82 of the float32 body's time), for 2-3 rows an AVX2 float32
 (one block at a time dequantized into registers, up to 4 activation rows at once)
 and from 4 rows the int16 panel body: each 32-value block of the
 activations rounded to int16 multiples of max|x_block| / 32767 (error <= 1.5e-5 of
-the block's largest value; logprobs of the default model within 3.1e-3 of float32,
-greedy ids unchanged), 16 weight rows' codes unpacked to int16 into a panel, and
+the block's largest value; the default model's greedy ids unchanged, the logprobs of
+its generated tokens within 3.1e-3 of float32; prompt logprobs, unlikely tokens
+included, up to 1.5e-2 (median 3e-6 over the 16 engine-core prompts; float32
+activations: 7.4e-5)), 16 weight rows' codes unpacked to int16 into a panel, and
 vpmaddwd (16 products per instruction, twice an FMA's 8) into int32 sums per block,
 scaled into float32 (0.65-0.8 of the float32 panel body's time at 6-128 rows;
 FLOWENGINE_CPU_INT16_MIN_ROWS=0 keeps float32 activations: the float32 panel body
