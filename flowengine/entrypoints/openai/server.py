@@ -539,6 +539,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
         server = build_api_server(engine, engine_args, options, max_queue_len, ready)
         grpc_server = None
         api_servers = None
+        drain_began: list[float] = []
         try:
             if options.api_server_count > 1 and not engine_died:
                 from flowengine.entrypoints.openai.api_servers import APIServerProcs
@@ -570,6 +571,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
             def begin_shutdown() -> None:
                 # The other front doors drain with this one: the other API server
                 # processes (SIGTERM), gRPC refusing new calls.
+                drain_began.append(time.monotonic())
                 if api_servers is not None:
                     api_servers.terminate()
                 if grpc_server is not None:
@@ -585,7 +587,9 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
                     ENGINE_SHUTDOWN_TIMEOUT_S if engine_died else options.graceful_timeout_s
                     + APIServer.CUT_TIMEOUT_S + APIServer.CLOSE_TIMEOUT_S)
             if grpc_server is not None:
-                await grpc_server.stop(grace_s=ENGINE_SHUTDOWN_TIMEOUT_S)
+                await grpc_server.stop(grace_s=grpc_grace_s(
+                    options.graceful_timeout_s, drain_began[0] if drain_began else None,
+                    time.monotonic(), engine_died))
             if options.uds is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(options.uds)
@@ -595,6 +599,17 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
         return 1
     logger.info("stopped")
     return 0
+
+
+def grpc_grace_s(graceful_timeout_s: float, drain_began: float | None, now: float,
+                 engine_died: bool) -> float:
+    """Seconds the running gRPC calls may still take once the HTTP server has stopped:
+    what is left of `--graceful-timeout` since the drain began (gRPC drains beside HTTP,
+    from the same SIGTERM, so both get the same deadline), or ENGINE_SHUTDOWN_TIMEOUT_S
+    when the engine died or the server stopped without a drain."""
+    if engine_died or drain_began is None:
+        return ENGINE_SHUTDOWN_TIMEOUT_S
+    return max(0.0, graceful_timeout_s - (now - drain_began))
 
 
 def main(argv: list[str] | None = None) -> int:
