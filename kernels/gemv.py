@@ -50,7 +50,9 @@ _REDUCE_BLOCK = 1024
 # before the in-kernel finish (A/B runs).
 _FUSED_FINISH = os.environ.get("FLOWENGINE_GEMV_FUSED_FINISH", "1") != "0"
 # Split-K tile counters (one int32 per BLOCK_N tile of a call), per device: zero between
-# calls, since the last program of each tile resets its counter.
+# calls, since the last program of each tile resets its counter. Calls on one device must
+# not overlap (the engine runs its forward on one stream): two GEMVs running at once on
+# one device would count into the same slots.
 _COUNTER_SLOTS = 1 << 16
 _counters: dict[torch.device, torch.Tensor] = {}
 _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
