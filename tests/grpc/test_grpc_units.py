@@ -238,10 +238,12 @@ def test_grpc_calls_get_what_is_left_of_the_graceful_timeout():
     """After SIGTERM, running gRPC calls may take what is left of --graceful-timeout
     since the drain began, as HTTP's streams do (they had only 10 s once the HTTP
     drain ended, however long --graceful-timeout was); a dead engine or a stop
-    without a drain keeps the short engine timeout."""
+    without a drain keeps the short engine timeout, a second stop request none."""
     from flowengine.entrypoints.openai.server import ENGINE_SHUTDOWN_TIMEOUT_S, grpc_grace_s
 
     assert grpc_grace_s(120.0, 1000.0, 1002.5, engine_died=False) == 117.5
     assert grpc_grace_s(120.0, 1000.0, 1200.0, engine_died=False) == 0.0
     assert grpc_grace_s(120.0, 1000.0, 1002.5, engine_died=True) == ENGINE_SHUTDOWN_TIMEOUT_S
     assert grpc_grace_s(120.0, None, 1002.5, engine_died=False) == ENGINE_SHUTDOWN_TIMEOUT_S
+    # a second SIGTERM cancels HTTP's requests at once, and gRPC's
+    assert grpc_grace_s(120.0, 1000.0, 1002.5, engine_died=False, forced=True) == 0.0

@@ -96,6 +96,8 @@ class APIServer:
         self.app = OpenAIApp(self.context, app_options)
         self._stop: asyncio.Event | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        # A second stop request ended the drain at once (the other front doors follow).
+        self.stop_forced = False
         # Called when the drain begins (the other API server processes drain too).
         self.on_begin_shutdown: Callable[[], None] | None = None
 
@@ -137,6 +139,7 @@ class APIServer:
             raise RuntimeError("begin_shutdown() before serve(); nothing to stop")
         if self._drain_task is not None:
             logger.warning("second stop request: cancelling in-flight requests now")
+            self.stop_forced = True
             self._stop.set()
             return
         self.app.start_draining()

@@ -589,7 +589,7 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
             if grpc_server is not None:
                 await grpc_server.stop(grace_s=grpc_grace_s(
                     options.graceful_timeout_s, drain_began[0] if drain_began else None,
-                    time.monotonic(), engine_died))
+                    time.monotonic(), engine_died, server.stop_forced))
             if options.uds is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(options.uds)
@@ -602,11 +602,14 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
 
 
 def grpc_grace_s(graceful_timeout_s: float, drain_began: float | None, now: float,
-                 engine_died: bool) -> float:
+                 engine_died: bool, forced: bool = False) -> float:
     """Seconds the running gRPC calls may still take once the HTTP server has stopped:
     what is left of `--graceful-timeout` since the drain began (gRPC drains beside HTTP,
-    from the same SIGTERM, so both get the same deadline), or ENGINE_SHUTDOWN_TIMEOUT_S
+    from the same SIGTERM, so both get the same deadline); 0 after a second stop
+    request (HTTP's requests were cancelled at once too); ENGINE_SHUTDOWN_TIMEOUT_S
     when the engine died or the server stopped without a drain."""
+    if forced:
+        return 0.0
     if engine_died or drain_began is None:
         return ENGINE_SHUTDOWN_TIMEOUT_S
     return max(0.0, graceful_timeout_s - (now - drain_began))
