@@ -61,8 +61,9 @@ _CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 @triton.jit
 def _finish_tile(acc, part_ptr, out_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n,
                  m_valid, n_valid, N, part_stride: tl.int64,
-                 SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # acc: this program's [BLOCK_M, BLOCK_N] fp32 sums over its K slice. With SPLIT_K > 1
+                 SPLIT_K: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # acc: this program's [BLOCK_M, BLOCK_N] fp32 sums over its K slice. Not FUSED: its
+    # partial into part [split, M, N] for _finish's reduce launch. With SPLIT_K > 1
     # each program stores its partial, then counts itself in with an acq_rel atomic
     # (after a barrier, so the whole tile's stores precede the count); the tile's last
     # program adds the partials in split order 0, 1, ... (the same sums, in the same
@@ -71,8 +72,10 @@ def _finish_tile(acc, part_ptr, out_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs
     # The "serial split-K with a semaphore" of CUTLASS's GEMM universal, one launch.
     mask = m_valid[:, None] & n_valid[None, :]
     idx = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    last = True
-    if SPLIT_K > 1:
+    last = FUSED
+    if not FUSED:
+        tl.store(part_ptr + pid_k.to(tl.int64) * part_stride + idx, acc, mask=mask)
+    elif SPLIT_K > 1:
         tl.store(part_ptr + pid_k.to(tl.int64) * part_stride + idx, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -128,13 +131,8 @@ def _dense_gemv_kernel(
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_SCALE:
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
-    if FUSED:
-        _finish_tile(acc, out_ptr, final_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m,
-                     offs_n, m_valid, n_valid, N, out_stride_split, SPLIT_K, HAS_BIAS)
-    else:
-        out = (out_ptr + pid_k.to(tl.int64) * out_stride_split
-               + offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
-        tl.store(out, acc, mask=m_valid[:, None] & n_valid[None, :])
+    _finish_tile(acc, out_ptr, final_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n,
+                 m_valid, n_valid, N, out_stride_split, SPLIT_K, FUSED, HAS_BIAS)
 
 
 @triton.jit
@@ -217,13 +215,8 @@ def _w4a16_gemv_kernel(
                 acc += s[None, :] * (qx - z[None, :] * xsum[:, None])
     if REDUCE_ONCE:
         acc += tl.sum(acc2, axis=0)[None, :]
-    if FUSED:
-        _finish_tile(acc, out_ptr, final_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m,
-                     offs_n, m_valid, n_valid, N, out_stride_split, SPLIT_K, HAS_BIAS)
-    else:
-        out = (out_ptr + pid_k.to(tl.int64) * out_stride_split
-               + offs_m[:, None].to(tl.int64) * N + offs_n[None, :])
-        tl.store(out, acc, mask=m_valid[:, None] & n_valid[None, :])
+    _finish_tile(acc, out_ptr, final_ptr, bias_ptr, count_ptr, pid_n, pid_k, offs_m, offs_n,
+                 m_valid, n_valid, N, out_stride_split, SPLIT_K, FUSED, HAS_BIAS)
 
 
 # --- configs ---------------------------------------------------------------------------
