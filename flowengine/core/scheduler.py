@@ -627,7 +627,9 @@ class Scheduler:
                                             for request, delta in advance])
         for (request, delta), ok in zip(advance, accepted, strict=True):
             if not ok:
-                failed = self.state.fail_request(request, _refused(request, delta))
+                error = _refused(request, delta)
+                _drop_refused_tokens(request, delta)
+                failed = self.state.fail_request(request, error)
                 delta.finish_reason, delta.error = failed.finish_reason, failed.error
 
     def take_grammar_work(self) -> Callable[[], Any] | None:
@@ -691,6 +693,21 @@ def _accept_batch(grammars: Any, items: list) -> list[bool]:
     if batch is not None:
         return batch(items)
     return [grammars.accept_tokens(rid, tokens) for rid, tokens in items]
+
+
+def _drop_refused_tokens(request: Request, delta: RequestDelta) -> None:
+    """Take a refused step's tokens out of the request's output and its delta (ids and
+    logprobs): the errored output ends at the last token its grammar accepted, not at
+    the token drawn from an all -inf row (token 0).
+
+    NOTE: a constrained request decodes one token per step (it gets no drafts,
+    core/spec_tokens.py), so the step's tokens are the refused one. Only the inline
+    advance can do this: with `grammar_offload_rows` the step's deltas are sent before
+    the matchers run, and the refused token has already reached the frontend."""
+    num_new = len(delta.new_token_ids)
+    del request.output_token_ids[len(request.output_token_ids) - num_new:]
+    delta.new_token_ids = []
+    delta.new_logprobs = None
 
 
 def _refused(request: Request, delta: RequestDelta) -> str:

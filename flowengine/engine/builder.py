@@ -636,6 +636,7 @@ def make_input_processor(tokenizer: Any, resolved: ResolvedEngine):
         extra_eos_token_ids=info.extra_eos_token_ids,
         max_logprobs=resolved.args.max_logprobs,
         structured_outputs_backend=resolved.args.structured_outputs_backend,
+        scheduling_policy=resolved.args.scheduling_policy,
         pooler_config=resolved.pooler_config,
         hidden_size=resolved.model_config.hidden_size,
     )

@@ -54,13 +54,29 @@ def validate_cache_salt(cache_salt: object) -> None:
         raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
 
 
-def check_priority(priority: object) -> None:
+class RequestFieldError(ValueError):
+    """A request field the engine refuses; `param` names it (the HTTP error's `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_priority(priority: object, scheduling_policy: str) -> None:
     """Raise TypeError unless `priority` is an int (not a bool), ValueError unless it fits
-    int64 (the scheduler orders by it; the rings carry it as int64)."""
+    int64 (the scheduler orders by it; the rings carry it as int64), and RequestFieldError
+    (a ValueError) for a non-zero priority unless `scheduling_policy` is "priority":
+    under "fcfs" the scheduler ignores it, so it is refused rather than silently dropped
+    (vLLM's rule and message)."""
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise TypeError(f"priority must be an int, not {type(priority).__name__}")
     if not -(2**63) <= priority < 2**63:
         raise ValueError(f"priority must fit a signed 64-bit integer, got {priority}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise RequestFieldError(
+            f"Got priority {priority} but Priority scheduling is not enabled. Start the "
+            "engine with scheduling_policy='priority' (--scheduling-policy priority), or "
+            "leave priority at 0", "priority")
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -86,6 +102,8 @@ class InputProcessor:
         structured_outputs_backend: the engine's --structured-outputs-backend; a
             request's structured_outputs is checked against it here (ValueError naming
             the field, before the request enters the engine).
+        scheduling_policy: the scheduler's --scheduling-policy; a non-zero `priority`
+            is refused unless it is "priority" (check_priority).
         pooler_config: the pooling runner's PoolerConfig (the model serves embeddings
             only: `process` then needs PoolingParams), or None (generation only).
         hidden_size: the model's hidden size (the longest embedding).
@@ -103,11 +121,13 @@ class InputProcessor:
         chat_template: str | None = None,
         default_sampling_params: dict[str, Any] | None = None,
         structured_outputs_backend: str = "auto",
+        scheduling_policy: str = "fcfs",
         pooler_config: PoolerConfig | None = None,
         hidden_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.structured_outputs_backend = structured_outputs_backend
+        self.scheduling_policy = scheduling_policy
         self.pooler_config = pooler_config
         self.hidden_size = hidden_size
         self.chat_template = chat_template
@@ -223,7 +243,7 @@ class InputProcessor:
             # without output"; sp.stop = "ab" stopped at "a" or "b"): a copy validates
             # and normalises them again.
             params = params.clone()
-        check_priority(priority)
+        check_priority(priority, self.scheduling_policy)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         validate_cache_salt(cache_salt)

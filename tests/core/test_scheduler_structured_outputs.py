@@ -324,6 +324,30 @@ def test_bad_grammar_fails_alone_and_refused_token_fails_the_request(manager, to
     assert outputs["cut"].finish_reason == "length" and len(outputs["cut"].token_ids) == 3
 
 
+@pytest.mark.parametrize(("kwargs", "in_flight"), [({}, 1), ({"async_scheduling": True}, 2)])
+def test_a_refused_token_is_not_in_the_errored_output(manager, tokenizer, vocab_size, kwargs,
+                                                      in_flight):
+    """A token its grammar refuses (what the sampler draws from an all -inf row: token 0)
+    fails the request without joining its output: the tokens the grammar accepted, then
+    the error; no stray token, in the delta or the request."""
+    scheduler = make_scheduler(structured_output_manager=manager, **kwargs)
+    executor = GrammarSimExecutor(vocab_size)
+    req = _req("forced", tokenizer, StructuredOutputsParams(regex="[0-9]{6}"))
+    scheduler.add_request(req)
+
+    def refuse_the_third(plan) -> None:  # two digits after the 20 prompt tokens, then 0
+        if len(executor.tokens.get("forced", [])) == 20 + 2:
+            executor.force["forced"] = 0
+
+    outputs = run(scheduler, executor, in_flight, on_plan=refuse_the_third)
+    out = outputs["forced"]
+    assert out.finish_reason == "error" and is_request_error(out.error)
+    assert "token 0, drawn from an empty mask" in out.error and "after 2 output tokens" in out.error
+    assert len(out.token_ids) == 2 and 0 not in out.token_ids
+    assert re.fullmatch("[0-9]{2}", tokenizer.decode(out.token_ids)), out.token_ids
+    assert req.output_token_ids == out.token_ids
+
+
 def test_structured_request_without_a_manager_is_refused(tokenizer):
     scheduler = make_scheduler()
     with pytest.raises(ValueError, match="no structured output support"):

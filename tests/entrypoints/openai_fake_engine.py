@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flowengine.config import EngineArgs
+from flowengine.engine.input_processor import check_priority
 from flowengine.engine.protocol import (
     EngineDeadError,
     EngineOverloadedError,
@@ -98,8 +99,11 @@ class FakeEngine:
         max_model_len: int = 512,
         step_s: float = 0.001,
         max_running: int | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.model_name = model_name
+        # The real InputProcessor's priority rule (a non-zero priority needs "priority").
+        self.scheduling_policy = scheduling_policy
         self.max_model_len = max_model_len
         self.default_sampling_params: dict[str, Any] = {}
         self.step_s = step_s
@@ -177,6 +181,7 @@ class FakeEngine:
     ) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError("the fake engine is dead")
+        check_priority(priority, self.scheduling_policy)
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one character or token")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowengine import LLM
+from flowengine import LLM, SamplingParams
 
 
 class _CountingProcessor:
@@ -61,3 +61,18 @@ def test_multiproc_llm_passes_each_prompt_priority_to_submit():
     assert sorted(seen) == [("r0", 5, RequestOutputKind.FINAL_ONLY),
                             ("r1", 0, RequestOutputKind.FINAL_ONLY),
                             ("r2", -3, RequestOutputKind.FINAL_ONLY)]
+
+
+@pytest.mark.slow
+def test_a_non_zero_priority_needs_the_priority_policy():
+    """The default scheduling_policy "fcfs" ignores priority: LLM.generate refuses a
+    non-zero one before anything runs (vLLM's rule); "priority" takes it."""
+    llm = LLM(max_model_len=128, scheduling_policy="fcfs")
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    with pytest.raises(ValueError, match="^Got priority 3 but Priority scheduling is not "):
+        llm.generate(["a", "b"], greedy, priority=[0, 3], use_tqdm=False)
+    (out,) = llm.generate(["a"], greedy, priority=[0], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1
+    llm.input_processor.scheduling_policy = "priority"  # as scheduling_policy="priority" sets it
+    (out,) = llm.generate(["a"], greedy, priority=[3], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1

@@ -64,7 +64,8 @@ def test_integers_beyond_64_bits_are_400_before_the_engine(http, engine, path, f
     assert len(engine.submitted) == num_submitted  # refused before anything was encoded
 
 
-def test_largest_int64_values_are_accepted(http, engine):
+def test_largest_int64_values_are_accepted(http, engine, monkeypatch):
+    monkeypatch.setattr(engine, "scheduling_policy", "priority")  # priority is honoured
     resp = http.post(
         CHAT,
         json={"messages": HELLO, "max_tokens": INT64_MAX, "seed": INT64_MAX,
@@ -76,6 +77,24 @@ def test_largest_int64_values_are_accepted(http, engine):
     assert (params.max_tokens, params.seed, params.stop_token_ids) == (
         INT64_MAX, INT64_MAX, [INT64_MAX]
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "base"), [
+    (CHAT, {"messages": HELLO, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 2}),
+    ("/v1/responses", {"input": "abc", "max_output_tokens": 2}),
+])
+def test_priority_under_fcfs_is_400_naming_it(http, engine, path, base):
+    """The default --scheduling-policy fcfs ignores priority: a non-zero one is refused
+    (vLLM's "Got priority ... but Priority scheduling is not enabled."), 0 is served."""
+    num_submitted = len(engine.submitted)
+    err = assert_error(http.post(path, json={**base, "priority": 5}), 400,
+                       param="priority")
+    assert err["message"].startswith("Got priority 5 but Priority scheduling is not enabled")
+    assert "--scheduling-policy priority" in err["message"]
+    assert len(engine.submitted) == num_submitted
+    resp = http.post(path, json={**base, "priority": 0})
+    assert resp.status_code == 200, resp.text
 
 
 def test_non_finite_float_is_400(http):

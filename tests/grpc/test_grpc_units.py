@@ -247,3 +247,23 @@ def test_grpc_calls_get_what_is_left_of_the_graceful_timeout():
     assert grpc_grace_s(120.0, None, 1002.5, engine_died=False) == ENGINE_SHUTDOWN_TIMEOUT_S
     # a second SIGTERM cancels HTTP's requests at once, and gRPC's
     assert grpc_grace_s(120.0, 1000.0, 1002.5, engine_died=False, forced=True) == 0.0
+
+
+@pytest.mark.parametrize(("model_max_tokens", "asked", "expected"), [
+    (None, None, 16), (None, 500, 500),  # no max_new_tokens: the request's, else 16
+    (8, None, 8), (8, 5, 5), (8, 500, 8),  # max_new_tokens 8 caps the request's
+    (300, None, 16), (300, 500, 300),
+])
+def test_max_tokens_follows_the_completions_route(model_max_tokens, asked, expected):
+    """The model's max_new_tokens (generation_config.json, defaults' "max_tokens") caps
+    max_tokens as on /v1/completions (vLLM's get_max_tokens); it used to replace an
+    unset one (300, not 16) and to be ignored when set (500, not 300 or 8)."""
+    from flowengine.entrypoints.openai.protocol import CompletionRequest
+    from flowengine.entrypoints.openai.sampling import completion_params
+
+    defaults = {} if model_max_tokens is None else {"max_tokens": model_max_tokens}
+    msg = pb.SamplingParams() if asked is None else pb.SamplingParams(max_tokens=asked)
+    assert sampling_params_from(msg, defaults).max_tokens == expected
+    http = CompletionRequest(prompt="abc") if asked is None else CompletionRequest(
+        prompt="abc", max_tokens=asked)
+    assert completion_params(http, defaults).max_tokens == expected

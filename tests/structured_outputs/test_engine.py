@@ -121,6 +121,27 @@ def test_invalid_constraint_is_refused_and_the_engine_keeps_serving(llm, referen
     assert outs[0].outputs[0].token_ids == reference[0]
 
 
+@pytest.mark.parametrize("constraint", ["allowed_token_ids", "min_tokens"])
+def test_a_grammar_left_without_tokens_errors_without_a_stray_token(llm, constraint):
+    """choice "red" with allowed_token_ids that exclude it (no first token) or min_tokens
+    past its end (no token after "red"): the sampler draws token 0 from the all -inf
+    row, the grammar refuses it, and the request ends with the error; the output holds
+    only what the grammar accepted (no token 0, nor its text or logprob)."""
+    tok = llm.input_processor.tokenizer
+    if constraint == "allowed_token_ids":
+        extra, accepted = {"allowed_token_ids": tok.encode("x", add_special_tokens=False)}, ""
+    else:
+        extra, accepted = {"min_tokens": 8}, "red"
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, **extra,
+                            structured_outputs=StructuredOutputsParams(choice=["red"]))
+    (out,) = llm.generate(["Name a colour."], params, use_tqdm=False)
+    sample = out.outputs[0]
+    assert sample.finish_reason == "error" and "drawn from an empty mask" in out.error
+    assert 0 not in sample.token_ids and sample.text == accepted
+    assert tok.decode(sample.token_ids) == accepted
+    assert len(sample.logprobs) == len(sample.token_ids)
+
+
 def test_max_tokens_cut_is_length(llm):
     out = llm.generate([CASES[2][0]], SamplingParams(temperature=0, max_tokens=4,
                                                      structured_outputs=CASES[2][1]),

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from flowengine.engine.input_processor import InputProcessor
+from flowengine.engine.input_processor import InputProcessor, RequestFieldError
 from flowengine.sampling_params import SamplingParams
 
 
-@pytest.fixture
-def ip(fresh_byte_bpe_tokenizer) -> InputProcessor:
+@pytest.fixture(params=["priority"])
+def ip(request, fresh_byte_bpe_tokenizer) -> InputProcessor:
+    """Under the "priority" policy, unless a test parametrizes `ip` indirectly."""
     tok = fresh_byte_bpe_tokenizer
     return InputProcessor(tok, max_model_len=512, vocab_size=len(tok), eos_token_id=None,
-                          chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+                          chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}",
+                          scheduling_policy=request.param)
 
 
 def test_a_lone_surrogate_is_a_clear_value_error(ip) -> None:
@@ -39,6 +41,17 @@ def test_a_priority_that_is_not_an_int64_is_refused(ip, priority, error, match) 
     with pytest.raises(error, match=match):
         ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=priority)
     assert ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=-(2**63)).children
+
+
+@pytest.mark.parametrize("ip", ["fcfs"], indirect=True)
+@pytest.mark.parametrize("priority", [1, -1, 2**63 - 1])
+def test_a_non_zero_priority_under_fcfs_is_refused(ip, priority) -> None:
+    """fcfs ignores priority, so a non-zero one is an error (vLLM's rule), not dropped."""
+    with pytest.raises(RequestFieldError, match=f"^Got priority {priority} but Priority "
+                       "scheduling is not enabled") as info:
+        ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=priority)
+    assert info.value.param == "priority"
+    assert ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=0).children
 
 
 def test_ordinary_requests_still_pass(ip) -> None:

@@ -29,7 +29,11 @@ from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
 from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import Admission, engine_error
-from flowengine.entrypoints.openai.sampling import RequestLimits, check_limits
+from flowengine.entrypoints.openai.sampling import (
+    RequestLimits,
+    capped_max_tokens,
+    check_limits,
+)
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,6 +44,9 @@ SERVICE_NAME = "flowengine.v1.Generate"
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
                     "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "skip_special_tokens")
+# max_tokens of a call that leaves it unset: /v1/completions' default (OpenAI's and
+# vLLM's, protocol.CompletionRequest), capped by the model's max_new_tokens as there.
+DEFAULT_MAX_TOKENS = 16
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 
@@ -55,8 +62,10 @@ class GrpcError(Exception):
 
 def sampling_params_from(msg: pb.SamplingParams, defaults: dict[str, Any]) -> SamplingParams:
     """SamplingParams of a request: its set fields over the model's defaults
-    (generation_config.json), as the HTTP routes do. Raises ValueError/TypeError for
-    invalid values (SamplingParams validates)."""
+    (generation_config.json), as the HTTP routes do. `max_tokens` follows
+    /v1/completions: 16 when unset, and the model's max_new_tokens (defaults'
+    "max_tokens") caps it rather than replacing it (capped_max_tokens). Raises
+    ValueError/TypeError for invalid values (SamplingParams validates)."""
     kwargs = dict(defaults)
     for name in _OPTIONAL_FIELDS:
         if msg.HasField(name):
@@ -64,6 +73,8 @@ def sampling_params_from(msg: pb.SamplingParams, defaults: dict[str, Any]) -> Sa
             # float32 on the wire: round to the nearest short decimal (0.7, not
             # 0.699999988079071), so a value means what the client wrote.
             kwargs[name] = float(f"{value:.7g}") if name in _FLOAT_FIELDS else value
+    requested = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    kwargs["max_tokens"] = capped_max_tokens(requested, defaults)
     if msg.stop:
         kwargs["stop"] = list(msg.stop)
     if msg.stop_token_ids:

@@ -82,7 +82,8 @@ def engine_error(err: BaseException) -> APIError:
             retry_after_s=1.0,
         )
     if isinstance(err, (ValueError, TypeError)):
-        return APIError(400, str(err))
+        # A RequestFieldError (input_processor.py) names the field it refuses.
+        return APIError(400, str(err), param=getattr(err, "param", None))
     logger.error("engine request failed", exc_info=err)
     return internal_error()
 

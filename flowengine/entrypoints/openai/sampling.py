@@ -97,13 +97,14 @@ def check_limits(
 
 
 # Request fields a model's generation_config.json may give a default for (vLLM's
-# default_sampling_params); max_tokens is handled apart (a cap, see _max_tokens).
+# default_sampling_params); max_tokens is handled apart (a cap, see capped_max_tokens).
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def _max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | None:
+def capped_max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | None:
     """vLLM's `get_max_tokens`: the smallest of the request's max_tokens and the
-    model's max_new_tokens (the engine caps it at the context left as well)."""
+    model's max_new_tokens (the engine caps it at the context left as well). The HTTP
+    routes and gRPC (flowengine/entrypoints/grpc/server.py) use this one rule."""
     values = [v for v in (requested, defaults.get("max_tokens")) if v is not None]
     return min(values) if values else None
 
@@ -272,7 +273,7 @@ def completion_params(
             "best_of",
         )
     fields = _common(req, defaults)
-    fields["max_tokens"] = _max_tokens(req.max_tokens, defaults or {})
+    fields["max_tokens"] = capped_max_tokens(req.max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
     fields["structured_outputs"] = structured_outputs_params(req)
     if req.echo and req.logprobs is not None:
@@ -329,7 +330,7 @@ def chat_params(
     fields = _common(req, defaults)
     max_tokens = req.max_completion_tokens
     requested = req.max_tokens if max_tokens is None else max_tokens
-    fields["max_tokens"] = _max_tokens(requested, defaults or {})
+    fields["max_tokens"] = capped_max_tokens(requested, defaults or {})
     if req.logprobs:
         fields["logprobs"] = req.top_logprobs or 0
     fields["structured_outputs"] = structured_outputs_params(req)
