@@ -84,6 +84,9 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+# Anthropic's smallest `thinking.budget_tokens` (API reference, "Messages": "Must be
+# >=1024 and less than max_tokens").
+MIN_THINKING_BUDGET_TOKENS = 1024
 # Chat field names in 400s -> this API's names.
 PARAM_NAMES = {"stop": "stop_sequences"}
 # The chat route's names of a tool's fields -> Anthropic's.
@@ -154,7 +157,8 @@ def _tool_result_text(block: ContentBlock, where: str) -> str:
 
 
 def check_supported(req: MessagesRequest | CountTokensRequest, has_reasoning: bool) -> None:
-    """Raise APIError(400) for server tools, and thinking without a reasoning parser."""
+    """Raise APIError(400) for server tools, thinking without a reasoning parser, and a
+    thinking budget Anthropic refuses."""
     for i, tool in enumerate(req.tools or ()):
         if tool.type not in (None, "custom"):
             raise bad_request(
@@ -167,11 +171,35 @@ def check_supported(req: MessagesRequest | CountTokensRequest, has_reasoning: bo
                 f"tool {tool.name!r} needs input_schema (a JSON Schema of an object)",
                 f"tools[{i}].input_schema",
             )
-    if req.thinking is not None and req.thinking.type == "enabled" and not has_reasoning:
+    if req.thinking is not None and req.thinking.type == "enabled":
+        if not has_reasoning:
+            raise bad_request(
+                "extended thinking needs a reasoning model served with --reasoning-parser; "
+                "remove thinking or set {'type': 'disabled'}",
+                "thinking",
+            )
+        max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else None
+        _check_budget(req.thinking.budget_tokens, max_tokens)
+
+
+def _check_budget(budget_tokens: int | None, max_tokens: int | None) -> None:
+    """Anthropic's rule for `thinking.budget_tokens` of enabled thinking: required, at
+    least MIN_THINKING_BUDGET_TOKENS and less than max_tokens (count_tokens has none).
+    The budget is still not enforced on the output; a request Anthropic refuses is
+    refused here too, so a client learns of it on this server as well."""
+    where = "thinking.budget_tokens"
+    if budget_tokens is None:
+        raise bad_request("enabled thinking needs budget_tokens", where)
+    if budget_tokens < MIN_THINKING_BUDGET_TOKENS:
         raise bad_request(
-            "extended thinking needs a reasoning model served with --reasoning-parser; "
-            "remove thinking or set {'type': 'disabled'}",
-            "thinking",
+            f"budget_tokens must be at least {MIN_THINKING_BUDGET_TOKENS}; got {budget_tokens}",
+            where,
+        )
+    if max_tokens is not None and budget_tokens >= max_tokens:
+        raise bad_request(
+            f"budget_tokens ({budget_tokens}) must be less than max_tokens ({max_tokens}); "
+            "raise max_tokens or lower the budget",
+            where,
         )
 
 
