@@ -127,7 +127,8 @@ def anthropic_error_event(err: APIError) -> bytes:
 
 
 def _block_text(blocks: list[ContentBlock], where: str) -> str:
-    """The text of text-only blocks (`system`), joined with newlines."""
+    """The text of text-only blocks (`system`), joined with newlines; an empty text
+    block is a 400 (Anthropic's rule)."""
     texts = []
     for j, block in enumerate(blocks):
         if block.type != "text" or block.text is None:
@@ -136,8 +137,16 @@ def _block_text(blocks: list[ContentBlock], where: str) -> str:
                 "blocks ({'type': 'text', 'text': ...})",
                 f"{where}[{j}]",
             )
-        texts.append(block.text)
+        texts.append(_nonempty_text(block.text, f"{where}[{j}]"))
     return "\n".join(texts)
+
+
+def _nonempty_text(text: str, where: str) -> str:
+    # Anthropic's rule, whatever the message: an empty text block says nothing (an
+    # empty final assistant message is `content: ""` or `[]`, not an empty block).
+    if not text:
+        raise bad_request("text content blocks must be non-empty", f"{where}.text")
+    return text
 
 
 def _tool_result_text(block: ContentBlock, where: str) -> str:
@@ -152,7 +161,7 @@ def _tool_result_text(block: ContentBlock, where: str) -> str:
                 "text blocks",
                 f"{where}.content[{k}]",
             )
-        texts.append(part.text)
+        texts.append(_nonempty_text(part.text, f"{where}.content[{k}]"))
     return "\n".join(texts)
 
 
@@ -213,7 +222,8 @@ def chat_messages_of(
     message of tool results only has no user message); thinking blocks dropped.
 
     Raises APIError(400) naming the block (Anthropic's rules): a message with empty
-    content (other than a final assistant message), a block type not served (image,
+    content (other than a final assistant message), an empty text block (in any
+    message, tool_result or `system`), a block type not served (image,
     document, ...), tool_use outside an assistant message, without id/name or with an
     id used twice in the message, tool_result outside a user message, after a text
     block of its message or answering no tool_use of the message before, and tool_use
@@ -247,7 +257,7 @@ def chat_messages_of(
             if block.type == "text":
                 if block.text is None:
                     raise bad_request("a text block needs text", where)
-                texts.append(block.text)
+                texts.append(_nonempty_text(block.text, where))
             elif block.type == "tool_use" and m.role == "assistant":
                 if not block.id or not block.name:
                     raise bad_request("a tool_use block needs id and name", where)
