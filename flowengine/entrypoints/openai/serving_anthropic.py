@@ -221,6 +221,9 @@ def chat_messages_of(
     {"role": "tool", "tool_call_id", "content"} messages before its text (a user
     message of tool results only has no user message); thinking blocks dropped.
 
+    An empty `system` ("" or []) adds no system message (the template's default
+    applies, as without `system`).
+
     Raises APIError(400) naming the block (Anthropic's rules): a message with empty
     content (other than a final assistant message), an empty text block (in any
     message, tool_result or `system`), a block type not served (image,
@@ -230,7 +233,9 @@ def chat_messages_of(
     blocks without their tool_result in the next message.
     """
     out: list[dict[str, Any]] = []
-    if system is not None:
+    if system:
+        # An empty `system` ("" or []) is no system prompt, as when it is absent: the
+        # chat template's default system prompt applies (as vLLM's Messages route).
         text = system if isinstance(system, str) else _block_text(system, "system")
         out.append({"role": "system", "content": text})
     unanswered: dict[str, int] = {}  # tool_use ids of the last assistant message
