@@ -291,6 +291,11 @@ def test_langchain_bind_tools_auto(servers):
           "tool_calls": [{"id": "c", "type": "function", "function": {
               "name": "get_weather", "arguments": "{oops"}}]}], "tools": [WEATHER]},
          "messages[1].tool_calls[0].function.arguments", "must be JSON text of an object"),
+        # Valid JSON that is not an object: refused as the Responses route refuses it.
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+          "tool_calls": [{"id": "c", "type": "function", "function": {
+              "name": "get_weather", "arguments": "[1,2]"}}]}], "tools": [WEATHER]},
+         "messages[1].tool_calls[0].function.arguments", "object, got list"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field_and_serving_goes_on(http, fields, param, text):
