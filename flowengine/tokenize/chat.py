@@ -145,6 +145,11 @@ def _tool_calls(index: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
                     f"{where}[{j}].function.arguments is not valid JSON ({err.msg}); send "
                     "the arguments object as JSON text"
                 ) from None
+        if not isinstance(arguments, Mapping):
+            raise ValueError(
+                f"{where}[{j}].function.arguments must be an object (or JSON text of one), "
+                f"got {type(arguments).__name__}"
+            )
         out.append({**call, "function": {**fn, "arguments": arguments}})
     return out
 

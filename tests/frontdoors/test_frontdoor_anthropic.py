@@ -151,6 +151,19 @@ def test_stream_events(claude, http):
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
 
+def test_empty_system_is_no_system_prompt(claude, http, engine):
+    """`system: ""` or `[]` says nothing: no system turn is rendered (the chat
+    template's default system prompt applies, as without `system`; vLLM's Messages
+    route does the same), rather than an empty system turn."""
+    for system in ("", []):
+        m = claude.messages.create(model=MODEL, max_tokens=1, messages=USER, system=system,
+                                   **GREEDY)  # fmt: skip
+        assert engine.submitted[-1][1] == USER
+        assert m.usage.input_tokens == len(rendered(USER))
+        count = claude.messages.count_tokens(model=MODEL, messages=USER, system=system)
+        assert count.input_tokens == len(rendered(USER))
+
+
 def test_count_tokens_is_the_messages_input_tokens(claude, http):
     for system, messages in [
         (None, USER),
@@ -222,6 +235,9 @@ def test_auth_x_api_key_and_bearer(server):
         ({"model": MODEL, "max_tokens": 5, "messages": USER,
           "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
         ({"model": MODEL, "max_tokens": 5, "messages": USER, "temperature": -0.5}, "temperature"),
+        ({"model": MODEL, "max_tokens": 5, "messages": USER,
+          "system": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}]},
+         "system[1].text: text content blocks must be non-empty"),
         ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 600}]},
          "max_model_len"),
     ],

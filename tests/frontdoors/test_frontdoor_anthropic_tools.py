@@ -175,7 +175,8 @@ def test_tool_choice(claude, engine):
     m = claude.messages.create(model=MODEL, max_tokens=200, messages=user("one call"),
                                tools=TOOLS, tool_choice={"type": "none"})  # fmt: skip
     assert split(m.content) == (None, SCRIPTS["one call"], []) and m.stop_reason == "end_turn"
-    # Thinking is served here (a reasoning parser runs); budget_tokens is not enforced.
+    # Thinking is served here (a reasoning parser runs); budget_tokens is not enforced
+    # on the output (its rules are checked: test_thinking_budget_follows_anthropics_rule).
     m = claude.messages.create(model=MODEL, max_tokens=2000, messages=user("think"),
                                thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
     assert split(m.content) == expected_split("think")
@@ -231,3 +232,33 @@ def test_sdk_error_classes(claude):
         claude.messages.count_tokens(model=MODEL, messages=user("x"),
                                      tools=[{"name": "f", "input_schema": {"type": "array"}}])  # fmt: skip
     assert "tools[0].input_schema" in err.value.message
+
+
+@pytest.mark.parametrize(("thinking", "max_tokens", "words"), [
+    ({"type": "enabled", "budget_tokens": -5}, 2000, "at least 1024"),
+    ({"type": "enabled", "budget_tokens": 0}, 2000, "at least 1024"),
+    ({"type": "enabled", "budget_tokens": 1023}, 2000, "at least 1024"),
+    ({"type": "enabled"}, 2000, "needs budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 2000}, 2000, "less than max_tokens"),
+])  # fmt: skip
+def test_thinking_budget_follows_anthropics_rule(http, engine, thinking, max_tokens, words):
+    """Anthropic's API reference: budget_tokens ">=1024 and less than max_tokens"
+    (required with enabled thinking); the budget is not enforced on the output, but a
+    request Anthropic refuses is a 400 naming the field here too."""
+    before = len(engine.submitted)
+    body = {"model": MODEL, "max_tokens": max_tokens, "messages": user("think"),
+            "thinking": thinking}  # fmt: skip
+    resp = http.post("/v1/messages", json=body)
+    assert resp.status_code == 400, resp.text
+    err = strict(resp.content, AnthropicErrorResponse).error
+    assert err.type == "invalid_request_error"
+    assert err.message.startswith("thinking.budget_tokens: ") and words in err.message
+    # count_tokens has no max_tokens: only the budget's own rules apply there.
+    del body["max_tokens"]
+    resp = http.post("/v1/messages/count_tokens", json=body)
+    assert resp.status_code == (200 if words == "less than max_tokens" else 400), resp.text
+    assert len(engine.submitted) == before
+    # A budget of 1024 under max_tokens, and disabled thinking (no budget): served.
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}):
+        ok = {**body, "max_tokens": 1025, "thinking": thinking}
+        assert http.post("/v1/messages", json=ok).status_code == 200

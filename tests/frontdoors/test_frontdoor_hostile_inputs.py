@@ -3,7 +3,8 @@
 shape naming the field, nothing reaches the engine, and the server keeps serving.
 
 Rules checked are the APIs' own: Anthropic refuses messages with empty content (other
-than a final assistant message), tool_use ids used twice, and tool_result blocks after
+than a final assistant message), empty text blocks, tool_use ids used twice, and
+tool_result blocks after
 text in a user message; a call_id that two function_call items share cannot be
 answered unambiguously; count_tokens checks tool_choice as /v1/messages does."""
 
@@ -39,6 +40,17 @@ ANTHROPIC_BAD = [
      "messages[2].content[1]", "must come first"),
     ([{"role": "user", "content": []}], "messages[0].content", "non-empty content"),
     ([Q, {"role": "assistant", "content": ""}, Q], "messages[1].content", "non-empty content"),
+    # An empty text block, as `content: ""` (Anthropic: "text content blocks must be
+    # non-empty"), also beside other blocks and in a final assistant message (whose
+    # content may be empty, "" or [], but not hold an empty block).
+    ([{"role": "user", "content": [{"type": "text", "text": ""}]}],
+     "messages[0].content[0].text", "must be non-empty"),
+    ([Q, _use("t1"), {"role": "user", "content": [_result("t1"), {"type": "text", "text": ""}]}],
+     "messages[2].content[1].text", "must be non-empty"),
+    ([Q, {"role": "assistant", "content": [{"type": "text", "text": ""}]}],
+     "messages[1].content[0].text", "must be non-empty"),
+    ([Q, _use("t1"), {"role": "user", "content": [{**_result("t1"), "content": [
+        {"type": "text", "text": ""}]}]}], "messages[2].content[0].content[0].text", "non-empty"),
 ]  # fmt: skip
 
 
@@ -60,6 +72,9 @@ def test_anthropic_conversation_rules(http, engine, messages, param, words):
     resp = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": ok})
     assert resp.status_code == 200, resp.text
     assert len(engine.submitted) == before + 1
+    ok[-1] = {"role": "assistant", "content": []}
+    resp = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": ok})
+    assert resp.status_code == 200, resp.text
 
 
 @pytest.mark.parametrize(("fields", "words"), [

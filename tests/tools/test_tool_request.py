@@ -242,5 +242,9 @@ def test_bad_tool_call_arguments_in_history(tokenizer):
                  "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}]
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
         apply_chat_template(tokenizer, messages, tools=[WEATHER])
+    for arguments in ("[1, 2]", "3", [1, 2]):  # JSON text of a non-object, or not a dict
+        messages[1]["tool_calls"][0]["function"]["arguments"] = arguments
+        with pytest.raises(ValueError, match=r"\.function\.arguments must be an object"):
+            apply_chat_template(tokenizer, messages, tools=[WEATHER])
     with pytest.raises(ValueError, match=r"tools\[0\] must be"):
         apply_chat_template(tokenizer, messages[:1], tools=[{"name": "f"}])

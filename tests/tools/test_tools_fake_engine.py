@@ -291,6 +291,11 @@ def test_langchain_bind_tools_auto(servers):
           "tool_calls": [{"id": "c", "type": "function", "function": {
               "name": "get_weather", "arguments": "{oops"}}]}], "tools": [WEATHER]},
          "messages[1].tool_calls[0].function.arguments", "must be JSON text of an object"),
+        # Valid JSON that is not an object: refused as the Responses route refuses it.
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+          "tool_calls": [{"id": "c", "type": "function", "function": {
+              "name": "get_weather", "arguments": "[1,2]"}}]}], "tools": [WEATHER]},
+         "messages[1].tool_calls[0].function.arguments", "object, got list"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field_and_serving_goes_on(http, fields, param, text):
@@ -346,3 +351,28 @@ def test_tokenize_renders_tools_as_chat_does(tokenizer):
         assert resp.json()["error"]["param"] == "tools[1].function.name"
         resp = http.post("/tokenize", json={"messages": messages, "tools": []})
         assert resp.json()["tokens"] == plain
+
+
+def test_tokenize_takes_a_request_chat_template_as_chat_does(tokenizer):
+    """/tokenize with `messages` and `chat_template` (vLLM's field): refused without
+    --trust-request-chat-template with the chat route's 400, rendered with it (the
+    field was ignored: the count was that of the server's template)."""
+    from flowengine.tokenize.chat import apply_chat_template
+
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    engine = ScriptedEngine(SCRIPTS)
+    engine.tokenizer = tokenizer  # a real template step
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"messages": messages, "chat_template": own}
+    with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=30) as http:
+        refused = http.post("/tokenize", json=body)
+        chat_refused = http.post("/v1/chat/completions", json=body)
+        assert refused.status_code == chat_refused.status_code == 400, refused.text
+        assert refused.json()["error"] == chat_refused.json()["error"]
+        assert refused.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+        live.server.context.trust_request_chat_template = True
+        resp = http.post("/tokenize", json=body)
+        assert resp.status_code == 200, resp.text
+        ids = apply_chat_template(tokenizer, messages, chat_template=own)
+        assert resp.json()["tokens"] == ids != apply_chat_template(tokenizer, messages)

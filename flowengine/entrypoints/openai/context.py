@@ -67,6 +67,20 @@ class ServingContext:
             )
         return name
 
+    def request_chat_template(self, chat_template: str | None) -> str | None:
+        """A chat request's own `chat_template` (template text), for the chat route and
+        /tokenize alike. Raises APIError(400) naming `chat_template` when one is sent
+        without --trust-request-chat-template (vLLM's rule and message: a template is
+        code the server would run)."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "Chat template is passed with request, but --trust-request-chat-template "
+                "is not set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
+        return chat_template
+
     @staticmethod
     def decode(body: bytes, type: type[T]) -> T:
         """Parse and validate a JSON body. Raises APIError(400) naming the bad field."""

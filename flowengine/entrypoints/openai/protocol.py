@@ -284,6 +284,8 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # As the chat route's: refused unless --trust-request-chat-template.
+    chat_template: str | None = None
     tools: list[ChatCompletionTool] | None = None
     return_token_strs: bool = False
 

@@ -90,7 +90,8 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
 
 class ThinkingConfig(msgspec.Struct, kw_only=True):
     """`thinking`: "enabled" (needs the server's --reasoning-parser; `budget_tokens`
-    is accepted and not enforced) or "disabled"."""
+    is required, >= 1024 and < max_tokens as Anthropic requires, checked by the
+    handler, and not enforced on the output) or "disabled"."""
 
     type: Literal["enabled", "disabled"]
     budget_tokens: Int64 | None = None

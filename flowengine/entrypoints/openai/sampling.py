@@ -374,14 +374,23 @@ def chat_messages(req: ChatCompletionRequest | Any) -> list[dict[str, Any]]:
                     "only assistant messages carry tool_calls", f"messages[{i}].tool_calls"
                 )
             for j, c in enumerate(m.tool_calls):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                text = c.function.arguments
                 try:  # templates get the arguments as an object (tokenize/chat.py)
-                    if c.function.arguments.strip():
-                        orjson.loads(c.function.arguments)
+                    arguments = orjson.loads(text) if text.strip() else {}
                 except orjson.JSONDecodeError as err:
                     raise bad_request(
                         f"the arguments of a tool call must be JSON text of an object: {err}",
-                        f"messages[{i}].tool_calls[{j}].function.arguments",
+                        where,
                     ) from None
+                if not isinstance(arguments, dict):
+                    # As the Responses route refuses a function_call's: a template would
+                    # render a list or number where it expects the arguments object.
+                    raise bad_request(
+                        "the arguments of a tool call must be JSON text of an object, got "
+                        f"{type(arguments).__name__}",
+                        where,
+                    )
             message["tool_calls"] = [
                 {"id": c.id, "type": c.type,
                  "function": {"name": c.function.name, "arguments": c.function.arguments}}

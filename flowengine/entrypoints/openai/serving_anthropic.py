@@ -84,6 +84,9 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+# Anthropic's smallest `thinking.budget_tokens` (API reference, "Messages": "Must be
+# >=1024 and less than max_tokens").
+MIN_THINKING_BUDGET_TOKENS = 1024
 # Chat field names in 400s -> this API's names.
 PARAM_NAMES = {"stop": "stop_sequences"}
 # The chat route's names of a tool's fields -> Anthropic's.
@@ -124,7 +127,8 @@ def anthropic_error_event(err: APIError) -> bytes:
 
 
 def _block_text(blocks: list[ContentBlock], where: str) -> str:
-    """The text of text-only blocks (`system`), joined with newlines."""
+    """The text of text-only blocks (`system`), joined with newlines; an empty text
+    block is a 400 (Anthropic's rule)."""
     texts = []
     for j, block in enumerate(blocks):
         if block.type != "text" or block.text is None:
@@ -133,8 +137,16 @@ def _block_text(blocks: list[ContentBlock], where: str) -> str:
                 "blocks ({'type': 'text', 'text': ...})",
                 f"{where}[{j}]",
             )
-        texts.append(block.text)
+        texts.append(_nonempty_text(block.text, f"{where}[{j}]"))
     return "\n".join(texts)
+
+
+def _nonempty_text(text: str, where: str) -> str:
+    # Anthropic's rule, whatever the message: an empty text block says nothing (an
+    # empty final assistant message is `content: ""` or `[]`, not an empty block).
+    if not text:
+        raise bad_request("text content blocks must be non-empty", f"{where}.text")
+    return text
 
 
 def _tool_result_text(block: ContentBlock, where: str) -> str:
@@ -149,12 +161,13 @@ def _tool_result_text(block: ContentBlock, where: str) -> str:
                 "text blocks",
                 f"{where}.content[{k}]",
             )
-        texts.append(part.text)
+        texts.append(_nonempty_text(part.text, f"{where}.content[{k}]"))
     return "\n".join(texts)
 
 
 def check_supported(req: MessagesRequest | CountTokensRequest, has_reasoning: bool) -> None:
-    """Raise APIError(400) for server tools, and thinking without a reasoning parser."""
+    """Raise APIError(400) for server tools, thinking without a reasoning parser, and a
+    thinking budget Anthropic refuses."""
     for i, tool in enumerate(req.tools or ()):
         if tool.type not in (None, "custom"):
             raise bad_request(
@@ -167,11 +180,35 @@ def check_supported(req: MessagesRequest | CountTokensRequest, has_reasoning: bo
                 f"tool {tool.name!r} needs input_schema (a JSON Schema of an object)",
                 f"tools[{i}].input_schema",
             )
-    if req.thinking is not None and req.thinking.type == "enabled" and not has_reasoning:
+    if req.thinking is not None and req.thinking.type == "enabled":
+        if not has_reasoning:
+            raise bad_request(
+                "extended thinking needs a reasoning model served with --reasoning-parser; "
+                "remove thinking or set {'type': 'disabled'}",
+                "thinking",
+            )
+        max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else None
+        _check_budget(req.thinking.budget_tokens, max_tokens)
+
+
+def _check_budget(budget_tokens: int | None, max_tokens: int | None) -> None:
+    """Anthropic's rule for `thinking.budget_tokens` of enabled thinking: required, at
+    least MIN_THINKING_BUDGET_TOKENS and less than max_tokens (count_tokens has none).
+    The budget is still not enforced on the output; a request Anthropic refuses is
+    refused here too, so a client learns of it on this server as well."""
+    where = "thinking.budget_tokens"
+    if budget_tokens is None:
+        raise bad_request("enabled thinking needs budget_tokens", where)
+    if budget_tokens < MIN_THINKING_BUDGET_TOKENS:
         raise bad_request(
-            "extended thinking needs a reasoning model served with --reasoning-parser; "
-            "remove thinking or set {'type': 'disabled'}",
-            "thinking",
+            f"budget_tokens must be at least {MIN_THINKING_BUDGET_TOKENS}; got {budget_tokens}",
+            where,
+        )
+    if max_tokens is not None and budget_tokens >= max_tokens:
+        raise bad_request(
+            f"budget_tokens ({budget_tokens}) must be less than max_tokens ({max_tokens}); "
+            "raise max_tokens or lower the budget",
+            where,
         )
 
 
@@ -184,15 +221,21 @@ def chat_messages_of(
     {"role": "tool", "tool_call_id", "content"} messages before its text (a user
     message of tool results only has no user message); thinking blocks dropped.
 
+    An empty `system` ("" or []) adds no system message (the template's default
+    applies, as without `system`).
+
     Raises APIError(400) naming the block (Anthropic's rules): a message with empty
-    content (other than a final assistant message), a block type not served (image,
+    content (other than a final assistant message), an empty text block (in any
+    message, tool_result or `system`), a block type not served (image,
     document, ...), tool_use outside an assistant message, without id/name or with an
     id used twice in the message, tool_result outside a user message, after a text
     block of its message or answering no tool_use of the message before, and tool_use
     blocks without their tool_result in the next message.
     """
     out: list[dict[str, Any]] = []
-    if system is not None:
+    if system:
+        # An empty `system` ("" or []) is no system prompt, as when it is absent: the
+        # chat template's default system prompt applies (as vLLM's Messages route).
         text = system if isinstance(system, str) else _block_text(system, "system")
         out.append({"role": "system", "content": text})
     unanswered: dict[str, int] = {}  # tool_use ids of the last assistant message
@@ -219,7 +262,7 @@ def chat_messages_of(
             if block.type == "text":
                 if block.text is None:
                     raise bad_request("a text block needs text", where)
-                texts.append(block.text)
+                texts.append(_nonempty_text(block.text, where))
             elif block.type == "tool_use" and m.role == "assistant":
                 if not block.id or not block.name:
                     raise bad_request("a tool_use block needs id and name", where)

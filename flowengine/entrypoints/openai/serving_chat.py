@@ -34,7 +34,6 @@ from flowengine.entrypoints.openai.asgi import (
 from flowengine.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, join_choice
 from flowengine.entrypoints.openai.chat_tools import ParserFactory, setup_chat_output
 from flowengine.entrypoints.openai.context import ServingContext, log_request, usage
-from flowengine.entrypoints.openai.errors import bad_request
 from flowengine.entrypoints.openai.generation import EngineStream, engine_error
 from flowengine.entrypoints.openai.logprobs import (
     ALL_LOGPROBS,
@@ -74,14 +73,7 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         options["cache_salt"] = req.cache_salt
     if req.chat_template_kwargs:
         options["chat_template_kwargs"] = req.chat_template_kwargs
-    if req.chat_template is not None:
-        if not ctx.trust_request_chat_template:
-            # vLLM's rule and message: a template is code the server would run.
-            raise bad_request(
-                "Chat template is passed with request, but --trust-request-chat-template "
-                "is not set. Refused request with untrusted chat template.",
-                "chat_template",
-            )
+    if ctx.request_chat_template(req.chat_template) is not None:
         options["chat_template"] = req.chat_template
     if not req.add_generation_prompt:
         options["add_generation_prompt"] = False

@@ -77,13 +77,16 @@ async def tokenize(ctx: ServingContext, request: APIRequest) -> Response:
         from flowengine.tokenize.chat import apply_chat_template
 
         tools = check_tools(req.tools) if req.tools else None
+        # The request's own template where the chat route would take it (vLLM's
+        # /tokenize), else --chat-template's, as the engine's template step chooses.
+        template = ctx.request_chat_template(req.chat_template)
         try:
             ids = apply_chat_template(
                 tokenizer,
                 chat_messages(req),
                 req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                chat_template=getattr(ctx.engine, "chat_template", None),  # --chat-template
+                chat_template=template or getattr(ctx.engine, "chat_template", None),
                 chat_template_kwargs=req.chat_template_kwargs,
                 tools=tools,
             )
