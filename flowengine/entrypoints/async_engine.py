@@ -503,7 +503,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield `RequestOutput`s until one has `finished=True`.
 
-        output_kind (vLLM's `RequestOutputKind`): what each output holds; None keeps
+        output_kind (vLLM's `RequestOutputKind`, or its int value; TypeError for another
+        type, ValueError for another int): what each output holds; None keeps
         `sampling_params.output_kind` (CUMULATIVE by default, as vLLM's AsyncLLM):
         CUMULATIVE → everything so far, DELTA → only what is new since the previous
         output, FINAL_ONLY → one output, the whole result. Outputs a slow caller has not
@@ -568,8 +569,14 @@ class AsyncEngine:
         self._last_submit_t = time.monotonic()  # (check_health of API server i >= 1)
         if output_kind is not None and pooling_params is None:
             if not isinstance(output_kind, RequestOutputKind):
-                raise TypeError("output_kind must be a RequestOutputKind, not "
-                                f"{type(output_kind).__name__}")
+                # Its int values too, as SamplingParams(output_kind=...) takes them.
+                if isinstance(output_kind, bool) or not isinstance(output_kind, int):
+                    raise TypeError("output_kind must be a RequestOutputKind (or its value "
+                                    f"0, 1 or 2), not {type(output_kind).__name__}")
+                if output_kind not in (0, 1, 2):
+                    raise ValueError(f"output_kind must be 0, 1 or 2 (CUMULATIVE, DELTA, "
+                                     f"FINAL_ONLY), got {output_kind}")
+                output_kind = RequestOutputKind(output_kind)
             if sampling_params is None:  # the model's defaults, as the Tokenizer fills them
                 sampling_params = SamplingParams(**self.default_sampling_params)
             if isinstance(sampling_params, SamplingParams):  # else the Tokenizer refuses it

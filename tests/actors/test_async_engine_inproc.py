@@ -100,6 +100,13 @@ def test_bad_input_raises_and_others_continue(default_model_path, offline):
                 await _collect(engine, 3.14)
             text, _ = await good
             assert text == offline[0]
+            # output_kind as SamplingParams takes it: the enum or its int value
+            outs = [o async for o in engine.submit(PROMPTS[0], GREEDY, output_kind=1)]
+            assert "".join(o.outputs[0].text for o in outs) == offline[0]
+            for bad, error in (("DELTA", TypeError), (True, TypeError), (3, ValueError)):
+                with pytest.raises(error, match="output_kind"):
+                    async for _ in engine.submit(PROMPTS[0], GREEDY, output_kind=bad):
+                        pass
         finally:
             await engine.shutdown(drain_timeout_s=5)
 
