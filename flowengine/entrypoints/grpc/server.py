@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -27,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOverloadedError
 from flowengine.entrypoints.grpc import generate_pb2 as pb
 from flowengine.entrypoints.grpc import generate_pb2_grpc as pb_grpc
+from flowengine.entrypoints.openai.app import bearer_matches
 from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.sampling import (
@@ -167,9 +167,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
         if self.api_key is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              self.api_key.encode()):
+        if bearer_matches(str(metadata.get("authorization", "")), self.api_key):
             return
         raise GrpcError(grpc.StatusCode.UNAUTHENTICATED,
                         "invalid or missing API key; send the metadata "

@@ -241,6 +241,14 @@ class _Flight:
         self.cut_error: APIError | None = None
 
 
+def bearer_matches(authorization: str, api_key: str) -> bool:
+    """Whether an `Authorization` value (HTTP header, gRPC metadata) is `Bearer <api_key>`,
+    compared in constant time."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              api_key.encode())
+
+
 class OpenAIApp:
     """ASGI app serving the OpenAI routes for one `ServingContext`."""
 
@@ -447,8 +455,7 @@ class OpenAIApp:
         `Authorization: Bearer <key>` or, where `accepts_x_api_key`, `x-api-key: <key>`
         (Anthropic's header). Keys are compared in constant time."""
         expected = (self.options.api_key or "").encode()
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected):
+        if bearer_matches(request.headers.get("authorization", ""), self.options.api_key or ""):
             return
         x_api_key = request.headers.get("x-api-key") if accepts_x_api_key else None
         if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), expected):
