@@ -5,11 +5,14 @@
 
 Each argument is a configuration: comma-separated KEY=VALUE, where THR sets
 torch.set_num_threads (the executor's intra-op threads, read per call by the kernels),
-FUSED=0 turns off the one-call decoder layers (layers/cpu_fused.py), and other keys are
+FUSED=0 turns off the one-call decoder layers (layers/cpu_fused.py), KV=float16 (or
+bfloat16) runs an engine whose KV cache is of that dtype (`--kv-cache-dtype`; one
+engine per KV value, all built first), and other keys are
 environment variables (FLOWENGINE_CPU_NO_POOL=1: OpenMP regions instead of the decode
 thread pool; the C module reads it once, so it must be the same in every configuration
-of a run, or be compared in separate runs). Per round and configuration: a 128-token
-prompt, 1 token (prefill) and 65 tokens; the decode step is (t65 - t1) / 64. The rounds
+of a run, or be compared in separate runs). Per round and configuration: ROWS (default
+1) prompts of 128 distinct token ids, 1 token (prefill) and 65 tokens; the decode step of
+ROWS rows is (t65 - t1) / 64, contexts 128 -> 193. The rounds
 alternate the configurations, so a busy neighbour costs them alike; prints median, min
 and first quartile in ms per decode step, with the load average before and after
 (issue #20, docs/benchmarks.md). Env: ROUNDS (default 8), GGUF (default model's Q4_1).
@@ -36,10 +39,14 @@ def main() -> None:
     configs = [dict(kv.split("=", 1) for kv in c.split(",")) if c else {} for c in sys.argv[1:]]
     if not configs:
         configs = [{}]
-    keys = sorted({k for c in configs for k in c} - {"THR", "FUSED"})
-    llm = LLM(GGUF, quantization="gguf", enable_prefix_caching=False, cpu_threads=2,
-              max_model_len=1024)
-    prompt = {"prompt_token_ids": list(range(1000, 1128))}
+    own = {"THR", "FUSED", "KV"}
+    keys = sorted({k for c in configs for k in c} - own)
+    llms = {kv: LLM(GGUF, quantization="gguf", enable_prefix_caching=False, cpu_threads=2,
+                    max_model_len=1024, kv_cache_dtype=kv, placement="inproc")
+            for kv in dict.fromkeys(c.get("KV", "auto") for c in configs)}
+    rows = int(os.environ.get("ROWS", "1"))
+    prompt = [{"prompt_token_ids": list(range(1000 + 128 * r, 1128 + 128 * r))}
+              for r in range(rows)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
     res: list[list[float]] = [[] for _ in configs]
@@ -48,15 +55,16 @@ def main() -> None:
         for i, c in enumerate(configs):
             for k in keys:
                 os.environ.pop(k, None)
-            os.environ.update({k: v for k, v in c.items() if k not in ("THR", "FUSED")})
+            os.environ.update({k: v for k, v in c.items() if k not in own})
+            llm = llms[c.get("KV", "auto")]
             cpu_fused.ENABLED = c.get("FUSED", "1") == "1"
             torch.set_num_threads(int(c.get("THR", "2")))
-            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2,
-                                                  ignore_eos=True), use_tqdm=False)
+            llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                ignore_eos=True), use_tqdm=False)
             t0 = time.perf_counter()
-            llm.generate([prompt], one, use_tqdm=False)
+            llm.generate(prompt, one, use_tqdm=False)
             t1 = time.perf_counter()
-            llm.generate([prompt], many, use_tqdm=False)
+            llm.generate(prompt, many, use_tqdm=False)
             t2 = time.perf_counter()
             res[i].append(((t2 - t1) - (t1 - t0)) / 64 * 1000)
     print("load", open("/proc/loadavg").read().strip())

@@ -7,7 +7,7 @@ The default model's attention shapes (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64), a bf16 cache of 16-position blocks scattered at random in one cache per
 layer (30 layers, so a step reads each layer's blocks once, as a decode step does), float32
 queries: the `--dtype bfloat16` decode path (`paged_decode_attention`, the C kernel);
-`--cache-dtype float32` the float32 path's cache.
+`--cache-dtype float32` the float32 path's cache, `float16` a `--kv-cache-dtype float16` one.
 Per request count: `--rounds` steps of `--layers` calls, after one warm-up step; prints
 the min and median ms per step and the K/V bytes a step reads, with the load average.
 Compare trees by running it with each one's PYTHONPATH, alternated.
@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+    ap.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"),
+                    default="bfloat16",
                     help="float32: the float32 decode path's cache")
     a = ap.parse_args()
     hq, hkv, d = (int(v) for v in a.heads.split(","))

@@ -110,6 +110,27 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Round to nearest even, as torch's float -> float16 conversion: values from 65520 up
+ * become infinity, those below 2^-14 subnormals (IEEE 754 binary16). */
+static inline uint16_t f32_to_fp16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u)
+        return sign | 0x7e00u; /* NaN */
+    if (u >= 0x477ff000u)
+        return sign | 0x7c00u;
+    if (u < 0x38800000u) { /* |f| < 2^-14: a multiple of 2^-24, rounded to nearest even */
+        float a;
+        memcpy(&a, &u, 4);
+        return sign | (uint16_t)lrintf(a * 16777216.f);
+    }
+    const uint32_t r = u - (112u << 23); /* exponent bias 127 -> 15 */
+    return sign | (uint16_t)((r + 0xfffu + ((r >> 13) & 1u)) >> 13);
+}
+
 /* Bytes of one weight row's quants, and halves of one row's scales. */
 static inline int64_t qs_row_bytes(int fmt, int64_t K) { return fmt == FMT_Q8_0 ? K : K / 2; }
 static inline int64_t sc_row_halves(int fmt, int64_t K) { return fmt == FMT_Q4_1 ? K / 16 : K / 32; }
@@ -2882,13 +2903,17 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args)
 #define MAX_D 256
 #define MAX_G 32
 
+/* A KV cache's element type (the `kv_fmt` arguments). Float16 and bf16 values are
+ * widened to float32 exactly as attention reads them. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
 typedef struct {
     const void *q, *cache;
     void *out;
     const int64_t *tok_idx, *req_idx;
     const int32_t *block_tables, *seq_lens;
     int64_t num_reqs, hq, hkv, d, block_size, num_blocks, bt_stride;
-    int q_bf16, kv_bf16;
+    int q_bf16, kv_fmt; /* kv_fmt: KV_F32, KV_BF16 or KV_F16, the cache's dtype */
     float scale, soft_cap;
     int64_t window;
     int64_t wchunk; /* (request, KV head) items per pool chunk (attention_impl sets it) */
@@ -2910,14 +2935,15 @@ static inline float load_elem(const void *p, int64_t i, int bf16)
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Row of D values as float32 into dst (a no-copy pointer for float32 rows). */
-static inline const float *row_f32(const void *base, int64_t off, int64_t d, int bf16, float *dst)
+/* Row of D values of a cache of format fmt (KV_*) as float32 into dst (a no-copy
+ * pointer for float32 rows). */
+static inline const float *row_f32(const void *base, int64_t off, int64_t d, int fmt, float *dst)
 {
-    if (!bf16)
+    if (fmt == KV_F32)
         return (const float *)base + off;
     const uint16_t *s = (const uint16_t *)base + off;
     for (int64_t i = 0; i < d; i++)
-        dst[i] = bf16_to_f32(s[i]);
+        dst[i] = fmt == KV_BF16 ? bf16_to_f32(s[i]) : fp16_to_f32(s[i]);
     return dst;
 }
 
@@ -2942,8 +2968,8 @@ static inline __attribute__((always_inline)) void attend_one(const attn_args *a,
     int64_t start = attn_start(a, len);
     for (int64_t j = start; j < len; j++) {
         int64_t off = (((int64_t)bt[j / bs] * bs + j % bs) * a->hkv + h) * d;
-        const float *k = row_f32(a->cache, off, d, a->kv_bf16, kbuf);
-        const float *v = row_f32(a->cache, plane + off, d, a->kv_bf16, vbuf);
+        const float *k = row_f32(a->cache, off, d, a->kv_fmt, kbuf);
+        const float *v = row_f32(a->cache, plane + off, d, a->kv_fmt, vbuf);
         for (int64_t g = 0; g < g_count; g++) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -3024,16 +3050,19 @@ AVX2 static inline __attribute__((always_inline)) float softmax_weights_avx2(flo
     return hsum_avx2(psum);
 }
 
-/* 8 cache values at p as float32: float32, or bf16 (KB) widened exactly. */
+/* 8 cache values at p as float32: float32, or bf16 / float16 (KB: KV_BF16, KV_F16)
+ * widened exactly. */
 AVX2 static inline __attribute__((always_inline)) __m256 load_kv8(const char *p, const int KB)
 {
-    if (KB)
+    if (KB == KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (KB == KV_BF16)
         return bf16_load8_avx2((const uint16_t *)p);
     return _mm256_loadu_ps((const float *)p);
 }
 
 /* The AVX2 decode attention over KV head h of request i, for float32 queries with
- * head_dim a multiple of 8 (KB: a bf16 cache). Per group of up to ATT2_GH query heads
+ * head_dim a multiple of 8 (KB: the cache's KV_* format). Per group of up to ATT2_GH query heads
  * and per segment of up to ATT2_SEG positions, three passes instead of one online
  * softmax per 8 positions:
  *   1. the scores of every head of the group (scores_avx2): each K row loaded once
@@ -3272,10 +3301,12 @@ AVX2 static void attend_range_avx2(const attn_args *a, int64_t w0, int64_t w1)
         const int64_t start = attn_start(a, len);
         if (!chunked)
             attend_one(a, i, h);
-        else if (a->kv_bf16)
-            attend_group_avx2(a, i, h, start, len, NULL, 1);
+        else if (a->kv_fmt == KV_F16)
+            attend_group_avx2(a, i, h, start, len, NULL, KV_F16);
+        else if (a->kv_fmt == KV_BF16)
+            attend_group_avx2(a, i, h, start, len, NULL, KV_BF16);
         else
-            attend_group_avx2(a, i, h, start, len, NULL, 0);
+            attend_group_avx2(a, i, h, start, len, NULL, KV_F32);
     }
 }
 
@@ -3315,10 +3346,12 @@ AVX2 static void attend_part_avx2(const attn_args *a, int64_t c)
     const int64_t first = start + p * ATT2_PART;
     const int64_t last = np == 1 ? len : (first + ATT2_PART < len ? first + ATT2_PART : len);
     float *part = np == 1 ? NULL : a->partial + c * (a->hq / a->hkv) * (a->d + 2);
-    if (a->kv_bf16)
-        attend_group_avx2(a, i, h, first, last, part, 1);
+    if (a->kv_fmt == KV_F16)
+        attend_group_avx2(a, i, h, first, last, part, KV_F16);
+    else if (a->kv_fmt == KV_BF16)
+        attend_group_avx2(a, i, h, first, last, part, KV_BF16);
     else
-        attend_group_avx2(a, i, h, first, last, part, 0);
+        attend_group_avx2(a, i, h, first, last, part, KV_F32);
 }
 
 /* The outputs of the split requests from their parts' sums (flash-decoding's
@@ -3399,15 +3432,17 @@ AVX512 static inline __m512 sum16_ps(const __m512 *t)
     return _mm512_permutexvar_ps(order, r);
 }
 
-/* 16 cache values at p as float32: float32, or bf16 (KB) widened exactly. */
+/* 16 cache values at p as float32: float32, or bf16 / float16 (KB) widened exactly. */
 AVX512 static inline __attribute__((always_inline)) __m512 load_kv16(const char *p, const int KB)
 {
-    if (KB)
+    if (KB == KV_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (KB == KV_BF16)
         return bf16_load16_avx512((const uint16_t *)p);
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* Float32 queries, a float32 or (KB) bf16 cache, head_dim a multiple of 16: query
+/* Float32 queries, a float32 or (KB) bf16 / float16 cache, head_dim a multiple of 16: query
  * heads g0..g0 + HG - 1 of KV head h over request i's context, 16 positions at a time.
  * Each K and V row is loaded (and a bf16 one widened, exactly) once for the HG heads:
  * the scores of the 16 positions for every head (summed by sum16_ps), one vector exp
@@ -3564,10 +3599,12 @@ attend_one_f32_kb(const attn_args *a, int64_t i, int64_t h, const int KB)
 /* One copy of the body per cache dtype. */
 AVX512 static void attend_one_f32_avx512(const attn_args *a, int64_t i, int64_t h)
 {
-    if (a->kv_bf16)
-        attend_one_f32_kb(a, i, h, 1);
+    if (a->kv_fmt == KV_F16)
+        attend_one_f32_kb(a, i, h, KV_F16);
+    else if (a->kv_fmt == KV_BF16)
+        attend_one_f32_kb(a, i, h, KV_BF16);
     else
-        attend_one_f32_kb(a, i, h, 0);
+        attend_one_f32_kb(a, i, h, KV_F32);
 }
 
 /* The same code as attend_one, vectorised by the compiler for AVX-512, or the chunked
@@ -3671,8 +3708,8 @@ static void attention_impl(const attn_args *a0, int nth)
 }
 
 /* paged_decode_attention(q, q_bf16, tok_idx, req_idx, num_reqs, hq, hkv, d, cache,
- *     kv_bf16, num_blocks, block_size, block_tables, bt_stride, seq_lens, scale,
- *     soft_cap, window, out, num_threads) */
+ *     kv_fmt, num_blocks, block_size, block_tables, bt_stride, seq_lens, scale,
+ *     soft_cap, window, out, num_threads); kv_fmt: KV_F32, KV_BF16 or KV_F16 */
 static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
 {
     attn_args a;
@@ -3690,6 +3727,10 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
                      "max %d) not supported", d, MAX_D, hq, hkv, MAX_G);
         return NULL;
     }
+    if (kvbf < KV_F32 || kvbf > KV_F16) {
+        PyErr_Format(PyExc_ValueError, "paged_decode_attention: KV format %d", kvbf);
+        return NULL;
+    }
     a.q = (const void *)(uintptr_t)qp;
     a.cache = (const void *)(uintptr_t)cp;
     a.out = (void *)(uintptr_t)op;
@@ -3705,7 +3746,7 @@ static PyObject *py_paged_decode_attention(PyObject *self, PyObject *args)
     a.num_blocks = nblocks;
     a.bt_stride = bts;
     a.q_bf16 = qbf;
-    a.kv_bf16 = kvbf;
+    a.kv_fmt = kvbf;
     a.scale = (float)scale;
     a.soft_cap = (float)cap;
     a.window = window;
@@ -3743,7 +3784,7 @@ typedef struct {
     const float *q; /* [T, hq, d] */
     float *out;     /* [T, hq, d]: the rows of the listed requests' tokens */
     const char *cache;
-    int kv_bf16;
+    int kv_fmt; /* KV_F32, KV_BF16 or KV_F16 */
     int64_t hq, hkv, d, block_size, num_blocks, bt_stride;
     const int32_t *block_tables; /* row r: request r */
     const int64_t *query_start;  /* [R + 1] */
@@ -3962,15 +4003,17 @@ AVX2 static void pf_chunk(const void *ctx, int64_t c)
         ((pf_args *)ctx)->failed = 1;
         return;
     }
-    if (a->kv_bf16)
-        pf_item(a, i, h, r0, r1, mem, 1);
+    if (a->kv_fmt == KV_F16)
+        pf_item(a, i, h, r0, r1, mem, KV_F16);
+    else if (a->kv_fmt == KV_BF16)
+        pf_item(a, i, h, r0, r1, mem, KV_BF16);
     else
-        pf_item(a, i, h, r0, r1, mem, 0);
+        pf_item(a, i, h, r0, r1, mem, KV_F32);
 }
 
 #endif
 
-/* paged_prefill_attention(q, out, cache, kv_bf16, hq, hkv, d, num_blocks, block_size,
+/* paged_prefill_attention(q, out, cache, kv_fmt, hq, hkv, d, num_blocks, block_size,
  *     block_tables, bt_stride, query_start, seq_lens, reqs, num_listed, scale, window,
  *     num_threads) */
 static PyObject *py_paged_prefill_attention(PyObject *self, PyObject *args)
@@ -3992,15 +4035,16 @@ static PyObject *py_paged_prefill_attention(PyObject *self, PyObject *args)
         return NULL;
     }
     if (d % 8 || d > MAX_D || hkv < 1 || hq % hkv || hq / hkv > MAX_G || nth < 1
-        || nlisted < 0 || bs < 1) {
+        || nlisted < 0 || bs < 1 || kvbf < KV_F32 || kvbf > KV_F16) {
         PyErr_Format(PyExc_ValueError, "paged_prefill_attention: head_dim %lld (a multiple "
-                     "of 8 up to %d), heads %lld/%lld not supported", d, MAX_D, hq, hkv);
+                     "of 8 up to %d), heads %lld/%lld, KV format %d not supported", d, MAX_D,
+                     hq, hkv, kvbf);
         return NULL;
     }
     const int64_t G = hq / hkv;
     pf_args a = {
         .q = (const float *)(uintptr_t)qp, .out = (float *)(uintptr_t)op,
-        .cache = (const char *)(uintptr_t)cp, .kv_bf16 = kvbf, .hq = hq, .hkv = hkv, .d = d,
+        .cache = (const char *)(uintptr_t)cp, .kv_fmt = kvbf, .hq = hq, .hkv = hkv, .d = d,
         .block_size = bs, .num_blocks = nblocks, .bt_stride = bts,
         .block_tables = (const int32_t *)(uintptr_t)btp,
         .query_start = (const int64_t *)(uintptr_t)qsp,
@@ -4188,9 +4232,10 @@ static PyObject *py_rope_neox(PyObject *self, PyObject *args)
 }
 
 /* write_kv(k, k_tok_stride, v, v_tok_stride, T, row_elems, elem_size, slots, cache,
- * plane_elems): K/V rows of T tokens ([Hkv * D] values each, `elem_size` bytes per
- * value, the cache's dtype) into cache slots (slot -1: padding, skipped); V's plane
- * starts plane_elems values after K's. */
+ * plane_elems[, kv_fmt]): K/V rows of T tokens ([Hkv * D] values each, `elem_size`
+ * bytes per value, the cache's dtype) into cache slots (slot -1: padding, skipped); V's
+ * plane starts plane_elems values after K's. With kv_fmt KV_BF16 or KV_F16, float32
+ * rows (elem_size 4) into a bf16 / float16 cache, rounded (write_kv_half_impl). */
 static void write_kv_impl(const char *k, int64_t ks, const char *v, int64_t vs, int64_t T,
                           int64_t row, int64_t esz, const int64_t *slots, char *cache,
                           int64_t plane)
@@ -4203,19 +4248,20 @@ static void write_kv_impl(const char *k, int64_t ks, const char *v, int64_t vs, 
     }
 }
 
-/* write_kv_impl from float32 rows into a bf16 cache, each value rounded to nearest
- * even (torch's float -> bfloat16); strides and plane in values. */
-static void write_kv_bf16_impl(const float *k, int64_t ks, const float *v, int64_t vs,
+/* write_kv_impl from float32 rows into a bf16 (fmt KV_BF16) or float16 (KV_F16) cache,
+ * each value rounded to nearest even as torch's conversions round; strides and plane in
+ * values. */
+static void write_kv_half_impl(const float *k, int64_t ks, const float *v, int64_t vs,
                                int64_t T, int64_t row, const int64_t *slots, uint16_t *cache,
-                               int64_t plane)
+                               int64_t plane, int fmt)
 {
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0)
             continue;
         uint16_t *kd = cache + slots[t] * row, *vd = cache + plane + slots[t] * row;
         for (int64_t e = 0; e < row; e++) {
-            kd[e] = f32_to_bf16(k[t * ks + e]);
-            vd[e] = f32_to_bf16(v[t * vs + e]);
+            kd[e] = fmt == KV_BF16 ? f32_to_bf16(k[t * ks + e]) : f32_to_fp16(k[t * ks + e]);
+            vd[e] = fmt == KV_BF16 ? f32_to_bf16(v[t * vs + e]) : f32_to_fp16(v[t * vs + e]);
         }
     }
 }
@@ -4224,9 +4270,15 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
 {
     unsigned long long kp, vp, sp, cp;
     long long ks, vs, T, row, esz, plane;
-    if (!PyArg_ParseTuple(args, "KLKLLLLKKL", &kp, &ks, &vp, &vs, &T, &row, &esz, &sp, &cp,
-                          &plane))
+    int fmt = KV_F32;
+    if (!PyArg_ParseTuple(args, "KLKLLLLKKL|i", &kp, &ks, &vp, &vs, &T, &row, &esz, &sp, &cp,
+                          &plane, &fmt))
         return NULL;
+    if (fmt < KV_F32 || fmt > KV_F16 || (fmt != KV_F32 && esz != 4)) {
+        PyErr_Format(PyExc_ValueError, "write_kv: KV format %d from %lld-byte values", fmt,
+                     esz);
+        return NULL;
+    }
     const int64_t *slots = (const int64_t *)(uintptr_t)sp;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= plane / row) {
@@ -4234,8 +4286,12 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
                          (long long)slots[t], plane / row);
             return NULL;
         }
-    write_kv_impl((const char *)(uintptr_t)kp, ks, (const char *)(uintptr_t)vp, vs, T, row, esz,
-                  slots, (char *)(uintptr_t)cp, plane);
+    if (fmt != KV_F32)
+        write_kv_half_impl((const float *)(uintptr_t)kp, ks, (const float *)(uintptr_t)vp, vs,
+                           T, row, slots, (uint16_t *)(uintptr_t)cp, plane, fmt);
+    else
+        write_kv_impl((const char *)(uintptr_t)kp, ks, (const char *)(uintptr_t)vp, vs, T, row,
+                      esz, slots, (char *)(uintptr_t)cp, plane);
     Py_RETURN_NONE;
 }
 
@@ -4254,8 +4310,8 @@ static PyObject *py_write_kv(PyObject *self, PyObject *args)
  *
  * Per layer l, row l of the int64 table [L, 15]: ln1_w, qkv (fmt, qs, sc), o (fmt, qs,
  * sc), ln2_w, gate_up (fmt, qs, sc), down (fmt, qs, sc), kv_cache ([2, nb, bs, Hkv, D],
- * float32, or bf16 with kv_bf16: K/V rounded to bf16 as they are written, widened
- * exactly as attention reads them). */
+ * of format kv_fmt: float32, or bf16 / float16, K/V rounded as they are written and
+ * widened exactly as attention reads them). */
 #define DL_COLS 15
 
 #if HAVE_X86
@@ -4417,19 +4473,20 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     unsigned long long tblp, hp, fnp, op, pp, rtp, smp, tip, rip, btp, slp, amxp = 0;
     long long L, T, H, hq, hkv, d, I, rows, nblocks, bs, bts;
     double eps, scale;
-    int nth, kv_bf16 = 0;
-    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi|Kp", &tblp, &L, &T, &H, &hq, &hkv,
+    int nth, kv_fmt = KV_F32;
+    if (!PyArg_ParseTuple(args, "KLLLLLLLdKKKKKLKLLKKKLKdi|Ki", &tblp, &L, &T, &H, &hq, &hkv,
                           &d, &I, &eps, &hp, &fnp, &op, &pp, &rtp, &rows, &smp, &nblocks, &bs,
-                          &tip, &rip, &btp, &bts, &slp, &scale, &nth, &amxp, &kv_bf16))
+                          &tip, &rip, &btp, &bts, &slp, &scale, &nth, &amxp, &kv_fmt))
         return NULL;
     /* int64 [3] or NULL: per format, the rows from which a matmul takes the AMX body */
     const int64_t *amx_min = (const int64_t *)(uintptr_t)amxp;
     const int64_t *tbl = (const int64_t *)(uintptr_t)tblp;
     const int64_t *pos = (const int64_t *)(uintptr_t)pp, *slots = (const int64_t *)(uintptr_t)smp;
     if (T < 1 || L < 1 || H % QK || (hq * d) % QK || I % QK || d > MAX_D || d % 2 || hkv < 1
-        || hq % hkv || hq / hkv > MAX_G || nth < 1) {
+        || hq % hkv || hq / hkv > MAX_G || nth < 1 || kv_fmt < KV_F32 || kv_fmt > KV_F16) {
         PyErr_Format(PyExc_ValueError, "decode_layers: unsupported shapes T=%lld H=%lld "
-                     "heads %lld/%lld D=%lld I=%lld", T, H, hq, hkv, d, I);
+                     "heads %lld/%lld D=%lld I=%lld (KV format %d)", T, H, hq, hkv, d, I,
+                     kv_fmt);
         return NULL;
     }
     static const int fmt_cols[4] = {1, 4, 8, 11};
@@ -4482,7 +4539,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
     a.num_blocks = nblocks;
     a.bt_stride = bts;
     a.q_bf16 = 0;
-    a.kv_bf16 = kv_bf16;
+    a.kv_fmt = kv_fmt;
     a.scale = (float)scale;
     a.soft_cap = 0.f;
     a.window = 0;
@@ -4506,9 +4563,9 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args)
         rc |= linear_impl(QW(1), x, T, H, QQ(1), QS(1), qkv_n, qkv, nth, AMX_MIN(1), 0);
         rope_impl(pos, T, qkv, qkv_n, hq, d, table, qr);
         rope_impl(pos, T, qkv + hq * d, qkv_n, hkv, d, table, kr);
-        if (kv_bf16)
-            write_kv_bf16_impl(kr, kvrow, qkv + (hq + hkv) * d, qkv_n, T, kvrow, slots,
-                               (uint16_t *)cache, plane);
+        if (kv_fmt != KV_F32)
+            write_kv_half_impl(kr, kvrow, qkv + (hq + hkv) * d, qkv_n, T, kvrow, slots,
+                               (uint16_t *)cache, plane, kv_fmt);
         else
             write_kv_impl((const char *)kr, kvrow, (const char *)(qkv + (hq + hkv) * d), qkv_n,
                           T, kvrow, sizeof(float), slots, (char *)cache, plane);
@@ -5214,13 +5271,14 @@ static PyMethodDef methods[] = {
      "rope_neox(pos, T, x, x_tok_stride, heads, D, table, table_rows, out[, num_threads]): "
      "rotary."},
     {"write_kv", py_write_kv, METH_VARARGS,
-     "write_kv(k, ks, v, vs, T, row, elem_size, slots, cache, plane): K/V rows to slots."},
+     "write_kv(k, ks, v, vs, T, row, elem_size, slots, cache, plane[, kv_fmt]): K/V rows to "
+     "slots (kv_fmt 1 / 2: float32 rows rounded into a bf16 / float16 cache)."},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(table, L, T, H, hq, hkv, D, I, eps, hidden, final_norm_w, out, positions, "
      "rope_table, rope_rows, slots, num_blocks, block_size, tok_idx, req_idx, block_tables, "
-     "bt_stride, seq_lens, scale, num_threads[, amx_min_rows, kv_bf16]): all decoder layers "
+     "bt_stride, seq_lens, scale, num_threads[, amx_min_rows, kv_fmt]): all decoder layers "
      "of a decode step (amx_min_rows: int64 [3] per format, 0 = never, as linear's; "
-     "kv_bf16: the caches hold bf16)."},
+     "kv_fmt: the caches' dtype, 0 float32, 1 bf16, 2 float16)."},
     {"sample_rows", py_sample_rows, METH_VARARGS,
      "sample_rows(logits_ptr, rows, vocab, row_stride, inv_t_ptr, top_k_ptr, top_p_ptr, "
      "min_p_ptr, keys_ptr, greedy_ptr, out_ptr, num_threads): one token per row (temperature, "

@@ -26,9 +26,11 @@ StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU);
 # gptq / awq: a 4-bit checkpoint's own format (also chosen when unset, from config.json).
 Quantization = Literal["fp8", "gguf", "int8", "gptq", "awq"]
-# KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "fp8" and
-# "fp8_e4m3" (the same on CUDA and CPU here) = float8_e4m3fn with scale 1.0.
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+# KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "float16" /
+# "bfloat16" = that dtype (on CUDA only where it is the model dtype; on the CPU under any,
+# widened to float32 as attention reads it); "fp8" and "fp8_e4m3" (the same on CUDA and
+# CPU here) = float8_e4m3fn with scale 1.0.
+KVCacheDtype = Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
 # KV-cache budget on the CPU when the user gives none: enough for a few thousand
 # tokens of a small model, small enough for a 24 GiB CI machine.

@@ -88,6 +88,11 @@ def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda" and args.kv_cache_dtype in ("float16", "bfloat16") \
+            and args.kv_cache_dtype != dtype:
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} with --dtype {dtype} on "
+                         "CUDA: the GPU attention kernels read a cache of the model dtype or "
+                         "fp8; use auto, fp8, or --dtype " + args.kv_cache_dtype)
     args = _resolve_quantization(args, device, resolved.gguf_file)
     bf16_gemm = False
     if device == "cpu" and dtype == "bfloat16" and args.quantization in ("gguf", "int8"):
@@ -500,7 +505,8 @@ def build_executor(resolved: ResolvedEngine, tp: Any = None, pp: Any = None):
     dtype = getattr(torch, resolved.dtype)
     tp = SINGLE_RANK if tp is None else tp
     pp = SINGLE_STAGE if pp is None else pp
-    kv_dtype = dtype if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    kv_dtype = {"auto": dtype, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
+        args.kv_cache_dtype, torch.float8_e4m3fn)
     if resolved.bf16_gemm and args.kv_cache_dtype == "auto":
         # --dtype bfloat16 with quantized weights on the CPU: float32 activations, the
         # KV cache in bf16 (half the bytes each decode step's attention reads)

@@ -42,9 +42,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8", "fp8_e4m3"],
-        help="KV cache element type: auto = the model dtype; fp8/fp8_e4m3 = float8_e4m3fn "
-        "(scale 1.0), half the bytes of bf16, so twice the KV blocks",
+        choices=["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"],
+        help="KV cache element type: auto = the model dtype; float16 / bfloat16 = that "
+        "dtype (CUDA: only the model dtype; CPU: under float32 activations too, half the "
+        "bytes each decode step reads); fp8/fp8_e4m3 = float8_e4m3fn (scale 1.0), half the "
+        "bytes of bf16, so twice the KV blocks",
     )
     g.add_argument(
         "--cpu-threads",

@@ -67,12 +67,14 @@ def test_matches_reference(dtype, hq, hkv, d):
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 64), (10, 2, 64), (4, 2, 64),
                                       (8, 8, 128), (8, 4, 128), (12, 4, 128), (6, 2, 80)])
 @pytest.mark.parametrize("window", [None, 21])
-def test_float32_queries_over_a_bf16_cache(hq, hkv, d, window):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_float32_queries_over_a_half_cache(hq, hkv, d, window, kv_dtype):
     """float32 queries over a bf16 cache (`--dtype bfloat16` with quantized weights on
-    the CPU) take the chunked float32 body, the cache widened exactly as it is read:
-    the reference over the same values in float32, within float32 rounding."""
+    the CPU) or a float16 one (`--kv-cache-dtype float16`) take the chunked float32
+    body, the cache widened exactly as it is read: the reference over the same values in
+    float32, within float32 rounding."""
     lens = [1, 15, 16, 17, 100, 250]
-    cache, bt, seq_lens, _, tok_idx = _case(torch.bfloat16, hq, hkv, d, lens)
+    cache, bt, seq_lens, _, tok_idx = _case(kv_dtype, hq, hkv, d, lens)
     q = torch.randn(len(lens) + 1, hq, d)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, cache, bt, seq_lens, tok_idx, torch.arange(len(lens)), d ** -0.5,
@@ -117,7 +119,7 @@ def test_a_request_gets_the_same_bits_alone_or_in_a_batch(hq, hkv, d, lens):
     _assert_same_bits_alone(q, cache, bt, seq_lens, tok_idx, batch, d ** -0.5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (520, None), (None, 30.0)])
 def test_long_contexts_in_parts(kv_dtype, window, soft_cap):
     """Contexts over 256 positions (after the window) are attended in parts of 256 by

@@ -149,10 +149,16 @@ def test_rotary_on_fused_qkv_views(t):
         cpu_kernels.rope_neox(torch.tensor([512] * t), q, k, rope.cos_sin_cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_cache_matches_reference(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float16, torch.float16)])
+def test_write_kv_cache_matches_reference(dtype, cache_dtype):
+    """K/V rows into their slots, as torch's index_copy_ (write_kv_cache in
+    torch_backend.py) writes them: float32 rows into a bf16 or float16 cache rounded in
+    C to the same bits as torch's conversion."""
     hkv, d = 3, 64
-    cache = torch.randn(2, 6, 16, hkv, d).to(dtype)
+    cache = torch.randn(2, 6, 16, hkv, d).to(cache_dtype)
     ref = cache.clone()
     kv = torch.randn(4, 2 * hkv * d).to(dtype)  # K and V as views of one row each
     k, v = kv[:, :hkv * d].view(4, hkv, d), kv[:, hkv * d:].view(4, hkv, d)
@@ -163,13 +169,44 @@ def test_write_kv_cache_matches_reference(dtype):
     with pytest.raises(IndexError, match="96"):
         cpu_kernels.write_kv_cache(k, v, cache, torch.tensor([0, 1, 96, 2]))
     assert torch.equal(cache, ref)  # nothing written
-    assert not cpu_kernels.write_kv_cache(k.float(), v.float(), cache.to(torch.float16), slots)
+    assert not cpu_kernels.write_kv_cache(k.double(), v.double(), cache, slots)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_decode_step_short_path_matches_reference(dtype):
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_write_kv_cache_rounds_as_torch(cache_dtype):
+    """The C rounding of float32 into float16 / bf16 against torch's conversion, bit for
+    bit: ties to even, float16 subnormals and underflow to zero, overflow to infinity
+    from 65520 up (65504 the largest float16), infinities, NaN, signed zeros, and fresh
+    random values over float16's and bf16's whole range."""
+    finfo = torch.finfo(torch.float16)
+    edge = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e6,
+                         float("inf"), float("-inf"), finfo.tiny, finfo.tiny * 0.75,
+                         2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * 1.0001, 2.0 ** -26, 3e-8,
+                         1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -11 + 2.0 ** -20,
+                         1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3e38, -3e38])
+    g = torch.Generator().manual_seed(7)
+    mag = torch.exp2(torch.empty(4096 - edge.numel()).uniform_(-30, 20, generator=g))
+    signs = torch.where(torch.rand(mag.shape, generator=g) < 0.5, -1.0, 1.0)
+    vals = torch.cat([edge, mag * signs]).reshape(-1, 1, 64)  # [64 tokens, 1 head, 64]
+    n = vals.shape[0]
+    cache = torch.zeros(2, 4, 16, 1, 64, dtype=cache_dtype)
+    slots = torch.arange(n)
+    assert cpu_kernels.write_kv_cache(vals, -vals, cache, slots)
+    want = vals.to(cache_dtype)
+    got_k, got_v = cache[0].reshape(n, 1, 64), cache[1].reshape(n, 1, 64)
+    assert torch.equal(got_k.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got_v.view(torch.int16), (-vals).to(cache_dtype).view(torch.int16))
+    nan = torch.full((1, 1, 64), float("nan"))
+    assert cpu_kernels.write_kv_cache(nan, nan, cache, torch.tensor([0]))
+    assert cache[0, 0, 0].isnan().all() and cache[1, 0, 0].isnan().all()
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float16)])
+def test_all_decode_step_short_path_matches_reference(dtype, cache_dtype):
     hq, hkv, d, block = 6, 2, 32, 16
-    cache = torch.randn(2, 12, block, hkv, d).to(dtype)
+    cache = torch.randn(2, 12, block, hkv, d).to(cache_dtype)
     cache_ref = cache.clone()
     lens = [20, 33, 5]
     qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)

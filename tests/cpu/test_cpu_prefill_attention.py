@@ -53,8 +53,8 @@ def _step(hq, hkv, d, q_lens, lens, dtype=torch.float32, pad=0, seed=0):
     q = 2 * torch.randn(rows, hq, d, generator=g)
     k = torch.randn(rows, hkv, d, generator=g)
     v = torch.randn(rows, hkv, d, generator=g)
-    if dtype == torch.bfloat16:  # the reference attends a fresh prompt's own k/v as given
-        k, v = k.bfloat16().float(), v.bfloat16().float()
+    if dtype != torch.float32:  # the reference attends a fresh prompt's own k/v as given
+        k, v = k.to(dtype).float(), v.to(dtype).float()
     return cache, meta, q, k, v
 
 
@@ -86,12 +86,13 @@ def test_mixed_step_matches_reference(hq, hkv, d, window):
     torch.testing.assert_close(out, ref, **F32_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 30])
-def test_bf16_cache_matches_reference(window):
-    """A bf16 cache on a CPU without native bf16 products: the kernel reads K/V from the
-    cache (bf16 values widened exactly), float32 sums, as the reference does given the
-    same values."""
-    out, ref, _ = _both(9, 3, 64, [128, 1, 50], [128, 77, 180], window, torch.bfloat16)
+def test_half_cache_matches_reference(window, dtype):
+    """A bf16 cache on a CPU without native bf16 products, or a float16 cache: the
+    kernel reads K/V from the cache (values widened exactly), float32 sums, as the
+    reference does given the same values."""
+    out, ref, _ = _both(9, 3, 64, [128, 1, 50], [128, 77, 180], window, dtype)
     torch.testing.assert_close(out, ref, **F32_TOL)
 
 

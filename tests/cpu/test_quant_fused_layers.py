@@ -44,21 +44,24 @@ def test_matmul_same_bits_for_any_thread_count(fmt, rows):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_equals_per_operator_path(default_model_path, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"),
+                                      ("float32", "float16")])
+def test_fused_decode_equals_per_operator_path(default_model_path, monkeypatch, dtype, kv):
     """The fused decode layers against the per-operator path, same tokens and logprobs
     within float32 rounding; with `--dtype bfloat16` (on a CPU with native bf16: a bf16
-    KV cache and, with AMX, the AMX body from 4 rows) on both paths alike."""
+    KV cache and, with AMX, the AMX body from 4 rows) or `--kv-cache-dtype float16` (K/V
+    rounded by the same C code on both paths) on both paths alike."""
     gguf = conversion_source(default_model_path)
     assert gguf is not None and gguf.endswith(".gguf")
     llm = LLM(gguf, quantization="gguf", enable_prefix_caching=False, cpu_threads=2,
-              max_model_len=256, dtype=dtype, placement="inproc")
+              max_model_len=256, dtype=dtype, kv_cache_dtype=kv, placement="inproc")
     # float32: float32 rounding (and, before session 41, the silu's exp). bf16 products and
     # cache: such a difference moves values across bf16 rounding boundaries (2^-8
     # relative) and grows as a bf16 model's noise does (measured 3.4e-3; the bf16 path
     # against float32 transformers: 0.045, test_quantized_greedy.py). The prompts and
     # weights are fixed, so the tokens are the same run to run on a CPU.
-    tol = 3e-5 if llm.engine.executor.runner.kv_caches[0].dtype == torch.float32 else 0.05
+    tol = 0.05 if llm.engine.executor.runner.kv_caches[0].dtype == torch.bfloat16 else 3e-5
+    assert kv == "auto" or llm.engine.executor.runner.kv_caches[0].dtype == torch.float16
     calls = {"fused": 0}
     real = cpu_fused.decode_forward
 

@@ -77,6 +77,53 @@ def test_num_gpu_blocks_override_sizes_the_cache(default_model_path) -> None:
     assert num_kv_blocks_for(resolved, bytes_per_block=4096) == 37
 
 
+def test_kv_cache_dtype_flag_choices() -> None:
+    """vLLM's --kv-cache-dtype values this engine has: float16 / bfloat16 name the cache's
+    dtype outright; an unknown one is argparse's error."""
+    for value in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"):
+        assert _args("--kv-cache-dtype", value).kv_cache_dtype == value
+    with pytest.raises(SystemExit):
+        _args("--kv-cache-dtype", "fp8_e5m2")
+
+
+def test_half_kv_cache_of_another_dtype_refused_on_cuda(default_model_path, monkeypatch) -> None:
+    """On CUDA the attention kernels read a cache of the model dtype or fp8: a float16
+    cache under bf16 activations is refused at start-up with what to change."""
+    import torch
+
+    from flowengine.engine.builder import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--kv-cache-dtype float16 with --dtype bfloat16 on "
+                                         "CUDA.*use auto, fp8, or --dtype float16"):
+        resolve(_args(default_model_path, "--device", "cuda", "--kv-cache-dtype", "float16"))
+
+
+@pytest.mark.slow
+def test_float16_kv_cache_on_the_cpu_holds_twice_the_blocks(default_model_path) -> None:
+    """`--kv-cache-dtype float16` under float32 activations (CPU): the cache is float16,
+    so the same byte budget holds twice the blocks of the float32 (auto) cache."""
+    import torch
+
+    from flowengine import LLM
+
+    blocks = {}
+    for kv in ("auto", "float16"):
+        llm = LLM(default_model_path, kv_cache_dtype=kv, kv_cache_memory_bytes=64 << 20,
+                  max_model_len=512, placement="inproc")
+        try:
+            runner = llm.engine.executor.runner
+            assert runner.kv_caches[0].dtype == (torch.float16 if kv == "float16"
+                                                 else torch.float32)
+            blocks[kv] = llm.engine.scheduler.make_stats().num_total_blocks
+            out = llm.generate(["The capital of France is"],
+                               SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+        finally:
+            llm.shutdown()
+    assert blocks["float16"] == 2 * blocks["auto"]
+
+
 # ------------------------------------------------------------------ trust_remote_code
 def _custom_config_model(tmp_path) -> str:
     """A model directory whose config class is the repository's own code (auto_map)."""

@@ -5,8 +5,8 @@ Decode tokens (one new token per request) are attended by the C kernel
 query heads of that KV head pass over the request's blocks as the block table lists
 them, in groups that share each K and V row's load (up to 4 heads at head_dim 64, 2 at
 128), with an online softmax in float32; no copy of the context is
-gathered first, which the torch reference does every step. Float32 and bfloat16
-caches. Steps whose requests all have a few new tokens (at most
+gathered first, which the torch reference does every step. Float32, bfloat16 and
+float16 caches (half-width values widened to float32 exactly). Steps whose requests all have a few new tokens (at most
 VERIFY_MAX_QUERY_LEN: the verification steps of speculative decoding, k + 1 tokens per
 request) take the same C pass with one virtual request per new token: token t of a
 request with q_len new tokens sits at position seq_len - q_len + t, so it is a decode
@@ -38,7 +38,10 @@ from flowengine.model.layers import cpu_kernels
 # The kernel's limits (MAX_D, MAX_G in _cpu_ops.c).
 _MAX_HEAD_DIM = 256
 _MAX_GROUP = 32
+# Query dtypes (the kernel's q_bf16) and KV cache dtypes (its kv_fmt: KV_F32, KV_BF16,
+# KV_F16 in _cpu_ops.c).
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Steps with at most this many new tokens per request run the C decode pass, one
 # virtual request per token (module docstring); longer chunks go to SDPA.
 VERIFY_MAX_QUERY_LEN = 8
@@ -77,7 +80,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 
     Args:
         q: [T, Hq, D] float32 or bfloat16, contiguous; row tok_idx[i] is request i's token.
-        kv_cache: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, contiguous.
+        kv_cache: [2, num_blocks, block_size, Hkv, D] float32, bfloat16 or float16,
+            contiguous.
         block_tables: [R_all, max_blocks] int32, contiguous; request i's row req_idx[i].
         seq_lens: [R] int32, request i's context length (its new token included).
         tok_idx, req_idx: [R] int64.
@@ -94,7 +98,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         raise ValueError("the C extension flowengine._cpu_ops is not built")
     t, hq, d = q.shape
     _, num_blocks, block_size, hkv, d_kv = kv_cache.shape
-    if (q.dtype not in _DTYPES or kv_cache.dtype not in _DTYPES or out.dtype != q.dtype
+    if (q.dtype not in _DTYPES or kv_cache.dtype not in KV_FORMATS or out.dtype != q.dtype
             or d != d_kv or d > _MAX_HEAD_DIM or hq % hkv or hq // hkv > _MAX_GROUP):
         raise ValueError(f"paged_decode_attention does not take q {tuple(q.shape)} {q.dtype}, "
                          f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
@@ -103,7 +107,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                   req_idx=(req_idx, torch.int64))
     ops.paged_decode_attention(
         q.data_ptr(), _DTYPES[q.dtype], tok_idx.data_ptr(), req_idx.data_ptr(),
-        tok_idx.shape[0], hq, hkv, d, kv_cache.data_ptr(), _DTYPES[kv_cache.dtype],
+        tok_idx.shape[0], hq, hkv, d, kv_cache.data_ptr(), KV_FORMATS[kv_cache.dtype],
         num_blocks, block_size, block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         out.data_ptr(), torch.get_num_threads())
@@ -121,7 +125,8 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
         q: [T, Hq, D] float32, contiguous; request r's new tokens are rows
             query_start[r] .. query_start[r + 1] - 1, at positions seq_lens[r] - n ..
             seq_lens[r] - 1 (n = their count).
-        kv_cache: [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, contiguous.
+        kv_cache: [2, num_blocks, block_size, Hkv, D] float32, bfloat16 or float16,
+            contiguous.
         block_tables: [R, max_blocks] int32, contiguous; row r is request r's.
         query_start: [R + 1] int64. seq_lens: [R] int32 (context with the new tokens).
         reqs: [N] int64, the requests to attend (the others' rows are not written).
@@ -140,7 +145,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     t, hq, d = q.shape
     _, num_blocks, block_size, hkv, d_kv = kv_cache.shape
     if (q.dtype != torch.float32 or out.dtype != torch.float32 or out.shape != q.shape
-            or kv_cache.dtype not in _DTYPES or d != d_kv):
+            or kv_cache.dtype not in KV_FORMATS or d != d_kv):
         raise ValueError(f"paged_prefill_attention does not take q {tuple(q.shape)} "
                          f"{q.dtype}, cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
     _check_layout(q, kv_cache, out, block_tables=(block_tables, torch.int32),
@@ -153,7 +158,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError("paged_prefill_attention: query_start, seq_lens, block_tables "
                          "and reqs disagree on the requests")
     ops.paged_prefill_attention(
-        q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), _DTYPES[kv_cache.dtype], hq, hkv,
+        q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), KV_FORMATS[kv_cache.dtype], hq, hkv,
         d, num_blocks, block_size, block_tables.data_ptr(), block_tables.shape[1],
         query_start.data_ptr(), seq_lens.data_ptr(), reqs.data_ptr(), reqs.shape[0], scale,
         sliding_window or 0, torch.get_num_threads())
@@ -264,7 +269,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = _decode_plan(meta, q)
         if (plan is None or plan[0].shape[0] != q.shape[0]  # a caller with other rows
                 or not (q.is_contiguous() and q.dtype in _DTYPES)
-                or kv_cache.dtype not in _DTYPES or q.shape[2] > _MAX_HEAD_DIM
+                or kv_cache.dtype not in KV_FORMATS or q.shape[2] > _MAX_HEAD_DIM
                 or q.shape[1] // kv_cache.shape[3] > _MAX_GROUP
                 or not cpu_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)):
             out = self._prefill_step(q, k, v, kv_cache, meta, scale, sliding_window,
@@ -294,7 +299,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cache on a CPU that multiplies bf16 natively (_prefill_dtype's bf16 SDPA)."""
         if (meta.max_query_len <= 1 or soft_cap is not None or not _prefill_kernel_on()
                 or q.dtype != torch.float32 or not q.is_contiguous()
-                or kv_cache.dtype not in _DTYPES or q.shape[2] % 8
+                or kv_cache.dtype not in KV_FORMATS or q.shape[2] % 8
                 or q.shape[2] > _MAX_HEAD_DIM or q.shape[1] % kv_cache.shape[3]
                 or q.shape[1] // kv_cache.shape[3] > _MAX_GROUP
                 or self._prefill_dtype(kv_cache) != torch.float32):
@@ -347,7 +352,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = kv_cache.shape[3]
         if (_kernel() is None or q.device.type != "cpu" or q.dtype not in _DTYPES
-                or kv_cache.dtype not in _DTYPES or head_dim > _MAX_HEAD_DIM
+                or kv_cache.dtype not in KV_FORMATS or head_dim > _MAX_HEAD_DIM
                 or num_heads // num_kv_heads > _MAX_GROUP):
             TorchAttentionBackend._decode(q, kv_cache, meta, reqs, query_start, seq_lens,
                                           scale, out, sliding_window, soft_cap)

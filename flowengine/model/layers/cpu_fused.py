@@ -7,7 +7,7 @@ Llama-style model (pre-norm RMSNorm, fused qkv with NeoX RoPE, paged decode atte
 SwiGLU MLP) with quantized weights in `_cpu_ops.decode_layers`: the same C bodies the
 per-operator path calls (so the same numbers; with `--dtype bfloat16` the matmuls take
 the AMX bodies from the rows the weights' `bf16_rows` say, as QuantizedWeight.matmul does,
-and the KV cache may be bf16), with no Python between them. It applies when every
+and the KV cache may be bf16 or float16), with no Python between them. It applies when every
 request of the step decodes one token (the CPU attention backend's decode plan) and
 the model is of that exact kind; otherwise it returns None and LlamaModel.forward takes
 its usual path. FLOWENGINE_CPU_NO_FUSED=1 turns it off with the other fused CPU
@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from flowengine.model.attention.cpu_backend import KV_FORMATS
 from flowengine.model.layers import cpu_kernels
 from flowengine.model.layers.quant_linear import DEQUANT_MIN_ROWS, FORMATS, QuantizedWeight
 
@@ -79,7 +80,7 @@ def _build_plan(model, kv_caches: list[torch.Tensor]):
         ws = [_quant(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(w is None for w in ws):
             return False
-        if (cache.dtype not in (torch.float32, torch.bfloat16) or cache.dtype != kv_dtype
+        if (cache.dtype not in KV_FORMATS or cache.dtype != kv_dtype
                 or not cache.is_contiguous() or cache.dim() != 5 or cache.shape[0] != 2):
             return False
         this = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.gate_up_proj.weight.shape[0]
@@ -111,7 +112,7 @@ def _build_plan(model, kv_caches: list[torch.Tensor]):
     # the tensors whose pointers the table holds must stay alive: keep them
     return {"table": table, "shape": shape, "eps": float(eps), "caches": list(kv_caches),
             "amx": torch.tensor(amx, dtype=torch.int64) if any(amx) else None,
-            "kv_bf16": kv_dtype == torch.bfloat16}
+            "kv_fmt": KV_FORMATS[kv_dtype]}
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -161,5 +162,5 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
         cache_shape[1], cache_shape[2], tok_idx.data_ptr(), req_idx.data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), scale,
         torch.get_num_threads(), 0 if plan["amx"] is None else plan["amx"].data_ptr(),
-        plan["kv_bf16"])
+        plan["kv_fmt"])
     return out

@@ -109,18 +109,20 @@ def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q_out, k_out
 
 
+# Half-width KV cache dtypes and their kv_fmt codes in _cpu_ops.c (KV_BF16, KV_F16).
+_HALF_FORMATS = {torch.bfloat16: 1, torch.float16: 2}
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> bool:
     """Store K/V [T, Hkv, D] (heads contiguous, any token stride) at slot_mapping [T]
-    int64 (-1: skipped) of kv_cache [2, N, B, Hkv, D] (float32 or bfloat16; float32 K/V
-    into a bfloat16 cache are rounded to it first, as torch's conversion does). False
-    (nothing written) when the inputs are not of that kind. Raises IndexError (nothing
-    written) for a slot outside the cache."""
-    if (k.dtype == v.dtype == torch.float32 and kv_cache.dtype == torch.bfloat16
-            and k.device.type == "cpu"):
-        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    if not (ENABLED and k.dtype == v.dtype == kv_cache.dtype
-            and k.dtype in (torch.float32, torch.bfloat16) and k.device.type == "cpu"
+    int64 (-1: skipped) of kv_cache [2, N, B, Hkv, D] (float32, bfloat16 or float16;
+    float32 K/V into a bfloat16 or float16 cache are rounded to nearest even in C, the
+    values torch's conversions give). False (nothing written) when the inputs are not
+    of that kind. Raises IndexError (nothing written) for a slot outside the cache."""
+    fmt = _HALF_FORMATS.get(kv_cache.dtype, 0) if k.dtype == torch.float32 else 0
+    if not (ENABLED and k.dtype == v.dtype and (fmt or k.dtype == kv_cache.dtype)
+            and kv_cache.dtype in (torch.float32, *_HALF_FORMATS) and k.device.type == "cpu"
             and kv_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous() and k.shape == v.shape
             and k.shape[1:] == kv_cache.shape[3:] and slot_mapping.shape[0] == k.shape[0]):
@@ -132,5 +134,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     slots = kv_cache.shape[1] * kv_cache.shape[2]
     row = k.shape[1] * k.shape[2]
     _ops.write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, row,
-                  k.element_size(), slot_mapping.data_ptr(), kv_cache.data_ptr(), slots * row)
+                  k.element_size(), slot_mapping.data_ptr(), kv_cache.data_ptr(), slots * row,
+                  fmt)
     return True
