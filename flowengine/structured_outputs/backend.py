@@ -183,8 +183,10 @@ def select_backend(configured: str, kind: str, spec: str) -> str:
 
 def choice_to_ebnf(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices` (JSON string escapes, which
-    xgrammar's and GBNF's string literals share)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    xgrammar's and GBNF's string literals share). Characters other than controls,
+    quotes and backslashes stay themselves: a JSON escape of one past U+FFFF is a
+    surrogate pair, which both grammars read as two (invalid) code points."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def is_lark(grammar: str) -> bool:

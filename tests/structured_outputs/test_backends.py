@@ -63,6 +63,17 @@ def test_choice_mask_is_exactly_the_prefix_tokens(backend, tokenizer, vocab_size
     assert matcher.is_terminated()
 
 
+def test_choice_outside_the_basic_plane_is_its_utf8(backend, tokenizer, vocab_size):
+    # An emoji is one code point past U+FFFF; written as a JSON surrogate pair
+    # ("\\ud83d\\ude00") the grammar took the two halves as code points, and the
+    # output was six bytes of invalid UTF-8 (U+FFFD in the text).
+    eos = tokenizer.eos_token_id
+    matcher = backend.compile("choice", json.dumps(["maybe 😀", "no"]), OPTS).new_matcher([eos])
+    ids = tokenizer.encode("maybe 😀", add_special_tokens=False)
+    assert all(matcher.accept_token(t) for t in [*ids, eos])
+    assert matcher.is_terminated()
+
+
 def test_regex_and_rollback_and_reset(backend, tokenizer, vocab_size):
     eos = tokenizer.eos_token_id
     matcher = backend.compile("regex", r"[0-9]{3}-[0-9]{2}", OPTS).new_matcher([eos])
@@ -248,7 +259,7 @@ def test_ipv4_and_date_formats_are_exact(name, tokenizer, vocab_size):
 
 
 def test_choice_ebnf_escapes():
-    assert choice_to_ebnf(['a"b', "c\\d", "é"]) == 'root ::= "a\\"b" | "c\\\\d" | "\\u00e9"'
+    assert choice_to_ebnf(['a"b', "c\\d", "é\n"]) == 'root ::= "a\\"b" | "c\\\\d" | "é\\n"'
 
 
 def _request(req_id: str, so: StructuredOutputsParams, eos: int, outputs=()) -> Request:
