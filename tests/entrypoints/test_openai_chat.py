@@ -151,6 +151,17 @@ def test_chat_logprobs_top_logprobs(client):
     assert r0.choices[0].logprobs.content[0].top_logprobs == []
 
 
+def test_chat_top_logprobs_zero_without_logprobs_is_accepted(http):
+    # vLLM refuses top_logprobs without logprobs only when it asks for some (> 0);
+    # clients that send top_logprobs: 0 by default got a 400 here.
+    for logprobs in ({}, {"logprobs": False}):
+        body = {"messages": HELLO, "max_tokens": 2, "temperature": 0, "top_logprobs": 0,
+                **logprobs}
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert strict(resp.content, ChatCompletionResponse).choices[0].logprobs is None
+
+
 def test_chat_stop_strings(client):
     r = client.chat.completions.create(
         model="fake-model", messages=HELLO, max_tokens=20, temperature=0, stop=[": h"]
