@@ -87,10 +87,11 @@ def bitmask_words(vocab_size: int) -> int:
 # JSON-schema keywords that xgrammar's converter ignores without an error (it would
 # then accept outputs the schema forbids; checked against xgrammar 0.2.9). A schema
 # using one of them goes to llguidance under "auto", and is refused by name under
-# "xgrammar". multipleOf is honoured for integers only.
+# "xgrammar". multipleOf is honoured for integers only. uniqueItems (only when true:
+# false asks for nothing) is not implemented by llguidance either, so it is refused.
 _XGRAMMAR_UNSUPPORTED = frozenset({
     "not", "contains", "minContains", "maxContains", "if", "then", "else",
-    "dependentSchemas", "multipleOf",
+    "dependentSchemas", "multipleOf", "uniqueItems",
 })
 # Keys whose values are user data, not subschemas: not walked for keywords.
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "required", "description",
@@ -120,7 +121,8 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
             if key in _DATA_KEYS:
                 continue
             if key in unsupported and not (key == "multipleOf"
-                                           and node.get("type") == "integer"):
+                                           and node.get("type") == "integer") and not (
+                    key == "uniqueItems" and value is False):
                 found.add(key)
             if key == "format" and ("minLength" in node or "maxLength" in node):
                 found.add("format with minLength/maxLength")

@@ -171,6 +171,22 @@ def test_unsupported_schema_features_are_named():
         validate_structured_outputs(StructuredOutputsParams(json=schema), "auto")
 
 
+def test_unique_items_is_refused_not_ignored():
+    # xgrammar ignores uniqueItems (it let "[1, 1]" through, so a schema of a set, e.g.
+    # Pydantic's set[int], gave duplicates) and llguidance does not implement it: the
+    # request is refused naming it. uniqueItems false asks for nothing.
+    sets = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    assert unsupported_json_features(sets) == ["uniqueItems"]
+    assert select_backend("auto", "json", json.dumps(sets)) == "guidance"
+    with pytest.raises(ValueError, match=r'Unimplemented keys: \["uniqueItems"\]'):
+        validate_structured_outputs(StructuredOutputsParams(json=sets), "auto")
+    with pytest.raises(ValueError, match="uses uniqueItems, which the xgrammar backend"):
+        validate_structured_outputs(StructuredOutputsParams(json=sets), "xgrammar")
+    lists = {**sets, "uniqueItems": False}
+    assert unsupported_json_features(lists) == []
+    assert validate_structured_outputs(StructuredOutputsParams(json=lists)) == "xgrammar"
+
+
 def test_validation_is_cached_per_constraint_and_names_each_callers_field(monkeypatch):
     """The frontend checks a repeated (backend, kind, spec, options) once; a cached
     failure still names the field of the request that repeats it."""
