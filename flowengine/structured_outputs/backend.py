@@ -103,8 +103,8 @@ _NAMED_SUBSCHEMAS = frozenset({"properties", "$defs", "definitions", "patternPro
 def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMMAR_UNSUPPORTED,
                               ) -> list[str]:
     """The keywords of `schema` (a parsed JSON schema) in `unsupported`, sorted; also
-    "format with minLength/maxLength" (xgrammar drops the length bounds of a string
-    that has a format)."""
+    "format with minLength/maxLength" and "pattern with minLength/maxLength" (xgrammar
+    drops the length bounds of a string that has a format or a pattern)."""
     found: set[str] = set()
 
     def walk(node: Any, named: bool = False) -> None:
@@ -124,8 +124,8 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
                                            and node.get("type") == "integer") and not (
                     key == "uniqueItems" and value is False):
                 found.add(key)
-            if key == "format" and ("minLength" in node or "maxLength" in node):
-                found.add("format with minLength/maxLength")
+            if key in ("format", "pattern") and ("minLength" in node or "maxLength" in node):
+                found.add(f"{key} with minLength/maxLength")
             walk(value, named=key in _NAMED_SUBSCHEMAS)
 
     walk(schema)

@@ -171,6 +171,24 @@ def test_unsupported_schema_features_are_named():
         validate_structured_outputs(StructuredOutputsParams(json=schema), "auto")
 
 
+def test_a_pattern_with_length_bounds_goes_to_llguidance(tokenizer, vocab_size):
+    # xgrammar dropped minLength/maxLength beside a pattern (Pydantic's
+    # Field(pattern=..., max_length=...)): '"aaa"' passed maxLength 2. "auto" now
+    # sends such a schema to llguidance, which honours both.
+    schema = {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^a+$", "minLength": 2, "maxLength": 3}}}
+    assert unsupported_json_features(schema) == ["pattern with minLength/maxLength"]
+    spec = json.dumps(schema)
+    assert select_backend("auto", "json", spec) == "guidance"
+    eos = tokenizer.eos_token_id
+    compiled = GuidanceBackend(tokenizer, vocab_size, eos_token_id=eos).compile(
+        "json", spec, OPTS)
+    for text, ok in (("aa", True), ("aaa", True), ("a", False), ("aaaa", False)):
+        ids = tokenizer.encode(json.dumps({"code": text}), add_special_tokens=False)
+        matcher = compiled.new_matcher([eos])
+        assert all(matcher.accept_token(t) for t in [*ids, eos]) == ok, text
+
+
 def test_unique_items_is_refused_not_ignored():
     # xgrammar ignores uniqueItems (it let "[1, 1]" through, so a schema of a set, e.g.
     # Pydantic's set[int], gave duplicates) and llguidance does not implement it: the
