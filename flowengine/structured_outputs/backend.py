@@ -104,7 +104,8 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
                               ) -> list[str]:
     """The keywords of `schema` (a parsed JSON schema) in `unsupported`, sorted; also
     "format with minLength/maxLength" and "pattern with minLength/maxLength" (xgrammar
-    drops the length bounds of a string that has a format or a pattern)."""
+    drops the length bounds of a string that has a format or a pattern), and "allOf"
+    of several schemas (xgrammar takes any one of them, as anyOf)."""
     found: set[str] = set()
 
     def walk(node: Any, named: bool = False) -> None:
@@ -126,6 +127,8 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
                 found.add(key)
             if key in ("format", "pattern") and ("minLength" in node or "maxLength" in node):
                 found.add(f"{key} with minLength/maxLength")
+            if key == "allOf" and isinstance(value, list) and len(value) > 1:
+                found.add("allOf")
             walk(value, named=key in _NAMED_SUBSCHEMAS)
 
     walk(schema)

@@ -189,6 +189,24 @@ def test_a_pattern_with_length_bounds_goes_to_llguidance(tokenizer, vocab_size):
         assert all(matcher.accept_token(t) for t in [*ids, eos]) == ok, text
 
 
+def test_all_of_several_schemas_goes_to_llguidance(tokenizer, vocab_size):
+    # xgrammar took allOf [A, B] as anyOf: {"a": 1} passed without B's required "b".
+    both = {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    assert unsupported_json_features(both) == ["allOf"]
+    assert unsupported_json_features({"allOf": [{"type": "integer"}]}) == []  # a wrapper
+    spec = json.dumps(both)
+    assert select_backend("auto", "json", spec) == "guidance"
+    eos = tokenizer.eos_token_id
+    compiled = GuidanceBackend(tokenizer, vocab_size, eos_token_id=eos).compile(
+        "json", spec, OPTS)
+    for value, ok in (({"a": 1}, False), ({"b": "x"}, False), ({"a": 1, "b": "x"}, True)):
+        ids = tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        matcher = compiled.new_matcher([eos])
+        assert all(matcher.accept_token(t) for t in [*ids, eos]) == ok, value
+
+
 def test_unique_items_is_refused_not_ignored():
     # xgrammar ignores uniqueItems (it let "[1, 1]" through, so a schema of a set, e.g.
     # Pydantic's set[int], gave duplicates) and llguidance does not implement it: the
