@@ -396,8 +396,9 @@ class InputProcessor:
             value = getattr(params, name)
             bad = [t for t in (value or ()) if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
-                    f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                raise RequestFieldError(
+                    f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                    name,
                 )
 
     def check_allowed_token_ids(self, params: SamplingParams) -> None:

@@ -87,10 +87,11 @@ def bitmask_words(vocab_size: int) -> int:
 # JSON-schema keywords that xgrammar's converter ignores without an error (it would
 # then accept outputs the schema forbids; checked against xgrammar 0.2.9). A schema
 # using one of them goes to llguidance under "auto", and is refused by name under
-# "xgrammar". multipleOf is honoured for integers only.
+# "xgrammar". multipleOf is honoured for integers only. uniqueItems (only when true:
+# false asks for nothing) is not implemented by llguidance either, so it is refused.
 _XGRAMMAR_UNSUPPORTED = frozenset({
     "not", "contains", "minContains", "maxContains", "if", "then", "else",
-    "dependentSchemas", "multipleOf",
+    "dependentSchemas", "multipleOf", "uniqueItems",
 })
 # Keys whose values are user data, not subschemas: not walked for keywords.
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "required", "description",
@@ -102,8 +103,9 @@ _NAMED_SUBSCHEMAS = frozenset({"properties", "$defs", "definitions", "patternPro
 def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMMAR_UNSUPPORTED,
                               ) -> list[str]:
     """The keywords of `schema` (a parsed JSON schema) in `unsupported`, sorted; also
-    "format with minLength/maxLength" (xgrammar drops the length bounds of a string
-    that has a format)."""
+    "format with minLength/maxLength" and "pattern with minLength/maxLength" (xgrammar
+    drops the length bounds of a string that has a format or a pattern), and "allOf"
+    of several schemas (xgrammar takes any one of them, as anyOf)."""
     found: set[str] = set()
 
     def walk(node: Any, named: bool = False) -> None:
@@ -120,10 +122,13 @@ def unsupported_json_features(schema: Any, unsupported: frozenset[str] = _XGRAMM
             if key in _DATA_KEYS:
                 continue
             if key in unsupported and not (key == "multipleOf"
-                                           and node.get("type") == "integer"):
+                                           and node.get("type") == "integer") and not (
+                    key == "uniqueItems" and value is False):
                 found.add(key)
-            if key == "format" and ("minLength" in node or "maxLength" in node):
-                found.add("format with minLength/maxLength")
+            if key in ("format", "pattern") and ("minLength" in node or "maxLength" in node):
+                found.add(f"{key} with minLength/maxLength")
+            if key == "allOf" and isinstance(value, list) and len(value) > 1:
+                found.add("allOf")
             walk(value, named=key in _NAMED_SUBSCHEMAS)
 
     walk(schema)
@@ -183,8 +188,10 @@ def select_backend(configured: str, kind: str, spec: str) -> str:
 
 def choice_to_ebnf(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices` (JSON string escapes, which
-    xgrammar's and GBNF's string literals share)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    xgrammar's and GBNF's string literals share). Characters other than controls,
+    quotes and backslashes stay themselves: a JSON escape of one past U+FFFF is a
+    surrogate pair, which both grammars read as two (invalid) code points."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def is_lark(grammar: str) -> bool:

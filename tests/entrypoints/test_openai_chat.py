@@ -58,6 +58,39 @@ def test_chat_stream_role_chunk_first_then_content_usage_done(http):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (22, 6)
 
 
+def test_chat_stream_continuous_usage_stats_on_every_chunk(http):
+    # vLLM's stream_options.continuous_usage_stats was silently ignored: no chunk but
+    # the last carried usage. Every chunk carries its choice's usage so far.
+    req = {
+        "messages": HELLO,
+        "max_tokens": 3,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    resp = http.post("/v1/chat/completions", json=req)
+    chunks = [strict(p, ChatCompletionChunk) for p in sse_events(resp.content)]
+    seen = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        seen[choice.index] += 0 if choice.delta.role else len(choice.delta.content or "")
+        use = c.usage
+        assert (use.prompt_tokens, use.completion_tokens) == (22, seen[choice.index])
+        assert use.total_tokens == 22 + seen[choice.index]
+    assert seen == {0: 3, 1: 3}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    # It implies include_usage (vLLM's default), unless that is false.
+    req["stream_options"] = {"continuous_usage_stats": True}
+    chunks = [strict(p, ChatCompletionChunk)
+              for p in sse_events(http.post("/v1/chat/completions", json=req).content)]
+    assert all(c.usage is not None for c in chunks) and chunks[-1].choices == []
+    req["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    chunks = [strict(p, ChatCompletionChunk)
+              for p in sse_events(http.post("/v1/chat/completions", json=req).content)]
+    assert all(c.usage is None and c.choices for c in chunks)
+
+
 def test_chat_stream_through_sdk_without_usage(client):
     stream = client.chat.completions.create(
         model="fake-model", messages=HELLO, max_tokens=5, temperature=0, stream=True
@@ -116,6 +149,17 @@ def test_chat_logprobs_top_logprobs(client):
         model="fake-model", messages=HELLO, max_tokens=1, temperature=0, logprobs=True
     )
     assert r0.choices[0].logprobs.content[0].top_logprobs == []
+
+
+def test_chat_top_logprobs_zero_without_logprobs_is_accepted(http):
+    # vLLM refuses top_logprobs without logprobs only when it asks for some (> 0);
+    # clients that send top_logprobs: 0 by default got a 400 here.
+    for logprobs in ({}, {"logprobs": False}):
+        body = {"messages": HELLO, "max_tokens": 2, "temperature": 0, "top_logprobs": 0,
+                **logprobs}
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert strict(resp.content, ChatCompletionResponse).choices[0].logprobs is None
 
 
 def test_chat_stop_strings(client):

@@ -111,6 +111,28 @@ def test_stream_multi_prompt_with_usage(http):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (6, 8)
 
 
+def test_stream_continuous_usage_stats_per_choice(http):
+    # stream_options.continuous_usage_stats (vLLM's) was silently ignored.
+    req = {
+        "prompt": ["abc", "wxyz"],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    chunks = [strict(p, CompletionResponse)
+              for p in sse_events(http.post("/v1/completions", json=req).content)]
+    seen = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        seen[choice.index] += len(choice.text)
+        prompt_len = (3, 4)[choice.index]
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (prompt_len,
+                                                                      seen[choice.index])
+    assert seen == {0: 2, 1: 2}
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (7, 4)
+
+
 def test_stop_token_ids_and_stop_strings(client):
     r = client.completions.create(
         model="fake-model", prompt="abcd", max_tokens=10, temperature=0,

@@ -63,6 +63,17 @@ def test_choice_mask_is_exactly_the_prefix_tokens(backend, tokenizer, vocab_size
     assert matcher.is_terminated()
 
 
+def test_choice_outside_the_basic_plane_is_its_utf8(backend, tokenizer, vocab_size):
+    # An emoji is one code point past U+FFFF; written as a JSON surrogate pair
+    # ("\\ud83d\\ude00") the grammar took the two halves as code points, and the
+    # output was six bytes of invalid UTF-8 (U+FFFD in the text).
+    eos = tokenizer.eos_token_id
+    matcher = backend.compile("choice", json.dumps(["maybe 😀", "no"]), OPTS).new_matcher([eos])
+    ids = tokenizer.encode("maybe 😀", add_special_tokens=False)
+    assert all(matcher.accept_token(t) for t in [*ids, eos])
+    assert matcher.is_terminated()
+
+
 def test_regex_and_rollback_and_reset(backend, tokenizer, vocab_size):
     eos = tokenizer.eos_token_id
     matcher = backend.compile("regex", r"[0-9]{3}-[0-9]{2}", OPTS).new_matcher([eos])
@@ -160,6 +171,58 @@ def test_unsupported_schema_features_are_named():
         validate_structured_outputs(StructuredOutputsParams(json=schema), "auto")
 
 
+def test_a_pattern_with_length_bounds_goes_to_llguidance(tokenizer, vocab_size):
+    # xgrammar dropped minLength/maxLength beside a pattern (Pydantic's
+    # Field(pattern=..., max_length=...)): '"aaa"' passed maxLength 2. "auto" now
+    # sends such a schema to llguidance, which honours both.
+    schema = {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^a+$", "minLength": 2, "maxLength": 3}}}
+    assert unsupported_json_features(schema) == ["pattern with minLength/maxLength"]
+    spec = json.dumps(schema)
+    assert select_backend("auto", "json", spec) == "guidance"
+    eos = tokenizer.eos_token_id
+    compiled = GuidanceBackend(tokenizer, vocab_size, eos_token_id=eos).compile(
+        "json", spec, OPTS)
+    for text, ok in (("aa", True), ("aaa", True), ("a", False), ("aaaa", False)):
+        ids = tokenizer.encode(json.dumps({"code": text}), add_special_tokens=False)
+        matcher = compiled.new_matcher([eos])
+        assert all(matcher.accept_token(t) for t in [*ids, eos]) == ok, text
+
+
+def test_all_of_several_schemas_goes_to_llguidance(tokenizer, vocab_size):
+    # xgrammar took allOf [A, B] as anyOf: {"a": 1} passed without B's required "b".
+    both = {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}
+    assert unsupported_json_features(both) == ["allOf"]
+    assert unsupported_json_features({"allOf": [{"type": "integer"}]}) == []  # a wrapper
+    spec = json.dumps(both)
+    assert select_backend("auto", "json", spec) == "guidance"
+    eos = tokenizer.eos_token_id
+    compiled = GuidanceBackend(tokenizer, vocab_size, eos_token_id=eos).compile(
+        "json", spec, OPTS)
+    for value, ok in (({"a": 1}, False), ({"b": "x"}, False), ({"a": 1, "b": "x"}, True)):
+        ids = tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        matcher = compiled.new_matcher([eos])
+        assert all(matcher.accept_token(t) for t in [*ids, eos]) == ok, value
+
+
+def test_unique_items_is_refused_not_ignored():
+    # xgrammar ignores uniqueItems (it let "[1, 1]" through, so a schema of a set, e.g.
+    # Pydantic's set[int], gave duplicates) and llguidance does not implement it: the
+    # request is refused naming it. uniqueItems false asks for nothing.
+    sets = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    assert unsupported_json_features(sets) == ["uniqueItems"]
+    assert select_backend("auto", "json", json.dumps(sets)) == "guidance"
+    with pytest.raises(ValueError, match=r'Unimplemented keys: \["uniqueItems"\]'):
+        validate_structured_outputs(StructuredOutputsParams(json=sets), "auto")
+    with pytest.raises(ValueError, match="uses uniqueItems, which the xgrammar backend"):
+        validate_structured_outputs(StructuredOutputsParams(json=sets), "xgrammar")
+    lists = {**sets, "uniqueItems": False}
+    assert unsupported_json_features(lists) == []
+    assert validate_structured_outputs(StructuredOutputsParams(json=lists)) == "xgrammar"
+
+
 def test_validation_is_cached_per_constraint_and_names_each_callers_field(monkeypatch):
     """The frontend checks a repeated (backend, kind, spec, options) once; a cached
     failure still names the field of the request that repeats it."""
@@ -248,7 +311,7 @@ def test_ipv4_and_date_formats_are_exact(name, tokenizer, vocab_size):
 
 
 def test_choice_ebnf_escapes():
-    assert choice_to_ebnf(['a"b', "c\\d", "é"]) == 'root ::= "a\\"b" | "c\\\\d" | "\\u00e9"'
+    assert choice_to_ebnf(['a"b', "c\\d", "é\n"]) == 'root ::= "a\\"b" | "c\\\\d" | "é\\n"'
 
 
 def _request(req_id: str, so: StructuredOutputsParams, eos: int, outputs=()) -> Request:

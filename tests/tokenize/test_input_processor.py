@@ -43,6 +43,17 @@ def test_a_priority_that_is_not_an_int64_is_refused(ip, priority, error, match) 
     assert ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=-(2**63)).children
 
 
+@pytest.mark.parametrize("field", ["allowed_token_ids", "logit_bias"])
+def test_a_token_id_outside_the_vocabulary_names_its_field(ip, field) -> None:
+    """The HTTP error's `param` is the field (it was null)."""
+    vocab_size = len(ip.tokenizer)
+    value = [vocab_size] if field == "allowed_token_ids" else {vocab_size: 1.0}
+    with pytest.raises(RequestFieldError, match=f"^{field} has token id {vocab_size} "
+                       "outside the vocabulary") as info:
+        ip.process("r1", "hi", SamplingParams(max_tokens=2, **{field: value}))
+    assert info.value.param == field
+
+
 @pytest.mark.parametrize("ip", ["fcfs"], indirect=True)
 @pytest.mark.parametrize("priority", [1, -1, 2**63 - 1])
 def test_a_non_zero_priority_under_fcfs_is_refused(ip, priority) -> None:

@@ -36,6 +36,7 @@ SCRIPTS = {
     "think then call": '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n'
                        '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
     "think": "<think>\n2 + 2 is 4.\n</think>\n\nIt is 4.",
+    "still thinking": "<think>\nLet me count: 1, 2,",
 }
 
 
@@ -177,6 +178,16 @@ def test_parallel_tool_calls_false_keeps_the_first(http):
         ("function", "get_weather", '{"city": "Paris"}')]
     joined = join(stream(http, "two calls", parallel_tool_calls=False))
     assert [c["function"]["name"] for c in joined["tool_calls"]] == ["get_weather"]
+
+
+def test_a_reasoning_only_answer_has_null_content(http):
+    # An output that never left its think block (cut by max_tokens, as reasoning models
+    # often are) had content "" beside its reasoning_content; vLLM's (and OpenAI's)
+    # message has content null when the model wrote no content.
+    choice = chat(http, "still thinking")
+    assert choice["message"]["reasoning_content"] == "\nLet me count: 1, 2,"
+    assert choice["message"]["content"] is None
+    assert chat(http, "no call")["message"]["content"] == "Paris is sunny today.\n"
 
 
 def test_tool_choice_none_is_plain_text_and_tools_reach_the_template(http, engine):

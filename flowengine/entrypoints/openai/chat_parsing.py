@@ -179,8 +179,8 @@ class ChoiceParser:
 
 def join_choice(deltas: list[ChoiceDelta]) -> dict[str, Any]:
     """The non-streamed assistant message of a choice's deltas: role, content (null
-    when the model only called tools), `tool_calls` when it called any,
-    `reasoning_content` when it reasoned."""
+    when the model only called tools or only reasoned, as vLLM), `tool_calls` when it
+    called any, `reasoning_content` when it reasoned."""
     reasoning = "".join(d.reasoning for d in deltas)
     content = "".join(d.content for d in deltas)
     calls: dict[int, dict[str, Any]] = {}
@@ -193,7 +193,8 @@ def join_choice(deltas: list[ChoiceDelta]) -> dict[str, Any]:
                     "function": {"name": piece.name, "arguments": ""},
                 }  # fmt: skip
             call["function"]["arguments"] += piece.arguments
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    message: dict[str, Any] = {
+        "role": "assistant", "content": content or (None if calls or reasoning else "")}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     if reasoning:

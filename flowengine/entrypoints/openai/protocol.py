@@ -45,9 +45,18 @@ UNSUPPORTED_FIELDS = frozenset(
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """`include_usage`: one extra chunk before `[DONE]` with `usage` and no choices."""
+    """`include_usage`: one extra chunk before `[DONE]` with `usage` and no choices.
+    vLLM's `continuous_usage_stats`: also every chunk carries the usage so far, its
+    choice's completion tokens (vLLM's rule); it implies `include_usage` unless that
+    is false, as in vLLM, whose `include_usage` defaults to true."""
 
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False
+
+    def usage_flags(self) -> tuple[bool, bool]:
+        """(include_usage, continuous usage)."""
+        include = self.continuous_usage_stats if self.include_usage is None else self.include_usage
+        return include, include and self.continuous_usage_stats
 
 
 class StructuredOutputsRequest(msgspec.Struct, kw_only=True):

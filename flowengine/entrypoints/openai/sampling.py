@@ -313,7 +313,7 @@ def chat_params(
             "functions (OpenAI's deprecated form) is not supported; send them as tools",
             "functions",
         )
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: accepted, as vLLM
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(

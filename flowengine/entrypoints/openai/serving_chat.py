@@ -3,7 +3,8 @@
 Streaming follows OpenAI's chunk sequence: one chunk per choice with
 `delta: {"role": "assistant", "content": ""}` first, then content deltas, the
 `finish_reason` on a choice's last chunk, with `stream_options.include_usage` a final
-chunk with `choices: []` and `usage` (and `usage: null` on every earlier chunk), then
+chunk with `choices: []` and `usage` (and `usage: null` on every earlier chunk; with
+vLLM's `continuous_usage_stats` each chunk's choice's usage so far), then
 `data: [DONE]`. The response starts once the engine produced its first output, so
 input errors still get a 4xx status (see generation.py).
 
@@ -41,7 +42,7 @@ from flowengine.entrypoints.openai.logprobs import (
     prompt_logprobs_json,
 )
 from flowengine.entrypoints.openai.multi_stream import open_streams
-from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
+from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
 from flowengine.outputs import CompletionOutput, RequestOutput
 from flowengine.sampling_params import RequestOutputKind
@@ -51,6 +52,11 @@ def _usage(ctx: ServingContext, stream: EngineStream) -> dict[str, Any]:
     return usage(
         ctx, stream.num_prompt_tokens, stream.num_generated_tokens, stream.num_cached_tokens
     )
+
+
+def _choice_usage(ctx: ServingContext, stream: EngineStream, num_tokens: int) -> dict[str, Any]:
+    """A chunk's usage with continuous_usage_stats: its choice's tokens so far (vLLM's)."""
+    return usage(ctx, stream.num_prompt_tokens, num_tokens, stream.num_cached_tokens)
 
 
 async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Response:
@@ -107,8 +113,9 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         "model": model,
     }
     if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _chat_events(ctx, stream, base, params.n, num_top, include_usage, make_parser)
+        options = req.stream_options or StreamOptions()
+        events = _chat_events(ctx, stream, base, params.n, num_top, *options.usage_flags(),
+                              make_parser)
         return StreamingResponse(
             events,
             cleanup=stream.aclose,
@@ -185,22 +192,27 @@ async def _chat_events(
     n: int,
     num_top: int | None,
     include_usage: bool,
+    continuous_usage: bool = False,
     make_parser: ParserFactory = None,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     choice: dict[str, Any]
     finish_reasons: list[str | None] = [None] * n
+    num_tokens = [0] * n  # per choice, for continuous usage
     parsers: list[ChoiceParser] | None = None
     outcome = "aborted"
     try:
         for i in range(n):
             role = {"role": "assistant", "content": ""}
             choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            if continuous_usage:
+                extra = {"usage": _choice_usage(ctx, stream, 0)}
             yield sse.event({**base, "choices": [choice], **extra})
         async for out in stream:
             if make_parser is not None and parsers is None:
                 parsers = [make_parser(out.prompt) for _ in range(n)]
             for c in out.outputs:
+                num_tokens[c.index] += len(c.token_ids)
                 finish_reason = c.finish_reason
                 if parsers is None:
                     delta: dict[str, Any] = {"content": c.text} if c.text else {}
@@ -229,6 +241,8 @@ async def _chat_events(
                 if finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
                     finish_reasons[c.index] = finish_reason
+                if continuous_usage:
+                    extra = {"usage": _choice_usage(ctx, stream, num_tokens[c.index])}
                 yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": _usage(ctx, stream)})

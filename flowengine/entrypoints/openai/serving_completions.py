@@ -32,7 +32,7 @@ from flowengine.entrypoints.openai.logprobs import (
     prompt_logprobs_json,
 )
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
-from flowengine.entrypoints.openai.protocol import CompletionRequest
+from flowengine.entrypoints.openai.protocol import CompletionRequest, StreamOptions
 from flowengine.entrypoints.openai.sampling import check_limits, completion_params
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind
@@ -133,9 +133,9 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
         state = _Choices(ctx, streams, params.n, req.echo, req.logprobs,
                          req.prompt_logprobs is not None)
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            options = req.stream_options or StreamOptions()
             response = StreamingResponse(
-                _completion_events(ctx, state, streams, base, include_usage),
+                _completion_events(ctx, state, streams, base, *options.usage_flags()),
                 cleanup=functools.partial(close_streams, streams),
                 headers=sse.HEADERS,
                 error_event=sse.error_event,
@@ -279,9 +279,11 @@ async def _completion_events(
     streams: Sequence[EngineStream],
     base: dict[str, Any],
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     n = len(state.texts) // len(streams)
+    num_tokens = [0] * len(state.texts)  # per choice, for continuous usage
     outcome = "aborted"
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -289,6 +291,7 @@ async def _completion_events(
                 state.record_prompt_logprobs(i, out.prompt_logprobs)
                 for c in out.outputs:
                     k = i * n + c.index
+                    num_tokens[k] += len(c.token_ids)
                     text, lp = state.add(k, c.text, c.token_ids, c.logprobs)
                     if not text and c.finish_reason is None and lp is None:
                         continue  # nothing to show yet (held back for a stop string)
@@ -301,6 +304,10 @@ async def _completion_events(
                     if c.finish_reason is not None:
                         state.finish(k, c.finish_reason, c.stop_reason)
                         choice["stop_reason"] = c.stop_reason
+                    if continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
+                        stream = streams[i]
+                        extra = {"usage": usage(ctx, stream.num_prompt_tokens, num_tokens[k],
+                                                stream.num_cached_tokens)}
                     yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": _usage(ctx, streams)})
