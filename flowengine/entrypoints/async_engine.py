@@ -72,7 +72,9 @@ async def beam_search(
     grows, EngineOverloadedError/EngineDeadError as `submit`, RuntimeError when a step
     fails in the engine. Cancelling aborts the step's requests.
     """
-    from flowengine.beam_search import BeamSearch, check_request, step_params, top_logprobs
+    from flowengine.beam_search import (
+        BeamSearch, check_request, step_params, step_prompt, top_logprobs,
+    )
 
     processor = getattr(getattr(engine, "tokenizer_actor", None), "input_processor", None)
     if processor is not None:
@@ -110,7 +112,7 @@ async def beam_search(
     while not search.done:
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(run_one({"prompt_token_ids": ids}))
+                tasks = [tg.create_task(run_one(step_prompt(ids, prompt)))
                          for ids in search.beam_inputs()]
         except* Exception as group:  # the first failure; the others were cancelled
             first_error = group.exceptions[0]

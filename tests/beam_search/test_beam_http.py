@@ -95,6 +95,33 @@ def test_chat_with_beam_search(client, beam_llm):
     assert contents == {0: ref[0].sequences[0].text, 1: ref[0].sequences[1].text}
 
 
+def test_a_salted_search_is_cached_under_its_salt_only(live, client):
+    # cache_salt holds for every step of an HTTP search (found by a fresh tester: the
+    # steps after the first ran unsalted, so an unsalted request hit the tenant's
+    # prompt blocks in the prefix cache).
+    import asyncio
+
+    from flowengine.sampling_params import SamplingParams
+
+    prompt = list(range(1000, 1040))  # 2 full blocks + 8 tokens; no other test sends it
+    client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=3, n=2,
+        extra_body={"use_beam_search": True, "cache_salt": "tenant-a"})
+
+    async def num_cached_tokens(salt):
+        one = {"prompt_token_ids": prompt} if salt is None else {
+            "prompt_token_ids": prompt, "cache_salt": salt}
+        async for out in live.engine.submit(one, SamplingParams(max_tokens=1)):
+            pass
+        return out.num_cached_tokens
+
+    def cached(salt):
+        return asyncio.run_coroutine_threadsafe(num_cached_tokens(salt), live.loop).result(60)
+
+    assert (cached(None), cached("tenant-b")) == (0, 0)
+    assert cached("tenant-a") == 32
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
