@@ -73,7 +73,11 @@ async def beam_search(
     fails in the engine. Cancelling aborts the step's requests.
     """
     from flowengine.beam_search import (
-        BeamSearch, check_request, step_params, step_prompt, top_logprobs,
+        BeamSearch,
+        check_request,
+        step_params,
+        step_prompt,
+        top_logprobs,
     )
 
     processor = getattr(getattr(engine, "tokenizer_actor", None), "input_processor", None)

@@ -198,7 +198,11 @@ class LLM:
             RuntimeError: a step request failed in the engine.
         """
         from flowengine.beam_search import (
-            BeamSearch, check_request, step_params, step_prompt, top_logprobs,
+            BeamSearch,
+            check_request,
+            step_params,
+            step_prompt,
+            top_logprobs,
         )
 
         ip = self.input_processor
