@@ -158,22 +158,26 @@ class _AdmittedEngine:
 
 
 async def _search(ctx: ServingContext, prompt: Any, beam: BeamSearchParams, fit: bool,
-                  priority: int) -> tuple[BeamSearchOutput, int]:
+                  priority: int, truncate_prompt_tokens: int | None,
+                  ) -> tuple[BeamSearchOutput, int]:
     engine = _AdmittedEngine(ctx.engine, ctx.admission)
     try:
         return await beam_search(engine, prompt, beam, priority=priority,
-                                 fit_max_tokens=fit)
+                                 fit_max_tokens=fit,
+                                 truncate_prompt_tokens=truncate_prompt_tokens)
     except Exception as err:
         raise engine_error(err) from None
 
 
 async def _search_all(ctx: ServingContext, prompts: list[Any], beam: BeamSearchParams,
-                      fit: bool, priority: int) -> list[tuple[BeamSearchOutput, int]]:
+                      fit: bool, priority: int, truncate_prompt_tokens: int | None,
+                      ) -> list[tuple[BeamSearchOutput, int]]:
     """Every prompt's search at once; the first failure cancels the others (their
     step requests are aborted) and is raised."""
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_search(ctx, p, beam, fit, priority)) for p in prompts]
+            tasks = [tg.create_task(_search(ctx, p, beam, fit, priority, truncate_prompt_tokens))
+                     for p in prompts]
     except* Exception as group:
         raise group.exceptions[0] from None
     return [t.result() for t in tasks]
@@ -187,7 +191,8 @@ async def beam_completion(
     sequence j of prompt i, best first). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
     start = time.monotonic()
-    results = await _search_all(ctx, prompts, beam, fit, req.priority)
+    results = await _search_all(ctx, prompts, beam, fit, req.priority,
+                                params.truncate_prompt_tokens)
     choices = [
         {"index": i * n + j, "text": seq.text, "logprobs": None,
          "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
@@ -209,7 +214,7 @@ async def beam_chat_completion(
     a plain assistant message (no tool-call or reasoning parsing). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
     start = time.monotonic()
-    result = await _search(ctx, prompt, beam, fit, req.priority)
+    result = await _search(ctx, prompt, beam, fit, req.priority, params.truncate_prompt_tokens)
     seqs = result[0].sequences[:n]
     use = _usage(ctx, [result], n)
     _log("chat", base["id"], use, [s.finish_reason for s in seqs], start)
