@@ -152,8 +152,6 @@ def build_openapi(
                 "properties": {**TEXT_PART["properties"], "type": kind},
                 "description": components[name].get("description", ""),
             }
-    if "TextFormat" in components:  # the Responses route's text.format: text only
-        components["TextFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     if "InputItem" in components:  # the item types the Responses route serves
         components["InputItem"]["properties"]["type"] = {
             "enum": ["message", "function_call", "function_call_output", "reasoning"],
