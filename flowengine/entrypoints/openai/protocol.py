@@ -153,11 +153,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
     `prompt` is a string, a list of strings, a list of token ids, or a list of
     token-id lists (each prompt one request; choice index = prompt index * n + sample).
     `logprobs` asks for that many top log-probabilities per token (0 to the server's
-    `--max-logprobs`, 20 by default as in vLLM).
+    `--max-logprobs`, 20 by default as in vLLM). `max_tokens` 0 is served only with
+    `echo`: the prompt alone (OpenAI's and vLLM's way to score a text).
     """
 
     prompt: str | list[str | NonNegInt | list[NonNegInt]]
-    max_tokens: PosInt | None = 16
+    max_tokens: NonNegInt | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None

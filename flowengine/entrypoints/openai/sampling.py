@@ -262,7 +262,7 @@ def completion_params(
     req: CompletionRequest, defaults: dict[str, Any] | None = None
 ) -> SamplingParams:
     """SamplingParams for /v1/completions; `defaults` as for `_common`. Raises
-    APIError(400)."""
+    APIError(400), also for max_tokens 0 without echo."""
     if req.suffix:
         raise bad_request("suffix is not supported; put the text in the prompt", "suffix")
     # With use_beam_search, best_of is the beam width (serving_beam.py checks it).
@@ -272,8 +272,17 @@ def completion_params(
             "or equal to n",
             "best_of",
         )
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens must be at least 1 (0 only with echo: true, which returns the "
+            "prompt alone)",
+            "max_tokens",
+        )
     fields = _common(req, defaults)
-    fields["max_tokens"] = capped_max_tokens(req.max_tokens, defaults or {})
+    # echo with max_tokens 0 (vLLM's echo without generation): one token is generated
+    # and dropped; the choice is the prompt with its logprobs.
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+    fields["max_tokens"] = capped_max_tokens(max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
     fields["structured_outputs"] = structured_outputs_params(req)
     if req.echo and req.logprobs is not None:

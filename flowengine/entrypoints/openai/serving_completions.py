@@ -2,7 +2,8 @@
 
 `prompt` may hold several prompts (strings or token-id lists); each runs as its own
 engine request, concurrently, and choice `i * n + j` is sample j of prompt i (the
-order OpenAI and vLLM use). `echo` prepends the prompt text to each choice.
+order OpenAI and vLLM use). `echo` prepends the prompt text to each choice; with
+`max_tokens` 0 a choice is the prompt alone (its one generated token dropped, as vLLM).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     handed_off = False
     try:
         state = _Choices(ctx, streams, params.n, req.echo, req.logprobs,
-                         req.prompt_logprobs is not None)
+                         req.prompt_logprobs is not None, echo_only=req.max_tokens == 0)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             response = StreamingResponse(
@@ -207,8 +208,10 @@ class _Choices:
         echo: bool,
         num_top: int | None,
         want_prompt_logprobs: bool = False,
+        echo_only: bool = False,
     ) -> None:
         self.ctx = ctx
+        self.echo_only = echo_only  # echo with max_tokens 0: the generated token is dropped
         # -1 (the whole vocabulary) lists every token in top_logprobs.
         self.num_top = ALL_LOGPROBS if num_top == -1 else num_top
         num = len(streams) * n
@@ -236,11 +239,14 @@ class _Choices:
         self, k: int, text: str, token_ids: Sequence[int], logprobs: Any
     ) -> tuple[str, dict[str, list[Any]] | None]:
         """Record a delta of choice k; returns (text to show, its logprobs or None)."""
+        if self.echo_only:
+            text, token_ids, logprobs = "", (), ()
         text = self.pending_echo[k] + text
         self.pending_echo[k] = ""
         self.texts[k].append(text)
         delta_lp = None
-        if self.num_top is not None and token_ids and logprobs:
+        echo_now = self.echo_only and self.pending_echo_logprobs[k]
+        if self.num_top is not None and (token_ids and logprobs or echo_now):
             delta_lp = completion_logprobs(
                 token_ids, logprobs, self.num_top, self.ctx.tokenizer, self.offsets[k]
             )
