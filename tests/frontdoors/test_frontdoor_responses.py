@@ -109,6 +109,16 @@ def test_instructions_and_message_items(oai, engine):
     assert r.instructions == "sys"
 
 
+def test_empty_instructions_are_no_system_message(oai, engine):
+    # instructions "" adds no empty system message, which would replace the chat
+    # template's default system prompt (vLLM skips it too; found by a fresh tester:
+    # the answer differed from the same request without instructions).
+    r = oai.responses.create(model=MODEL, input="hi", instructions="", max_output_tokens=5,
+                             temperature=0)
+    assert engine.submitted[-1][1] == [{"role": "user", "content": "hi"}]
+    assert r.instructions == ""
+
+
 def test_stream_event_sequence(oai, http):
     whole = oai.responses.create(model=MODEL, input="stream me", max_output_tokens=12, **GREEDY)
     events = list(

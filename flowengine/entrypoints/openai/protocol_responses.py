@@ -94,8 +94,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     """POST /v1/responses.
 
     `input` is a string (one user message) or a list of message items;
-    `instructions` becomes a system message before them (it is not carried over by
-    `previous_response_id`, as OpenAI documents). `max_output_tokens` caps the output
+    `instructions` becomes a system message before them ("" is none: the chat template's
+    default system prompt applies, as in vLLM); it is not carried over by
+    `previous_response_id`, as OpenAI documents. `max_output_tokens` caps the output
     (unset: to EOS or the context limit). `store` (default true) keeps the response
     in the server's bounded in-memory store for `GET /v1/responses/{id}` and
     `previous_response_id`. `include: ["message.output_text.logprobs"]` returns each

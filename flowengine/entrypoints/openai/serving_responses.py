@@ -1,7 +1,7 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{response_id}: OpenAI's Responses API.
 
 A request becomes the chat route's request (chat_adapter.py): `instructions` a system
-message, `input` the conversation (after the stored conversation of
+message (unless empty), `input` the conversation (after the stored conversation of
 `previous_response_id`, if given), `max_output_tokens` the chat route's
 `max_completion_tokens`. Function `tools` (flat, OpenAI's Responses shape),
 `tool_choice` and `parallel_tool_calls` become the chat route's, with its rules
@@ -512,7 +512,7 @@ async def create_response(
     if not conversation:
         raise bad_request("input is empty; send a string or at least one message", "input")
     messages = conversation
-    if req.instructions is not None:
+    if req.instructions:  # "" is none, as vLLM takes it: the template's default applies
         messages = [{"role": "system", "content": req.instructions}, *conversation]
     response_id = f"resp_{uuid.uuid4().hex}"
     run = await ChatRun.open(
