@@ -218,6 +218,21 @@ def test_previous_response_id_store_get_delete(oai, engine):
     assert oai.responses.retrieve(events[-1].response.id).output_text == "us"
 
 
+def test_cancel_is_vllms_400_for_a_stored_response_and_404_for_an_unknown_one(oai):
+    # OpenAI cancels background responses only and this server runs none: the SDK's
+    # cancel gets vLLM's 400 for a stored response (found by a fresh tester: the route
+    # was a 404 "no route", as if the response did not exist).
+    done = oai.responses.create(model=MODEL, input="abc", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.cancel(done.id)
+    assert err.value.body["message"].startswith("Cannot cancel a synchronous response.")
+    assert err.value.body["param"] == "response_id"
+    assert oai.responses.retrieve(done.id).status == done.status  # still stored, unchanged
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.cancel("resp_unknown")
+    assert err.value.body["code"] == "response_not_found"
+
+
 def test_store_size_comes_from_the_options(engine):
     from flowengine.entrypoints.openai.context import ServingContext
     from flowengine.entrypoints.openai.generation import Admission

@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{response_id}: OpenAI's Responses API.
+"""POST /v1/responses, GET and DELETE /v1/responses/{response_id} (and its /cancel, always
+an error: no background responses): OpenAI's Responses API.
 
 A request becomes the chat route's request (chat_adapter.py): `instructions` a system
 message (unless empty), `input` the conversation (after the stored conversation of
@@ -595,3 +596,19 @@ async def delete_response(
     if not store.delete(response_id):
         raise _not_found(response_id, "response_id")
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def cancel_response(
+    ctx: ServingContext, store: ResponseStore, request: APIRequest
+) -> Response:
+    """POST /v1/responses/{response_id}/cancel: OpenAI cancels only background
+    responses, and this server runs none (`background: true` is a 400), so a stored
+    response is a 400 with vLLM's message and an unknown id a 404. Raises APIError."""
+    response_id = request.path_params["response_id"]
+    if response_id not in store:
+        raise _not_found(response_id, "response_id")
+    raise bad_request(
+        "Cannot cancel a synchronous response. (Only background responses can be "
+        "cancelled; this server runs none.)",
+        "response_id",
+    )
