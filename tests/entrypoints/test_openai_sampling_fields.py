@@ -173,6 +173,25 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, tokenizer):
     assert again.choices[0].text == base.choices[0].text  # the server keeps serving
 
 
+def test_echo_of_a_truncated_prompt_is_what_the_model_saw(client, tokenizer):
+    # (found by a fresh tester: the whole request text was echoed while the logprobs
+    # listed the kept tokens, their text_offset pointing into the wrong text)
+    model = client.models.list().data[0].id
+    long = "one two three four five six seven eight nine ten " + PROMPT
+    tail = tokenizer.encode(long)[-5:]
+    r = client.completions.create(model=model, prompt=long, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=0,
+                                  extra_body={"truncate_prompt_tokens": 5})
+    same = client.completions.create(model=model, prompt=tail, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=0)
+    c = r.choices[0]
+    assert c.text == same.choices[0].text and c.text.startswith(tokenizer.decode(tail))
+    assert c.logprobs.tokens == same.choices[0].logprobs.tokens
+    assert c.logprobs.text_offset == same.choices[0].logprobs.text_offset
+    for token, offset in zip(c.logprobs.tokens, c.logprobs.text_offset, strict=True):
+        assert c.text[offset:offset + len(token)] == token
+
+
 def test_truncate_prompt_tokens_and_vllm_xargs(client, tokenizer):
     model = client.models.list().data[0].id
     long = "one two three four five six seven eight nine ten " + PROMPT

@@ -83,9 +83,11 @@ def _usage(ctx: ServingContext, streams: Sequence[EngineStream]) -> dict[str, An
     )
 
 
-def _prompt_text(ctx: ServingContext, stream: EngineStream) -> str:
+def _prompt_text(ctx: ServingContext, stream: EngineStream, truncated: bool) -> str:
+    """The echoed prompt: the text of the prompt tokens the model saw (`truncated`:
+    truncate_prompt_tokens was set, so the request's text may hold more)."""
     first = stream.first_output
-    if first.prompt is not None:
+    if first.prompt is not None and not truncated:
         return first.prompt
     return ctx.tokenizer.decode(first.prompt_token_ids)
 
@@ -132,7 +134,8 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     handed_off = False
     try:
         state = _Choices(ctx, streams, params.n, req.echo, req.logprobs,
-                         req.prompt_logprobs is not None, echo_only=req.max_tokens == 0)
+                         req.prompt_logprobs is not None, echo_only=req.max_tokens == 0,
+                         truncated=params.truncate_prompt_tokens is not None)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             response = StreamingResponse(
@@ -209,6 +212,7 @@ class _Choices:
         num_top: int | None,
         want_prompt_logprobs: bool = False,
         echo_only: bool = False,
+        truncated: bool = False,
     ) -> None:
         self.ctx = ctx
         self.echo_only = echo_only  # echo with max_tokens 0: the generated token is dropped
@@ -216,7 +220,7 @@ class _Choices:
         self.num_top = ALL_LOGPROBS if num_top == -1 else num_top
         num = len(streams) * n
         self.pending_echo: list[str] = [
-            _prompt_text(ctx, streams[k // n]) if echo else "" for k in range(num)
+            _prompt_text(ctx, streams[k // n], truncated) if echo else "" for k in range(num)
         ]
         self.texts: list[list[str]] = [[] for _ in range(num)]
         self.offsets = [len(e) for e in self.pending_echo]
