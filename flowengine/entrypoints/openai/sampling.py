@@ -55,11 +55,13 @@ def check_limits(
     num_prompts: int,
     max_model_len: int,
     logprobs_field: str = "logprobs",
+    n_field: str = "n",
 ) -> None:
     """Raise APIError(400) when a request exceeds the server's limits.
 
     `logprobs_field` is the request field that asked for log-probabilities (chat:
-    "top_logprobs"), named as the error's `param`.
+    "top_logprobs"), named as the error's `param`; `n_field` the field that set
+    `params.n` (a beam search's width: "best_of"), named in the token cap's message.
     """
     if params.n > limits.max_n:
         raise bad_request(
@@ -89,9 +91,10 @@ def check_limits(
         work = num_prompts * params.n * per_sample
         if work > limits.max_request_tokens:
             raise bad_request(
-                f"this request may generate {work} tokens ({num_prompts} prompt(s) x n="
-                f"{params.n} x max_tokens={per_sample}), over this server's limit of "
-                f"{limits.max_request_tokens} (--max-request-tokens); lower n or max_tokens",
+                f"this request may generate {work} tokens ({num_prompts} prompt(s) x "
+                f"{n_field}={params.n} x max_tokens={per_sample}), over this server's limit "
+                f"of {limits.max_request_tokens} (--max-request-tokens); lower {n_field} or "
+                "max_tokens",
                 "max_tokens",
             )
 

@@ -26,6 +26,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams, num_candidates
 from flowengine.entrypoints.async_engine import beam_search
 from flowengine.entrypoints.openai import sse
@@ -34,6 +36,7 @@ from flowengine.entrypoints.openai.context import ServingContext, log_request, u
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flowengine.entrypoints.openai.sampling import check_limits
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -190,6 +193,10 @@ async def beam_completion(
     """The completions response of a use_beam_search request (choice i * n + j:
     sequence j of prompt i, best first). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
+    if beam.beam_width > n:
+        # The search runs best_of beams: --max-request-tokens counts them, not the n kept.
+        check_limits(ctx.limits, msgspec.structs.replace(params, n=beam.beam_width),
+                     len(prompts), ctx.engine.max_model_len, n_field="best_of")
     start = time.monotonic()
     results = await _search_all(ctx, prompts, beam, fit, req.priority,
                                 params.truncate_prompt_tokens)
