@@ -38,7 +38,6 @@ PosInt = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 NumLogprobs = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 
 
-
 def _accepts_none(tp: Any) -> bool:
     if tp is None or tp is type(None) or tp is Any:
         return True
