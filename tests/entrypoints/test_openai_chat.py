@@ -58,21 +58,6 @@ def test_chat_stream_role_chunk_first_then_content_usage_done(http):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (22, 6)
 
 
-def test_chat_stream_continuous_usage_stats(http):
-    # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's
-    # usage so far, the role chunk 0 completion tokens (it was ignored; found by a fresh
-    # tester).
-    req = {
-        "messages": HELLO, "max_tokens": 3, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }  # fmt: skip
-    resp = http.post("/v1/chat/completions", json=req)
-    chunks = [strict(p, ChatCompletionChunk) for p in sse_events(resp.content)]
-    assert [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks] == [
-        (22, 0), (22, 1), (22, 2), (22, 3), (22, 3)]
-    assert chunks[-1].choices == []
-
-
 def test_chat_stream_through_sdk_without_usage(client):
     stream = client.chat.completions.create(
         model="fake-model", messages=HELLO, max_tokens=5, temperature=0, stream=True

@@ -111,31 +111,6 @@ def test_stream_multi_prompt_with_usage(http):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (6, 8)
 
 
-def test_stream_continuous_usage_stats(http):
-    # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's
-    # usage so far (it was ignored, every chunk had usage null; found by a fresh tester).
-    req = {
-        "prompt": ["abc", "xyzw"], "max_tokens": 3, "temperature": 0, "n": 2, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }  # fmt: skip
-    resp = http.post("/v1/completions", json=req)
-    chunks = [strict(p, CompletionResponse) for p in sse_events(resp.content)]
-    counts = [0] * 4
-    for c in chunks[:-1]:
-        k = c.choices[0].index
-        counts[k] += 1  # the fake engine: one token per chunk
-        num_prompt = 3 if k < 2 else 4
-        assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (
-            num_prompt, counts[k], num_prompt + counts[k])
-    assert counts == [3, 3, 3, 3]
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (7, 12)
-    # Without include_usage it asks for nothing (vLLM's rule).
-    req["stream_options"] = {"continuous_usage_stats": True}
-    chunks = [strict(p, CompletionResponse) for p in
-              sse_events(http.post("/v1/completions", json=req).content)]
-    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
-
-
 def test_stop_token_ids_and_stop_strings(client):
     r = client.completions.create(
         model="fake-model", prompt="abcd", max_tokens=10, temperature=0,

@@ -73,20 +73,9 @@ UNSUPPORTED_FIELDS = frozenset(
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    """`include_usage`: one extra chunk before `[DONE]` with `usage` and no choices;
-    with it, vLLM's `continuous_usage_stats`: every chunk's `usage` is its choice's so
-    far (the prompt's tokens, the choice's generated tokens)."""
+    """`include_usage`: one extra chunk before `[DONE]` with `usage` and no choices."""
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
-    """(a final usage chunk, usage on every chunk) of a streamed request; vLLM's
-    reading: continuous_usage_stats counts only with include_usage."""
-    if options is None:
-        return False, False
-    return options.include_usage, options.include_usage and options.continuous_usage_stats
 
 
 class StructuredOutputsRequest(msgspec.Struct, kw_only=True):

@@ -41,7 +41,7 @@ from flowengine.entrypoints.openai.logprobs import (
     prompt_logprobs_json,
 )
 from flowengine.entrypoints.openai.multi_stream import open_streams
-from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, stream_usage
+from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
 from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
 from flowengine.outputs import CompletionOutput, RequestOutput
 from flowengine.sampling_params import RequestOutputKind
@@ -107,9 +107,8 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
         "model": model,
     }
     if req.stream:
-        include_usage, continuous_usage = stream_usage(req.stream_options)
-        events = _chat_events(ctx, stream, base, params.n, num_top, include_usage, make_parser,
-                              continuous_usage)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        events = _chat_events(ctx, stream, base, params.n, num_top, include_usage, make_parser)
         return StreamingResponse(
             events,
             cleanup=stream.aclose,
@@ -187,17 +186,8 @@ async def _chat_events(
     num_top: int | None,
     include_usage: bool,
     make_parser: ParserFactory = None,
-    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
-    num_tokens = [0] * n  # generated so far, per choice
-
-    def chunk_usage(i: int) -> dict[str, Any]:
-        if not continuous_usage:
-            return extra
-        return {"usage": usage(ctx, stream.num_prompt_tokens, num_tokens[i],
-                               stream.num_cached_tokens)}  # fmt: skip
-
     choice: dict[str, Any]
     finish_reasons: list[str | None] = [None] * n
     parsers: list[ChoiceParser] | None = None
@@ -206,13 +196,12 @@ async def _chat_events(
         for i in range(n):
             role = {"role": "assistant", "content": ""}
             choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
-            yield sse.event({**base, "choices": [choice], **chunk_usage(i)})
+            yield sse.event({**base, "choices": [choice], **extra})
         async for out in stream:
             if make_parser is not None and parsers is None:
                 parsers = [make_parser(out.prompt) for _ in range(n)]
             for c in out.outputs:
                 finish_reason = c.finish_reason
-                num_tokens[c.index] += len(c.token_ids)
                 if parsers is None:
                     delta: dict[str, Any] = {"content": c.text} if c.text else {}
                 else:
@@ -240,7 +229,7 @@ async def _chat_events(
                 if finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
                     finish_reasons[c.index] = finish_reason
-                yield sse.event({**base, "choices": [choice], **chunk_usage(c.index)})
+                yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": _usage(ctx, stream)})
         outcome = "ok"

@@ -33,7 +33,7 @@ from flowengine.entrypoints.openai.logprobs import (
     prompt_logprobs_json,
 )
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
-from flowengine.entrypoints.openai.protocol import CompletionRequest, stream_usage
+from flowengine.entrypoints.openai.protocol import CompletionRequest
 from flowengine.entrypoints.openai.sampling import check_limits, completion_params
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind
@@ -137,8 +137,9 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
                          req.prompt_logprobs is not None, echo_only=req.max_tokens == 0,
                          truncated=params.truncate_prompt_tokens is not None)
         if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
             response = StreamingResponse(
-                _completion_events(ctx, state, streams, base, *stream_usage(req.stream_options)),
+                _completion_events(ctx, state, streams, base, include_usage),
                 cleanup=functools.partial(close_streams, streams),
                 headers=sse.HEADERS,
                 error_event=sse.error_event,
@@ -288,11 +289,9 @@ async def _completion_events(
     streams: Sequence[EngineStream],
     base: dict[str, Any],
     include_usage: bool,
-    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     n = len(state.texts) // len(streams)
-    num_tokens = [0] * len(state.texts)  # generated so far, per choice
     outcome = "aborted"
     try:
         async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -301,7 +300,6 @@ async def _completion_events(
                 for c in out.outputs:
                     k = i * n + c.index
                     text, lp = state.add(k, c.text, c.token_ids, c.logprobs)
-                    num_tokens[k] += len(c.token_ids)
                     if not text and c.finish_reason is None and lp is None:
                         continue  # nothing to show yet (held back for a stop string)
                     choice: dict[str, Any] = {
@@ -313,10 +311,6 @@ async def _completion_events(
                     if c.finish_reason is not None:
                         state.finish(k, c.finish_reason, c.stop_reason)
                         choice["stop_reason"] = c.stop_reason
-                    if continuous_usage:
-                        s = streams[i]
-                        extra = {"usage": usage(ctx, s.num_prompt_tokens, num_tokens[k],
-                                                s.num_cached_tokens)}
                     yield sse.event({**base, "choices": [choice], **extra})
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": _usage(ctx, streams)})
