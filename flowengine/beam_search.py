@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from flowengine.outputs import Logprob
 from flowengine.sampling_params import SamplingParams
@@ -177,6 +177,19 @@ def step_params(params: BeamSearchParams, num_eos_ids: int) -> SamplingParams:
         ignore_eos=True,
         detokenize=False,
     )
+
+
+def step_prompt(token_ids: list[int], prompt: Any) -> dict[str, Any]:
+    """The prompt of one beam's step request: the beam's token ids, under the search
+    prompt's `cache_salt` (a dict prompt's key) when it has one.
+
+    NOTE: every step must carry the salt: an unsalted step would cache the prompt's
+    blocks where requests of any other salt (or none) hit them.
+    """
+    step: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+        step["cache_salt"] = prompt["cache_salt"]
+    return step
 
 
 def check_request(

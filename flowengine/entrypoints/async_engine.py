@@ -55,7 +55,7 @@ DEFAULT_MAX_QUEUE_LEN = 4096
 
 async def beam_search(
     engine: Any, prompt: Any, params: BeamSearchParams, *, priority: int = 0,
-    fit_max_tokens: bool = False,
+    fit_max_tokens: bool = False, truncate_prompt_tokens: int | None = None,
 ) -> tuple[BeamSearchOutput, int]:
     """Beam search on any EngineClient through `submit` (the server's path: the event
     loop keeps serving while the steps run). Scoring and KV sharing as `LLM.beam_search`
@@ -65,14 +65,22 @@ async def beam_search(
     step sends it as given, later steps send the prompt's token ids plus each beam's.
     fit_max_tokens: lower params.max_tokens to the context the prompt leaves (vLLM's
     rule for a request without max_tokens) instead of refusing a longer one.
-    Returns (the output, the prompt's number of tokens).
+    truncate_prompt_tokens: search from the prompt's last k tokens (-1: max_model_len),
+    as SamplingParams.truncate_prompt_tokens.
+    Returns (the output, the prompt's number of tokens, after truncation).
 
     Raises ValueError/TypeError for bad input (a prompt plus max_tokens over
     max_model_len; 2 * beam_width over the engine's max_logprobs) before the search
     grows, EngineOverloadedError/EngineDeadError as `submit`, RuntimeError when a step
     fails in the engine. Cancelling aborts the step's requests.
     """
-    from flowengine.beam_search import BeamSearch, check_request, step_params, top_logprobs
+    from flowengine.beam_search import (
+        BeamSearch,
+        check_request,
+        step_params,
+        step_prompt,
+        top_logprobs,
+    )
 
     processor = getattr(getattr(engine, "tokenizer_actor", None), "input_processor", None)
     if processor is not None:
@@ -85,7 +93,9 @@ async def beam_search(
         max_logprobs = -1
     step = step_params(params, len(eos))
 
-    async def run_one(one_prompt: Any) -> tuple[list[int], dict[int, float]]:
+    async def run_one(
+        one_prompt: Any, step: SamplingParams = step
+    ) -> tuple[list[int], dict[int, float]]:
         """(prompt token ids, the step's top log-probabilities) of one beam request;
         the token and its logprobs may come in another delta than the finish."""
         prompt_ids, lps, error = None, None, None
@@ -99,7 +109,9 @@ async def beam_search(
         return prompt_ids, lps
 
     check_request(params, 0, engine.max_model_len, max_logprobs, len(eos))
-    prompt_ids, first = await run_one(prompt)
+    # The first step truncates the prompt; later steps extend the truncated ids.
+    first_step = msgspec.structs.replace(step, truncate_prompt_tokens=truncate_prompt_tokens)
+    prompt_ids, first = await run_one(prompt, first_step)
     if fit_max_tokens:
         room = engine.max_model_len - len(prompt_ids)
         if room < params.max_tokens:
@@ -110,7 +122,7 @@ async def beam_search(
     while not search.done:
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(run_one({"prompt_token_ids": ids}))
+                tasks = [tg.create_task(run_one(step_prompt(ids, prompt)))
                          for ids in search.beam_inputs()]
         except* Exception as group:  # the first failure; the others were cancelled
             first_error = group.exceptions[0]

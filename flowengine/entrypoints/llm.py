@@ -178,8 +178,9 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (text, token ids or {"prompt_token_ids": ...}),
-        results in input order (vLLM's `LLM.beam_search`; scoring as transformers'
+        """Beam search over each prompt (text, token ids or {"prompt" | "prompt_token_ids":
+        ..., "cache_salt": ...}; every step runs under the prompt's cache_salt), results
+        in input order (vLLM's `LLM.beam_search`; scoring as transformers'
         `generate(num_beams=...)`, see flowengine/beam_search.py).
 
         Each step runs every live beam of every prompt as one request of one token
@@ -196,24 +197,32 @@ class LLM:
                 nothing runs.
             RuntimeError: a step request failed in the engine.
         """
-        from flowengine.beam_search import BeamSearch, check_request, step_params, top_logprobs
+        from flowengine.beam_search import (
+            BeamSearch,
+            check_request,
+            step_params,
+            step_prompt,
+            top_logprobs,
+        )
 
         ip = self.input_processor
         eos_ids = ([] if ip.eos_token_id is None else [ip.eos_token_id])
         eos_ids += [t for t in ip.extra_eos_token_ids if t not in eos_ids]
         searches = []
+        search_prompts: dict[int, Any] = {}  # id(search) -> its prompt (for its cache_salt)
         for prompt in self._prompt_list(prompts):
             _, ids = ip.tokenize(prompt)
             if not ids:
                 raise ValueError("the prompt is empty; give at least one character or token")
             check_request(params, len(ids), ip.max_model_len, ip.max_logprobs, len(eos_ids))
             searches.append(BeamSearch(ids, params, eos_ids))
+            search_prompts[id(searches[-1])] = prompt
         step = step_params(params, len(eos_ids))
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
             while live := [s for s in searches if not s.done]:
                 inputs = [(s, ids) for s in live for ids in s.beam_inputs()]
-                outs = self.generate([{"prompt_token_ids": ids} for _, ids in inputs], step,
-                                     use_tqdm=False)
+                steps = [step_prompt(ids, search_prompts[id(s)]) for s, ids in inputs]
+                outs = self.generate(steps, step, use_tqdm=False)
                 by_search: dict[int, list[dict[int, float]]] = {}
                 for (s, _), out in zip(inputs, outs, strict=True):
                     c = out.outputs[0]

@@ -95,6 +95,44 @@ def test_chat_with_beam_search(client, beam_llm):
     assert contents == {0: ref[0].sequences[0].text, 1: ref[0].sequences[1].text}
 
 
+def test_truncate_prompt_tokens_truncates_the_searched_prompt(client, beam_llm):
+    # vLLM's truncate_prompt_tokens holds with use_beam_search too (found by a fresh
+    # tester: it was ignored, the search ran on the whole prompt).
+    ids = beam_llm.get_tokenizer().encode(PROMPTS[0])
+    ref = offline(beam_llm, [{"prompt_token_ids": ids[-3:]}], 2)
+    r = client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+        n=2, extra_body={"use_beam_search": True, "truncate_prompt_tokens": 3})
+    assert [c.text for c in r.choices] == [s.text for s in ref[0].sequences]
+    assert r.usage.prompt_tokens == 3
+
+
+def test_a_salted_search_is_cached_under_its_salt_only(live, client):
+    # cache_salt holds for every step of an HTTP search (found by a fresh tester: the
+    # steps after the first ran unsalted, so an unsalted request hit the tenant's
+    # prompt blocks in the prefix cache).
+    import asyncio
+
+    from flowengine.sampling_params import SamplingParams
+
+    prompt = list(range(1000, 1040))  # 2 full blocks + 8 tokens; no other test sends it
+    client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=3, n=2,
+        extra_body={"use_beam_search": True, "cache_salt": "tenant-a"})
+
+    async def num_cached_tokens(salt):
+        one = {"prompt_token_ids": prompt} if salt is None else {
+            "prompt_token_ids": prompt, "cache_salt": salt}
+        outs = [out async for out in live.engine.submit(one, SamplingParams(max_tokens=1))]
+        return outs[-1].num_cached_tokens
+
+    def cached(salt):
+        return asyncio.run_coroutine_threadsafe(num_cached_tokens(salt), live.loop).result(60)
+
+    assert (cached(None), cached("tenant-b")) == (0, 0)
+    assert cached("tenant-a") == 32
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [

@@ -115,3 +115,24 @@ def test_max_tokens_over_the_context_is_lowered_as_for_sampling():
             assert resp.json()["usage"]["completion_tokens"] == 2 * 9
         sampled = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 10**12})
         assert sampled.json()["usage"]["completion_tokens"] == 9
+
+
+def test_request_token_cap_counts_the_best_of_beams():
+    # --max-request-tokens counts the best_of beams a search runs, not only the n it
+    # returns (found by a fresh tester: n=1 with best_of=8 passed a cap of 8 tokens
+    # while the search generated 8 beams x 8 tokens).
+    from flowengine.entrypoints.openai.sampling import RequestLimits
+
+    limits = RequestLimits(max_request_tokens=16)
+    with (
+        LiveServer(FakeEngine(), limits=limits) as live,
+        httpx.Client(base_url=live.base_url, timeout=60) as http,
+    ):
+        body = {**BEAM, "n": 1, "best_of": 8, "max_tokens": 8}
+        err = assert_error(http.post("/v1/completions", json=body), 400, param="max_tokens")
+        assert "may generate 64 tokens (1 prompt(s) x best_of=8 x max_tokens=8)" in (
+            err["message"])
+        assert "lower best_of or max_tokens" in err["message"]
+        ok = http.post("/v1/completions", json={**body, "best_of": 2})  # 2 x 8 = 16
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()["choices"]) == 1

@@ -61,3 +61,21 @@ def test_beams_share_the_prompt_blocks(beam_llm, tokenizer):
     # The first such step takes the next WIDTH blocks of the queue's head.
     assert [t[2] for t in snapshots[1][1]] == free[3:3 + WIDTH]
     assert pool.ref_counts() == {}  # all freed at the end
+
+
+def test_a_salted_search_keeps_its_blocks_under_its_salt(beam_llm, tokenizer):
+    # Every step runs under the prompt's cache_salt: a request with another salt, or
+    # none, gets no prefix-cache hit on the searched prompt (found by a fresh tester:
+    # only the first step was salted, so an unsalted request hit the tenant's blocks).
+    from flowengine.sampling_params import SamplingParams
+
+    text = "Salted search: a tenant's private prompt that no other test sends. " * 8
+    prompt = tokenizer.encode(text)[:PROMPT_LEN]
+    beam_llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}],
+                         BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    one = SamplingParams(max_tokens=1)
+    other, unsalted, same = beam_llm.generate(
+        [{"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, {"prompt_token_ids": prompt},
+         {"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], one, use_tqdm=False)
+    assert (other.num_cached_tokens, unsalted.num_cached_tokens) == (0, 0)
+    assert same.num_cached_tokens == 2 * BLOCK_SIZE  # the search's own salt does hit

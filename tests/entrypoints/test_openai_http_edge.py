@@ -79,6 +79,30 @@ def test_largest_int64_values_are_accepted(http, engine, monkeypatch):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    (CHAT, {"messages": HELLO, "max_tokens": 2, "n": None, "stream": None, "logprobs": None,
+            "ignore_eos": None}),
+    ("/v1/completions", {"prompt": "abc", "max_tokens": 2, "n": None, "stream": None,
+                         "echo": None, "priority": None}),
+    ("/v1/responses", {"input": "abc", "max_output_tokens": 2, "store": None,
+                       "stream": None}),
+])  # fmt: skip
+def test_null_fields_take_their_defaults(http, engine, path, body):
+    # OpenAI's spec makes stream, n, echo, store, ... nullable and vLLM accepts null for
+    # them; they were a 400 "Expected `bool`, got `null`" (found by a fresh tester).
+    resp = http.post(path, json={**body, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("application/json")  # not streamed
+    params = engine.submitted[-1][2]
+    assert (params.n, params.ignore_eos, params.max_tokens) == (1, False, 2)
+    # A null where the field has no default is still named.
+    err = assert_error(http.post(path, json={**body, "model": None, "top_k": "x"}), 400,
+                       param="top_k")
+    assert "Expected `int | null`, got `str`" in err["message"]
+    doc = http.get("/openapi.json").json()["components"]["schemas"]
+    assert {"type": "null"} in doc["CompletionRequest"]["properties"]["stream"]["anyOf"]
+
+
 @pytest.mark.parametrize(("path", "base"), [
     (CHAT, {"messages": HELLO, "max_tokens": 2}),
     ("/v1/completions", {"prompt": "abc", "max_tokens": 2}),

@@ -76,6 +76,37 @@ def test_echo_with_logprobs_puts_the_prompt_first(client, tokenizer, hf_model):
     assert c.text == PROMPT + plain.choices[0].text
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone(client, tokenizer):
+    # OpenAI's and vLLM's way to score a text (found by a fresh tester: max_tokens 0
+    # was a 400 with echo too).
+    ids = tokenizer.encode(PROMPT)
+    name = client.models.list().data[0].id
+    full = client.completions.create(model=name, prompt=PROMPT, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=2).choices[0].logprobs
+    r = client.completions.create(model=name, prompt=[PROMPT, PROMPT], max_tokens=0,
+                                  echo=True, logprobs=2)
+    for c in r.choices:
+        assert c.text == PROMPT and c.finish_reason == "length"
+        assert c.logprobs.tokens == full.tokens[: len(ids)]
+        # (batch and prefix-cache numerics: equal to float32 rounding)
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(
+            full.token_logprobs[1 : len(ids)], abs=2e-4)
+        for top, ref in zip(c.logprobs.top_logprobs[1:], full.top_logprobs[1 : len(ids)],
+                            strict=True):
+            assert top == pytest.approx(ref, abs=2e-4)
+        assert c.logprobs.text_offset == full.text_offset[: len(ids)]
+    chunks = list(client.completions.create(model=name, prompt=PROMPT, max_tokens=0,
+                                            echo=True, logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == full.tokens[: len(ids)]
+    assert client.completions.create(model=name, prompt=PROMPT, max_tokens=0,
+                                     echo=True).choices[0].text == PROMPT
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=name, prompt=PROMPT, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+
+
 def test_prompt_logprobs_field_on_both_routes(client, tokenizer, hf_model):
     ids = tokenizer.encode(PROMPT)
     r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
@@ -140,6 +171,25 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client, tokenizer):
         client.completions.create(model=model, prompt=PROMPT, logit_bias={"1": -101})
     again = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0)
     assert again.choices[0].text == base.choices[0].text  # the server keeps serving
+
+
+def test_echo_of_a_truncated_prompt_is_what_the_model_saw(client, tokenizer):
+    # (found by a fresh tester: the whole request text was echoed while the logprobs
+    # listed the kept tokens, their text_offset pointing into the wrong text)
+    model = client.models.list().data[0].id
+    long = "one two three four five six seven eight nine ten " + PROMPT
+    tail = tokenizer.encode(long)[-5:]
+    r = client.completions.create(model=model, prompt=long, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=0,
+                                  extra_body={"truncate_prompt_tokens": 5})
+    same = client.completions.create(model=model, prompt=tail, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=0)
+    c = r.choices[0]
+    assert c.text == same.choices[0].text and c.text.startswith(tokenizer.decode(tail))
+    assert c.logprobs.tokens == same.choices[0].logprobs.tokens
+    assert c.logprobs.text_offset == same.choices[0].logprobs.text_offset
+    for token, offset in zip(c.logprobs.tokens, c.logprobs.text_offset, strict=True):
+        assert c.text[offset:offset + len(token)] == token
 
 
 def test_truncate_prompt_tokens_and_vllm_xargs(client, tokenizer):

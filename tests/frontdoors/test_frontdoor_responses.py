@@ -109,6 +109,16 @@ def test_instructions_and_message_items(oai, engine):
     assert r.instructions == "sys"
 
 
+def test_empty_instructions_are_no_system_message(oai, engine):
+    # instructions "" adds no empty system message, which would replace the chat
+    # template's default system prompt (vLLM skips it too; found by a fresh tester:
+    # the answer differed from the same request without instructions).
+    r = oai.responses.create(model=MODEL, input="hi", instructions="", max_output_tokens=5,
+                             temperature=0)
+    assert engine.submitted[-1][1] == [{"role": "user", "content": "hi"}]
+    assert r.instructions == ""
+
+
 def test_stream_event_sequence(oai, http):
     whole = oai.responses.create(model=MODEL, input="stream me", max_output_tokens=12, **GREEDY)
     events = list(
@@ -208,6 +218,21 @@ def test_previous_response_id_store_get_delete(oai, engine):
     assert oai.responses.retrieve(events[-1].response.id).output_text == "us"
 
 
+def test_cancel_is_vllms_400_for_a_stored_response_and_404_for_an_unknown_one(oai):
+    # OpenAI cancels background responses only and this server runs none: the SDK's
+    # cancel gets vLLM's 400 for a stored response (found by a fresh tester: the route
+    # was a 404 "no route", as if the response did not exist).
+    done = oai.responses.create(model=MODEL, input="abc", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.cancel(done.id)
+    assert err.value.body["message"].startswith("Cannot cancel a synchronous response.")
+    assert err.value.body["param"] == "response_id"
+    assert oai.responses.retrieve(done.id).status == done.status  # still stored, unchanged
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.responses.cancel("resp_unknown")
+    assert err.value.body["code"] == "response_not_found"
+
+
 def test_store_size_comes_from_the_options(engine):
     from flowengine.entrypoints.openai.context import ServingContext
     from flowengine.entrypoints.openai.generation import Admission
@@ -234,7 +259,11 @@ def test_store_size_comes_from_the_options(engine):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content[0]", "input_image"),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "not supported"),
-        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format", "json_schema"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema",
+         "schema"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type", "grammar"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": 3}}}},
+         "text.format.schema", "schema"),
         ({"input": "x", "background": True}, "background", "background"),
         ({"input": "x", "truncation": "auto"}, "truncation", "auto"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]", "include"),
@@ -358,3 +387,26 @@ def test_logprobs_equal_the_chat_routes(oai, http):
         model=MODEL, input="abc", max_output_tokens=5, top_logprobs=2, **GREEDY
     )
     assert r.output[0].content[0].logprobs == [] and r.top_logprobs == 2
+
+
+def test_text_format_is_the_chat_routes_response_format(oai, http, engine):
+    # text.format json_schema / json_object constrain the output as the chat route's
+    # response_format does (found by a fresh tester: every format but text was a 400,
+    # so the SDK's responses.parse(text_format=...) could not work; vLLM serves it).
+    from flowengine.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    raw = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                           "text": {"format": fmt}, **GREEDY})
+    body = strict(raw.content, ResponseObject)
+    assert engine.submitted[-1][2].structured_outputs == StructuredOutputsParams(json=schema)
+    assert body.text.format == {**fmt, "description": None}  # echoed, as OpenAI does
+    r = oai.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                             text={"format": {"type": "json_object"}}, **GREEDY)
+    assert engine.submitted[-1][2].structured_outputs == StructuredOutputsParams(
+        json_object=True)
+    assert r.text.format.type == "json_object"
+    oai.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                         text={"format": {"type": "text"}}, **GREEDY)
+    assert engine.submitted[-1][2].structured_outputs is None

@@ -183,6 +183,9 @@ def build_routes(
         Route("DELETE", "/v1/responses/{response_id}", hs(responses.delete_response),
               "Delete a stored response", response_type=ResponseDeleted,
               path_params=("response_id",)),
+        Route("POST", "/v1/responses/{response_id}/cancel", hs(responses.cancel_response),
+              "Cancel a background response (none run here: 400 for a stored one)",
+              response_type=ResponseObject, path_params=("response_id",)),
         Route("POST", "/v1/messages", h(anthropic.create_message), "Create a message "
               "(Anthropic Messages API)", request_types=(MessagesRequest,),
               response_type=MessageResponse, streams=True, **claude),

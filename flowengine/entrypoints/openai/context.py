@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from flowengine.engine.protocol import EngineClient
 from flowengine.entrypoints.openai.chat_parsing import ChatParsingOptions
 from flowengine.entrypoints.openai.errors import APIError, from_decode_error, too_deep
 from flowengine.entrypoints.openai.generation import Admission
+from flowengine.entrypoints.openai.protocol import null_default_fields
 from flowengine.entrypoints.openai.sampling import RequestLimits
 from flowengine.metrics import ServingMetrics
 
@@ -83,18 +85,44 @@ class ServingContext:
 
     @staticmethod
     def decode(body: bytes, type: type[T]) -> T:
-        """Parse and validate a JSON body. Raises APIError(400) naming the bad field."""
+        """Parse and validate a JSON body. A request struct's top-level field sent as
+        null takes its default where null is not one of its values (`"stream": null`:
+        OpenAI's spec makes such fields nullable). Raises APIError(400) naming the bad
+        field."""
         if not body:
             raise APIError(
                 400, "the request body is empty; send a JSON object", code="invalid_json"
             )
         try:
-            return msgspec.json.decode(body, type=type)
+            try:
+                return msgspec.json.decode(body, type=type)
+            except msgspec.ValidationError:
+                # The error path only: decode again without the nulls that mean "default".
+                data = _without_null_defaults(body, type)
+                if data is None:
+                    raise
+                return msgspec.convert(data, type, str_keys=True)
         except msgspec.DecodeError as err:
             raise from_decode_error(err, body) from err
         except RecursionError:
             # msgspec recurses once per nesting level, also inside fields it skips.
             raise too_deep() from None
+
+
+def _without_null_defaults(body: bytes, type: Any) -> dict[str, Any] | None:
+    """The JSON object `body` without its nulls of `null_default_fields(type)`, or None
+    when `type` is not a request struct or there is no such null."""
+    if not (isinstance(type, builtins.type) and issubclass(type, msgspec.Struct)):
+        return None
+    names = null_default_fields(type)
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError:  # e.g. 1e999, out of range untyped too: the typed error stands
+        return None
+    if not isinstance(data, dict):
+        return None
+    kept = {k: v for k, v in data.items() if v is not None or k not in names}
+    return kept if len(kept) < len(data) else None
 
 
 def usage(

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 import flowengine
+from flowengine.entrypoints.openai.protocol import null_default_fields
 from flowengine.entrypoints.openai.responses import ErrorResponse
 from flowengine.entrypoints.openai.router import Route
 
@@ -113,6 +114,18 @@ def _constrain(prop: dict[str, Any], rules: dict[str, float]) -> None:
             branch.update(rules)
 
 
+def _or_null(prop: dict[str, Any]) -> dict[str, Any]:
+    """`prop` also accepting null (its default kept at the top)."""
+    branches = prop.get("anyOf", [prop])
+    if any(b.get("type") == "null" for b in branches):
+        return prop
+    schema = {k: v for k, v in prop.items() if k != "default"}
+    out: dict[str, Any] = {"anyOf": [schema, _NULL]}
+    if "default" in prop:
+        out["default"] = prop["default"]
+    return out
+
+
 def build_openapi(
     routes: Sequence[Route],
     *,
@@ -152,8 +165,6 @@ def build_openapi(
                 "properties": {**TEXT_PART["properties"], "type": kind},
                 "description": components[name].get("description", ""),
             }
-    if "TextFormat" in components:  # the Responses route's text.format: text only
-        components["TextFormat"]["properties"]["type"] = {"const": "text", "default": "text"}
     if "InputItem" in components:  # the item types the Responses route serves
         components["InputItem"]["properties"]["type"] = {
             "enum": ["message", "function_call", "function_call_output", "reasoning"],
@@ -169,6 +180,13 @@ def build_openapi(
         components["AnthropicTool"]["properties"]["type"] = {
             "anyOf": [_NULL, {"const": "custom"}], "default": None,
         }
+    # A request's top-level field sent as null takes its default (ServingContext.decode).
+    for route in routes:
+        for t in route.request_types:
+            if isinstance(t, type) and issubclass(t, msgspec.Struct):
+                props = components.get(t.__name__, {}).get("properties", {})
+                for name in null_default_fields(t) & props.keys():
+                    props[name] = _or_null(props[name])
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         error = {"application/json": {"schema": schema_of[id(route.error_type)]}}

@@ -15,11 +15,17 @@ passes validation can always be encoded for the engine's rings (issue 21 item 1)
 msgspec rejects non-finite floats (`1e999`) itself.
 
 Decoding with `msgspec.json.decode(body, type=...)` raises `msgspec.ValidationError`
-naming the field (`... - at $.messages[0].role`), which becomes a 400.
+naming the field (`... - at $.messages[0].role`), which becomes a 400. A top-level
+field sent as `null` that has a default but no null value of its own (`stream`, `n`,
+`echo`, `store`, ...) takes its default (`null_default_fields`), as OpenAI's spec makes
+those fields nullable and vLLM's Optional fields accept null.
 """
 
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -30,6 +36,28 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 # A count of log-probabilities: >= 0, or -1 for the whole vocabulary (vLLM's meaning).
 NumLogprobs = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
+
+
+def _accepts_none(tp: Any) -> bool:
+    if tp is None or tp is type(None) or tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _accepts_none(typing.get_args(tp)[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts_none(arg) for arg in typing.get_args(tp))
+    return False
+
+
+@functools.cache
+def null_default_fields(struct: type[msgspec.Struct]) -> frozenset[str]:
+    """The JSON names of `struct`'s fields that have a default but do not accept null:
+    sent as null, they take their default (ServingContext.decode)."""
+    return frozenset(
+        f.encode_name for f in msgspec.structs.fields(struct)
+        if not f.required and not _accepts_none(f.type)
+    )  # fmt: skip
+
 
 # vLLM request fields (vllm/entrypoints/openai/protocol.py) that FlowEngine does not
 # implement yet. Declared with type `null` below; a value is refused with this message.
@@ -162,11 +190,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
     `prompt` is a string, a list of strings, a list of token ids, or a list of
     token-id lists (each prompt one request; choice index = prompt index * n + sample).
     `logprobs` asks for that many top log-probabilities per token (0 to the server's
-    `--max-logprobs`, 20 by default as in vLLM).
+    `--max-logprobs`, 20 by default as in vLLM). `max_tokens` 0 is served only with
+    `echo`: the prompt alone (OpenAI's and vLLM's way to score a text).
     """
 
     prompt: str | list[str | NonNegInt | list[NonNegInt]]
-    max_tokens: PosInt | None = 16
+    max_tokens: NonNegInt | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None

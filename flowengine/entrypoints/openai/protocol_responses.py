@@ -8,8 +8,8 @@ fields (`top_k`, `min_p`, `repetition_penalty`, `seed`, `stop`, `ignore_eos`,
 fields are ignored, as OpenAI and vLLM do. Fields that would change the output and
 are not served yet (`reasoning`, `conversation`, `prompt`) are typed `null`: any
 other value is a 400 naming the field; tools other than function tools, `background`,
-`include` values other than "message.output_text.logprobs", `truncation: "auto"` and
-non-text `text.format` are refused by the handler, also with a 400 naming the field.
+`include` values other than "message.output_text.logprobs" and `truncation: "auto"`
+are refused by the handler, also with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -73,11 +73,19 @@ class ResponsesTool(msgspec.Struct, kw_only=True):
 
 
 class TextFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
+    """`text.format`: `text` (plain), `json_object` (any JSON object) or `json_schema`
+    (JSON valid against `schema`, constrained whatever `strict` says; OpenAI's flat
+    form of the chat route's `response_format.json_schema`, run as that)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextConfig(msgspec.Struct, kw_only=True):
-    """`text`: only `{"format": {"type": "text"}}` is served (no structured output)."""
+    """`text`: the output's `format` (structured outputs, as the chat route's)."""
 
     format: TextFormat | None = None
 
@@ -86,8 +94,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     """POST /v1/responses.
 
     `input` is a string (one user message) or a list of message items;
-    `instructions` becomes a system message before them (it is not carried over by
-    `previous_response_id`, as OpenAI documents). `max_output_tokens` caps the output
+    `instructions` becomes a system message before them ("" is none: the chat template's
+    default system prompt applies, as in vLLM); it is not carried over by
+    `previous_response_id`, as OpenAI documents. `max_output_tokens` caps the output
     (unset: to EOS or the context limit). `store` (default true) keeps the response
     in the server's bounded in-memory store for `GET /v1/responses/{id}` and
     `previous_response_id`. `include: ["message.output_text.logprobs"]` returns each
@@ -228,7 +237,7 @@ class ResponseErrorObject(_Strict):
 
 
 class TextConfigOut(_Strict):
-    format: dict[str, str]
+    format: dict[str, Any]  # the request's text.format ({"type": "text"} by default)
 
 
 class ResponseObject(_Strict):

@@ -55,11 +55,13 @@ def check_limits(
     num_prompts: int,
     max_model_len: int,
     logprobs_field: str = "logprobs",
+    n_field: str = "n",
 ) -> None:
     """Raise APIError(400) when a request exceeds the server's limits.
 
     `logprobs_field` is the request field that asked for log-probabilities (chat:
-    "top_logprobs"), named as the error's `param`.
+    "top_logprobs"), named as the error's `param`; `n_field` the field that set
+    `params.n` (a beam search's width: "best_of"), named in the token cap's message.
     """
     if params.n > limits.max_n:
         raise bad_request(
@@ -89,9 +91,10 @@ def check_limits(
         work = num_prompts * params.n * per_sample
         if work > limits.max_request_tokens:
             raise bad_request(
-                f"this request may generate {work} tokens ({num_prompts} prompt(s) x n="
-                f"{params.n} x max_tokens={per_sample}), over this server's limit of "
-                f"{limits.max_request_tokens} (--max-request-tokens); lower n or max_tokens",
+                f"this request may generate {work} tokens ({num_prompts} prompt(s) x "
+                f"{n_field}={params.n} x max_tokens={per_sample}), over this server's limit "
+                f"of {limits.max_request_tokens} (--max-request-tokens); lower {n_field} or "
+                "max_tokens",
                 "max_tokens",
             )
 
@@ -262,7 +265,7 @@ def completion_params(
     req: CompletionRequest, defaults: dict[str, Any] | None = None
 ) -> SamplingParams:
     """SamplingParams for /v1/completions; `defaults` as for `_common`. Raises
-    APIError(400)."""
+    APIError(400), also for max_tokens 0 without echo."""
     if req.suffix:
         raise bad_request("suffix is not supported; put the text in the prompt", "suffix")
     # With use_beam_search, best_of is the beam width (serving_beam.py checks it).
@@ -272,8 +275,17 @@ def completion_params(
             "or equal to n",
             "best_of",
         )
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens must be at least 1 (0 only with echo: true, which returns the "
+            "prompt alone)",
+            "max_tokens",
+        )
     fields = _common(req, defaults)
-    fields["max_tokens"] = capped_max_tokens(req.max_tokens, defaults or {})
+    # echo with max_tokens 0 (vLLM's echo without generation): one token is generated
+    # and dropped; the choice is the prompt with its logprobs.
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+    fields["max_tokens"] = capped_max_tokens(max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
     fields["structured_outputs"] = structured_outputs_params(req)
     if req.echo and req.logprobs is not None:

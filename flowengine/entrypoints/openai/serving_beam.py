@@ -26,6 +26,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from flowengine.beam_search import BeamSearchOutput, BeamSearchParams, num_candidates
 from flowengine.entrypoints.async_engine import beam_search
 from flowengine.entrypoints.openai import sse
@@ -34,6 +36,7 @@ from flowengine.entrypoints.openai.context import ServingContext, log_request, u
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.generation import Admission, engine_error
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flowengine.entrypoints.openai.sampling import check_limits
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -158,22 +161,26 @@ class _AdmittedEngine:
 
 
 async def _search(ctx: ServingContext, prompt: Any, beam: BeamSearchParams, fit: bool,
-                  priority: int) -> tuple[BeamSearchOutput, int]:
+                  priority: int, truncate_prompt_tokens: int | None,
+                  ) -> tuple[BeamSearchOutput, int]:
     engine = _AdmittedEngine(ctx.engine, ctx.admission)
     try:
         return await beam_search(engine, prompt, beam, priority=priority,
-                                 fit_max_tokens=fit)
+                                 fit_max_tokens=fit,
+                                 truncate_prompt_tokens=truncate_prompt_tokens)
     except Exception as err:
         raise engine_error(err) from None
 
 
 async def _search_all(ctx: ServingContext, prompts: list[Any], beam: BeamSearchParams,
-                      fit: bool, priority: int) -> list[tuple[BeamSearchOutput, int]]:
+                      fit: bool, priority: int, truncate_prompt_tokens: int | None,
+                      ) -> list[tuple[BeamSearchOutput, int]]:
     """Every prompt's search at once; the first failure cancels the others (their
     step requests are aborted) and is raised."""
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_search(ctx, p, beam, fit, priority)) for p in prompts]
+            tasks = [tg.create_task(_search(ctx, p, beam, fit, priority, truncate_prompt_tokens))
+                     for p in prompts]
     except* Exception as group:
         raise group.exceptions[0] from None
     return [t.result() for t in tasks]
@@ -186,8 +193,13 @@ async def beam_completion(
     """The completions response of a use_beam_search request (choice i * n + j:
     sequence j of prompt i, best first). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
+    if beam.beam_width > n:
+        # The search runs best_of beams: --max-request-tokens counts them, not the n kept.
+        check_limits(ctx.limits, msgspec.structs.replace(params, n=beam.beam_width),
+                     len(prompts), ctx.engine.max_model_len, n_field="best_of")
     start = time.monotonic()
-    results = await _search_all(ctx, prompts, beam, fit, req.priority)
+    results = await _search_all(ctx, prompts, beam, fit, req.priority,
+                                params.truncate_prompt_tokens)
     choices = [
         {"index": i * n + j, "text": seq.text, "logprobs": None,
          "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
@@ -209,7 +221,7 @@ async def beam_chat_completion(
     a plain assistant message (no tool-call or reasoning parsing). Raises APIError."""
     beam, n, fit = beam_params(ctx, req, params)
     start = time.monotonic()
-    result = await _search(ctx, prompt, beam, fit, req.priority)
+    result = await _search(ctx, prompt, beam, fit, req.priority, params.truncate_prompt_tokens)
     seqs = result[0].sequences[:n]
     use = _usage(ctx, [result], n)
     _log("chat", base["id"], use, [s.finish_reason for s in seqs], start)

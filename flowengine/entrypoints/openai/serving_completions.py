@@ -2,7 +2,8 @@
 
 `prompt` may hold several prompts (strings or token-id lists); each runs as its own
 engine request, concurrently, and choice `i * n + j` is sample j of prompt i (the
-order OpenAI and vLLM use). `echo` prepends the prompt text to each choice.
+order OpenAI and vLLM use). `echo` prepends the prompt text to each choice; with
+`max_tokens` 0 a choice is the prompt alone (its one generated token dropped, as vLLM).
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def _usage(ctx: ServingContext, streams: Sequence[EngineStream]) -> dict[str, An
     )
 
 
-def _prompt_text(ctx: ServingContext, stream: EngineStream) -> str:
+def _prompt_text(ctx: ServingContext, stream: EngineStream, truncated: bool) -> str:
+    """The echoed prompt: the text of the prompt tokens the model saw (`truncated`:
+    truncate_prompt_tokens was set, so the request's text may hold more)."""
     first = stream.first_output
-    if first.prompt is not None:
+    if first.prompt is not None and not truncated:
         return first.prompt
     return ctx.tokenizer.decode(first.prompt_token_ids)
 
@@ -131,7 +134,8 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
     handed_off = False
     try:
         state = _Choices(ctx, streams, params.n, req.echo, req.logprobs,
-                         req.prompt_logprobs is not None)
+                         req.prompt_logprobs is not None, echo_only=req.max_tokens == 0,
+                         truncated=params.truncate_prompt_tokens is not None)
         if req.stream:
             options = req.stream_options or StreamOptions()
             response = StreamingResponse(
@@ -207,13 +211,16 @@ class _Choices:
         echo: bool,
         num_top: int | None,
         want_prompt_logprobs: bool = False,
+        echo_only: bool = False,
+        truncated: bool = False,
     ) -> None:
         self.ctx = ctx
+        self.echo_only = echo_only  # echo with max_tokens 0: the generated token is dropped
         # -1 (the whole vocabulary) lists every token in top_logprobs.
         self.num_top = ALL_LOGPROBS if num_top == -1 else num_top
         num = len(streams) * n
         self.pending_echo: list[str] = [
-            _prompt_text(ctx, streams[k // n]) if echo else "" for k in range(num)
+            _prompt_text(ctx, streams[k // n], truncated) if echo else "" for k in range(num)
         ]
         self.texts: list[list[str]] = [[] for _ in range(num)]
         self.offsets = [len(e) for e in self.pending_echo]
@@ -236,11 +243,14 @@ class _Choices:
         self, k: int, text: str, token_ids: Sequence[int], logprobs: Any
     ) -> tuple[str, dict[str, list[Any]] | None]:
         """Record a delta of choice k; returns (text to show, its logprobs or None)."""
+        if self.echo_only:
+            text, token_ids, logprobs = "", (), ()
         text = self.pending_echo[k] + text
         self.pending_echo[k] = ""
         self.texts[k].append(text)
         delta_lp = None
-        if self.num_top is not None and token_ids and logprobs:
+        echo_now = self.echo_only and self.pending_echo_logprobs[k]
+        if self.num_top is not None and (token_ids and logprobs or echo_now):
             delta_lp = completion_logprobs(
                 token_ids, logprobs, self.num_top, self.ctx.tokenizer, self.offsets[k]
             )

@@ -1,13 +1,16 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{response_id}: OpenAI's Responses API.
+"""POST /v1/responses, GET and DELETE /v1/responses/{response_id} (and its /cancel, always
+an error: no background responses): OpenAI's Responses API.
 
 A request becomes the chat route's request (chat_adapter.py): `instructions` a system
-message, `input` the conversation (after the stored conversation of
+message (unless empty), `input` the conversation (after the stored conversation of
 `previous_response_id`, if given), `max_output_tokens` the chat route's
 `max_completion_tokens`. Function `tools` (flat, OpenAI's Responses shape),
 `tool_choice` and `parallel_tool_calls` become the chat route's, with its rules
 (`auto` needs --enable-auto-tool-choice and --tool-call-parser; `required` and a
 named function are enforced by a JSON schema); `function_call` input items become an
 assistant message's `tool_calls`, `function_call_output` items `tool` messages.
+`text.format` (`json_schema`, `json_object`) becomes the chat route's
+`response_format`: the same structured outputs.
 The answer's output items (responses_output.py) are a `reasoning` item (with
 --reasoning-parser), a `message` item with one `output_text` part, and one
 `function_call` item per call, in the order generated; their texts are the chat
@@ -53,8 +56,10 @@ from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionTool,
     FunctionDefinition,
+    JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
+    ResponseFormat,
 )
 from flowengine.entrypoints.openai.protocol_responses import (
     INCLUDE_LOGPROBS,
@@ -62,13 +67,19 @@ from flowengine.entrypoints.openai.protocol_responses import (
     InputContentPart,
     InputItem,
     ResponsesRequest,
+    TextFormat,
 )
 from flowengine.entrypoints.openai.responses_output import Event, ResponseOutput
 from flowengine.entrypoints.openai.responses_store import ResponseStore
 from flowengine.entrypoints.openai.sse import HEADERS
 
 # Chat field names in 400s -> this API's names.
-PARAM_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
+PARAM_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+}
 # Content part types that carry text: user/system/developer input, replayed assistant output.
 TEXT_PART_TYPES = ("input_text", "output_text")
 # The chat route names a tool's fields `tools[i].function.<field>`; here they are flat.
@@ -123,16 +134,17 @@ def check_supported(req: ResponsesRequest) -> None:
                 f"{INCLUDE_LOGPROBS!r}",
                 f"include[{i}]",
             )
+    fmt = text_format(req)
+    if fmt.type == "json_schema" and fmt.schema is None:
+        raise bad_request(
+            "text.format of type json_schema needs schema (a JSON schema object)",
+            "text.format.schema",
+        )
     if req.truncation == "auto":
         raise bad_request(
             "truncation 'auto' is not supported; use 'disabled' (an input over the "
             "context length is a 400)",
             "truncation",
-        )
-    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
-        raise bad_request(
-            f"text.format type {req.text.format.type!r} is not supported; use 'text'",
-            "text.format",
         )
 
 
@@ -290,11 +302,30 @@ def _chat_tool_choice(choice: Any) -> Any:
     return choice
 
 
+def text_format(req: ResponsesRequest) -> TextFormat:
+    """The request's `text.format` (plain text when unset)."""
+    if req.text is None or req.text.format is None:
+        return TextFormat()
+    return req.text.format
+
+
+def response_format(req: ResponsesRequest) -> ResponseFormat | None:
+    """`text.format` as the chat route's `response_format` (None for plain text)."""
+    fmt = text_format(req)
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict,
+    ))  # fmt: skip
+
+
 def chat_request(
     req: ResponsesRequest, messages: list[dict[str, Any]], model: str
 ) -> ChatCompletionRequest:
     """The chat route's request for this Responses request (same sampling fields,
-    tools and tool choice)."""
+    tools, tool choice and structured output)."""
     logprobs = wants_logprobs(req)
     tools, tool_choice = chat_tools(req)
     return ChatCompletionRequest(
@@ -321,6 +352,7 @@ def chat_request(
         tools=tools or None,
         tool_choice=tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
+        response_format=response_format(req),
     )
 
 
@@ -333,6 +365,14 @@ def _tools_echo(run: ChatRun) -> list[dict[str, Any]]:
                     "description": fn.get("description"), "parameters": fn["parameters"],
                     "strict": fn.get("strict")})  # fmt: skip
     return out
+
+
+def _text_format_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = text_format(req)
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    return {"type": fmt.type, "name": fmt.name, "description": fmt.description,
+            "schema": fmt.schema, "strict": fmt.strict}  # fmt: skip
 
 
 def _tool_choice_echo(req: ResponsesRequest) -> str | dict[str, str]:
@@ -373,7 +413,7 @@ class _Response:
             "store": req.store,
             "temperature": run.params.temperature,
             "top_p": run.params.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _text_format_echo(req)},
             "tool_choice": _tool_choice_echo(req),
             "tools": _tools_echo(run),
             "top_logprobs": req.top_logprobs,
@@ -473,7 +513,7 @@ async def create_response(
     if not conversation:
         raise bad_request("input is empty; send a string or at least one message", "input")
     messages = conversation
-    if req.instructions is not None:
+    if req.instructions:  # "" is none, as vLLM takes it: the template's default applies
         messages = [{"role": "system", "content": req.instructions}, *conversation]
     response_id = f"resp_{uuid.uuid4().hex}"
     run = await ChatRun.open(
@@ -556,3 +596,19 @@ async def delete_response(
     if not store.delete(response_id):
         raise _not_found(response_id, "response_id")
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def cancel_response(
+    ctx: ServingContext, store: ResponseStore, request: APIRequest
+) -> Response:
+    """POST /v1/responses/{response_id}/cancel: OpenAI cancels only background
+    responses, and this server runs none (`background: true` is a 400), so a stored
+    response is a 400 with vLLM's message and an unknown id a 404. Raises APIError."""
+    response_id = request.path_params["response_id"]
+    if response_id not in store:
+        raise _not_found(response_id, "response_id")
+    raise bad_request(
+        "Cannot cancel a synchronous response. (Only background responses can be "
+        "cancelled; this server runs none.)",
+        "response_id",
+    )
