@@ -94,6 +94,12 @@ def resolve(args: EngineArgs, *, frontend: bool = False) -> ResolvedEngine:
                          "CUDA: the GPU attention kernels read a cache of the model dtype or "
                          "fp8; use auto, fp8, or --dtype " + args.kv_cache_dtype)
     args = _resolve_quantization(args, device, resolved.gguf_file)
+    if (device == "cpu" and args.quantization == "gguf" and args.dtype == "auto"
+            and args.kv_cache_dtype == "auto"):
+        # vLLM runs GGUF weights in float16 and llama.cpp keeps their K/V in float16:
+        # the activations stay float32 here (the C kernels'), the KV cache is float16,
+        # half the bytes a decode step's attention reads (--dtype float32: all float32).
+        args = dataclasses.replace(args, kv_cache_dtype="float16")
     bf16_gemm = False
     if device == "cpu" and dtype == "bfloat16" and args.quantization in ("gguf", "int8"):
         from flowengine.executor.cpu_threads import bf16_matmul_path

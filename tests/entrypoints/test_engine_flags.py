@@ -99,6 +99,24 @@ def test_half_kv_cache_of_another_dtype_refused_on_cuda(default_model_path, monk
         resolve(_args(default_model_path, "--device", "cuda", "--kv-cache-dtype", "float16"))
 
 
+def test_gguf_on_the_cpu_defaults_to_a_float16_kv_cache(default_model_path) -> None:
+    """GGUF weights on the CPU with --dtype auto: float32 activations, a float16 KV cache
+    (vLLM's GGUF dtype, llama.cpp's cache type); --dtype float32 or an explicit
+    --kv-cache-dtype keeps what was asked."""
+    from flowengine.engine.builder import resolve
+    from flowengine.model.gguf_convert import conversion_source
+
+    gguf = conversion_source(default_model_path)
+    for flags, dtype, kv in ([(), "float32", "float16"],
+                             [("--dtype", "float32"), "float32", "auto"],
+                             [("--kv-cache-dtype", "fp8"), "float32", "fp8"]):
+        resolved = resolve(_args(gguf, "--device", "cpu", *flags))
+        assert resolved.args.quantization == "gguf"
+        assert (resolved.dtype, resolved.args.kv_cache_dtype) == (dtype, kv), flags
+    # float weights keep auto (the model dtype)
+    assert resolve(_args(default_model_path, "--device", "cpu")).args.kv_cache_dtype == "auto"
+
+
 @pytest.mark.slow
 def test_float16_kv_cache_on_the_cpu_holds_twice_the_blocks(default_model_path) -> None:
     """`--kv-cache-dtype float16` under float32 activations (CPU): the cache is float16,
