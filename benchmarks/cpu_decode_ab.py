@@ -6,8 +6,9 @@
 Each argument is a configuration: comma-separated KEY=VALUE, where THR sets
 torch.set_num_threads (the executor's intra-op threads, read per call by the kernels),
 FUSED=0 turns off the one-call decoder layers (layers/cpu_fused.py), KV=float16 (or
-bfloat16) runs an engine whose KV cache is of that dtype (`--kv-cache-dtype`; one
-engine per KV value, all built first), and other keys are
+bfloat16) runs an engine whose KV cache is of that dtype (`--kv-cache-dtype`; float16 is
+the default for GGUF weights) and KV=float32 one with `--dtype float32` (a float32 cache;
+one engine per KV value, all built first), and other keys are
 environment variables (FLOWENGINE_CPU_NO_POOL=1: OpenMP regions instead of the decode
 thread pool; the C module reads it once, so it must be the same in every configuration
 of a run, or be compared in separate runs). Per round and configuration: ROWS (default
@@ -42,7 +43,8 @@ def main() -> None:
     own = {"THR", "FUSED", "KV"}
     keys = sorted({k for c in configs for k in c} - own)
     llms = {kv: LLM(GGUF, quantization="gguf", enable_prefix_caching=False, cpu_threads=2,
-                    max_model_len=1024, kv_cache_dtype=kv, placement="inproc")
+                    max_model_len=1024, placement="inproc",
+                    **({"dtype": "float32"} if kv == "float32" else {"kv_cache_dtype": kv}))
             for kv in dict.fromkeys(c.get("KV", "auto") for c in configs)}
     rows = int(os.environ.get("ROWS", "1"))
     prompt = [{"prompt_token_ids": list(range(1000 + 128 * r, 1128 + 128 * r))}

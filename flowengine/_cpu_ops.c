@@ -4251,6 +4251,34 @@ static void write_kv_impl(const char *k, int64_t ks, const char *v, int64_t vs, 
 /* write_kv_impl from float32 rows into a bf16 (fmt KV_BF16) or float16 (KV_F16) cache,
  * each value rounded to nearest even as torch's conversions round; strides and plane in
  * values. */
+#if HAVE_X86
+/* n float32 values into float16 by vcvtps2ph, 8 at a time (round to nearest even: the
+ * bits f32_to_fp16 gives), the tail by f32_to_fp16. */
+AVX2 static void f32_to_fp16_row_avx2(const float *src, uint16_t *dst, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    for (; i < n; i++)
+        dst[i] = f32_to_fp16(src[i]);
+}
+#endif
+
+/* n float32 values into a row of a bf16 (KV_BF16) or float16 (KV_F16) cache. */
+static void half_row(const float *src, uint16_t *dst, int64_t n, int fmt)
+{
+#if HAVE_X86
+    if (fmt == KV_F16 && use_avx2()) {
+        f32_to_fp16_row_avx2(src, dst, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = fmt == KV_BF16 ? f32_to_bf16(src[i]) : f32_to_fp16(src[i]);
+}
+
 static void write_kv_half_impl(const float *k, int64_t ks, const float *v, int64_t vs,
                                int64_t T, int64_t row, const int64_t *slots, uint16_t *cache,
                                int64_t plane, int fmt)
@@ -4258,11 +4286,8 @@ static void write_kv_half_impl(const float *k, int64_t ks, const float *v, int64
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0)
             continue;
-        uint16_t *kd = cache + slots[t] * row, *vd = cache + plane + slots[t] * row;
-        for (int64_t e = 0; e < row; e++) {
-            kd[e] = fmt == KV_BF16 ? f32_to_bf16(k[t * ks + e]) : f32_to_fp16(k[t * ks + e]);
-            vd[e] = fmt == KV_BF16 ? f32_to_bf16(v[t * vs + e]) : f32_to_fp16(v[t * vs + e]);
-        }
+        half_row(k + t * ks, cache + slots[t] * row, row, fmt);
+        half_row(v + t * vs, cache + plane + slots[t] * row, row, fmt);
     }
 }
 
