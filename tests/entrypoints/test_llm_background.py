@@ -1,0 +1,64 @@
+"""The multiproc `LLM`'s BackgroundEngine: a batch larger than the engine's queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flowengine.engine.protocol import EngineOverloadedError
+from flowengine.entrypoints.llm_multiproc import BackgroundEngine
+
+
+class _QueueLimitedEngine:
+    """Stands in for AsyncEngine: refuses a request while `max_queue_len` are in
+    flight, as its IngressActor does."""
+
+    max_queue_len = 3
+
+    def __init__(self) -> None:
+        self.num_in_flight = 0
+        self.max_in_flight = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        pass
+
+    async def _outputs(self, request_id: str):
+        if self.num_in_flight >= self.max_queue_len:
+            raise EngineOverloadedError(f"{self.num_in_flight} requests in flight")
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        try:
+            await asyncio.sleep(0.01)
+            yield f"out-{request_id}"
+        finally:
+            self.num_in_flight -= 1
+
+    def submit(self, prompt, params, request_id, *, priority=0, output_kind=None):
+        return self._outputs(request_id)
+
+    def encode(self, prompt, params, request_id):
+        return self._outputs(request_id)
+
+
+@pytest.mark.parametrize("method", ["generate", "embed"])
+def test_batch_larger_than_the_queue_waits_for_room_instead_of_failing(method):
+    """vLLM's LLM takes any number of prompts; the multiproc LLM (the CUDA default)
+    used to submit them all at once, so prompt 4097 raised EngineOverloadedError and
+    the 4096 before it kept running unseen."""
+    engine = _QueueLimitedEngine()
+    background = BackgroundEngine(engine)
+    try:
+        done: list[int] = []
+        if method == "generate":
+            jobs = [([1, 2], None, f"r{i}", 0) for i in range(10)]
+        else:
+            jobs = [([1, 2], None, f"r{i}") for i in range(10)]
+        outs = getattr(background, method)(jobs, lambda: done.append(1))
+    finally:
+        background.close()
+    assert outs == [f"out-r{i}" for i in range(10)] and len(done) == 10
+    assert engine.max_in_flight == engine.max_queue_len
