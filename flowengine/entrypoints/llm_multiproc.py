@@ -23,7 +23,14 @@ class BackgroundEngine:
         self.call(engine.start())
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            # E.g. KeyboardInterrupt: cancelling closes the streams, which aborts the
+            # requests still running (as the in-process LLM does).
+            future.cancel()
+            raise
 
     async def _gather(self, coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
         """Await the coroutines concurrently, at most the engine's max_queue_len at a

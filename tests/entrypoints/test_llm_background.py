@@ -62,3 +62,41 @@ def test_batch_larger_than_the_queue_waits_for_room_instead_of_failing(method):
         background.close()
     assert outs == [f"out-r{i}" for i in range(10)] and len(done) == 10
     assert engine.max_in_flight == engine.max_queue_len
+
+
+def test_interrupting_a_batch_aborts_its_requests():
+    """Ctrl-C in `LLM.generate` (a KeyboardInterrupt in the caller's thread) aborts
+    the batch's requests, as the in-process LLM does; they used to keep running in
+    the engine, unseen, delaying the next batch."""
+    import os
+    import signal
+    import threading
+    import time
+
+    started = threading.Event()
+    ended: list[str] = []
+
+    class EndlessEngine(_QueueLimitedEngine):
+        async def _outputs(self, request_id: str):
+            started.set()
+            try:
+                await asyncio.sleep(60)
+                yield f"out-{request_id}"
+            finally:
+                ended.append(request_id)
+
+    background = BackgroundEngine(EndlessEngine())
+    try:
+
+        def press_ctrl_c() -> None:
+            started.wait(5)
+            time.sleep(0.2)  # the caller waits in generate() by now
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=press_ctrl_c).start()
+        with pytest.raises(KeyboardInterrupt):
+            background.generate([([1], None, f"r{i}", 0) for i in range(2)], lambda: None)
+        background.call(asyncio.sleep(0.1))
+        assert sorted(ended) == ["r0", "r1"]
+    finally:
+        background.close()
