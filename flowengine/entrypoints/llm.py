@@ -71,7 +71,8 @@ class LLM:
         freeze_startup_heap()
 
     def shutdown(self) -> None:
-        """Stop the engine processes (multiproc placement); a no-op in process."""
+        """Stop the engine processes (multiproc placement; later calls to generate,
+        chat, embed raise EngineDeadError); a no-op in process."""
         if self._background is not None:
             self._background.close()
             self._background = None
@@ -360,6 +361,10 @@ class LLM:
         return params
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        if self._background is None and self.engine_args.placement != "inproc":
+            from flowengine.engine.protocol import EngineDeadError
+
+            raise EngineDeadError("this LLM was shut down (shutdown()); create a new one")
         if self._background is not None:
             with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
                 jobs = [

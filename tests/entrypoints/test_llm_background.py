@@ -100,3 +100,30 @@ def test_interrupting_a_batch_aborts_its_requests():
         assert sorted(ended) == ["r0", "r1"]
     finally:
         background.close()
+
+
+def test_generate_after_shutdown_is_an_engine_dead_error():
+    """The multiproc LLM after `shutdown()`: its processes are gone, so generate/embed
+    raise EngineDeadError; they used to reach the in-process path and fail with
+    "AttributeError: 'LLM' object has no attribute 'engine'"."""
+    import itertools
+    from types import SimpleNamespace
+
+    from flowengine import LLM, SamplingParams
+    from flowengine.engine.protocol import EngineDeadError
+    from flowengine.pooling import PoolingParams
+
+    class _Processor:
+        def process(self, request_id, prompt, params, **kwargs):
+            return SimpleNamespace(request_id=request_id, prompt=prompt, children=[])
+
+    llm = LLM.__new__(LLM)  # no model: what runs after shutdown() is all that matters
+    llm.engine_args = SimpleNamespace(placement="multiproc", disable_log_stats=True)
+    llm.input_processor = _Processor()
+    llm._ids = itertools.count()
+    llm._background = BackgroundEngine(_QueueLimitedEngine())
+    llm.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate(["a"], SamplingParams(), use_tqdm=False)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.embed(["a"], PoolingParams(), use_tqdm=False)
