@@ -39,8 +39,11 @@ class BackgroundEngine:
         slots = asyncio.Semaphore(self.engine.max_queue_len)
 
         async def one(coro: Coroutine[Any, Any, Any]) -> Any:
-            async with slots:
-                return await coro
+            try:
+                async with slots:
+                    return await coro
+            finally:
+                coro.close()  # cancelled before it started: dropped without a warning
 
         return await asyncio.gather(*(one(c) for c in coros))
 
