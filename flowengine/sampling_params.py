@@ -172,8 +172,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
       None); -1 for the whole vocabulary.
     - detokenize: False returns token ids only (text ""); stop strings need text.
     - skip_special_tokens, spaces_between_special_tokens: detokenization options.
-    - truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 = the
-      model's max_model_len), None to keep them all.
+    - truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 = as many
+      as fit with one generated token, max_model_len - 1), None to keep them all.
     - logit_bias: token id -> bias in [-100, 100] added to that token's logit before
       sampling (OpenAI's definition; -100 effectively bans, 100 effectively forces).
     - allowed_token_ids: only these ids may be sampled (non-empty list).

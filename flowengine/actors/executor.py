@@ -41,6 +41,7 @@ from flowengine.actors.base import Channel, run_blocking
 from flowengine.engine import step_trace
 from flowengine.executor.executor import CompletedStep, Executor, StepHandle
 from flowengine.messages import GrammarOutput, Shutdown, StepPlan, StepResult
+from flowengine.shm.errors import RecordTooLargeError
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +288,16 @@ class ExecutorActor:
                 self._time_device(handle)
                 if step_trace.ENABLED:
                     step_trace.mark("ex_resolved", handle.step_id)
-                await self.results.send_async(result)
+                try:
+                    await self.results.send_async(result)
+                except RecordTooLargeError as exc:
+                    # NOTE: the step fails, not the process: a restart would recompute
+                    # the same requests and fail again until the engine gives up.
+                    logger.error("step %d: %s", handle.step_id, exc)
+                    await self.results.send_async(StepResult(
+                        handle.step_id, [],
+                        error="the step's result is too large for the results ring; ask "
+                              "for fewer logprobs or prompt_logprobs"))
 
     # ------------------------------------------------------------------ ranks 1..N-1
     async def _follow(self) -> None:

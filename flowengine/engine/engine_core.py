@@ -200,7 +200,11 @@ class EngineCore:
         return self.scheduler.take_grammar_outputs()
 
     def step(self) -> list[RequestDelta]:
-        """Schedule one step, run it, and return per-request deltas (pending first)."""
+        """Schedule one step, run it, and return per-request deltas (pending first).
+
+        A BaseException while the step runs (KeyboardInterrupt) is raised after the
+        step is retired: its requests finish with an error, whose deltas the next
+        step returns, and the scheduler's in-flight records stay in step."""
         if not self.scheduler.has_unfinished_requests():
             return self.take_outputs()
         plan = self.schedule()
@@ -208,4 +212,10 @@ class EngineCore:
             if self.num_compiling_grammars:
                 self.wait_for_grammars(0.05)  # no busy loop while grammars compile
             return self.take_outputs()
-        return self.update(plan, self.execute(plan))
+        try:
+            result = self.execute(plan)
+        except BaseException as exc:
+            error = f"the step was interrupted ({type(exc).__name__})"
+            self._pending = self.update(plan, StepResult(plan.step_id, [], error=error))
+            raise
+        return self.update(plan, result)

@@ -319,11 +319,13 @@ class InputProcessor:
                                pooling_params=params)
 
     def truncate(self, ids: list[int], params: SamplingParams) -> list[int]:
-        """The last `truncate_prompt_tokens` ids (-1: max_model_len), or `ids` as given.
+        """The last `truncate_prompt_tokens` ids, or `ids` as given. -1: as many as fit
+        with one generated token, max_model_len - 1 (a prompt must leave room for one).
 
         Raises ValueError when truncate_prompt_tokens exceeds max_model_len (vLLM's rule).
         """
-        return self._truncate_to(ids, params.truncate_prompt_tokens)
+        k = params.truncate_prompt_tokens
+        return self._truncate_to(ids, self.max_model_len - 1 if k == -1 else k)
 
     def _truncate_to(self, ids: list[int], k: int | None) -> list[int]:
         if k is None:

@@ -444,7 +444,8 @@ class AsyncEngine:
         except BaseException as exc:  # an actor failed, or shutdown() cancelled us
             if not self._shutting_down:
                 logger.error("engine stopped: %r", exc)
-            self._dead = EngineDeadError(f"the engine stopped: {exc!r}")
+            self._dead = EngineDeadError("the engine was shut down" if self._shutting_down
+                                         else f"the engine stopped: {exc!r}")
             self.streamer.fail_all(self._dead)
             if not self._shutting_down:
                 for callback in self._dead_callbacks:

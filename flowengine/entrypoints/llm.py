@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -70,7 +71,8 @@ class LLM:
         freeze_startup_heap()
 
     def shutdown(self) -> None:
-        """Stop the engine processes (multiproc placement); a no-op in process."""
+        """Stop the engine processes (multiproc placement; later calls to generate,
+        chat, embed raise EngineDeadError); a no-op in process."""
         if self._background is not None:
             self._background.close()
             self._background = None
@@ -248,14 +250,14 @@ class LLM:
         pooling-runner model; `out.outputs.embedding` is the vector (vLLM's shapes).
 
         pooling_params: one PoolingParams for all prompts or one per prompt (None: the
-        model's defaults; truncate_prompt_tokens applies to those). Every prompt is
-        validated before any runs: bad input (or a generate model) raises
+        model's defaults). truncate_prompt_tokens, if given, replaces each
+        PoolingParams' own (vLLM's LLM.encode applies it to every prompt). Every prompt
+        is validated before any runs: bad input (or a generate model) raises
         ValueError/TypeError and nothing is embedded.
         """
         prompts = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            one = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-            params_list = [one] * len(prompts)
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
             if isinstance(pooling_params, dict | str | bytes):
                 raise TypeError("pooling_params must be a PoolingParams or a list of them "
@@ -263,6 +265,9 @@ class LLM:
             params_list = list(pooling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for p in params_list]
         processed = [
             self.input_processor.process(str(next(self._ids)), prompt, SamplingParams(),
                                          pooling_params=params)
@@ -365,6 +370,10 @@ class LLM:
         return params
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        if self._background is None and self.engine_args.placement != "inproc":
+            from flowengine.engine.protocol import EngineDeadError
+
+            raise EngineDeadError("this LLM was shut down (shutdown()); create a new one")
         if self._background is not None:
             with tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm) as bar:
                 jobs = [

@@ -23,7 +23,29 @@ class BackgroundEngine:
         self.call(engine.start())
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            # E.g. KeyboardInterrupt: cancelling closes the streams, which aborts the
+            # requests still running (as the in-process LLM does).
+            future.cancel()
+            raise
+
+    async def _gather(self, coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+        """Await the coroutines concurrently, at most the engine's max_queue_len at a
+        time: it refuses more in flight (EngineOverloadedError), while an offline batch
+        takes any number of prompts (as vLLM's LLM). Results in order."""
+        slots = asyncio.Semaphore(self.engine.max_queue_len)
+
+        async def one(coro: Coroutine[Any, Any, Any]) -> Any:
+            try:
+                async with slots:
+                    return await coro
+            finally:
+                coro.close()  # cancelled before it started: dropped without a warning
+
+        return await asyncio.gather(*(one(c) for c in coros))
 
     async def _one(self, prompt: Any, params: Any, request_id: str, priority: int,
                    on_done) -> RequestOutput:
@@ -38,12 +60,8 @@ class BackgroundEngine:
     def generate(self, jobs: list[tuple[Any, Any, str, int]], on_done) -> list[RequestOutput]:
         """Run (prompt, params, request_id, priority) jobs concurrently; results in job
         order."""
-
-        async def run_all():
-            return await asyncio.gather(*(self._one(p, sp, rid, prio, on_done)
-                                          for p, sp, rid, prio in jobs))
-
-        return self.call(run_all())
+        return self.call(self._gather([self._one(p, sp, rid, prio, on_done)
+                                       for p, sp, rid, prio in jobs]))
 
     def embed(self, jobs: list[tuple[Any, Any, str]], on_done) -> list[Any]:
         """Run (prompt, PoolingParams, request_id) embedding jobs concurrently; the
@@ -56,10 +74,7 @@ class BackgroundEngine:
             on_done()
             return out
 
-        async def run_all():
-            return await asyncio.gather(*(one(p, pp, rid) for p, pp, rid in jobs))
-
-        return self.call(run_all())
+        return self.call(self._gather([one(p, pp, rid) for p, pp, rid in jobs]))
 
     def close(self) -> None:
         if self.loop.is_running():

@@ -33,10 +33,11 @@ class StopStringChecker:
     def is_stopped(self) -> bool:
         return self.matched is not None
 
-    def _first_match(self) -> tuple[int, int, str] | None:
+    def _first_match(self, min_end: int) -> tuple[int, int, str] | None:
+        """The first match ending after character `min_end` of the pending text."""
         best: tuple[int, int, str] | None = None
         for s in self.stop:
-            start = self._pending.find(s)
+            start = self._pending.find(s, max(0, min_end - len(s) + 1))
             if start < 0:
                 continue
             end = start + len(s)
@@ -50,7 +51,8 @@ class StopStringChecker:
         For each stop string, candidate suffixes begin at an occurrence of its first
         character among the last len(stop) - 1 characters (found by `str.find`, in C);
         the earliest one that starts the stop string is that string's longest. A suffix
-        as long as the stop string itself would be a match, found before this is called.
+        as long as the stop string itself is a match, found before this is called (or
+        not allowed to match, `process(can_match=False)`, and emitted).
         """
         pending = self._pending
         num_pending = len(pending)
@@ -66,15 +68,19 @@ class StopStringChecker:
                 i = pending.find(first, i + 1)
         return longest
 
-    def process(self, delta: str) -> tuple[str, str | None]:
+    def process(self, delta: str, can_match: bool = True) -> tuple[str, str | None]:
         """Feed a text delta. Returns (text safe to emit now, matched stop string or None).
 
-        After a match, the text is final: later deltas return ("", None).
+        can_match False: the delta may start a stop string but not end one (the text
+        of the first min_tokens tokens); what could start one is held back all the same.
+        A match must end in the delta (one ending before it was found, or not allowed,
+        then). After a match, the text is final: later deltas return ("", None).
         """
         if self.matched is not None:
             return "", None
+        num_old = len(self._pending)
         self._pending += delta
-        match = self._first_match()
+        match = self._first_match(num_old) if can_match else None
         if match is not None:
             end, start, stop = match
             text = self._pending[: end if self.include_stop_str_in_output else start]

@@ -40,7 +40,8 @@ class IncrementalTextState:
         )
         self._parts: list[str] = []
         # vLLM v1's rule: stop strings are checked only once the completion has more
-        # than min_tokens tokens; text of the first min_tokens tokens never matches.
+        # than min_tokens tokens, and must end after the text of the first min_tokens
+        # tokens (they may start within it).
         self._min_tokens = sampling_params.min_tokens
         self._num_tokens = 0
 
@@ -82,10 +83,8 @@ class IncrementalTextState:
         if finished:
             delta += self.detokenizer.flush()
         matched = None
-        if stop_checker is not None and self._num_tokens <= self._min_tokens:
-            stop_checker = None  # within min_tokens: the text passes unchecked
         if stop_checker is not None:  # no stop strings: no checker, nothing held back
-            delta, matched = stop_checker.process(delta)
+            delta, matched = stop_checker.process(delta, self._num_tokens > self._min_tokens)
             if finished and matched is None:
                 delta += stop_checker.flush()
         if delta:

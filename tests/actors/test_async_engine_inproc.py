@@ -194,3 +194,21 @@ def test_stats_before_any_step_give_the_kv_block_count(default_model_path):
             await engine.shutdown(drain_timeout_s=5)
 
     asyncio.run(main())
+
+
+def test_submit_after_shutdown_says_the_engine_was_shut_down(default_model_path):
+    """A request after `shutdown()` is refused with EngineDeadError "the engine was shut
+    down"; it used to say "the engine stopped: CancelledError()", the internal way the
+    actors' task ends on shutdown."""
+    from flowengine.engine.protocol import EngineDeadError
+
+    async def main():
+        engine = AsyncEngine(default_model_path, max_model_len=256)
+        await engine.start()
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError, match="^the engine was shut down$"):
+            await _collect(engine, "Hello")
+        with pytest.raises(EngineDeadError, match="^the engine was shut down$"):
+            await engine.check_health()
+
+    asyncio.run(main())

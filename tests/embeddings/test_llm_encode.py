@@ -77,3 +77,22 @@ def test_encode_returns_the_embeddings_as_tensors(tiny_path):
     with pytest.raises(TypeError, match="pooling_params must be a PoolingParams or a list "
                                         "of them .one per prompt., not dict"):
         llm.embed(PROMPTS, {"normalize": False}, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_applies_with_pooling_params_too(tiny_path):
+    """`truncate_prompt_tokens=` truncates every prompt whether or not PoolingParams are
+    given (vLLM's LLM.encode merges it into each request's tokenization); it used to be
+    dropped silently when they were, so a long input failed or was embedded whole."""
+    llm = LLM(tiny_path, runner="pooling", max_model_len=256, num_kv_blocks=64)
+    raw = PoolingParams(normalize=False)
+    whole = llm.embed(PROMPTS, raw, use_tqdm=False)
+    for params in (raw, [raw, PoolingParams(normalize=False, truncate_prompt_tokens=3)]):
+        cut = llm.embed(PROMPTS, params, truncate_prompt_tokens=2, use_tqdm=False)
+        for c, w in zip(cut, whole, strict=True):
+            assert c.prompt_token_ids == w.prompt_token_ids[-2:]
+            last_two = llm.embed([w.prompt_token_ids[-2:]], raw, use_tqdm=False)[0]
+            np.testing.assert_allclose(c.outputs.vector, last_two.outputs.vector, rtol=1e-5,
+                                       atol=1e-6)
+    encoded = llm.encode(PROMPTS, raw, pooling_task="embed", truncate_prompt_tokens=2,
+                         use_tqdm=False)  # fmt: skip
+    assert [o.prompt_token_ids for o in encoded] == [w.prompt_token_ids[-2:] for w in whole]

@@ -130,3 +130,30 @@ def test_an_executor_exception_fails_only_that_step() -> None:
     assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in core.step()] == [
         ("b", [9], "length")
     ]
+
+
+def test_a_step_interrupted_by_ctrl_c_is_retired_and_the_core_keeps_serving() -> None:
+    """KeyboardInterrupt during the forward (Ctrl-C in `LLM.generate`, in process): the
+    step's requests finish with an error and their blocks are freed; the interrupted
+    plan used to stay in flight, so every later step failed ("result of step N
+    applied, but the oldest step in flight is N-1") and its blocks were never freed."""
+
+    class _InterruptedExecutor(_CountingExecutor):
+        def execute_model(self, plan: StepPlan) -> StepResult:
+            if plan.step_id == 1:
+                raise KeyboardInterrupt
+            return super().execute_model(plan)
+
+    core = _core(_InterruptedExecutor())
+    core.add_request(_msg("a", max_tokens=4))
+    assert [d.new_token_ids for d in core.step()] == [[7]]
+    with pytest.raises(KeyboardInterrupt):
+        core.step()
+    (failed,) = core.step()  # the interrupted step's outcome comes with the next step
+    assert (failed.req_id, failed.finish_reason) == ("a", "error")
+    assert failed.error == "the step was interrupted (KeyboardInterrupt)"
+    assert core.scheduler.num_free_blocks == 32 and not core.has_unfinished_requests()
+    core.add_request(_msg("b", max_tokens=1))
+    assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in core.step()] == [
+        ("b", [9], "length")
+    ]

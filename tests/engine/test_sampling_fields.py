@@ -184,6 +184,17 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm, tokenizer):
         _greedy(llm, PROMPT, truncate_prompt_tokens=600)
 
 
+
+def test_truncate_prompt_tokens_minus_one_fits_an_over_long_prompt(llm):
+    """-1 keeps the last tokens that fit with one generated token (max_model_len - 1);
+    it used to keep max_model_len of them, a prompt this engine refuses ("at least one
+    token must be generated"), so -1 could never make a long prompt fit."""
+    ids = list(range(100, 700))  # 600 tokens, max_model_len 512
+    out = _greedy(llm, {"prompt_token_ids": ids}, max_tokens=3, truncate_prompt_tokens=-1)
+    assert out.prompt_token_ids == ids[-511:]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    _free(llm)
+
 def test_detokenize_false_gives_ids_only(llm):
     base = _greedy(llm, PROMPT, max_tokens=5, logprobs=1)
     out = _greedy(llm, PROMPT, max_tokens=5, logprobs=1, detokenize=False)

@@ -36,6 +36,8 @@ def test_multiproc_llm_passes_each_prompt_priority_to_submit():
     seen: list[tuple[str, int, RequestOutputKind]] = []
 
     class FakeEngine:
+        max_queue_len = 8
+
         async def start(self) -> None:
             pass
 

@@ -329,3 +329,54 @@ async def _test_device_timers_failed_step() -> None:
     assert timers["timed_steps"] == 2  # steps 0 and 2
     assert abs(timers["device_us_per_step"] - 1000.0) < 1e-6
     assert "gap_us_per_step" not in timers  # no gap between two measured steps in a row
+
+
+def test_a_result_too_large_for_the_ring_fails_that_step_only() -> None:
+    anyio.run(_test_a_result_too_large_for_the_ring_fails_that_step_only)
+
+
+async def _test_a_result_too_large_for_the_ring_fails_that_step_only() -> None:
+    """A step result no record of the results ring can hold (prompt_logprobs=-1 over a
+    long prefill chunk): that step fails with the error. It used to end the executor
+    process; the restart recomputed the same request and failed again, 20 times, and
+    the engine was dead for every caller."""
+    from flowengine.messages import TokenLogprobs
+    from flowengine.shm.errors import RecordTooLargeError
+
+    class _BigHandle(_Handle):
+        def result(self) -> StepResult:
+            lp = TokenLogprobs(list(range(1000)), [0.0] * 1000, 0.0, 1)
+            return StepResult(self.step_id, [SampledTokens("r", [7], prompt_logprobs=[lp])])
+
+    class _BigStepExecutor(_ScriptedExecutor):
+        def launch(self, plan: StepPlan):
+            if plan.step_id != 1:
+                return super().launch(plan)
+            self.log.append("launched 1")
+            handle = self.handles[1] = _BigHandle(1, self.log)
+            return handle
+
+    class _SmallRing(InprocChannel):
+        async def send_async(self, msg) -> None:
+            if any(s.prompt_logprobs for s in msg.sampled):
+                raise RecordTooLargeError("record of 99 MB exceeds the largest record ring "
+                                          "/results can hold (8 MB)")
+            await super().send_async(msg)
+
+    executor = _BigStepExecutor(set(), set())
+    steps, results = InprocChannel(), _SmallRing()
+    actor = ExecutorActor(executor, steps, results, blocking=_inline)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor.run)
+        for step_id in range(3):
+            await steps.send_async(_plan(step_id))
+        await _wait_for(lambda: "launched 2" in executor.log)
+        for step_id in range(3):
+            executor.handles[step_id].release()
+        with anyio.fail_after(30):
+            got = [await results.recv_async() for _ in range(3)]
+        await steps.send_async(Shutdown())
+    assert [r.step_id for r in got] == [0, 1, 2]
+    assert got[1].sampled == [] and "too large for the results ring" in got[1].error
+    assert "prompt_logprobs" in got[1].error
+    assert [s.token_ids for s in got[2].sampled] == [[102]]

@@ -110,3 +110,20 @@ def test_stop_strings_wait_for_min_tokens(byte_bpe_tokenizer) -> None:
     params = SamplingParams(stop=["Hello"], min_tokens=len(ids))
     deltas, matched = run(tok, text, params)
     assert ("".join(deltas), matched) == (text, None)
+
+
+def test_stop_string_may_start_within_min_tokens_and_end_after(byte_bpe_tokenizer) -> None:
+    """vLLM v1 checks, once min_tokens tokens exist, every stop string that ends in the
+    new text, including one that starts in the text of the first min_tokens tokens;
+    such a match used to be missed (the checker saw no text from before the boundary)."""
+    tok = byte_bpe_tokenizer
+    text = "Hello world! Hello there"
+    ids = tok.encode(text)
+    head = tok.encode("Hello world")
+    assert ids[: len(head)] == head and len(tok.encode("Hello world!")) > len(head)
+    for stop, want in ((["world!"], "Hello "), (["d!", "world"], "Hello worl")):
+        deltas, matched = run(tok, text, SamplingParams(stop=stop, min_tokens=len(head)))
+        assert ("".join(deltas), matched) == (want, stop[0])
+    # One that ends within the first min_tokens tokens never matches.
+    deltas, matched = run(tok, text, SamplingParams(stop=["world"], min_tokens=len(head)))
+    assert ("".join(deltas), matched) == (text, None)

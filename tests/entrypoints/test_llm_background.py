@@ -1,0 +1,134 @@
+"""The multiproc `LLM`'s BackgroundEngine: a batch larger than the engine's queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flowengine.engine.protocol import EngineOverloadedError
+from flowengine.entrypoints.llm_multiproc import BackgroundEngine
+
+
+class _QueueLimitedEngine:
+    """Stands in for AsyncEngine: refuses a request while `max_queue_len` are in
+    flight, as its IngressActor does."""
+
+    max_queue_len = 3
+
+    def __init__(self) -> None:
+        self.num_in_flight = 0
+        self.max_in_flight = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        pass
+
+    async def _outputs(self, request_id: str):
+        if self.num_in_flight >= self.max_queue_len:
+            raise EngineOverloadedError(f"{self.num_in_flight} requests in flight")
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        try:
+            await asyncio.sleep(0.01)
+            yield f"out-{request_id}"
+        finally:
+            self.num_in_flight -= 1
+
+    def submit(self, prompt, params, request_id, *, priority=0, output_kind=None):
+        return self._outputs(request_id)
+
+    def encode(self, prompt, params, request_id):
+        return self._outputs(request_id)
+
+
+@pytest.mark.parametrize("method", ["generate", "embed"])
+def test_batch_larger_than_the_queue_waits_for_room_instead_of_failing(method):
+    """vLLM's LLM takes any number of prompts; the multiproc LLM (the CUDA default)
+    used to submit them all at once, so prompt 4097 raised EngineOverloadedError and
+    the 4096 before it kept running unseen."""
+    engine = _QueueLimitedEngine()
+    background = BackgroundEngine(engine)
+    try:
+        done: list[int] = []
+        if method == "generate":
+            jobs = [([1, 2], None, f"r{i}", 0) for i in range(10)]
+        else:
+            jobs = [([1, 2], None, f"r{i}") for i in range(10)]
+        outs = getattr(background, method)(jobs, lambda: done.append(1))
+    finally:
+        background.close()
+    assert outs == [f"out-r{i}" for i in range(10)] and len(done) == 10
+    assert engine.max_in_flight == engine.max_queue_len
+
+
+def test_interrupting_a_batch_aborts_its_requests(recwarn):
+    """Ctrl-C in `LLM.generate` (a KeyboardInterrupt in the caller's thread) aborts
+    the batch's requests, as the in-process LLM does; they used to keep running in
+    the engine, unseen, delaying the next batch. The jobs still waiting for room in
+    the queue are dropped quietly (not one never-awaited coroutine warning each)."""
+    import gc
+    import os
+    import signal
+    import threading
+    import time
+
+    started = threading.Event()
+    ended: list[str] = []
+
+    class EndlessEngine(_QueueLimitedEngine):
+        async def _outputs(self, request_id: str):
+            started.set()
+            try:
+                await asyncio.sleep(60)
+                yield f"out-{request_id}"
+            finally:
+                ended.append(request_id)
+
+    background = BackgroundEngine(EndlessEngine())
+    try:
+
+        def press_ctrl_c() -> None:
+            started.wait(5)
+            time.sleep(0.2)  # the caller waits in generate() by now
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=press_ctrl_c).start()
+        with pytest.raises(KeyboardInterrupt):
+            background.generate([([1], None, f"r{i}", 0) for i in range(5)], lambda: None)
+        background.call(asyncio.sleep(0.1))
+        assert sorted(ended) == ["r0", "r1", "r2"]  # max_queue_len 3 had started
+    finally:
+        background.close()
+    gc.collect()
+    assert not [w for w in recwarn.list if "never awaited" in str(w.message)]
+
+
+def test_generate_after_shutdown_is_an_engine_dead_error():
+    """The multiproc LLM after `shutdown()`: its processes are gone, so generate/embed
+    raise EngineDeadError; they used to reach the in-process path and fail with
+    "AttributeError: 'LLM' object has no attribute 'engine'"."""
+    import itertools
+    from types import SimpleNamespace
+
+    from flowengine import LLM, SamplingParams
+    from flowengine.engine.protocol import EngineDeadError
+    from flowengine.pooling import PoolingParams
+
+    class _Processor:
+        def process(self, request_id, prompt, params, **kwargs):
+            return SimpleNamespace(request_id=request_id, prompt=prompt, children=[])
+
+    llm = LLM.__new__(LLM)  # no model: what runs after shutdown() is all that matters
+    llm.engine_args = SimpleNamespace(placement="multiproc", disable_log_stats=True)
+    llm.input_processor = _Processor()
+    llm._ids = itertools.count()
+    llm._background = BackgroundEngine(_QueueLimitedEngine())
+    llm.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate(["a"], SamplingParams(), use_tqdm=False)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.embed(["a"], PoolingParams(), use_tqdm=False)
+
