@@ -102,3 +102,13 @@ def test_server_flags(monkeypatch):
     assert opts.app.api_key == "flag" and opts.app.allowed_origins == ("https://a", "https://b")
     assert main(["--max-queue-len", "0"]) == 2
     assert main(["--max-num-seqs", "0"]) == 2
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "70000"])
+def test_port_out_of_range_is_refused_before_loading(port, caplog):
+    # 70000 used to listen on 4464 (the OS takes it modulo 65536), -1 failed only after
+    # the model had loaded.
+    with caplog.at_level("ERROR", logger="flowengine.entrypoints.openai.server"):
+        assert main(["--port", port]) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--port must be in [0, 65535], got {port}"]
