@@ -12,6 +12,7 @@ import sys
 import orjson
 
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
+from flowengine.model.errors import ModelDownloadError
 from flowengine.sampling_params import SamplingParams
 
 
@@ -30,9 +31,9 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     try:
         return _run(ns, p)
-    except (ValueError, TypeError, OSError, KeyError, ImportError) as exc:
-        # Bad input (a prompt file, sampling or engine arguments): the message says what
-        # to change; a traceback would only hide it.
+    except (ValueError, TypeError, OSError, KeyError, ImportError, ModelDownloadError) as exc:
+        # Bad input (a prompt file, sampling or engine arguments, a model that cannot be
+        # downloaded): the message says what to change; a traceback would only hide it.
         p.exit(2, f"{p.prog}: error: {exc}\n")
 
 

@@ -50,6 +50,7 @@ from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
 from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
+from flowengine.model.errors import ModelDownloadError
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
 
@@ -501,7 +502,8 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
         started = getattr(engine, "start", lambda: None)()
         if inspect.isawaitable(started):
             await started
-    except (ValueError, TypeError, OSError, ImportError, EngineDeadError) as err:
+    except (ValueError, TypeError, OSError, ImportError, EngineDeadError,
+            ModelDownloadError) as err:
         logger.error("cannot start the engine: %s", err)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
