@@ -495,6 +495,20 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
 
     argv: the `flowengine serve` flags, which API server processes 1..N-1 are started
     with (`--api-server-count` N > 1)."""
+    # Listen before loading, as vLLM does: a port in use or a bad --host fails at once,
+    # not after minutes of loading; connections wait in the backlog until serving.
+    try:
+        if options.uds is not None:
+            sock = bind_unix_socket(options.uds, APIServer.BACKLOG)
+            where = f"unix:{options.uds}"
+        else:
+            sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
+            host, port = sock.getsockname()[:2]
+            where = f"{host}:{port}"
+    except OSError as err:
+        target = options.uds or f"{options.host}:{options.port}"
+        logger.error("cannot listen on %s: %s", target, err)
+        return 1
     sd_notify("STATUS=loading the model")
     t0 = time.monotonic()
     try:
@@ -505,6 +519,10 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
     except (ValueError, TypeError, OSError, ImportError, EngineDeadError,
             ModelDownloadError) as err:
         logger.error("cannot start the engine: %s", err)
+        sock.close()
+        if options.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(options.uds)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
     # An engine that can no longer serve ends the process with exit code 1, so a service
@@ -522,18 +540,6 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
     if add_dead_callback is not None:
         add_dead_callback(on_engine_dead)
     try:
-        try:
-            if options.uds is not None:
-                sock = bind_unix_socket(options.uds, APIServer.BACKLOG)
-                where = f"unix:{options.uds}"
-            else:
-                sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
-                host, port = sock.getsockname()[:2]
-                where = f"{host}:{port}"
-        except OSError as err:
-            target = options.uds or f"{options.host}:{options.port}"
-            logger.error("cannot listen on %s: %s", target, err)
-            return 1
         names = engine_args.served_model_name or (engine.model_name,)
         scheme = "https" if options.ssl_certfile else "http"
 
