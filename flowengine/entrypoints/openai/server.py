@@ -300,8 +300,8 @@ def _origins(values: list[str]) -> tuple[str, ...]:
 
 def options_from(ns: argparse.Namespace) -> ServerOptions:
     """ServerOptions from parsed flags. Raises ValueError for invalid values."""
-    # NOTE: checked here, not at bind time: the OS takes a port above 65535 modulo
-    # 65536 (70000 listened on 4464), and the model loads before the socket binds.
+    # NOTE: checked here, not left to bind(): the OS takes a port above 65535 modulo
+    # 65536 (70000 listened on 4464).
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.max_queue_len is not None and ns.max_queue_len < 1:
