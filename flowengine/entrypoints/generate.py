@@ -41,7 +41,13 @@ def _run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     items: list[dict] = [{"prompt": t} for t in ns.prompts]
     if ns.jsonl:
         with open(ns.jsonl, "rb") as f:
-            items += [orjson.loads(line) for line in f if line.strip()]
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    items.append(orjson.loads(line))
+                except orjson.JSONDecodeError as err:
+                    raise ValueError(f"{ns.jsonl} line {line_no} is not JSON: {err}") from None
     if not items:
         p.error("give prompts on the command line or --jsonl FILE")
     if not all(isinstance(it, dict) and ("prompt" in it or "messages" in it) for it in items):
