@@ -117,6 +117,14 @@ def test_port_out_of_range_is_refused_before_loading(port, caplog):
         f"--port must be in [0, 65535], got {port}"]
 
 
+def test_bad_json_list_names_its_cors_flag(caplog):
+    # Was orjson's bare "unexpected character, expected a JSON value: line 1 column 2".
+    with caplog.at_level("ERROR", logger="flowengine.entrypoints.openai.server"):
+        assert main(["--allowed-origins", "[bad"]) == 2
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("--allowed-origins '[bad' is not a JSON list: ")
+
+
 def test_port_in_use_is_refused_before_loading(monkeypatch, caplog):
     # vLLM binds before loading too: the error came only after the model had loaded.
     def create_engine(*args: object) -> None:

@@ -290,11 +290,15 @@ def add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _origins(values: list[str]) -> tuple[str, ...]:
+def _origins(flag: str, values: list[str]) -> tuple[str, ...]:
+    """The values of a CORS flag, also as vLLM's one JSON list. Raises ValueError."""
     import orjson
 
     if len(values) == 1 and values[0].lstrip().startswith("["):
-        return tuple(str(v) for v in orjson.loads(values[0]))
+        try:
+            return tuple(str(v) for v in orjson.loads(values[0]))
+        except orjson.JSONDecodeError as err:
+            raise ValueError(f"{flag} {values[0]!r} is not a JSON list: {err}") from None
     return tuple(values)
 
 
@@ -356,9 +360,9 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         uds=ns.uds,
         app=AppOptions(
             api_key=api_key,
-            allowed_origins=_origins(ns.allowed_origins),
-            allowed_methods=_origins(ns.allowed_methods),
-            allowed_headers=_origins(ns.allowed_headers),
+            allowed_origins=_origins("--allowed-origins", ns.allowed_origins),
+            allowed_methods=_origins("--allowed-methods", ns.allowed_methods),
+            allowed_headers=_origins("--allowed-headers", ns.allowed_headers),
             allow_credentials=ns.allow_credentials,
             max_request_body_bytes=ns.max_request_body_bytes,
             request_body_timeout_s=ns.request_body_timeout or None,
