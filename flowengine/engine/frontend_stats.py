@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
+import tempfile
 from collections import Counter
 
 import msgspec
@@ -124,8 +126,11 @@ class SharedFrontendStats:
     def publish(self, stats: EngineStats) -> None:
         """Write this process's counters (atomically: a reader sees the old or the new)."""
         path = self.paths[self.index]
-        tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # NOTE: a fresh random name (O_EXCL | O_NOFOLLOW, mode 0600), never a fixed one:
+        # /dev/shm is writable by every user, and a link planted at a predictable name
+        # would have this process truncate and overwrite the file it points to.
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path)}.tmp",
+                                   dir=os.path.dirname(path))
         try:
             os.write(fd, self._encoder.encode(counters_of(self._own(stats))))
         finally:
@@ -144,6 +149,6 @@ class SharedFrontendStats:
     def remove_all(self) -> None:
         """Remove every process's file (process 0, once the others have stopped)."""
         for path in self.paths:
-            for name in (path, f"{path}.tmp"):
+            for name in (path, *glob.glob(f"{glob.escape(path)}.tmp*")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name)

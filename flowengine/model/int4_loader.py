@@ -179,11 +179,12 @@ def finalize_int4(model: nn.Module) -> None:
 
 
 def checkpoint_names(files: list[str]) -> set[str]:
-    """Every tensor name in the safetensors files (headers only)."""
-    from safetensors import safe_open
+    """Every tensor name in the safetensors files (headers only). Raises ValueError for
+    an unreadable file."""
+    from flowengine.model.loader import open_safetensors  # loader imports this module
 
     names: set[str] = set()
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             names.update(f.keys())
     return names

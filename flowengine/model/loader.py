@@ -101,8 +101,8 @@ def load_model(
             float weights quantized per channel).
 
     Raises:
-        ValueError: unknown load_format or quantization, no weight files, checkpoint
-            tensors that are missing / unexpected / of the wrong shape (listed in the
+        ValueError: unknown load_format or quantization, no weight files, a weight
+            file that is not readable safetensors (truncated), checkpoint tensors that are missing / unexpected / of the wrong shape (listed in the
             message), quantization="fp8" on a device without FP8 GEMMs, "gguf" /
             "int8" off the CPU, or a quantization that disagrees with the checkpoint's
             quantization_config.
@@ -333,14 +333,27 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
+def open_safetensors(path: str) -> Any:
+    """safetensors' `safe_open(path)` (a context manager over the memory-mapped file).
+    Raises ValueError for a file that is not safetensors or is truncated."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}); the download may be "
+            "incomplete: fetch it again"
+        ) from err
+
+
 def iter_safetensors(files: list[str]) -> Iterator[tuple[str, Any]]:
     """(name, lazy slice) pairs: safetensors' `get_slice` handles, valid until the next
     item; indexing one reads just that part of the tensor (memory-mapped), so a
-    tensor-parallel rank reads only its shard and a checkpoint is never held twice."""
-    from safetensors import safe_open
-
+    tensor-parallel rank reads only its shard and a checkpoint is never held twice.
+    Raises ValueError for an unreadable file."""
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
 

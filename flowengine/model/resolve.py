@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from flowengine.model.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from flowengine.model.errors import ModelDownloadError
 from flowengine.model.gguf_convert import convert_gguf_to_hf
 
 # Files a hub download needs: config, weights, tokenizer (no .bin/.pt/.gguf duplicates).
@@ -64,7 +65,8 @@ def resolve_model(model: str | None, download_dir: str | None = None,
     Raises:
         FileNotFoundError: a path that does not exist, or a directory without config.json.
         ValueError: a GGUF file of an unsupported architecture.
-        RuntimeError: the default model or a hub model could not be downloaded.
+        ModelDownloadError (a RuntimeError): the default model or a hub model could not
+            be downloaded.
     """
     root = cache_dir(download_dir)
     if model is None:
@@ -114,7 +116,7 @@ def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | N
     try:
         return snapshot_download(**kwargs)
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as e:
-        raise RuntimeError(
+        raise ModelDownloadError(
             f"the hub has no accessible model {repo_id!r}"
             f"{f' at revision {revision!r}' if revision else ''} ({type(e).__name__}); check "
             "the id, log in for gated models, or pass a local directory or a GGUF file"
@@ -123,7 +125,7 @@ def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | N
         try:
             return snapshot_download(local_files_only=True, **kwargs)
         except Exception:  # noqa: BLE001
-            raise RuntimeError(
+            raise ModelDownloadError(
                 f"could not download {repo_id} from the hub (network unreachable?); pass a "
                 f"local directory or a GGUF file ({type(online_error).__name__}: {online_error})"
             ) from online_error

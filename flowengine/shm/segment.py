@@ -27,6 +27,7 @@ and `<segment>-r<i>` (reader i). On Linux they appear in /dev/shm as `fe-...` an
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import os
 import re
@@ -124,6 +125,24 @@ def is_process_alive(pid: int, start_ticks: int) -> bool:
     return stat is not None and stat[0] not in (b"Z", b"X") and stat[1] == start_ticks
 
 
+def _allocate(fd: int, size_bytes: int, name: str) -> None:
+    """Back every page of a new segment now. Raises OSError (ENOSPC) naming the fix.
+
+    NOTE: tmpfs grants a sparse segment larger than its free space, and the first write
+    to a page it cannot back is a SIGBUS that kills the process without a word; Docker's
+    default /dev/shm (64 MiB) is smaller than the engine's rings."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            return  # a file system without fallocate: nothing to check in advance
+        free = os.statvfs(SHM_DIR)
+        raise OSError(errno.ENOSPC, (
+            f"{SHM_DIR} has no room for the {size_bytes / 2**20:.0f} MiB shared-memory "
+            f"ring {name} ({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free); give it "
+            "more (Docker: docker run --shm-size=1g, or --ipc=host)")) from None
+
+
 class RingSegment:
     """A mapped ring segment: the header words, the data area and the doorbells.
 
@@ -171,6 +190,8 @@ class RingSegment:
             ValueError: capacity_bytes not a multiple of 8 or below 64; num_readers
                 outside 1..64; bad names.
             RingError: a segment of that name exists (run id reused).
+            OSError: /dev/shm has no room for the segment (ENOSPC; the message says how
+                to give a container more).
         """
         if capacity_bytes < 64 or capacity_bytes % 8:
             raise ValueError(f"capacity_bytes {capacity_bytes} must be a multiple of 8, >= 64")
@@ -185,6 +206,7 @@ class RingSegment:
         except posix_ipc.ExistentialError:
             raise RingError(f"shared memory {name} already exists; use a new run id") from None
         try:
+            _allocate(shm.fd, shm.size, name)
             mm = mmap.mmap(shm.fd, shm.size)
             shm.close_fd()
             for sem_name in _semaphore_names(name, num_readers):

@@ -79,3 +79,21 @@ def test_a_restarted_process_counts_on_from_its_predecessor(tmp_path):
     assert after.histograms["time_to_first_token_seconds"].counts == [1, 3, 4]
     # Its own view counts the predecessor's share too.
     assert second.total(fresh).prompt_tokens_total == 12  # process 0 published nothing
+
+
+def test_publish_does_not_follow_a_link_planted_at_the_temporary_name(tmp_path):
+    # /dev/shm is writable by every user; the temporary file had a fixed name opened
+    # with O_CREAT | O_TRUNC, so a planted symlink made the server overwrite its target.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run = "0a1b2c3d"
+    (shm / f"fe-{run}-stats1.tmp").symlink_to(victim)
+    procs = [SharedFrontendStats(run, i, 2, shm_dir=str(shm)) for i in range(2)]
+    procs[1].publish(_stats(10, 5, {"stop": 1}, [0, 1, 0], 0.5))
+    assert victim.read_bytes() == b"keep me"
+    assert stat.S_IMODE(os.stat(shm / f"fe-{run}-stats1").st_mode) == 0o600
+    assert procs[0].others()[0] == counters_of(_stats(10, 5, {"stop": 1}, [0, 1, 0], 0.5))
+    procs[0].remove_all()  # the files, and the link (unlinked, never followed)
+    assert list(shm.iterdir()) == [] and victim.read_bytes() == b"keep me"

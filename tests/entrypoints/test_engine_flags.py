@@ -281,6 +281,15 @@ def test_log_stats_interval_env(monkeypatch) -> None:
         log_stats_interval_s()
 
 
+def test_log_stats_interval_env_not_a_number_is_named(monkeypatch) -> None:
+    # Was float()'s "could not convert string to float: 'abc'", naming no variable,
+    # as `flowengine serve`'s start-up error after the model had loaded.
+    monkeypatch.setenv("FLOWENGINE_LOG_STATS_INTERVAL", "abc")
+    with pytest.raises(ValueError) as info:
+        log_stats_interval_s()
+    assert str(info.value) == "FLOWENGINE_LOG_STATS_INTERVAL must be a number of seconds, got 'abc'"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("disable_log_stats", [False, True])
 def test_async_engine_logs_stats_unless_disabled(default_model_path, monkeypatch, caplog,

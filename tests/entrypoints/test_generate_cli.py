@@ -58,3 +58,15 @@ def test_bad_input_is_one_clear_line(default_model_path, capsys, args, message) 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.startswith("flowengine generate: error:")
+
+
+def test_a_jsonl_line_that_is_not_json_is_named(tmp_path, capsys) -> None:
+    # Was orjson's bare "unexpected character: line 1 column 1 (char 0)", naming
+    # neither the file nor its line (each line is parsed alone, so always "line 1").
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n\nnot json\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--jsonl", str(prompts)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flowengine generate: error: {prompts} line 3 is not JSON: ")

@@ -384,6 +384,47 @@ def test_unanswered_request_cut_at_the_graceful_timeout_is_503():
     assert engine.running == set()
 
 
+def test_second_stop_request_ends_requests_as_the_graceful_timeout_does():
+    # A second SIGTERM/SIGINT stopped Hypercorn at once: the unanswered request got an
+    # empty 500, the stream stopped mid-body without an error event or [DONE].
+    engine = FakeEngine(step_s=0.05)
+    live = LiveServer(engine, graceful_timeout_s=60).start()
+    out: dict[str, object] = {}
+    started = threading.Event()
+
+    def post() -> None:
+        out["whole"] = httpx.post(
+            f"{live.base_url}{CHAT}", json={"messages": HELLO, "max_tokens": 400}, timeout=30
+        )
+
+    def stream() -> None:
+        body = {"messages": HELLO, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{live.base_url}{CHAT}", json=body, timeout=30) as resp:
+            data = b""
+            for chunk in resp.iter_bytes():
+                data += chunk
+                started.set()
+        out["stream"] = data
+
+    jobs = [threading.Thread(target=post), threading.Thread(target=stream)]
+    for job in jobs:
+        job.start()
+    assert started.wait(10)
+    while len(engine.running) < 2:
+        time.sleep(0.01)
+    live.begin_shutdown()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    live.stop()  # the second stop request
+    assert time.monotonic() - t0 < 10
+    for job in jobs:
+        job.join(20)
+    assert_error(out["whole"], 503, code="server_shutdown")
+    err = orjson.loads(sse_events(out["stream"])[-1])["error"]  # then exactly one [DONE]
+    assert err["code"] == "server_shutdown"
+    assert engine.running == set()
+
+
 def test_api_key_still_checked_before_content_type(server):
     resp = httpx.post(
         f"{server.base_url}{CHAT}", content=b"x", headers={"content-type": "text/plain"}

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import signal
+import socket
 
 import msgspec
 import pytest
 
+from flowengine.entrypoints.openai import server
 from flowengine.entrypoints.openai.errors import APIError, from_decode_error
 from flowengine.entrypoints.openai.generation import Admission
 from flowengine.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
@@ -102,3 +105,38 @@ def test_server_flags(monkeypatch):
     assert opts.app.api_key == "flag" and opts.app.allowed_origins == ("https://a", "https://b")
     assert main(["--max-queue-len", "0"]) == 2
     assert main(["--max-num-seqs", "0"]) == 2
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "70000"])
+def test_port_out_of_range_is_refused_before_loading(port, caplog):
+    # 70000 used to listen on 4464 (the OS takes it modulo 65536), -1 failed only after
+    # the model had loaded.
+    with caplog.at_level("ERROR", logger="flowengine.entrypoints.openai.server"):
+        assert main(["--port", port]) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--port must be in [0, 65535], got {port}"]
+
+
+def test_bad_json_list_names_its_cors_flag(caplog):
+    # Was orjson's bare "unexpected character, expected a JSON value: line 1 column 2".
+    with caplog.at_level("ERROR", logger="flowengine.entrypoints.openai.server"):
+        assert main(["--allowed-origins", "[bad"]) == 2
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith("--allowed-origins '[bad' is not a JSON list: ")
+
+
+def test_port_in_use_is_refused_before_loading(monkeypatch, caplog):
+    # vLLM binds before loading too: the error came only after the model had loaded.
+    def create_engine(*args: object) -> None:
+        raise AssertionError("the model was loaded before the port was bound")
+
+    monkeypatch.setattr(server, "create_engine", create_engine)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's SIGINT
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with caplog.at_level("ERROR", logger="flowengine.entrypoints.openai.server"):
+            assert main(["--port", str(port)]) == 1
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"cannot listen on 127.0.0.1:{port}: [Errno 98]")

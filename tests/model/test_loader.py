@@ -104,3 +104,16 @@ def test_index_file_selects_shards(tmp_path: object) -> None:
     os.remove(os.path.join(path, "model.safetensors.index.json"))
     assert [os.path.basename(p) for p in safetensors_files(path)] == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_truncated_safetensors_is_a_value_error(tmp_path: object) -> None:
+    # An interrupted download used to surface as safetensors' own SafetensorError, a
+    # traceback out of `flowengine serve` instead of its one-line start-up error.
+    path = str(tmp_path)
+    _save_tiny(path)
+    file = os.path.join(path, "model.safetensors")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors "
+                                         r"file \(.*\); the download may be incomplete"):
+        load_model(ModelConfig.from_pretrained(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import stat
@@ -122,6 +123,21 @@ def test_segment_and_semaphores_are_private(run_id: str) -> None:
             assert mode == 0o600, (entry, oct(mode))
     finally:
         segment.close()
+
+
+def test_a_full_dev_shm_is_an_error_at_creation_not_a_sigbus(run_id, monkeypatch) -> None:
+    # A segment larger than /dev/shm's free space (Docker's default is 64 MiB) was
+    # created sparse, and the first write to a page tmpfs could not back killed the
+    # process with SIGBUS. Its pages are now allocated at creation.
+    def posix_fallocate(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", posix_fallocate)
+    with pytest.raises(OSError, match=r"/dev/shm has no room for the 1 MiB shared-memory "
+                                      r"ring /fe-.*-full \(\d+ MiB free\); give it more \("
+                                      r"Docker: docker run --shm-size=1g, or --ipc=host\)"):
+        create_ring("full", 1 << 20, run_id=run_id)
+    assert not [e for e in os.listdir(SHM_DIR) if run_id in e]  # nothing left behind
 
 
 def test_one_writer_and_one_reader_per_slot(run_id: str) -> None:

@@ -134,13 +134,21 @@ class APIServer:
                 self._drain_task.cancel()
 
     def begin_shutdown(self) -> None:
-        """Start the drain (call on the server's loop); a second call stops at once."""
+        """Start the drain (call on the server's loop); a second call ends the requests in
+        flight at once, as the graceful timeout's end does, then stops."""
         if self._stop is None:
             raise RuntimeError("begin_shutdown() before serve(); nothing to stop")
         if self._drain_task is not None:
-            logger.warning("second stop request: cancelling in-flight requests now")
+            if self.stop_forced:  # a third: stop without waiting for the cut
+                self._stop.set()
+                return
+            logger.warning("second stop request: ending in-flight requests now")
             self.stop_forced = True
-            self._stop.set()
+            # Cut as the graceful timeout does (a stream's error event and [DONE], a
+            # 503): stopping Hypercorn at once cancelled them mid-body (a 500, a stream
+            # without its end, CancelledError tracebacks in the log).
+            self._drain_task.cancel()
+            self._drain_task = asyncio.get_running_loop().create_task(self._cut())
             return
         self.app.start_draining()
         if self.on_begin_shutdown is not None:
@@ -163,4 +171,11 @@ class APIServer:
                 num_cut,
             )
             await self.app.wait_idle(self.CUT_TIMEOUT_S)
+        self._stop.set()
+
+    async def _cut(self) -> None:
+        """The second stop request's end: what is in flight is cut at once."""
+        assert self._stop is not None
+        self.app.cut_in_flight()
+        await self.app.wait_idle(self.CUT_TIMEOUT_S)
         self._stop.set()

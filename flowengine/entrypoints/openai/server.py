@@ -50,6 +50,7 @@ from flowengine.entrypoints.openai.hypercorn_server import APIServer
 from flowengine.entrypoints.openai.notify import sd_notify
 from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
+from flowengine.model.errors import ModelDownloadError
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
 
@@ -289,16 +290,24 @@ def add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _origins(values: list[str]) -> tuple[str, ...]:
+def _origins(flag: str, values: list[str]) -> tuple[str, ...]:
+    """The values of a CORS flag, also as vLLM's one JSON list. Raises ValueError."""
     import orjson
 
     if len(values) == 1 and values[0].lstrip().startswith("["):
-        return tuple(str(v) for v in orjson.loads(values[0]))
+        try:
+            return tuple(str(v) for v in orjson.loads(values[0]))
+        except orjson.JSONDecodeError as err:
+            raise ValueError(f"{flag} {values[0]!r} is not a JSON list: {err}") from None
     return tuple(values)
 
 
 def options_from(ns: argparse.Namespace) -> ServerOptions:
     """ServerOptions from parsed flags. Raises ValueError for invalid values."""
+    # NOTE: checked here, not left to bind(): the OS takes a port above 65535 modulo
+    # 65536 (70000 listened on 4464).
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.max_queue_len is not None and ns.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {ns.max_queue_len}")
     if ns.max_request_body_bytes < 1:
@@ -351,9 +360,9 @@ def options_from(ns: argparse.Namespace) -> ServerOptions:
         uds=ns.uds,
         app=AppOptions(
             api_key=api_key,
-            allowed_origins=_origins(ns.allowed_origins),
-            allowed_methods=_origins(ns.allowed_methods),
-            allowed_headers=_origins(ns.allowed_headers),
+            allowed_origins=_origins("--allowed-origins", ns.allowed_origins),
+            allowed_methods=_origins("--allowed-methods", ns.allowed_methods),
+            allowed_headers=_origins("--allowed-headers", ns.allowed_headers),
             allow_credentials=ns.allow_credentials,
             max_request_body_bytes=ns.max_request_body_bytes,
             request_body_timeout_s=ns.request_body_timeout or None,
@@ -490,6 +499,20 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
 
     argv: the `flowengine serve` flags, which API server processes 1..N-1 are started
     with (`--api-server-count` N > 1)."""
+    # Listen before loading, as vLLM does: a port in use or a bad --host fails at once,
+    # not after minutes of loading; connections wait in the backlog until serving.
+    try:
+        if options.uds is not None:
+            sock = bind_unix_socket(options.uds, APIServer.BACKLOG)
+            where = f"unix:{options.uds}"
+        else:
+            sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
+            host, port = sock.getsockname()[:2]
+            where = f"{host}:{port}"
+    except OSError as err:
+        target = options.uds or f"{options.host}:{options.port}"
+        logger.error("cannot listen on %s: %s", target, err)
+        return 1
     sd_notify("STATUS=loading the model")
     t0 = time.monotonic()
     try:
@@ -497,8 +520,13 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
         started = getattr(engine, "start", lambda: None)()
         if inspect.isawaitable(started):
             await started
-    except (ValueError, TypeError, OSError, ImportError, EngineDeadError) as err:
+    except (ValueError, TypeError, OSError, ImportError, EngineDeadError,
+            ModelDownloadError) as err:
         logger.error("cannot start the engine: %s", err)
+        sock.close()
+        if options.uds is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(options.uds)
         return 1
     logger.info("engine %s ready in %.1f s", engine.model_name, time.monotonic() - t0)
     # An engine that can no longer serve ends the process with exit code 1, so a service
@@ -516,18 +544,6 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
     if add_dead_callback is not None:
         add_dead_callback(on_engine_dead)
     try:
-        try:
-            if options.uds is not None:
-                sock = bind_unix_socket(options.uds, APIServer.BACKLOG)
-                where = f"unix:{options.uds}"
-            else:
-                sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
-                host, port = sock.getsockname()[:2]
-                where = f"{host}:{port}"
-        except OSError as err:
-            target = options.uds or f"{options.host}:{options.port}"
-            logger.error("cannot listen on %s: %s", target, err)
-            return 1
         names = engine_args.served_model_name or (engine.model_name,)
         scheme = "https" if options.ssl_certfile else "http"
 
