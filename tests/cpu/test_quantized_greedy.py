@@ -25,6 +25,7 @@ import torch
 
 import flowengine.model.layers.quant_linear as ql
 from flowengine import LLM, SamplingParams
+from flowengine.model.attention.cpu_backend import KV_FORMATS
 from flowengine.model.gguf_convert import conversion_source
 from flowengine.model.layers.quant_linear import QuantizedWeight, kernels_available, quantize_q8_0
 
@@ -182,7 +183,8 @@ def test_gguf_bfloat16_float32_activations_bf16_products_and_kv(default_model_pa
     assert stats["steps"] == 8 * MAX_TOKENS
     # the decode steps ran the fused layers, over the bf16 cache, with the AMX body
     plan = runner.model.model._cpu_fused_plan[1]
-    assert plan and plan["kv_bf16"] == native
+    assert plan and plan["kv_fmt"] == (KV_FORMATS[torch.bfloat16] if native
+                                       else KV_FORMATS[torch.float32])
     amx = ql.bf16_rows("q4_1")[0] if native else 0
     assert (0 if plan["amx"] is None else int(plan["amx"][1])) == amx
 
