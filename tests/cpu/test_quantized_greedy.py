@@ -25,8 +25,8 @@ import torch
 
 import flowengine.model.layers.quant_linear as ql
 from flowengine import LLM, SamplingParams
-from flowengine.model.attention.cpu_backend import KV_FORMATS
 from flowengine.model.gguf_convert import conversion_source
+from flowengine.model.layers.cpu_kernels import KV_FORMATS
 from flowengine.model.layers.quant_linear import QuantizedWeight, kernels_available, quantize_q8_0
 
 pytestmark = [pytest.mark.slow,

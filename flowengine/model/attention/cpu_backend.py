@@ -34,14 +34,13 @@ from flowengine.model.attention.backend import register_attn_backend
 from flowengine.model.attention.metadata import AttentionMetadata
 from flowengine.model.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from flowengine.model.layers import cpu_kernels
+from flowengine.model.layers.cpu_kernels import KV_FORMATS
 
 # The kernel's limits (MAX_D, MAX_G in _cpu_ops.c).
 _MAX_HEAD_DIM = 256
 _MAX_GROUP = 32
-# Query dtypes (the kernel's q_bf16) and KV cache dtypes (its kv_fmt: KV_F32, KV_BF16,
-# KV_F16 in _cpu_ops.c).
+# Query dtypes (the kernel's q_bf16); the cache's are cpu_kernels.KV_FORMATS.
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Steps with at most this many new tokens per request run the C decode pass, one
 # virtual request per token (module docstring); longer chunks go to SDPA.
 VERIFY_MAX_QUERY_LEN = 8

@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from flowengine.model.attention.cpu_backend import KV_FORMATS
 from flowengine.model.layers import cpu_kernels
+from flowengine.model.layers.cpu_kernels import KV_FORMATS
 from flowengine.model.layers.quant_linear import DEQUANT_MIN_ROWS, FORMATS, QuantizedWeight
 
 _COLS = 15  # DL_COLS in _cpu_ops.c

@@ -109,8 +109,9 @@ def rope_neox(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return q_out, k_out
 
 
-# Half-width KV cache dtypes and their kv_fmt codes in _cpu_ops.c (KV_BF16, KV_F16).
-_HALF_FORMATS = {torch.bfloat16: 1, torch.float16: 2}
+# KV cache dtypes the C kernels take, as their kv_fmt codes (KV_F32, KV_BF16, KV_F16 in
+# _cpu_ops.c).
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -120,9 +121,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     float32 K/V into a bfloat16 or float16 cache are rounded to nearest even in C, the
     values torch's conversions give). False (nothing written) when the inputs are not
     of that kind. Raises IndexError (nothing written) for a slot outside the cache."""
-    fmt = _HALF_FORMATS.get(kv_cache.dtype, 0) if k.dtype == torch.float32 else 0
+    fmt = KV_FORMATS.get(kv_cache.dtype, 0) if k.dtype == torch.float32 else 0
     if not (ENABLED and k.dtype == v.dtype and (fmt or k.dtype == kv_cache.dtype)
-            and kv_cache.dtype in (torch.float32, *_HALF_FORMATS) and k.device.type == "cpu"
+            and kv_cache.dtype in KV_FORMATS and k.device.type == "cpu"
             and kv_cache.is_contiguous() and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous() and k.shape == v.shape
             and k.shape[1:] == kv_cache.shape[3:] and slot_mapping.shape[0] == k.shape[0]):
