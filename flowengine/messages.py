@@ -200,6 +200,50 @@ class StepResult(_Msg, tag=True):
     step_id: int
     sampled: list[SampledTokens]
     error: str | None = None
+    # Another record of this step follows: a result larger than a record of the results
+    # ring goes in parts, each with some of `sampled` (`split_step_result`), and the
+    # receiver joins them in order (`join_step_result`).
+    more: bool = False
+
+
+def split_step_result(result: StepResult, max_bytes: int) -> list[StepResult] | None:
+    """`result` cut into parts of at most `max_bytes` encoded bytes each (msgpack),
+    every part but the last with `more=True`, `sampled` kept in order; None when one
+    request's SampledTokens alone does not fit (e.g. prompt_logprobs=-1 over a long
+    prefill chunk).
+
+    A part holds whole SampledTokens; 64 bytes of each part are kept for the
+    StepResult's own fields around them."""
+    budget = max_bytes - 64
+    parts: list[list[SampledTokens]] = [[]]
+    used = 0
+    for sampled in result.sampled:
+        n = len(msgspec.msgpack.encode(sampled))
+        if n > budget:
+            return None
+        if used + n > budget and parts[-1]:
+            parts.append([])
+            used = 0
+        parts[-1].append(sampled)
+        used += n
+    last = len(parts) - 1
+    return [StepResult(result.step_id, part, error=result.error if i == last else None,
+                       more=i < last) for i, part in enumerate(parts)]
+
+
+def join_step_result(first: StepResult, rest: list[StepResult]) -> StepResult:
+    """One StepResult from the parts `split_step_result` made (`first` then `rest`).
+
+    Raises RuntimeError if a part belongs to another step."""
+    sampled = list(first.sampled)
+    error = first.error
+    for part in rest:
+        if part.step_id != first.step_id:
+            raise RuntimeError(f"part of step {part.step_id} arrived within step "
+                               f"{first.step_id}'s result")
+        sampled.extend(part.sampled)
+        error = error or part.error
+    return StepResult(first.step_id, sampled, error=error)
 
 
 # ---------------------------------------------------------------- channel "outputs"

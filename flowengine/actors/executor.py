@@ -40,7 +40,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from flowengine.actors.base import Channel, run_blocking
 from flowengine.engine import step_trace
 from flowengine.executor.executor import CompletedStep, Executor, StepHandle
-from flowengine.messages import GrammarOutput, Shutdown, StepPlan, StepResult
+from flowengine.messages import (
+    GrammarOutput,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    split_step_result,
+)
 from flowengine.shm.errors import RecordTooLargeError
 
 logger = logging.getLogger(__name__)
@@ -291,13 +297,26 @@ class ExecutorActor:
                 try:
                     await self.results.send_async(result)
                 except RecordTooLargeError as exc:
-                    # NOTE: the step fails, not the process: a restart would recompute
-                    # the same requests and fail again until the engine gives up.
-                    logger.error("step %d: %s", handle.step_id, exc)
-                    await self.results.send_async(StepResult(
-                        handle.step_id, [],
-                        error="the step's result is too large for the results ring; ask "
-                              "for fewer logprobs or prompt_logprobs"))
+                    await self._send_in_parts(result, exc)
+
+    async def _send_in_parts(self, result: StepResult, exc: RecordTooLargeError) -> None:
+        """Send a result too large for one record of the results ring as several (each
+        at most half the ring, so the scheduler reads one while the next goes in); if
+        one request's part alone is too large, the step fails, not the process: a
+        restart would recompute the same requests and fail again until the engine
+        gives up."""
+        assert self.results is not None
+        max_bytes = getattr(getattr(self.results, "ring", None), "max_payload_bytes", 0)
+        parts = split_step_result(result, max_bytes // 2) if max_bytes else None
+        if parts is not None:
+            for part in parts:
+                await self.results.send_async(part)
+            return
+        logger.error("step %d: %s", result.step_id, exc)
+        await self.results.send_async(StepResult(
+            result.step_id, [],
+            error="the step's result is too large for the results ring; ask "
+                  "for fewer logprobs or prompt_logprobs"))
 
     # ------------------------------------------------------------------ ranks 1..N-1
     async def _follow(self) -> None:

@@ -34,6 +34,7 @@ from flowengine.messages import (
     Shutdown,
     StepPlan,
     StepResult,
+    join_step_result,
 )
 
 logger = logging.getLogger(__name__)
@@ -178,8 +179,20 @@ class SchedulerActor:
                     continue
                 self._handle(await self.requests.recv_async())
                 continue
-            await self._apply(await self.results.recv_async())
+            await self._apply(await self._recv_result())
         await self.steps.send_async(Shutdown())
+
+    async def _recv_result(self) -> StepResult:
+        """The next step's result, its parts joined when it came in several."""
+        result = await self.results.recv_async()
+        if not result.more:
+            return result
+        rest = []
+        while True:
+            part = await self.results.recv_async()
+            rest.append(part)
+            if not part.more:
+                return join_step_result(result, rest)
 
     async def _apply(self, result: StepResult) -> None:
         plan = self._in_flight.popleft()
