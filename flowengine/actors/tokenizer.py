@@ -29,7 +29,11 @@ import msgspec
 
 from flowengine.actors.base import Channel
 from flowengine.actors.detokenizer import DetokenizerActor
-from flowengine.engine.input_processor import InputProcessor, ProcessedPrompt
+from flowengine.engine.input_processor import (
+    REQUESTED_MAX_TOKENS,
+    InputProcessor,
+    ProcessedPrompt,
+)
 from flowengine.engine.protocol import EngineDeadError
 from flowengine.messages import AbortRequest
 from flowengine.sampling_params import SamplingParams
@@ -194,5 +198,6 @@ class TokenizerActor:
             # {"messages": [...], "cache_salt": ..., "chat_template_kwargs": ..., ...}
             text, ids = ip.chat_request(prompt)
             return ip.process(job.request_id, text, params, priority=job.priority,
-                              prompt_token_ids=ids, cache_salt=prompt.get("cache_salt"))
+                              prompt_token_ids=ids, cache_salt=prompt.get("cache_salt"),
+                              requested_max_tokens=prompt.get(REQUESTED_MAX_TOKENS))
         return ip.process(job.request_id, prompt, params, priority=job.priority)

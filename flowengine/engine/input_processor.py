@@ -34,6 +34,41 @@ CHAT_OPTIONS = (
 )  # fmt: skip
 
 
+# A dict prompt's key asking that the request's max_tokens fit the context:
+# {"param": the request field that set it ("max_tokens", "max_completion_tokens",
+# "max_output_tokens"), "max_tokens": the value the client sent}. The OpenAI routes
+# set it when the client gave a cap (vLLM's server answers 400 for one that does not
+# fit); without it max_tokens is capped at the context left, as vLLM's LLM does.
+REQUESTED_MAX_TOKENS = "requested_max_tokens"
+
+
+def check_max_tokens_fit(
+    num_prompt_tokens: int, max_model_len: int, requested: dict[str, Any] | None
+) -> None:
+    """Raise RequestFieldError (a ValueError) when the prompt plus the requested
+    max_tokens exceed max_model_len (vLLM's `_validate_input` rule and numbers).
+
+    Args:
+        num_prompt_tokens: the prompt's length in tokens, after truncation.
+        max_model_len: context limit in tokens (prompt + output).
+        requested: the prompt's REQUESTED_MAX_TOKENS value, or None (no check).
+    """
+    if requested is None:
+        return
+    param, max_tokens = requested.get("param"), requested.get("max_tokens")
+    if not isinstance(param, str) or not isinstance(max_tokens, int):
+        raise TypeError(f"{REQUESTED_MAX_TOKENS} must be {{'param': str, 'max_tokens': "
+                        f"int}}, got {requested!r}")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestFieldError(
+            f"'{param}' is too large: {max_tokens}. This model's maximum context length "
+            f"is {max_model_len} tokens and your request has {num_prompt_tokens} input "
+            f"tokens ({max_tokens} > {max_model_len} - {num_prompt_tokens}); lower "
+            f"{param} to at most {max_model_len - num_prompt_tokens} or shorten the prompt",
+            param,
+        )
+
+
 @dataclass
 class ProcessedPrompt:
     """A validated request, ready for the engine: one `NewRequest` per sample (`n`)."""
@@ -221,6 +256,7 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        requested_max_tokens: dict[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """Validate one request and fan it out into `params.n` `NewRequest`s (ValueError
         for n over MAX_N_SEQUENCES).
@@ -234,6 +270,10 @@ class InputProcessor:
         cache_salt: isolates the request's prefix-cache blocks: only requests with the
         same salt share them (vLLM's `cache_salt`; a dict prompt's "cache_salt" key is
         used when this is None). Raises ValueError unless it is None or a non-empty str.
+
+        requested_max_tokens: the client's max_tokens that must fit the context with the
+        prompt (`check_max_tokens_fit`; a dict prompt's REQUESTED_MAX_TOKENS key is used
+        when this is None); RequestFieldError when it does not.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, not {type(params).__name__}")
@@ -259,6 +299,9 @@ class InputProcessor:
             text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
         ids = self.truncate(ids, params)
         self.validate(ids, params)
+        if requested_max_tokens is None and isinstance(prompt, dict):
+            requested_max_tokens = prompt.get(REQUESTED_MAX_TOKENS)
+        check_max_tokens_fit(len(ids), self.max_model_len, requested_max_tokens)
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         self.check_allowed_token_ids(params)

@@ -32,7 +32,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flowengine.config import EngineArgs
-from flowengine.engine.input_processor import check_priority
+from flowengine.engine.input_processor import (
+    REQUESTED_MAX_TOKENS,
+    check_max_tokens_fit,
+    check_priority,
+)
 from flowengine.engine.protocol import (
     EngineDeadError,
     EngineOverloadedError,
@@ -90,6 +94,18 @@ class _Sample:
         self.stop_reason: int | str | None = None
 
 
+def _without_max_tokens_check(prompt: Any) -> tuple[Any, dict[str, Any] | None]:
+    """(the prompt as the route built it, its REQUESTED_MAX_TOKENS check or None):
+    `submitted` records prompts without the check, which the routes attach last."""
+    if not isinstance(prompt, dict) or REQUESTED_MAX_TOKENS not in prompt:
+        return prompt, None
+    rest = {k: v for k, v in prompt.items() if k != REQUESTED_MAX_TOKENS}
+    check = prompt[REQUESTED_MAX_TOKENS]
+    if len(rest) == 1 and next(iter(rest)) in ("prompt", "prompt_token_ids", "messages"):
+        return next(iter(rest.values())), check
+    return rest, check
+
+
 class FakeEngine:
     """Implements `flowengine.engine.protocol.EngineClient` (see the module docstring)."""
 
@@ -134,6 +150,11 @@ class FakeEngine:
         priority: int = 0,
         output_kind: RequestOutputKind | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        prompt, check = _without_max_tokens_check(prompt)
+        if check is not None:  # the real InputProcessor's rule (a RequestFieldError)
+            num_prompt_tokens = len(self._prompt_ids(prompt)[1])
+            if 0 < num_prompt_tokens < self.max_model_len:  # (else _generate refuses it)
+                check_max_tokens_fit(num_prompt_tokens, self.max_model_len, check)
         deltas = self._generate(prompt, sampling_params, request_id or "fake", priority)
         kind = sampling_params.output_kind if output_kind is None else output_kind
         return deltas if kind == RequestOutputKind.DELTA else self._fold(deltas, kind)

@@ -79,7 +79,20 @@ def test_logprobs_legacy_format(client):
     r = client.completions.create(
         model="fake-model", prompt="abc", max_tokens=2, temperature=0, logprobs=0
     )
-    assert r.choices[0].logprobs.top_logprobs == [None, None]
+    # logprobs 0: each position lists the sampled token (OpenAI's "+1", as vLLM), not
+    # None (which read as "no logprob" to clients).
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["a", "b"] and lp.token_logprobs == [-0.25, -0.25]
+    assert lp.top_logprobs == [{"a": -0.25}, {"b": -0.25}]
+    streamed = list(
+        client.completions.create(
+            model="fake-model", prompt="abc", max_tokens=2, temperature=0, logprobs=0, stream=True
+        )
+    )
+    assert [t for c in streamed for t in c.choices[0].logprobs.top_logprobs] == [
+        {"a": -0.25},
+        {"b": -0.25},
+    ]
     chunks = list(
         client.completions.create(
             model="fake-model", prompt="abc", max_tokens=3, temperature=0, logprobs=1, stream=True

@@ -151,6 +151,37 @@ def test_over_long_prompt_states_limit_and_length(http):
     assert "max_model_len is 512" in assert_error(resp, 400)["message"]
 
 
+def test_max_tokens_over_the_context_left_is_400_not_clamped(http):
+    # (found by a tester: prompt + max_tokens > max_model_len was silently clamped;
+    # vLLM answers 400 with the context length, the prompt's tokens and max_tokens)
+    resp = http.post("/v1/completions", json={"prompt": "a" * 500, "max_tokens": 13})
+    err = assert_error(resp, 400, param="max_tokens")
+    assert err["message"] == (
+        "'max_tokens' is too large: 13. This model's maximum context length is 512 tokens "
+        "and your request has 500 input tokens (13 > 512 - 500); lower max_tokens to at "
+        "most 12 or shorten the prompt"
+    )
+    fits = http.post("/v1/completions", json={"prompt": "a" * 500, "max_tokens": 12})
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 12
+    # Omitted, the default 16 is capped at the context left (12 tokens here).
+    default = http.post("/v1/completions", json={"prompt": "a" * 500})
+    assert default.status_code == 200 and default.json()["usage"]["completion_tokens"] == 12
+    long_chat = [{"role": "user", "content": "a" * 480}]
+    for field in ("max_completion_tokens", "max_tokens"):
+        for stream in (False, True):
+            body = {"messages": long_chat, field: 100, "stream": stream}
+            err = assert_error(http.post(CHAT, json=body), 400, param=field)
+            assert err["message"].startswith(f"'{field}' is too large: 100. This model's "
+                                             "maximum context length is 512 tokens")
+    # Unset, a chat answer may take the whole context left.
+    resp = http.post(CHAT, json={"messages": long_chat})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
+    err = assert_error(http.post("/v1/responses", json={"input": "a" * 480,
+                                                        "max_output_tokens": 100}),
+                       400, param="max_output_tokens")
+    assert err["message"].startswith("'max_output_tokens' is too large: 100.")
+
+
 def test_bad_or_missing_api_key_is_401(server, http):
     for headers in (
         {"authorization": "Bearer wrong"},

@@ -57,6 +57,9 @@ def test_logprob_formats_clamp_minus_inf_and_order_by_rank():
     }
     with pytest.raises(ValueError, match="lack the sampled token 7"):
         chat_logprobs([7], [entry], 1, _Tok())
+    # logprobs 0: the sampled token alone per position (vLLM's top 0 "+1"), not None.
+    legacy = completion_logprobs([2, 1], [entry, entry], 0, _Tok(), text_offset=0)
+    assert legacy["top_logprobs"] == [{"c": -9999.0}, {"b": -1.5}]
 
 
 def test_admission_limit():

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from flowengine.engine.input_processor import InputProcessor, RequestFieldError
+from flowengine.engine.input_processor import (
+    REQUESTED_MAX_TOKENS,
+    InputProcessor,
+    RequestFieldError,
+)
 from flowengine.sampling_params import SamplingParams
 
 
@@ -135,3 +139,24 @@ def test_a_stop_string_set_after_construction_stays_one_string(ip) -> None:
     processed = ip.process("r8", "hi", params)
     assert processed.sampling_params.stop == ["ab"]
     assert [c.sampling_params.stop_strings for c in processed.children] == [["ab"]]
+
+
+def test_a_requested_max_tokens_must_fit_the_context(ip) -> None:
+    # The OpenAI routes attach the client's cap; without it max_tokens is capped at
+    # the context left (offline LLM, as vLLM's).
+    ids = list(range(1, 101))  # 100 prompt tokens, 412 left of 512
+    params = SamplingParams(max_tokens=413)
+    check = {"param": "max_completion_tokens", "max_tokens": 413}
+    with pytest.raises(RequestFieldError) as info:
+        ip.process("r", {"prompt_token_ids": ids, REQUESTED_MAX_TOKENS: check}, params)
+    assert info.value.param == "max_completion_tokens"
+    assert str(info.value).startswith(
+        "'max_completion_tokens' is too large: 413. This model's maximum context length "
+        "is 512 tokens and your request has 100 input tokens (413 > 512 - 100)")
+    fits = {"param": "max_tokens", "max_tokens": 412}
+    assert len(ip.process("r", {"prompt_token_ids": ids, REQUESTED_MAX_TOKENS: fits},
+                          params).prompt_token_ids) == 100
+    assert ip.process("r", ids, params).children  # no check asked: accepted (capped later)
+    with pytest.raises(TypeError, match="requested_max_tokens must be"):
+        ip.process("r", {"prompt_token_ids": ids, REQUESTED_MAX_TOKENS: {"max_tokens": 1}},
+                   params)

@@ -26,7 +26,13 @@ from flowengine.entrypoints.openai.context import ServingContext, log_request
 from flowengine.entrypoints.openai.errors import APIError
 from flowengine.entrypoints.openai.generation import EngineStream
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest
-from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
+from flowengine.entrypoints.openai.sampling import (
+    chat_max_tokens_check,
+    chat_messages,
+    chat_params,
+    check_limits,
+    with_max_tokens_check,
+)
 from flowengine.entrypoints.openai.tool_parsers import ToolCallDelta
 from flowengine.outputs import SampleLogprobs
 from flowengine.sampling_params import SamplingParams
@@ -50,13 +56,15 @@ class Delta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
+def renamed(param: str, param_names: ParamNames) -> str:
+    """The calling API's name of the chat field `param`."""
+    return param_names(param) if callable(param_names) else param_names.get(param, param)
+
+
 def rename_param(err: APIError, param_names: ParamNames) -> APIError:
     """`err` with its `param` renamed to the calling API's field name."""
     if err.param is not None:
-        if callable(param_names):
-            err.param = param_names(err.param)
-        else:
-            err.param = param_names.get(err.param, err.param)
+        err.param = renamed(err.param, param_names)
     return err
 
 
@@ -143,10 +151,13 @@ class ChatRun:
         *,
         kind: str,
         param_names: ParamNames,
+        check_max_tokens: bool = True,
     ) -> ChatRun:
         """Validate `req` as the chat route does (sampling, limits, tools), submit it
         and wait for the first output (so input errors are answered with a status
-        code). `kind` names the route in the request log. Raises APIError
+        code). `kind` names the route in the request log. check_max_tokens: a cap
+        the client sent must fit the context with the prompt (400 otherwise, as
+        vLLM's chat route); False caps it at the context left. Raises APIError
         (400/404/429/500/503)."""
         setup = chat_output_setup(ctx, req, param_names)
         try:
@@ -167,6 +178,12 @@ class ChatRun:
         if req.continue_final_message:
             options["continue_final_message"] = True
         prompt: Any = {"messages": messages, **options} if options else messages
+        # A cap the client sent must fit the context with the prompt (400 naming the
+        # calling API's field, as vLLM).
+        check = chat_max_tokens_check(req) if check_max_tokens else None
+        if check is not None:
+            check["param"] = renamed(check["param"], param_names)
+        prompt = with_max_tokens_check(prompt, check)
         stream = await EngineStream.open(
             ctx.engine,
             prompt,

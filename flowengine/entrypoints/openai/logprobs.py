@@ -7,8 +7,9 @@ decoded_token)` holding the top-N tokens (ranks 1..N) plus the sampled token
 - Chat (OpenAI chat completion object): `{"content": [{"token", "logprob", "bytes",
   "top_logprobs": [{"token", "logprob", "bytes"}, ...N]}], "refusal": null}`.
 - Legacy completions: parallel lists `tokens`, `token_logprobs`, `top_logprobs` (a
-  dict token text → logprob of the top N plus the sampled token, None when N is 0)
-  and `text_offset` (character offset of each token in the choice's text).
+  dict token text → logprob of the top N plus the sampled token, so with N = 0 the
+  sampled token alone: OpenAI's "at most logprobs+1 elements", as vLLM gives it) and
+  `text_offset` (character offset of each token in the choice's text).
 
 JSON has no -inf; like vLLM, log-probabilities are clamped at -9999.0.
 
@@ -156,7 +157,19 @@ def completion_logprobs(
     tokenizer: Any,
     text_offset: int,
 ) -> dict[str, list[Any]]:
-    """Legacy lists for the given tokens; offsets start at `text_offset` characters."""
+    """Legacy lists for the given tokens; offsets start at `text_offset` characters.
+
+    Args:
+        token_ids: the tokens, one per position.
+        logprobs: per position, the engine's token id → Logprob (top-N plus sampled).
+        num_top: N, the request's `logprobs`; each `top_logprobs` entry holds the top N
+            and the sampled token (the sampled token alone for 0).
+        tokenizer: decodes tokens whose Logprob carries no text.
+        text_offset: character offset of the first token in the choice's text.
+
+    Raises:
+        ValueError: an entry lacks its sampled token.
+    """
     out: dict[str, list[Any]] = {
         "tokens": [],
         "token_logprobs": [],
@@ -169,12 +182,11 @@ def completion_logprobs(
         text = _text(token_id, lp, tokenizer)
         out["tokens"].append(text)
         out["token_logprobs"].append(_clamp(lp.logprob))
-        if num_top > 0:
-            top = {_text(t, tlp, tokenizer): _clamp(tlp.logprob) for t, tlp in _top(entry, num_top)}
-            top.setdefault(text, _clamp(lp.logprob))
-            out["top_logprobs"].append(top)
-        else:
-            out["top_logprobs"].append(None)
+        # NOTE: the sampled token is always listed, also for num_top 0 (OpenAI's
+        # legacy API and vLLM: top N "+1"); a None here would read as "no logprob".
+        top = {_text(t, tlp, tokenizer): _clamp(tlp.logprob) for t, tlp in _top(entry, num_top)}
+        top.setdefault(text, _clamp(lp.logprob))
+        out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)
     return out

@@ -191,11 +191,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
     token-id lists (each prompt one request; choice index = prompt index * n + sample).
     `logprobs` asks for that many top log-probabilities per token (0 to the server's
     `--max-logprobs`, 20 by default as in vLLM). `max_tokens` 0 is served only with
-    `echo`: the prompt alone (OpenAI's and vLLM's way to score a text).
+    `echo`: the prompt alone (OpenAI's and vLLM's way to score a text). Omitted it is
+    16 (OpenAI's default), capped at the context left; a value the client sends must
+    fit the context with the prompt (else 400, as vLLM); null: up to the context limit.
     """
 
     prompt: str | list[str | NonNegInt | list[NonNegInt]]
-    max_tokens: NonNegInt | None = 16
+    # UNSET (omitted) tells the default apart from a sent 16 (only a sent cap is checked).
+    max_tokens: NonNegInt | None | msgspec.UnsetType = msgspec.UNSET
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from flowengine.entrypoints.openai.errors import APIError, bad_request
@@ -22,6 +23,7 @@ from flowengine.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from flowengine.engine.input_processor import REQUESTED_MAX_TOKENS
 from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
@@ -29,6 +31,8 @@ DEFAULT_MAX_LOGPROBS = 20
 # Completions of one request (n). Each is a sequence in the batch; past this one
 # request could hold every seat of the engine for its whole run (issue 21 item 3).
 DEFAULT_MAX_N = 128
+# Completions max_tokens when the request omits it (OpenAI's and vLLM's default).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,41 @@ def capped_max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | 
     routes and gRPC (flowengine/entrypoints/grpc/server.py) use this one rule."""
     values = [v for v in (requested, defaults.get("max_tokens")) if v is not None]
     return min(values) if values else None
+
+
+def completion_max_tokens_check(req: CompletionRequest) -> dict[str, Any] | None:
+    """The REQUESTED_MAX_TOKENS check of a completions request: the max_tokens the
+    client sent (it must fit the context with the prompt, else 400), None when it
+    sent none (the default 16 is capped at the context left) or null."""
+    if req.max_tokens is msgspec.UNSET or req.max_tokens is None:
+        return None
+    return {"param": "max_tokens", "max_tokens": max(req.max_tokens, 1)}
+
+
+def chat_max_tokens_check(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The REQUESTED_MAX_TOKENS check of a chat request: max_completion_tokens (or
+    max_tokens) as the client sent it; None when unset (then the answer may take the
+    whole context left, as in vLLM)."""
+    if req.max_completion_tokens is not None:
+        return {"param": "max_completion_tokens", "max_tokens": req.max_completion_tokens}
+    if req.max_tokens is not None:
+        return {"param": "max_tokens", "max_tokens": req.max_tokens}
+    return None
+
+
+def with_max_tokens_check(prompt: Any, check: dict[str, Any] | None) -> Any:
+    """`prompt` (text, token ids, a conversation or a dict prompt) as a dict prompt
+    carrying `check` under REQUESTED_MAX_TOKENS (input_processor.py); as it is when
+    `check` is None."""
+    if check is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return {**prompt, REQUESTED_MAX_TOKENS: check}
+    if isinstance(prompt, str):
+        return {"prompt": prompt, REQUESTED_MAX_TOKENS: check}
+    if prompt and isinstance(prompt[0], dict):
+        return {"messages": prompt, REQUESTED_MAX_TOKENS: check}
+    return {"prompt_token_ids": prompt, REQUESTED_MAX_TOKENS: check}
 
 
 def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
@@ -285,6 +324,8 @@ def completion_params(
     # echo with max_tokens 0 (vLLM's echo without generation): one token is generated
     # and dropped; the choice is the prompt with its logprobs.
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+    if max_tokens is msgspec.UNSET:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     fields["max_tokens"] = capped_max_tokens(max_tokens, defaults or {})
     fields["logprobs"] = req.logprobs
     fields["structured_outputs"] = structured_outputs_params(req)

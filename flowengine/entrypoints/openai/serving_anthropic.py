@@ -405,7 +405,10 @@ async def create_message(ctx: ServingContext, request: APIRequest) -> Response:
         parallel_tool_calls=parallel,
     )
     message_id = f"msg_{uuid.uuid4().hex}"
-    run = await ChatRun.open(ctx, chat, message_id, kind="messages", param_names=anthropic_param)
+    # max_tokens is required here and clients send one sized for the largest models:
+    # it is capped at the context left rather than refused (the chat routes refuse).
+    run = await ChatRun.open(ctx, chat, message_id, kind="messages", param_names=anthropic_param,
+                             check_max_tokens=False)
     content = MessageContent(plain=not run.is_parsed)
     if req.stream:
         return StreamingResponse(

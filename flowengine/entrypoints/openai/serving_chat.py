@@ -43,7 +43,13 @@ from flowengine.entrypoints.openai.logprobs import (
 )
 from flowengine.entrypoints.openai.multi_stream import open_streams
 from flowengine.entrypoints.openai.protocol import ChatCompletionRequest, StreamOptions
-from flowengine.entrypoints.openai.sampling import chat_messages, chat_params, check_limits
+from flowengine.entrypoints.openai.sampling import (
+    chat_max_tokens_check,
+    chat_messages,
+    chat_params,
+    check_limits,
+    with_max_tokens_check,
+)
 from flowengine.outputs import CompletionOutput, RequestOutput
 from flowengine.sampling_params import RequestOutputKind
 
@@ -93,9 +99,12 @@ async def create_chat_completion(ctx: ServingContext, request: APIRequest) -> Re
                 "object": "chat.completion.chunk" if req.stream else "chat.completion"}
         prompt = {"messages": messages, **options} if options else messages
         return await beam_chat_completion(ctx, req, params, prompt, base)
+    # A max_tokens the client sent must fit the context with the prompt (400, as vLLM).
+    prompt = with_max_tokens_check({"messages": messages, **options} if options else messages,
+                                   chat_max_tokens_check(req))
     [stream] = await open_streams(
         ctx.engine,
-        [{"messages": messages, **options} if options else messages],
+        [prompt],
         params,
         request_id,
         priority=req.priority,

@@ -34,7 +34,12 @@ from flowengine.entrypoints.openai.logprobs import (
 )
 from flowengine.entrypoints.openai.multi_stream import close_streams, merge_streams, open_streams
 from flowengine.entrypoints.openai.protocol import CompletionRequest, StreamOptions
-from flowengine.entrypoints.openai.sampling import check_limits, completion_params
+from flowengine.entrypoints.openai.sampling import (
+    check_limits,
+    completion_max_tokens_check,
+    completion_params,
+    with_max_tokens_check,
+)
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind
 
@@ -109,15 +114,18 @@ async def create_completion(ctx: ServingContext, request: APIRequest) -> Respons
             for p in prompts
         ]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    if req.use_beam_search:
+    if req.use_beam_search:  # (beam search checks that max_tokens fits itself)
         from flowengine.entrypoints.openai.serving_beam import beam_completion
 
         base = {"id": request_id, "object": "text_completion",
                 "created": int(time.time()), "model": model}
         return await beam_completion(ctx, req, params, prompts, base)
+    # A max_tokens the client sent must fit the context with each prompt (400, as
+    # vLLM); the engine checks it once the prompt is tokenized.
+    check = completion_max_tokens_check(req)
     streams = await open_streams(
         ctx.engine,
-        prompts,
+        [with_max_tokens_check(p, check) for p in prompts],
         params,
         request_id,
         priority=req.priority,

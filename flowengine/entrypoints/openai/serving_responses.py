@@ -76,6 +76,7 @@ from flowengine.entrypoints.openai.sse import HEADERS
 # Chat field names in 400s -> this API's names.
 PARAM_NAMES = {
     "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
     "messages": "input",
     "response_format": "text.format",
     "response_format.json_schema.schema": "text.format.schema",
