@@ -23,6 +23,18 @@ from flowengine.entrypoints.openai.notify import notify_address, sd_notify
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "examples" / "systemd" / "flowengine.service"
+ENV_FILE = REPO / "examples" / "systemd" / "flowengine.env"
+
+
+def env_file_values() -> dict[str, str]:
+    """The assignments of the shipped environment file (comments skipped), as systemd's
+    EnvironmentFile= reads them."""
+    values = {}
+    for line in ENV_FILE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
 
 
 @pytest.fixture
@@ -126,6 +138,21 @@ def test_sd_notify_path_and_abstract_sockets(tmp_path):
     assert not sd_notify("READY=1", environ={})
     assert not sd_notify("READY=1", environ={"NOTIFY_SOCKET": "relative"})
     assert not sd_notify("READY=1", environ={"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
+
+
+def test_shipped_env_file_serves_loopback_only_and_ships_no_api_key():
+    """Installed as-is, the example serves this machine only and holds no key: it used
+    to bind 0.0.0.0 with FLOWENGINE_API_KEY=change-me, i.e. serve the world behind a
+    key published in this repository."""
+    import ipaddress
+
+    from flowengine.entrypoints.openai.server import make_parser, options_from
+
+    values = env_file_values()
+    assert set(values) == {"FLOWENGINE_ARGS"}  # no FLOWENGINE_API_KEY assignment
+    options = options_from(make_parser().parse_args(values["FLOWENGINE_ARGS"].split()))
+    assert options.host == "127.0.0.1" and ipaddress.ip_address(options.host).is_loopback
+    assert options.port == 8000
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
