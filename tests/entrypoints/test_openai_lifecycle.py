@@ -127,6 +127,31 @@ def test_engine_load_failure_exits_1_without_ready(tmp_path, notify_socket):
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
+        (("--port", "70000"), "--port must be in [0, 65535], got 70000"),
+        (("/nonexistent/flowengine-model",), "no such file or directory: /nonexistent/"),
+        (("./model.gguf",), "no such file or directory: ./model.gguf"),
+    ],
+)
+def test_config_errors_exit_2_before_loading_and_the_unit_does_not_restart(
+        tmp_path, notify_socket, args, message):
+    """A wrong configuration exits with 2 (argparse's status) before anything loads, and
+    the unit lists 2 in RestartPreventExitStatus=: a missing model path used to exit 1
+    after "loading the model", which Restart=on-failure retried every 5 s forever."""
+    name, sock = notify_socket
+    proc = spawn_server(tmp_path, name, "make_engine", *args)
+    assert proc.wait(timeout=60) == 2
+    sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        sock.recv(4096)  # not even STATUS=loading the model
+    log = (tmp_path / "server.log").read_text()
+    assert message in log and "Traceback" not in log
+    assert "\nRestartPreventExitStatus=2\n" in UNIT.read_text()
+
+
 def test_sd_notify_path_and_abstract_sockets(tmp_path):
     path = str(tmp_path / "n.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
