@@ -152,6 +152,49 @@ def test_config_errors_exit_2_before_loading_and_the_unit_does_not_restart(
     assert "\nRestartPreventExitStatus=2\n" in UNIT.read_text()
 
 
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (None, "the chat template '{path}' looks like a file path, but it cannot be opened"),
+        ("{% for m in messages %}{{ m.content }\n",
+         "the chat template file '{path}' is not a valid Jinja template: unexpected '}' "
+         "(line 1); fix it or give another --chat-template"),
+    ],
+    ids=["missing", "invalid"],
+)
+def test_bad_chat_template_fails_at_startup_with_one_line(tmp_path, notify_socket, template,
+                                                          message):
+    """A --chat-template that does not open or is not valid Jinja stops `serve` before
+    loading, exit 2, one log line; an invalid one used to start the server and fail
+    every chat request with 400 ("the chat template rejected these messages")."""
+    path = tmp_path / "chat.jinja"
+    if template is not None:
+        path.write_text(template)
+    name, sock = notify_socket
+    proc = spawn_server(tmp_path, name, "make_engine", "--chat-template", str(path))
+    assert proc.wait(timeout=60) == 2
+    sock.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        sock.recv(4096)  # not even STATUS=loading the model
+    (line,) = (tmp_path / "server.log").read_text().splitlines()
+    expected = message.replace("{path}", str(path))
+    assert f" ERROR flowengine.entrypoints.openai.server: {expected}" in line
+
+
+def test_load_chat_template_rejects_invalid_jinja_and_keeps_valid_text(tmp_path):
+    from flowengine.tokenize.chat import load_chat_template
+
+    good = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    (tmp_path / "good.jinja").write_text(good)
+    assert load_chat_template(str(tmp_path / "good.jinja")) == good
+    assert load_chat_template("{{ bos_token }}\\n") == "{{ bos_token }}\n"  # escapes decoded
+    hermes = REPO / "examples" / "templates" / "tool_chat_template_hermes.jinja"
+    assert load_chat_template(str(hermes)) == hermes.read_text()
+    with pytest.raises(ValueError, match=r"^the chat template text is not a valid Jinja "
+                       r"template: Encountered unknown tag 'endif'\. .*\(line 1\)"):
+        load_chat_template("{{ x }}{% endif %}")
+
+
 def test_sd_notify_path_and_abstract_sockets(tmp_path):
     path = str(tmp_path / "n.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:

@@ -13,7 +13,8 @@ second signal skips the rest of the drain.
 
 Exit codes (what the systemd unit's `Restart=`/`RestartPreventExitStatus=` rely on):
 0 after a drained stop; EXIT_CONFIG_ERROR (2, argparse's) when the configuration is
-wrong before anything loads (a bad flag or value, a model path that does not exist);
+wrong before anything loads (a bad flag or value, a model path that does not exist,
+a --chat-template that does not open or is not valid Jinja);
 1 for everything a restart may cure (the engine failed to load or died, the port is
 taken).
 
@@ -643,11 +644,16 @@ def grpc_grace_s(graceful_timeout_s: float, drain_began: float | None, now: floa
 def check_startup_config(engine_args: EngineArgs) -> None:
     """What can be found wrong in the engine arguments before loading (seconds, not the
     minutes a model load takes): a local model path that does not exist or holds no
-    model. Raises FileNotFoundError saying what to pass instead."""
+    model, a --chat-template that does not open or is not valid Jinja (vLLM also
+    loads it before serving). Raises FileNotFoundError or ValueError saying what to
+    change."""
+    from flowengine.tokenize.chat import load_chat_template
+
     if engine_args.model is not None:
         from flowengine.model.resolve import check_local_model
 
         check_local_model(engine_args.model)
+    load_chat_template(engine_args.chat_template)
 
 
 def main(argv: list[str] | None = None) -> int:
