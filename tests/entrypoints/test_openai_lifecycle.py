@@ -113,6 +113,34 @@ def test_ready_then_sigterm_drains_20_streams_and_exits_0(tmp_path, notify_socke
     assert "stopped" in log and "Traceback" not in log
 
 
+def test_ipv6_host_is_logged_and_notified_in_brackets(tmp_path, notify_socket):
+    """`--host ::1`: the log line and systemd's STATUS= name http://[::1]:PORT, a URL a
+    client can use; they used to say http://::1:PORT (no brackets)."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+    name, sock = notify_socket
+    proc = spawn_server(tmp_path, name, "make_engine", "--host", "::1")
+    try:
+        assert sock.recv(4096) == b"STATUS=loading the model"
+        ready = sock.recv(4096).decode()
+        assert ready.startswith("READY=1\nSTATUS=serving on [::1]:")
+        port = int(ready.rsplit(":", 1)[1])
+        base_url = f"http://[::1]:{port}"
+        assert httpx.get(f"{base_url}/health").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert f"on {base_url}\n" in (tmp_path / "server.log").read_text()
+
+
 def test_engine_load_failure_exits_1_without_ready(tmp_path, notify_socket):
     name, sock = notify_socket
     proc = spawn_server(tmp_path, name, "make_broken_engine")

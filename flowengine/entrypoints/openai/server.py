@@ -58,6 +58,7 @@ from flowengine.entrypoints.openai.notify import sd_notify
 from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
 from flowengine.model.errors import ModelDownloadError
+from flowengine.net import host_port
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
 
@@ -518,9 +519,9 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
         else:
             sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
             host, port = sock.getsockname()[:2]
-            where = f"{host}:{port}"
+            where = host_port(host, port)
     except OSError as err:
-        target = options.uds or f"{options.host}:{options.port}"
+        target = options.uds or host_port(options.host, options.port)
         logger.error("cannot listen on %s: %s", target, err)
         return 1
     sd_notify("STATUS=loading the model")
