@@ -51,6 +51,7 @@ from flowengine.bench.serve_metrics import (
     parse_goodput,
 )
 from flowengine.bench.serve_worker import run_client_processes
+from flowengine.net import http_url
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -157,7 +158,7 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
+    base_url = (ns.base_url or http_url(ns.host, ns.port)).rstrip("/")
     headers = {"authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
         model = ns.model

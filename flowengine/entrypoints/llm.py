@@ -105,7 +105,8 @@ class LLM:
         `sampling_params` is one SamplingParams for all prompts or one per prompt.
         Every prompt is validated before any runs: a bad one raises ValueError/TypeError
         and nothing is generated. `priority`, if given, has one entry per prompt
-        (ValueError otherwise).
+        (ValueError otherwise). Ctrl-C aborts the batch's requests and raises a plain
+        KeyboardInterrupt from here; the LLM stays usable for the next call.
         """
         prompts = self._prompt_list(prompts)
         if priority is not None and len(priority) != len(prompts):
@@ -370,6 +371,19 @@ class LLM:
         return params
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        """Run the batch (generate, chat, embed). Ctrl-C (KeyboardInterrupt) aborts the
+        batch's requests, leaves the LLM usable, and reaches the caller as a plain
+        KeyboardInterrupt: its traceback ends here, not in whichever engine frame (a
+        sampler kernel, a thread's lock) the signal happened to land in."""
+        try:
+            return self._run_batch(processed, use_tqdm)
+        except KeyboardInterrupt:
+            # The batch was aborted on the way out (_run_batch, BackgroundEngine.call);
+            # `from None`: no "During handling of the above exception" chain either.
+            raise KeyboardInterrupt from None
+
+    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm: bool
+                   ) -> list[RequestOutput]:
         if self._background is None and self.engine_args.placement != "inproc":
             from flowengine.engine.protocol import EngineDeadError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 from collections.abc import Coroutine
 from typing import Any
@@ -20,6 +21,11 @@ class BackgroundEngine:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="flowengine-llm")
         self._thread.start()
+        # NOTE: close() needs the loop thread, and the interpreter freezes daemon threads
+        # before it collects objects at exit: an LLM still alive then (a script that
+        # ends, or ends in Ctrl-C, without llm.shutdown()) hung forever in __del__.
+        # atexit runs while the thread still runs.
+        atexit.register(self.close)
         self.call(engine.start())
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -77,7 +83,10 @@ class BackgroundEngine:
         return self.call(self._gather([one(p, pp, rid) for p, pp, rid in jobs]))
 
     def close(self) -> None:
-        if self.loop.is_running():
+        """Stop the engine (its processes) and the loop thread; later calls are no-ops.
+        Runs at interpreter exit too (atexit) when nobody called it."""
+        atexit.unregister(self.close)
+        if self.loop.is_running() and self._thread.is_alive():
             self.call(self.engine.shutdown(drain_timeout_s=5.0))
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)

@@ -51,6 +51,7 @@ from typing import Any
 import msgspec
 
 from flowengine.actors.procs import ProcConfig
+from flowengine.net import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +339,7 @@ async def driver_main(cfg: ProcConfig) -> None:
     init_method = ""
     if num_ranks > 1:
         port = ray.get(actors[0].free_port.remote(), timeout=timeout_s)
-        init_method = f"tcp://{ips[0]}:{port}"
+        init_method = f"tcp://{host_port(ips[0], port)}"
     sampling_rank = (pp - 1) * tp
     env = forwarded_env()
     relays, refs = [], []

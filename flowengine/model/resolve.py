@@ -72,6 +72,27 @@ def resolve_model(model: str | None, download_dir: str | None = None,
     if model is None:
         path, gguf_file = default_model_dir(root)
         return ResolvedModel(path, DEFAULT_MODEL_NAME, gguf_file)
+    check_local_model(model)
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        return ResolvedModel(os.path.abspath(expanded), model.rstrip("/"))
+    if os.path.isfile(expanded):
+        gguf_file = os.path.abspath(expanded)
+        out_dir = os.path.join(root, "models", _gguf_cache_name(gguf_file))
+        return ResolvedModel(convert_gguf_to_hf(gguf_file, out_dir),
+                             os.path.basename(gguf_file), gguf_file)
+    return ResolvedModel(_download_from_hub(model, revision, download_dir), model)
+
+
+def check_local_model(model: str) -> None:
+    """The checks of `resolve_model` that need neither the network nor a conversion, so
+    that a server can refuse a wrong model path before it loads anything.
+
+    `model` is a directory with config.json, a .gguf file, or else a hub id (which is
+    not checked here). Raises FileNotFoundError for a directory without config.json, a
+    file that is not .gguf, or a missing path (one starting with ".", "/" or "~",
+    ending in ".gguf", or with more than one "/", which no hub id has).
+    """
     expanded = os.path.expanduser(model)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
@@ -79,19 +100,15 @@ def resolve_model(model: str | None, download_dir: str | None = None,
                 f"{model} has no config.json; pass a Hugging Face model directory, a .gguf "
                 "file or a hub id"
             )
-        return ResolvedModel(os.path.abspath(expanded), model.rstrip("/"))
+        return
     if os.path.isfile(expanded):
         if not expanded.endswith(".gguf"):
             raise FileNotFoundError(
                 f"{model} is a file but not a .gguf file; pass a .gguf file or a directory"
             )
-        gguf_file = os.path.abspath(expanded)
-        out_dir = os.path.join(root, "models", _gguf_cache_name(gguf_file))
-        return ResolvedModel(convert_gguf_to_hf(gguf_file, out_dir),
-                             os.path.basename(gguf_file), gguf_file)
+        return
     if model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") > 1:
         raise FileNotFoundError(f"no such file or directory: {model}")
-    return ResolvedModel(_download_from_hub(model, revision, download_dir), model)
 
 
 def _gguf_cache_name(gguf_file: str) -> str:

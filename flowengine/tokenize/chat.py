@@ -64,20 +64,46 @@ def load_chat_template(value: str | Path | None) -> str | None:
 
     A path that opens is read; otherwise a string holding any of the Jinja characters
     `{`, `}` or a newline is the template itself (with backslash escapes such as `\\n`
-    decoded). Raises ValueError for a string that looks like a path but does not open.
+    decoded). The text is compiled as transformers' apply_chat_template compiles it, so
+    that a broken template fails here, at start-up, not in every chat request.
+
+    Raises ValueError for a string that looks like a path but does not open, and for
+    text that is not a valid Jinja template (the message names the line).
     """
     if value is None:
         return None
     try:
         with open(value, encoding="utf-8") as f:
-            return f.read()
+            text, source = f.read(), f"file {str(value)!r}"
     except OSError as err:
         if isinstance(value, Path) or not any(c in value for c in "{}\n"):
             raise ValueError(
                 f"the chat template {str(value)!r} looks like a file path, but it cannot "
                 f"be opened ({err}); give an existing file or the template text"
             ) from err
-        return codecs.decode(value, "unicode_escape")
+        text, source = codecs.decode(value, "unicode_escape"), "text"
+    try:
+        _compile_template(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(
+            f"the chat template {source} is not a valid Jinja template: {err.message} "
+            f"(line {err.lineno}); fix it or give another --chat-template"
+        ) from None
+    return text
+
+
+def _compile_template(text: str) -> None:
+    """Compile `text` with transformers' own Jinja environment (sandbox, loopcontrols,
+    its {% generation %} tag); plain Jinja syntax where that private helper is gone.
+    Raises jinja2.TemplateSyntaxError."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        return
+    _compile_jinja_template(text)
 
 
 def _template_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> str:

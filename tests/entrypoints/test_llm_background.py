@@ -132,3 +132,92 @@ def test_generate_after_shutdown_is_an_engine_dead_error():
     with pytest.raises(EngineDeadError, match="shut down"):
         llm.embed(["a"], PoolingParams(), use_tqdm=False)
 
+
+
+def test_ctrl_c_in_llm_generate_is_a_plain_keyboard_interrupt_and_the_llm_stays_usable():
+    """Ctrl-C (SIGINT) during the multiproc `LLM.generate`: the caller gets a
+    KeyboardInterrupt whose traceback ends in `LLM._run`, with no chained exception,
+    and the next generate works. It used to show the frames where the signal landed
+    (BackgroundEngine.call, concurrent.futures, threading's lock)."""
+    import itertools
+    import os
+    import signal
+    import threading
+    import time
+    import traceback
+    from types import SimpleNamespace
+
+    from flowengine import LLM, SamplingParams
+
+    started = threading.Event()
+
+    class SlowFirstBatchEngine(_QueueLimitedEngine):
+        async def _outputs(self, request_id: str):
+            if request_id == "0":  # the first batch's only request: runs until Ctrl-C
+                started.set()
+                await asyncio.sleep(60)
+            yield SimpleNamespace(request_id=request_id, prompt=None)
+
+    class _Processor:
+        def process(self, request_id, prompt, params, **kwargs):
+            return SimpleNamespace(request_id=request_id, prompt=prompt, children=[],
+                                   prompt_token_ids=[1], cache_salt=None, sampling_params=params)
+
+    llm = LLM.__new__(LLM)  # no model: the frontend's handling is what is tested
+    llm.engine_args = SimpleNamespace(placement="multiproc", disable_log_stats=True)
+    llm.input_processor = _Processor()
+    llm._ids = itertools.count()
+    llm._background = BackgroundEngine(SlowFirstBatchEngine())
+    try:
+
+        def press_ctrl_c() -> None:
+            started.wait(5)
+            time.sleep(0.2)  # the caller waits in generate() by now
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=press_ctrl_c).start()
+        with pytest.raises(KeyboardInterrupt) as info:
+            llm.generate(["a"], SamplingParams(), use_tqdm=False)
+        frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+        assert frames[-2:] == ["generate", "_run"]
+        assert info.value.__cause__ is None and info.value.__suppress_context__
+        (out,) = llm.generate(["b"], SamplingParams(), use_tqdm=False)
+        assert (out.request_id, out.prompt) == ("1", "b")
+    finally:
+        llm.shutdown()
+
+
+def test_a_background_engine_never_closed_is_shut_down_at_exit(tmp_path):
+    """A script that ends (or ends in Ctrl-C) without `llm.shutdown()`: the engine is
+    shut down at exit and the process ends. It used to hang forever: `LLM.__del__`
+    waited for the loop thread, which the interpreter had already frozen."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "shut_down"
+    script = f"""
+import asyncio, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_llm_background import _QueueLimitedEngine
+from flowengine.entrypoints.llm_multiproc import BackgroundEngine
+
+class Engine(_QueueLimitedEngine):
+    async def shutdown(self, drain_timeout_s=0.0):
+        await asyncio.sleep(0.05)  # needs the loop thread
+        open({str(marker)!r}, "w").write(str(drain_timeout_s))
+
+class Holder:  # as LLM: closes its engine in __del__
+    def __init__(self):
+        self.background = BackgroundEngine(Engine())
+    def __del__(self):
+        self.background.close()
+
+holder = Holder()
+print(holder.background.generate([([1], None, "r0", 0)], lambda: None))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "['out-r0']\n"
+    assert marker.read_text() == "5.0"

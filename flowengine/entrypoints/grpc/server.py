@@ -35,6 +35,7 @@ from flowengine.entrypoints.openai.sampling import (
     check_limits,
 )
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
+from flowengine.net import host_port
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class GrpcServer:
         server = grpc.aio.server()
         pb_grpc.add_GenerateServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        address = host_port(self.host, self.port)
         try:
             port = server.add_insecure_port(address)
         except RuntimeError as err:

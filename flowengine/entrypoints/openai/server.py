@@ -11,6 +11,13 @@ unanswered requests get 503, and their engine requests are aborted), then
 Hypercorn closes its sockets, `engine.shutdown()` runs, and the process exits 0. A
 second signal skips the rest of the drain.
 
+Exit codes (what the systemd unit's `Restart=`/`RestartPreventExitStatus=` rely on):
+0 after a drained stop; EXIT_CONFIG_ERROR (2, argparse's) when the configuration is
+wrong before anything loads (a bad flag or value, a model path that does not exist,
+a --chat-template that does not open or is not valid Jinja);
+1 for everything a restart may cure (the engine failed to load or died, the port is
+taken).
+
 Test-only: `FLOWENGINE_TEST_ENGINE=module:callable` makes the server call
 `callable(engine_args)` for its `EngineClient` instead of building `AsyncEngine`; the
 tests use it to serve a deterministic fake engine from a subprocess. It is logged as a
@@ -51,10 +58,14 @@ from flowengine.entrypoints.openai.notify import sd_notify
 from flowengine.entrypoints.openai.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flowengine.entrypoints.openai.sampling import DEFAULT_MAX_N, RequestLimits
 from flowengine.model.errors import ModelDownloadError
+from flowengine.net import host_port
 
 logger = logging.getLogger("flowengine.entrypoints.openai.server")
 
 TEST_ENGINE_ENV = "FLOWENGINE_TEST_ENGINE"
+# Exit status for a wrong configuration, argparse's own: restarting cannot cure it
+# (examples/systemd/flowengine.service lists it in RestartPreventExitStatus=).
+EXIT_CONFIG_ERROR = 2
 API_KEY_ENVS = ("FLOWENGINE_API_KEY", "VLLM_API_KEY")
 # Seconds the engine may take to stop after the HTTP drain (it has nothing left to run
 # unless the drain timed out, in which case the cancelled requests were aborted).
@@ -508,9 +519,9 @@ async def serve(engine_args: EngineArgs, options: ServerOptions,
         else:
             sock = bind_socket(options.host, options.port, APIServer.BACKLOG)
             host, port = sock.getsockname()[:2]
-            where = f"{host}:{port}"
+            where = host_port(host, port)
     except OSError as err:
-        target = options.uds or f"{options.host}:{options.port}"
+        target = options.uds or host_port(options.host, options.port)
         logger.error("cannot listen on %s: %s", target, err)
         return 1
     sd_notify("STATUS=loading the model")
@@ -631,8 +642,24 @@ def grpc_grace_s(graceful_timeout_s: float, drain_began: float | None, now: floa
     return max(0.0, graceful_timeout_s - (now - drain_began))
 
 
+def check_startup_config(engine_args: EngineArgs) -> None:
+    """What can be found wrong in the engine arguments before loading (seconds, not the
+    minutes a model load takes): a local model path that does not exist or holds no
+    model, a --chat-template that does not open or is not valid Jinja (vLLM also
+    loads it before serving). Raises FileNotFoundError or ValueError saying what to
+    change."""
+    from flowengine.tokenize.chat import load_chat_template
+
+    if engine_args.model is not None:
+        from flowengine.model.resolve import check_local_model
+
+        check_local_model(engine_args.model)
+    load_chat_template(engine_args.chat_template)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `flowengine serve`; returns the process exit code."""
+    """Entry point of `flowengine serve`; returns the process exit code (0, 1, or
+    EXIT_CONFIG_ERROR; argparse exits with 2 itself for an unknown or malformed flag)."""
     ns = make_parser().parse_args(argv)
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -640,16 +667,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from(ns)
         engine_args = engine_args_from(ns)
-    except (ValueError, TypeError, ImportError) as err:  # ImportError: a missing extra
+        check_startup_config(engine_args)
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
+        # ImportError: a missing extra
         logger.error("%s", err)
-        return 2
+        return EXIT_CONFIG_ERROR
     if options.api_server_count > 1 and (engine_args.placement == "inproc"
                                          or engine_args.data_parallel_size > 1
                                          or os.environ.get(TEST_ENGINE_ENV)):
         logger.error("--api-server-count %d needs --placement multiproc (or auto), "
                      "--data-parallel-size 1 and no %s", options.api_server_count,
                      TEST_ENGINE_ENV)
-        return 2
+        return EXIT_CONFIG_ERROR
     if not options.log_requests:
         logging.getLogger("flowengine.entrypoints.openai.requests").setLevel(logging.WARNING)
     # Until the event loop installs its handlers (after loading), Ctrl-C just ends the
