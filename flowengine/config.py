@@ -23,7 +23,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
 # Weight quantization applied at load (vLLM's --quantization); None: weights as loaded
 # (except GGUF weights on the CPU, which stay "gguf"). fp8: E4M3 W8A8 (CUDA); gguf:
-# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int8: weight-only, per 32 weights (CPU);
+# keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks, Q4_K as Q4_1 (CPU); int8: weight-only, per 32 weights (CPU);
 # gptq / awq: a 4-bit checkpoint's own format (also chosen when unset, from config.json).
 Quantization = Literal["fp8", "gguf", "int8", "gptq", "awq"]
 # KV cache element type (vLLM's --kv-cache-dtype): "auto" = the model dtype; "float16" /

@@ -34,8 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         choices=["fp8", "gguf", "int8", "gptq", "awq"],
         help="quantize weights at load: fp8 = E4M3 weights with per-channel scales and "
         "per-token dynamic activation scales (FP8 GEMMs; CUDA compute capability >= 8.9); "
-        "gguf (CPU) = keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (the default for GGUF "
-        "weights on the CPU); int8 (CPU) = weight-only int8 per 32 weights of a float "
+        "gguf (CPU) = keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks, Q4_K as Q4_1 (the default "
+        "for GGUF weights on the CPU); int8 (CPU) = weight-only int8 per 32 weights of a float "
         "checkpoint; gptq / awq = a 4-bit GPTQ / AWQ checkpoint (detected from its "
         "config.json when unset)",
     )

@@ -9,7 +9,8 @@ are stored unpermuted. The config comes from the `{arch}.*` metadata keys.
 
 For weights kept quantized (`--quantization gguf`), `iter_gguf_tensors` yields the
 tensors it is asked to keep as `PackedTensor`s (flowengine/model/layers/quant_linear.py)
-in their own block format (Q4_0, Q4_1, Q8_0), rows unpermuted like the float ones.
+in their own block format (Q4_0, Q4_1, Q8_0; Q4_K as Q4_1 blocks with the same codes),
+rows unpermuted like the float ones.
 """
 
 from __future__ import annotations
@@ -142,14 +143,18 @@ def gguf_hf_config(reader: Any) -> Any:
     return config
 
 
-# GGUF tensor types FlowEngine's CPU kernels run without dequantizing.
-PACKED_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+# GGUF tensor types FlowEngine's CPU kernels run without dequantizing, and the
+# quant_linear format each is kept in: Q4_K's sub-blocks become Q4_1 blocks with the
+# same codes (`q4_k_to_q4_1_blocks`: its scales rounded to float16). Q6_K and the
+# other K-quants are dequantized: their 16-weight sub-blocks with int8 scales have no
+# 32-weight block format of ours to go to without requantizing.
+PACKED_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_1"}
 
 
 def gguf_packed_formats(path_or_reader: str | Any) -> dict[str, str | None]:
     """Hugging Face tensor name -> the quant_linear format it can stay in ("q4_0",
-    "q4_1", "q8_0"), or None for a tensor that must be dequantized (F32, F16, K-quants
-    and the other types)."""
+    "q4_1", "q8_0"; Q4_K tensors "q4_1"), or None for a tensor that must be dequantized
+    (F32, F16, the other K-quants and the other types)."""
     reader = open_gguf(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
     formats: dict[str, str | None] = {}
     for tensor in reader.tensors:
@@ -167,11 +172,12 @@ def iter_gguf_tensors(path_or_reader: str | Any, keep_packed: frozenset[str] = f
 
     One tensor is converted at a time. Raises ValueError for a tensor with no
     Hugging Face counterpart (the file is not a plain Llama/Qwen checkpoint), or a
-    `keep_packed` tensor whose type cannot stay packed.
+    `keep_packed` tensor whose type cannot stay packed (or a Q4_K one whose scales
+    overflow float16).
     """
     from gguf.quants import dequantize
 
-    from flowengine.model.layers.quant_linear import pack_gguf_blocks
+    from flowengine.model.layers.quant_linear import pack_gguf_blocks, q4_k_to_q4_1_blocks
 
     reader = open_gguf(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
     arch, _, permuted = gguf_architecture(reader)
@@ -193,6 +199,12 @@ def iter_gguf_tensors(path_or_reader: str | Any, keep_packed: frozenset[str] = f
                 raw = unpermute_qk(raw, num_heads)
             elif permuted and ".self_attn.k_proj." in name:
                 raw = unpermute_qk(raw, num_kv_heads)
+            if tensor.tensor_type.name == "Q4_K":
+                raw = q4_k_to_q4_1_blocks(raw)
+                if raw is None:
+                    raise ValueError(f"GGUF tensor {tensor.name!r}: a Q4_K scale times its "
+                                     f"sub-block scale overflows float16: it cannot stay "
+                                     f"quantized as Q4_1 blocks")
             yield name, pack_gguf_blocks(raw, fmt, int(tensor.shape[0]))
             continue
         values = dequantize(tensor.data, tensor.tensor_type)

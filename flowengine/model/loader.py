@@ -6,7 +6,7 @@ written exactly once from the checkpoint (gpt-fast's recipe). Safetensors files 
 read tensor by tensor through memory maps, so a checkpoint is never held twice.
 
 Quantization (CPU): "gguf" keeps every linear layer whose GGUF tensors share one
-block format the CPU kernels run (Q4_0, Q4_1, Q8_0) in that format: the layer's float
+block format the CPU kernels run (Q4_0, Q4_1, Q8_0; Q4_K as Q4_1) in that format: the layer's float
 weight is swapped for empty packed planes before materialization and filled from the
 file's blocks; the other tensors are dequantized as before. "int8" quantizes the
 linear layers of a float checkpoint after loading (the q8_0 layout, per 32 weights).

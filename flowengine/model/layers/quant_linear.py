@@ -1,4 +1,5 @@
-"""Weights kept quantized on the CPU: GGUF's Q4_0, Q4_1 and Q8_0 blocks (issue #20).
+"""Weights kept quantized on the CPU: GGUF's Q4_0, Q4_1 and Q8_0 blocks (issue #20;
+Q4_K is rewritten into Q4_1 blocks at load, `q4_k_to_q4_1_blocks`).
 
 A `QuantizedWeight` stands where a layer's float `weight` [N, K] would be. It holds the
 weights in one of GGUF's 32-weight block formats (ggml-common.h), split into planes:
@@ -304,6 +305,52 @@ def pack_gguf_blocks(raw: np.ndarray, fmt: str, cols: int) -> PackedTensor:
     if fmt == "q8_0":
         qs = qs.view(np.int8)
     return PackedTensor(fmt, torch.from_numpy(qs), torch.from_numpy(scales))
+
+
+# GGUF's Q4_K super-block (ggml-common.h block_q4_K): d, dmin (float16), 12 bytes of
+# 6-bit sub-block scales and mins, 128 bytes of codes, for 256 weights.
+Q4_K_WEIGHTS, Q4_K_BYTES = 256, 144
+
+
+def q4_k_to_q4_1_blocks(raw: np.ndarray) -> np.ndarray | None:
+    """GGUF Q4_K blocks ([rows, cols / 256 * 144] uint8, the reader's layout) rewritten
+    as Q4_1 blocks ([rows, cols / 32 * 20] uint8) with the same codes, or None when a
+    sub-block's scale or min overflows float16.
+
+    Q4_K (ggml's dequantize_row_q4_K) gives each 32-weight sub-block j of a super-block
+    w = d * sc_j * q - dmin * m_j, with 6-bit sc_j, m_j and 4-bit q: Q4_1's
+    w = d' * q + m' with d' = d * sc_j and m' = -dmin * m_j. Both products are exact in
+    float32; Q4_1 stores them as float16, a rounding of at most 2^-11 of each: a weight
+    moves by at most 2^-11 (15 |d'| + |m'|), under 1/68 of one code step d' where
+    |m'| <= 15 |d'|. The codes are kept: Q4_K's 64-weight chunks hold sub-block 2c in the
+    low nibbles of their 32 bytes and 2c + 1 in the high ones; Q4_1's byte j holds
+    weight j (low) and j + 16 (high)."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, Q4_K_BYTES)
+    nsb = blocks.shape[1]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 4:16].astype(np.uint8)  # the 12 scale bytes
+    # get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, 4-7 in
+    # bytes 8-11's nibbles plus the top 2 bits of bytes 0-3 / 4-7.
+    sc = np.empty((rows, nsb, 8), np.float32)
+    mn = np.empty((rows, nsb, 8), np.float32)
+    sc[..., :4] = q[..., 0:4] & 63
+    mn[..., :4] = q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    with np.errstate(over="ignore"):
+        scale = (d[..., None] * sc).astype(np.float16)
+        minimum = (-dmin[..., None] * mn).astype(np.float16)
+    if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        return None
+    codes = blocks[..., 16:].reshape(rows, nsb, 4, 32)  # 4 chunks of 32 bytes
+    values = np.stack([codes & 0xF, codes >> 4], axis=3).reshape(rows, nsb, 8, 32)
+    out = np.empty((rows, nsb, 8, 20), np.uint8)
+    out[..., 0:2] = scale[..., None].view(np.uint8)
+    out[..., 2:4] = minimum[..., None].view(np.uint8)
+    out[..., 4:] = values[..., :16] | (values[..., 16:] << 4)
+    return out.reshape(rows, nsb * 8 * 20)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> PackedTensor:
