@@ -7,7 +7,7 @@ import dataclasses
 import os
 from typing import Any
 
-from flowengine.config import EngineArgs
+from flowengine.config import DTYPE_ALIASES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -25,7 +25,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--revision", default=None)
     g.add_argument("--download-dir", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES],
+        help="activation and weight dtype; half = float16, float = float32 (vLLM's names)",
+    )
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     g.add_argument(
         "--quantization",
