@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# vLLM's other spellings of a dtype (its --dtype choices "half" and "float"), kept as
+# the canonical name: "half" is float16, "float" is float32.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 Placement = Literal["auto", "inproc", "multiproc"]
@@ -133,6 +136,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         self.validate()
         if (self.tensor_parallel_size > 1 or self.data_parallel_size > 1
                 or self.pipeline_parallel_size > 1

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from typing import Any
 
-from flowengine.config import EngineArgs
+from flowengine.config import DTYPE_ALIASES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -19,13 +19,26 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
             default=None,
             help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)",
         )
+        # vLLM's `serve` takes the model either way: `vllm serve MODEL` or `--model MODEL`.
+        parser.add_argument(
+            "--model",
+            dest="model_flag",
+            default=None,
+            metavar="MODEL",
+            help="the model, as the positional argument (vLLM's flag form)",
+        )
     else:
         parser.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--revision", default=None)
     g.add_argument("--download-dir", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES],
+        help="activation and weight dtype; half = float16, float = float32 (vLLM's names)",
+    )
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     g.add_argument(
         "--quantization",
@@ -227,6 +240,12 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
     """Build `EngineArgs` from parsed flags (only the fields EngineArgs has)."""
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    flag = getattr(ns, "model_flag", None)
+    if flag is not None:
+        if values.get("model", flag) != flag:
+            raise ValueError(f"two models given: {values['model']!r} (positional) and "
+                             f"--model {flag!r}; give one")
+        values["model"] = flag
     values.update(overrides)
     if "served_model_name" in values:
         values["served_model_name"] = tuple(values["served_model_name"])

@@ -86,6 +86,37 @@ def test_kv_cache_dtype_flag_choices() -> None:
         _args("--kv-cache-dtype", "fp8_e5m2")
 
 
+def test_dtype_takes_vllms_half_and_float() -> None:
+    """vLLM's --dtype choices include "half" (float16) and "float" (float32); they name
+    the same dtypes here, from the command line and from LLM(dtype=...) alike."""
+    assert _args("--dtype", "half").dtype == "float16"
+    assert _args("--dtype", "float").dtype == "float32"
+    for value in ("auto", "float32", "bfloat16", "float16"):
+        assert _args("--dtype", value).dtype == value
+    assert EngineArgs.from_kwargs(dtype="half").dtype == "float16"
+    assert EngineArgs(dtype="float").dtype == "float32"
+    with pytest.raises(SystemExit):
+        _args("--dtype", "fp16")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineArgs(dtype="fp16")
+
+
+def test_serve_takes_the_model_as_a_flag_too(tmp_path) -> None:
+    """`vllm serve --model MODEL` works as `vllm serve MODEL`; so does flowengine's, and
+    two different models are refused by name."""
+    from flowengine.entrypoints.openai.server import make_parser
+
+    def model(*argv: str) -> str | None:
+        return engine_args_from(make_parser().parse_args(list(argv))).model
+
+    assert model("--model", "org/name") == "org/name"
+    assert model("org/name") == "org/name"
+    assert model("org/name", "--model", "org/name") == "org/name"
+    assert model() is None
+    with pytest.raises(ValueError, match="two models given: 'a/b'.*'c/d'"):
+        model("a/b", "--model", "c/d")
+
+
 def test_half_kv_cache_of_another_dtype_refused_on_cuda(default_model_path, monkeypatch) -> None:
     """On CUDA the attention kernels read a cache of the model dtype or fp8: a float16
     cache under bf16 activations is refused at start-up with what to change."""

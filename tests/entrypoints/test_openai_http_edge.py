@@ -234,6 +234,25 @@ def test_vllm_fields_not_implemented_are_refused_by_name(http, engine, path, fie
     assert http.post(path, json={**base, field: None, "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.parametrize(("path", "default"), [("/v1/completions", True), (CHAT, False)])
+def test_add_special_tokens_default_value_is_accepted(http, engine, path, default):
+    """vLLM's default add_special_tokens (true on completions, false on chat) is what the
+    routes do, so a client that sends it gets the same request as one that leaves it
+    out; the other value is not implemented and is refused by name."""
+    base = {"messages": HELLO} if path == CHAT else {"prompt": "abc"}
+    assert http.post(path, json={**base, "max_tokens": 1}).status_code == 200
+    _, plain_prompt, plain_params = engine.submitted[-1]
+    assert http.post(path, json={**base, "max_tokens": 1,
+                                 "add_special_tokens": default}).status_code == 200
+    _, prompt, params = engine.submitted[-1]
+    assert (prompt, params.max_tokens) == (plain_prompt, plain_params.max_tokens)
+    num_submitted = len(engine.submitted)
+    err = assert_error(http.post(path, json={**base, "add_special_tokens": not default}), 400,
+                       param="add_special_tokens")
+    assert err["message"].startswith("add_special_tokens: only vLLM's default is served")
+    assert len(engine.submitted) == num_submitted
+
+
 def test_response_format_json_schema_with_an_invalid_schema_is_refused(http, engine):
     # (Was: every json_schema refused; structured outputs exist now, tests/structured_outputs.)
     num_submitted = len(engine.submitted)

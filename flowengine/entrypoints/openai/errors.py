@@ -87,7 +87,13 @@ def from_decode_error(err: msgspec.DecodeError, body: bytes = b"") -> APIError:
         param = m.group("param") or None
     elif m := _MISSING_FIELD.match(message):
         param = m.group("param")
-    if param in _unsupported_fields():
+    if param == "add_special_tokens":
+        message = (
+            "add_special_tokens: only vLLM's default is served yet (true on "
+            "/v1/completions, false on chat, whose template writes the special tokens); "
+            "remove it or send the default"
+        )
+    elif param in _unsupported_fields():
         message = (
             f"{param} is not supported yet by this server; remove it (it would change "
             "the output, so it is refused rather than ignored)"

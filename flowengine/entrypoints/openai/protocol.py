@@ -66,7 +66,9 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_whitespace_pattern",
         "logits_processors", "kv_transfer_params",
         "documents", "mm_processor_kwargs",
-        "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens",
+        "return_tokens_as_token_ids", "return_token_ids",
+        # Only vLLM's default value (true on completions, false on chat) is accepted.
+        "add_special_tokens",
         "reasoning_effort", "logprobs_mode", "thinking_token_budget",
     }
 )  # fmt: skip
@@ -203,7 +205,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
     best_of: PosInt | None = None
-    add_special_tokens: None = None
+    # vLLM's default (true: the tokenizer's BOS etc. around the prompt) is what this
+    # route does; false is not implemented yet (a 400, see errors.py).
+    add_special_tokens: Literal[True] | None = None
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -304,7 +308,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # Not implemented yet (UNSUPPORTED_FIELDS): only null is accepted.
     documents: None = None
     mm_processor_kwargs: None = None
-    add_special_tokens: None = None
+    # vLLM's default (false: the chat template writes the special tokens) is what this
+    # route does; true is not implemented yet (a 400, see errors.py).
+    add_special_tokens: Literal[False] | None = None
     reasoning_effort: None = None
 
 
