@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 
+from flowengine.errors import RequestValidationError
 from flowengine.sampling_params import StructuredOutputsParams
 from flowengine.structured_outputs.backend import BACKEND_NAMES, GrammarOptions, select_backend
 from flowengine.structured_outputs.schema_check import unsatisfiable_json_schema
@@ -24,14 +25,15 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str = 
                                 *, field: str | None = None) -> str:
     """Check that `params` compiles with `backend` ("auto", "xgrammar", "guidance").
 
-    Returns the backend that will compile it. Raises ValueError naming the field
+    Returns the backend that will compile it. Raises RequestValidationError (a
+    ValueError) naming the field
     (`field` replaces "structured_outputs.<kind>" in the message, e.g. with an HTTP
     request's "response_format.json_schema.schema") and the reason: a syntax error, or
     the unsupported schema keyword by name, or why a JSON schema is unsatisfiable (the
     cases `schema_check.unsatisfiable_json_schema` detects).
     """
     if backend not in BACKEND_NAMES:
-        raise ValueError(f"structured outputs backend must be one of {BACKEND_NAMES}, "
+        raise RequestValidationError(f"structured outputs backend must be one of {BACKEND_NAMES}, "
                          f"got {backend!r}")
     kind, spec = params.kind, params.spec
     check = _check if len(spec) <= _CACHED_SPEC_CHARS else _check.__wrapped__
@@ -39,7 +41,7 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str = 
     if error is not None:
         if field is not None:
             error = error.replace(f"structured_outputs.{kind}", field, 1)
-        raise ValueError(error)
+        raise RequestValidationError(error)
     return chosen
 
 
