@@ -35,6 +35,7 @@ from flowengine.engine.input_processor import (
     ProcessedPrompt,
 )
 from flowengine.engine.protocol import EngineDeadError
+from flowengine.errors import RequestValidationError
 from flowengine.messages import AbortRequest
 from flowengine.sampling_params import SamplingParams
 from flowengine.shm.errors import ChannelClosedError
@@ -117,7 +118,7 @@ class TokenizerActor:
         """Tokenize and validate `job`, register it with the Detokenizer and send its
         `NewRequest`s to the engine. Returns the `ProcessedPrompt`.
 
-        Raises ValueError/TypeError for bad input (nothing registered or sent), any
+        Raises RequestValidationError for bad input (nothing registered or sent), any
         other exception of the input processor (logged by type only, no prompt text),
         EngineDeadError when the engine's channel is closed. Cancelled while sending:
         what was registered is forgotten and the children already sent are aborted.
@@ -135,7 +136,7 @@ class TokenizerActor:
             else:
                 processed = self._process(job)
         except Exception as exc:
-            if not isinstance(exc, (ValueError, TypeError)):
+            if not isinstance(exc, RequestValidationError):
                 # Not a validation error: worth a log line (type only, no prompt text).
                 logger.warning("request %s failed in the tokenizer: %s",
                                job.request_id, type(exc).__name__)
@@ -177,7 +178,8 @@ class TokenizerActor:
         logger.warning("request %s could not be sent to the engine: %s",
                        processed.request_id, type(error).__name__)
         if isinstance(error, (OverflowError, msgspec.EncodeError)):
-            raise ValueError(f"the request cannot be encoded for the engine: {error}") from error
+            raise RequestValidationError(
+                f"the request cannot be encoded for the engine: {error}") from error
         raise error
 
     def _process(self, job: TokenizeJob) -> ProcessedPrompt:
@@ -189,7 +191,8 @@ class TokenizerActor:
             # An embedding request, or a generation request the pooling model refuses.
             if job.pooling_params is not None and (
                     is_conversation(prompt) or (isinstance(prompt, dict) and "messages" in prompt)):
-                raise ValueError("embedding inputs are texts or token ids, not messages")
+                raise RequestValidationError(
+                    "embedding inputs are texts or token ids, not messages")
             return ip.process(job.request_id, prompt, params, priority=job.priority,
                               pooling_params=job.pooling_params)
         if is_conversation(prompt):

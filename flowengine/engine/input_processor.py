@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flowengine.errors import RequestTypeError, RequestValidationError
 from flowengine.messages import NewRequest
 from flowengine.pooling.config import PoolerConfig
 from flowengine.pooling.params import PoolingParams
@@ -57,6 +58,7 @@ def check_max_tokens_fit(
         return
     param, max_tokens = requested.get("param"), requested.get("max_tokens")
     if not isinstance(param, str) or not isinstance(max_tokens, int):
+        # The frontend's own contract, not the client's input: a bug if it breaks.
         raise TypeError(f"{REQUESTED_MAX_TOKENS} must be {{'param': str, 'max_tokens': "
                         f"int}}, got {requested!r}")
     if num_prompt_tokens + max_tokens > max_model_len:
@@ -86,15 +88,14 @@ class ProcessedPrompt:
 def validate_cache_salt(cache_salt: object) -> None:
     """Raise ValueError unless `cache_salt` is None or a non-empty string (vLLM's rule)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        raise RequestValidationError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
 
 
-class RequestFieldError(ValueError):
+class RequestFieldError(RequestValidationError):
     """A request field the engine refuses; `param` names it (the HTTP error's `param`)."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 def check_priority(priority: object, scheduling_policy: str) -> None:
@@ -104,9 +105,9 @@ def check_priority(priority: object, scheduling_policy: str) -> None:
     under "fcfs" the scheduler ignores it, so it is refused rather than silently dropped
     (vLLM's rule and message)."""
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise TypeError(f"priority must be an int, not {type(priority).__name__}")
+        raise RequestTypeError(f"priority must be an int, not {type(priority).__name__}")
     if not -(2**63) <= priority < 2**63:
-        raise ValueError(f"priority must fit a signed 64-bit integer, got {priority}")
+        raise RequestValidationError(f"priority must fit a signed 64-bit integer, got {priority}")
     if priority != 0 and scheduling_policy != "priority":
         raise RequestFieldError(
             f"Got priority {priority} but Priority scheduling is not enabled. Start the "
@@ -181,17 +182,17 @@ class InputProcessor:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+                raise RequestValidationError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty; give at least one character or token")
+                raise RequestValidationError("the prompt is empty; give at least one character or token")
             return prompt, encode_text(self.tokenizer, prompt, "the prompt")
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise TypeError("token-id prompts must be lists of int")
+                raise RequestTypeError("token-id prompts must be lists of int")
             return None, ids
-        raise TypeError(
+        raise RequestTypeError(
             f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
         )
 
@@ -217,14 +218,14 @@ class InputProcessor:
         Raises ValueError/TypeError naming the bad option.
         """
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(
+            raise RequestTypeError(
                 "chat_template_kwargs must be a dict, got "
                 f"{type(chat_template_kwargs).__name__}"
             )
         for name, flag in (("add_generation_prompt", add_generation_prompt),
                            ("continue_final_message", continue_final_message)):
             if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+                raise RequestTypeError(f"{name} must be a bool, got {type(flag).__name__}")
         ids = apply_chat_template(
             self.tokenizer,
             conversation,
@@ -240,7 +241,7 @@ class InputProcessor:
         """`chat_prompt` of {"messages": [...], <CHAT_OPTIONS>...} (other keys ignored)."""
         messages = prompt["messages"]
         if not isinstance(messages, list) or not messages or not isinstance(messages[0], dict):
-            raise ValueError("'messages' must be a non-empty list of message objects")
+            raise RequestValidationError("'messages' must be a non-empty list of message objects")
         return self.chat_prompt(
             messages, **{k: prompt[k] for k in CHAT_OPTIONS if prompt.get(k) is not None}
         )
@@ -291,7 +292,7 @@ class InputProcessor:
             return self._process_pooling(request_id, prompt, pooling_params, priority,
                                          arrival_time, prompt_token_ids, cache_salt)
         if params.n > MAX_N_SEQUENCES:
-            raise ValueError(f"n={params.n} exceeds {MAX_N_SEQUENCES}, the most completions "
+            raise RequestValidationError(f"n={params.n} exceeds {MAX_N_SEQUENCES}, the most completions "
                              "one request may ask for; ask for fewer")
         if prompt_token_ids is None:
             text, ids = self.tokenize(prompt)
@@ -329,10 +330,10 @@ class InputProcessor:
         pooled vector (max_tokens 1, so that async scheduling plans no token after it)."""
         config = self.pooler_config
         if config is None:
-            raise ValueError("this model serves generation, not embeddings; start it with "
+            raise RequestValidationError("this model serves generation, not embeddings; start it with "
                              "runner 'pooling' (--runner pooling) to embed")
         if params is None:
-            raise ValueError("this model serves embeddings only (runner 'pooling'): use "
+            raise RequestValidationError("this model serves embeddings only (runner 'pooling'): use "
                              "LLM.embed, AsyncEngine.encode or /v1/embeddings, not generation")
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling params must be PoolingParams, not {type(params).__name__}")
@@ -346,14 +347,14 @@ class InputProcessor:
             text, ids = (prompt if isinstance(prompt, str) else None), prompt_token_ids
         ids = self._truncate_to(ids, params.truncate_prompt_tokens)
         if not ids:
-            raise ValueError("the prompt is empty; give at least one character or token")
+            raise RequestValidationError("the prompt is empty; give at least one character or token")
         if len(ids) > self.max_model_len:
-            raise ValueError(
+            raise RequestValidationError(
                 f"the input has {len(ids)} tokens, but max_model_len is {self.max_model_len}; "
                 "shorten it, or set truncate_prompt_tokens to keep its last tokens")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestValidationError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         sampling = SamplingParams(max_tokens=1, detokenize=False)
         now = time.monotonic() if arrival_time is None else arrival_time
         child = NewRequest(request_id, ids, sampling, now, eos_token_id=None, priority=priority,
@@ -376,7 +377,7 @@ class InputProcessor:
         if k == -1:
             k = self.max_model_len
         elif k > self.max_model_len:
-            raise ValueError(
+            raise RequestValidationError(
                 f"truncate_prompt_tokens={k} is greater than max_model_len="
                 f"{self.max_model_len}; choose a smaller truncation size"
             )
@@ -394,29 +395,29 @@ class InputProcessor:
             bare = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             if not bare:
-                raise ValueError(f"bad word {word!r} tokenizes to no tokens")
+                raise RequestValidationError(f"bad word {word!r} tokenizes to no tokens")
             words.append(bare)
             if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
                 words.append(spaced)
             for ids in words[-2:]:
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 if bad:
-                    raise ValueError(f"bad word {word!r} has token id {bad[0]} outside the "
+                    raise RequestValidationError(f"bad word {word!r} has token id {bad[0]} outside the "
                                      f"vocabulary [0, {self.vocab_size})")
         return words
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
-            raise ValueError("the prompt is empty; give at least one character or token")
+            raise RequestValidationError("the prompt is empty; give at least one character or token")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise RequestValidationError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                 "and at least one token must be generated; shorten the prompt or raise "
                 "max_model_len"
             )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
+            raise RequestValidationError(
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
@@ -428,7 +429,7 @@ class InputProcessor:
             if asked > limit:
                 what = f"{name}=-1 (the whole vocabulary, {self.vocab_size})" if value == -1 \
                     else f"{name}={value}"
-                raise ValueError(
+                raise RequestValidationError(
                     f"{what} exceeds max_logprobs={self.max_logprobs}; ask for fewer or "
                     "raise max_logprobs (-1: no limit)"
                 )
@@ -458,7 +459,7 @@ class InputProcessor:
         banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
         left = set(params.allowed_token_ids) - banned
         if not left:
-            raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans "
+            raise RequestValidationError("allowed_token_ids leaves no token to sample: bad_words bans "
                              "every one of them; allow more ids or drop those bad words")
         if params.min_tokens > 0:
             ends = set(params.stop_token_ids or ())
@@ -466,7 +467,7 @@ class InputProcessor:
                 ends.update(t for t in (self.eos_token_id, *self.extra_eos_token_ids)
                             if t is not None)
             if not left - ends:
-                raise ValueError(
+                raise RequestValidationError(
                     f"min_tokens={params.min_tokens} suppresses EOS and the stop token ids, "
                     "but allowed_token_ids allows nothing else (bad_words aside); allow "
                     "more ids or drop min_tokens")

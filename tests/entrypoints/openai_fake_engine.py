@@ -43,6 +43,7 @@ from flowengine.engine.protocol import (
     EngineStats,
 )
 from flowengine.engine.request_stats import RequestStats
+from flowengine.errors import RequestValidationError
 from flowengine.messages import RequestDelta
 from flowengine.outputs import CompletionOutput, Logprob, RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
@@ -133,6 +134,7 @@ class FakeEngine:
         self.dead = False
         self.shutdown_calls = 0
         self.fail_after_tokens: int | None = None  # raise RuntimeError mid-stream
+        self.submit_error: Exception | None = None  # raised before any output
         self.first_output_error: str | None = None  # first output carries this error
         self.stats = EngineStats()
         self.request_stats = RequestStats(max_model_len)
@@ -185,7 +187,7 @@ class FakeEngine:
             for key in ("prompt", "prompt_token_ids", "messages"):
                 if key in prompt:
                     return self._prompt_ids(prompt[key])
-            raise ValueError(
+            raise RequestValidationError(
                 f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages': {prompt}"
             )
         if isinstance(prompt, str):
@@ -194,7 +196,7 @@ class FakeEngine:
             text = self.tokenizer.apply_chat_template(prompt)
             return text, self.tokenizer.encode(text)
         if any(not 0 <= t < EOS for t in prompt):
-            raise ValueError(f"token ids must be in [0, {EOS})")
+            raise RequestValidationError(f"token ids must be in [0, {EOS})")
         return None, list(prompt)
 
     async def _generate(
@@ -202,12 +204,14 @@ class FakeEngine:
     ) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError("the fake engine is dead")
+        if self.submit_error is not None:
+            raise self.submit_error
         check_priority(priority, self.scheduling_policy)
         text, ids = self._prompt_ids(prompt)
         if not ids:
-            raise ValueError("the prompt is empty; give at least one character or token")
+            raise RequestValidationError("the prompt is empty; give at least one character or token")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise RequestValidationError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                 "and at least one token must be generated; shorten the prompt or raise "
                 "max_model_len"

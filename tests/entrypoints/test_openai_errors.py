@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ from openai_helpers import API_KEY, MAX_BODY_BYTES, assert_error, sse_events
 from openai_live_server import LiveServer
 
 from flowengine.entrypoints.openai.app import AppOptions
+from flowengine.errors import RequestTypeError, RequestValidationError
 from flowengine.messages import REQUEST_ERROR_PREFIX
 
 CHAT = "/v1/chat/completions"
@@ -377,3 +379,40 @@ def test_responses_text_part_without_text_names_the_missing_text(http):
     err = assert_error(http.post("/v1/responses", json=body), 400, param="input[0].content[0].text")
     assert "input_text content part needs its text" in err["message"]
     assert "not supported" not in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("error", "status", "message", "param"), [
+    # The request's own fault: 400 with the engine's message (and field).
+    (RequestValidationError("bad_field must be positive", param="bad_field"), 400,
+     "bad_field must be positive", "bad_field"),
+    (RequestTypeError("token-id prompts must be lists of int"), 400,
+     "token-id prompts must be lists of int", None),
+    (ValueError(REQUEST_ERROR_PREFIX + "structured outputs: no token satisfies the grammar"),
+     400, "structured outputs: no token satisfies the grammar", None),
+    # A bug inside the engine: 500 with the generic message, nothing internal leaked.
+    (TypeError("'NoneType' object is not subscriptable (scheduler.py:123 secret)"), 500,
+     "internal server error; see the server log", None),
+    (ValueError("block table out of range (kv_cache_manager internals)"), 500,
+     "internal server error; see the server log", None),
+    (KeyError("req-123"), 500, "internal server error; see the server log", None),
+])
+def test_engine_exceptions_map_to_400_only_for_request_errors(http, engine, caplog, error,
+                                                                status, message, param,
+                                                                stream):
+    engine.submit_error = error
+    try:
+        with caplog.at_level(logging.ERROR, logger="flowengine.entrypoints.openai.generation"):
+            err = assert_error(http.post(CHAT, json={"messages": HELLO, "max_tokens": 5,
+                                                     "stream": stream}), status)
+    finally:
+        engine.submit_error = None
+    assert err["message"] == message
+    assert err["param"] == param
+    assert err["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    logged = [r for r in caplog.records if r.message == "engine request failed"]
+    if status == 500:  # the details are in the server log, with the traceback
+        assert logged and logged[-1].exc_info is not None
+        assert logged[-1].exc_info[1] is error
+    else:
+        assert not logged

@@ -161,3 +161,50 @@ def test_chat_structural_tag_field_is_checked(http, engine):
                                              "max_tokens": 2}), 400, param="structural_tag")
     assert "not several (guided_regex, structural_tag)" in err["message"]
     assert len(engine.submitted) == before
+
+
+# Schemas no JSON value matches, and the reason the 400 names. The first four come from
+# the testers' report; the rest are the contradictions xgrammar compiled (const 5 with
+# type string became the grammar `5`, the required-but-forbidden property `{}`).
+UNSATISFIABLE = [
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum 5 is greater than maximum 1"),
+    ({"enum": []}, "enum is an empty list"),
+    ({"type": "string", "minLength": 5, "maxLength": 2},
+     "minLength 5 is greater than maxLength 2"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]},
+     'allOf members require types that do not overlap: "string", "integer"'),
+    ({"type": "string", "const": 5}, 'const 5 is not of type "string"'),
+    ({"type": "integer", "enum": ["a", "b"]}, 'no enum value is of type "integer"'),
+    ({"anyOf": []}, "anyOf is an empty list"),
+    ({"type": []}, "type is an empty list"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False},
+     'required property "a" is not in properties and additionalProperties is false'),
+    ({"type": "object", "properties": {"n": {"type": "array", "minItems": 3, "maxItems": 1}}},
+     "at /properties/n: minItems 3 is greater than maxItems 1"),
+]
+
+
+@pytest.mark.parametrize(("schema", "reason"), UNSATISFIABLE)
+@pytest.mark.parametrize(("path", "field"), [
+    (CHAT, "response_format"), (COMPLETIONS, "guided_json"),
+    (COMPLETIONS, "structured_outputs")])
+def test_unsatisfiable_schema_is_400_naming_the_reason(http, engine, schema, reason, path,
+                                                       field):
+    base = {"messages": HELLO} if path == CHAT else {"prompt": "abc"}
+    body, param, named = {
+        "response_format": ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}}, "response_format.json_schema.schema",
+            "response_format.json_schema.schema"),
+        "guided_json": ({"guided_json": schema}, "guided_json", "guided_json"),
+        "structured_outputs": ({"structured_outputs": {"json": schema}},
+                               "structured_outputs", "structured_outputs.json"),
+    }[field]
+    before = len(engine.submitted)
+    err = assert_error(http.post(path, json={**base, "max_tokens": 3, **body}), 400,
+                       param=param)
+    assert err["message"] == (f"{named} is unsatisfiable, no JSON value can match it: "
+                              f"{reason}"), err["message"]
+    assert len(engine.submitted) == before  # nothing was generated
+    # The server keeps serving, a satisfiable schema included.
+    ok = http.post(path, json={**base, "max_tokens": 1, "guided_json": SCHEMA})
+    assert ok.status_code == 200, ok.text

@@ -34,6 +34,7 @@ from flowengine.entrypoints.openai.sampling import (
     capped_max_tokens,
     check_limits,
 )
+from flowengine.errors import RequestValidationError
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.net import host_port
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
@@ -221,7 +222,7 @@ class GenerateServicer(pb_grpc.GenerateServicer):
                     raise GrpcError(grpc.StatusCode.INTERNAL,
                                     f"the request failed in the engine: {out.error}")
                 yield rid, out
-        except (ValueError, TypeError) as err:
+        except RequestValidationError as err:
             raise GrpcError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
         except EngineOverloadedError as err:
             raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err

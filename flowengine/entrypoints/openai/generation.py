@@ -17,6 +17,7 @@ from typing import Any
 
 from flowengine.engine.protocol import EngineClient, EngineDeadError, EngineOverloadedError
 from flowengine.entrypoints.openai.errors import APIError, internal_error
+from flowengine.errors import RequestValidationError
 from flowengine.messages import REQUEST_ERROR_PREFIX, is_request_error
 from flowengine.outputs import RequestOutput
 from flowengine.sampling_params import RequestOutputKind, SamplingParams
@@ -62,7 +63,13 @@ def output_error(error: str) -> APIError:
 
 
 def engine_error(err: BaseException) -> APIError:
-    """The client-facing error for an exception raised by `EngineClient.submit`."""
+    """The client-facing error for an exception raised by `EngineClient.submit`.
+
+    400 for the request's own fault: a RequestValidationError (its message and
+    `param`), or an exception whose message starts with REQUEST_ERROR_PREFIX; 429 for
+    EngineOverloadedError, 503 for EngineDeadError; any other exception (a TypeError
+    or ValueError of a bug included) is 500 with a generic message, its traceback
+    logged."""
     if isinstance(err, APIError):
         return err
     if isinstance(err, EngineOverloadedError):
@@ -81,9 +88,13 @@ def engine_error(err: BaseException) -> APIError:
             code="engine_dead",
             retry_after_s=1.0,
         )
-    if isinstance(err, (ValueError, TypeError)):
+    if isinstance(err, RequestValidationError):
         # A RequestFieldError (input_processor.py) names the field it refuses.
-        return APIError(400, str(err), param=getattr(err, "param", None))
+        return APIError(400, str(err), param=err.param)
+    if is_request_error(str(err)):
+        return APIError(400, str(err).removeprefix(REQUEST_ERROR_PREFIX))
+    # Any other exception is the server's fault (vLLM's InternalServerError): the
+    # traceback goes to the log, the client gets no internal text.
     logger.error("engine request failed", exc_info=err)
     return internal_error()
 
@@ -157,7 +168,7 @@ class EngineStream:
             raise internal_error() from None
         except BaseException as err:
             # Cancelled (client gone) or failed: nothing may keep running for it.
-            bad_input = isinstance(err, (ValueError, TypeError))
+            bad_input = isinstance(err, RequestValidationError)
             await _close(engine, iterator, request_id, abort=not bad_input)
             if isinstance(err, Exception):
                 raise engine_error(err) from err
