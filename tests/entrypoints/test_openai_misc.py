@@ -25,6 +25,34 @@ def test_models(client, http):
     assert (card.root, card.max_model_len) == ("fake-model", 512)
 
 
+def test_model_cards_root_is_the_served_model_path_for_every_name(http, engine):
+    """vLLM's `root`: the model as given to serve, not the first served name."""
+    from types import SimpleNamespace
+
+    engine.args = SimpleNamespace(model="/models/SmolLM2-135M-Instruct")
+    try:
+        cards = strict(http.get("/v1/models").content, rs.ModelList).data
+        assert [(c.id, c.root) for c in cards] == [
+            ("fake-model", "/models/SmolLM2-135M-Instruct"),
+            ("alias", "/models/SmolLM2-135M-Instruct")]
+        card = strict(http.get("/v1/models/alias").content, rs.ModelCard)
+        assert card.root == "/models/SmolLM2-135M-Instruct"
+    finally:
+        del engine.args
+
+
+def test_ping_answers_as_health_for_get_and_post(http, engine):
+    """vLLM's /ping (SageMaker), GET and POST, without auth: 200, 503 once dead."""
+    assert http.get("/ping").status_code == 200
+    assert http.post("/ping").status_code == 200
+    engine.dead = True
+    try:
+        assert http.get("/ping").status_code == 503
+        assert http.post("/ping").status_code == 503
+    finally:
+        engine.dead = False
+
+
 def test_tokenize_prompt_and_messages(http):
     body = strict(http.post("/tokenize", json={"prompt": "hi"}).content, rs.TokenizeResponse)
     assert (body.count, body.max_model_len, body.tokens, body.token_strs) == (

@@ -201,6 +201,11 @@ def build_routes(
               request_types=(DetokenizeRequest,), response_type=rs.DetokenizeResponse),
         Route("GET", "/health", h(misc.health), "200 while the engine serves, 503 otherwise",
               requires_auth=False, response_content_type="text/plain"),
+        # vLLM's /ping (SageMaker's health check), GET and POST: /health's answer.
+        Route("GET", "/ping", h(misc.health), "As /health (SageMaker's name)",
+              requires_auth=False, response_content_type="text/plain"),
+        Route("POST", "/ping", h(misc.health), "As /health (SageMaker's name)",
+              requires_auth=False, response_content_type="text/plain"),
         Route("GET", "/version", h(misc.version), "Server version", requires_auth=False,
               while_draining=True, response_type=rs.VersionResponse),
         Route("GET", "/metrics", h(misc.metrics), "Prometheus metrics", requires_auth=False,

@@ -33,12 +33,15 @@ logger = logging.getLogger(__name__)
 
 
 def _card(ctx: ServingContext, name: str) -> dict[str, Any]:
+    """The model card of served name `name`; `root` is the model as given to serve (a
+    path or hub id; vLLM's base model path), the same for every served name."""
+    args = getattr(ctx.engine, "args", None)
     return {
         "id": name,
         "object": "model",
         "created": ctx.started_s,
         "owned_by": "flowengine",
-        "root": ctx.engine.model_name,
+        "root": getattr(args, "model", None) or ctx.engine.model_name,
         "max_model_len": ctx.engine.max_model_len,
     }
 
