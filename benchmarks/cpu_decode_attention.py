@@ -59,8 +59,9 @@ def main() -> None:
         q = torch.randn(reqs, hq, d)
         out = torch.empty_like(q)
 
-        def step() -> None:
-            for cache, table in zip(caches, tables):
+        def step(caches=caches, tables=tables, q=q, seq_lens=seq_lens, idx=idx,
+                 out=out) -> None:
+            for cache, table in zip(caches, tables, strict=True):
                 paged_decode_attention(q, cache, table, seq_lens, idx, idx, d ** -0.5, out)
 
         step()

@@ -34,7 +34,6 @@ import statistics
 import time
 
 import torch
-
 from cpu_quant_rows import packed  # this folder is sys.path[0] when run as a script
 
 from flowengine import _cpu_ops as ops
@@ -87,7 +86,7 @@ def main() -> None:
                             "bf16": (1, True)}[body]
         t0 = time.perf_counter()
         for layer in weights[page]:
-            for shape, w in zip(LAYER_SHAPES, layer):
+            for shape, w in zip(LAYER_SHAPES, layer, strict=True):
                 mm(shape, w, m, amx_min, no_int8)
         mm(HEAD, head[page], m, amx_min, no_int8)
         return (time.perf_counter() - t0) * 1e3

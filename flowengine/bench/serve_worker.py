@@ -132,7 +132,7 @@ async def run_client_processes(
     procs: list[asyncio.subprocess.Process] = []
     stderrs: list[asyncio.Future[bytes]] = []
     try:
-        for share in jobs:
+        for _ in jobs:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", WORKER_MODULE,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,

@@ -112,7 +112,7 @@ def _static_rows(states: list[SamplingState], vocab_size: int) -> tuple[list[tup
         first = rows[0] if rows else None
         if first is not None and first[0] == vocab_size and rows.count(first) == len(rows):
             return rows, True  # one row for all: checked once
-        if None in rows or next(zip(*rows), ()).count(vocab_size) != len(rows):
+        if None in rows or next(zip(*rows, strict=False), ()).count(vocab_size) != len(rows):
             rows = [_static_row(s, vocab_size) for s in states]
     return rows, bool(rows) and rows.count(rows[0]) == len(rows)
 

@@ -144,7 +144,7 @@ def test_rotary_on_fused_qkv_views(t):
     with torch.inference_mode():
         one, two = _one_and_two_threads(
             lambda: cpu_kernels.rope_neox(positions, q, k, rope.cos_sin_cache))
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
     with torch.inference_mode(), pytest.raises(IndexError, match="512"):
         cpu_kernels.rope_neox(torch.tensor([512] * t), q, k, rope.cos_sin_cache)
 

@@ -104,7 +104,7 @@ def test_zeros_are_zero_contiguous_and_disjoint(dtype) -> None:
     assert all(c.dtype == dtype and c.is_contiguous() for c in caches)
     assert all(not c.float().any() for c in caches)
     spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in caches)
-    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:], strict=False))
     assert _advised(caches[0].data_ptr())
     caches[0].fill_(1)  # writable, and writing one leaves the others zero
     assert not caches[1].float().any()

@@ -118,7 +118,7 @@ def test_split_k_finished_in_kernel_equals_the_reduce_launch(m, split, device, m
     reference = both()
     monkeypatch.setattr(gemv, "_FUSED_FINISH", True)
     for _ in range(2):
-        for got, want in zip(both(), reference):
+        for got, want in zip(both(), reference, strict=True):
             assert got.dtype == want.dtype and torch.equal(got, want)
     counters = gemv._counters[x.device]
     assert int(counters.count_nonzero()) == 0

@@ -10,20 +10,19 @@ checked here, each 400 naming the limit and its flag.
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import orjson
 
+from flowengine.engine.input_processor import REQUESTED_MAX_TOKENS
 from flowengine.entrypoints.openai.errors import APIError, bad_request
 from flowengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
 )
-from flowengine.engine.input_processor import REQUESTED_MAX_TOKENS
 from flowengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # vLLM allows up to this many logprobs by default (ModelConfig.max_logprobs).
