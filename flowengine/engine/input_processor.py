@@ -438,7 +438,9 @@ class InputProcessor:
 
             validate_structured_outputs(params.structured_outputs,
                                         self.structured_outputs_backend)
-        for name in ("allowed_token_ids", "logit_bias"):
+        # stop_token_ids too, as vLLM (SamplingParams._validate_stop_token_ids): an id
+        # outside the vocabulary can never be sampled, so it could never stop anything.
+        for name in ("allowed_token_ids", "logit_bias", "stop_token_ids"):
             value = getattr(params, name)
             bad = [t for t in (value or ()) if not 0 <= t < self.vocab_size]
             if bad:

@@ -109,6 +109,8 @@ class LLM:
         KeyboardInterrupt from here; the LLM stays usable for the next call.
         """
         prompts = self._prompt_list(prompts)
+        if not prompts:  # vLLM's LLM.generate([]): no prompts, no outputs, nothing runs
+            return []
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give "
                              "one per prompt (vLLM's rule)")
@@ -152,8 +154,10 @@ class LLM:
         """
         from flowengine.tokenize.chat import load_chat_template
 
-        if not isinstance(messages, Sequence) or not messages:
-            raise ValueError("messages must be a non-empty conversation or list of them")
+        if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+            raise ValueError("messages must be a conversation or a list of them")
+        if not messages:  # no conversations (as generate([])): no outputs, nothing runs
+            return []
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         params_list = self._params_list(sampling_params, len(conversations))
         template = load_chat_template(chat_template)
@@ -257,6 +261,8 @@ class LLM:
         ValueError/TypeError and nothing is embedded.
         """
         prompts = self._prompt_list(prompts)
+        if not prompts:  # as generate([])
+            return []
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
@@ -324,12 +330,11 @@ class LLM:
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         """One prompt or a list of them, as a list. Raises TypeError for anything else
-        (None, a number, bytes), ValueError for an empty list."""
+        (None, a number, bytes). An empty list is no prompts (vLLM's), not an empty
+        prompt: [] is returned."""
         if not isinstance(prompts, (str, dict, Sequence)) or isinstance(prompts, bytes):
             raise TypeError("prompts must be a prompt (text, token ids or a dict) or a list "
                             f"of them, not {type(prompts).__name__}")
-        if isinstance(prompts, Sequence) and not isinstance(prompts, str) and not prompts:
-            raise ValueError("the prompt is empty: give a prompt, token ids or a list of them")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):

@@ -36,7 +36,6 @@ def test_capital_of_france_is_paris(llm):
     "make, match",
     [
         (lambda llm: llm.generate("", SamplingParams()), "empty"),
-        (lambda llm: llm.generate([], SamplingParams()), "empty"),
         (lambda llm: llm.generate("word " * 3000, SamplingParams()), "max_model_len is 2048"),
         (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
         (lambda llm: llm.generate("hi", SamplingParams(temperature=-1)), "temperature"),
@@ -45,7 +44,6 @@ def test_capital_of_france_is_paris(llm):
         (lambda llm: llm.generate("hi", SamplingParams(n=0)), "n must be"),
         (lambda llm: llm.generate([10**9], SamplingParams()), "outside the vocabulary"),
         (lambda llm: llm.generate("hi", SamplingParams(logprobs=100)), "max_logprobs"),
-        (lambda llm: llm.chat([], SamplingParams()), "non-empty"),
     ],
 )
 def test_bad_input_is_refused_and_engine_keeps_serving(llm, make, match):
@@ -53,6 +51,26 @@ def test_bad_input_is_refused_and_engine_keeps_serving(llm, make, match):
         make(llm)
     out = llm.generate("The sky is", SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+    _free(llm)
+
+
+def test_empty_lists_are_no_work_and_no_outputs(llm, monkeypatch):
+    """vLLM's LLM.generate([]) returns []; it was "the prompt is empty". The same for
+    chat (no conversations), beam_search, and (before the pooling-runner check)
+    nothing is submitted: the request ids do not advance, _run is not called."""
+    def no_run(*args, **kwargs):
+        raise AssertionError("an empty list started work")
+
+    before = next(llm._ids)
+    with monkeypatch.context() as m:
+        m.setattr(llm, "_run", no_run)
+        assert llm.generate([], SamplingParams(max_tokens=2)) == []
+        assert llm.generate([]) == []
+        assert llm.chat([], SamplingParams(max_tokens=2)) == []
+        assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2)) == []
+    assert next(llm._ids) == before + 1
+    with pytest.raises(ValueError, match="empty"):  # an empty prompt is still refused
+        llm.generate({"prompt_token_ids": []}, SamplingParams())
     _free(llm)
 
 

@@ -47,15 +47,20 @@ def test_a_priority_that_is_not_an_int64_is_refused(ip, priority, error, match) 
     assert ip.process("r1", "hi", SamplingParams(max_tokens=2), priority=-(2**63)).children
 
 
-@pytest.mark.parametrize("field", ["allowed_token_ids", "logit_bias"])
-def test_a_token_id_outside_the_vocabulary_names_its_field(ip, field) -> None:
-    """The HTTP error's `param` is the field (it was null)."""
+@pytest.mark.parametrize("field", ["allowed_token_ids", "logit_bias", "stop_token_ids"])
+@pytest.mark.parametrize("offset", [0, 99999999])
+def test_a_token_id_outside_the_vocabulary_names_its_field(ip, field, offset) -> None:
+    """The HTTP error's `param` is the field (it was null); stop_token_ids are checked
+    as vLLM checks them (they were accepted and could never match)."""
     vocab_size = len(ip.tokenizer)
-    value = [vocab_size] if field == "allowed_token_ids" else {vocab_size: 1.0}
-    with pytest.raises(RequestFieldError, match=f"^{field} has token id {vocab_size} "
-                       "outside the vocabulary") as info:
+    bad = vocab_size + offset
+    value = {bad: 1.0} if field == "logit_bias" else [1, bad]
+    with pytest.raises(RequestFieldError, match=rf"^{field} has token id {bad} outside "
+                       rf"the vocabulary \[0, {vocab_size}\)") as info:
         ip.process("r1", "hi", SamplingParams(max_tokens=2, **{field: value}))
     assert info.value.param == field
+    inside = {vocab_size - 1: 1.0} if field == "logit_bias" else [0, vocab_size - 1]
+    assert ip.process("r1", "hi", SamplingParams(max_tokens=2, **{field: inside})).children
 
 
 @pytest.mark.parametrize("ip", ["fcfs"], indirect=True)

@@ -61,7 +61,6 @@ def test_defaults_are_openais():
     assert _resolve(tools=[TIME]).tools == [{"type": "function", "function": {
         "name": "get_time", "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
     assert _resolve(tools=[WEATHER], tool_choice="none").mode == "none"
-    assert _resolve(tools=[], tool_choice="required").mode == "none"  # OpenAI's rule
     named = _resolve(tools=[WEATHER, TIME], tool_choice={
         "type": "function", "function": {"name": "get_time"}})  # fmt: skip
     assert (named.mode, named.function_name) == ("named", "get_time")
@@ -94,6 +93,23 @@ def test_bad_tools_name_the_field(fields, auto, param, text):
     err = _error(auto, **fields)
     assert err.param == param
     assert text in err.message
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", "auto", {"type": "function", "function": {"name": "f"}}]
+)
+def test_empty_tools_are_refused(tool_choice):
+    """`tools: []` is OpenAI's 400 (it was "none" for required: plain text). The chat
+    struct refuses it at decode; resolve_tool_choice refuses it for any other caller
+    unless tool_choice is none (the Responses route's `tools: []`)."""
+    with pytest.raises(msgspec.ValidationError, match=r"length >= 1 - at `\$.tools`"):
+        _req(tools=[], tool_choice=tool_choice)
+    choice = _req(tools=[TIME], tool_choice=tool_choice).tool_choice  # decoded
+    with pytest.raises(APIError) as info:
+        resolve_tool_choice([], choice, None, auto_enabled=True)
+    assert (info.value.status, info.value.param) == (400, "tools")
+    assert resolve_tool_choice([], "none", None, auto_enabled=True).mode == "none"
+    assert resolve_tool_choice([], None, None, auto_enabled=True).mode == "none"
 
 
 def test_named_schema_is_the_functions_parameters():

@@ -220,6 +220,42 @@ def test_named_and_required_parse_their_forced_formats(http, engine):
     assert simple(joined) == simple(choice["message"]) and joined["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize(
+    ("script", "fields"),
+    [
+        ("forced named", {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        ("forced required", {"tool_choice": "required"}),
+        ("two calls", {}),  # auto, hermes
+        ("think then call", {}),
+    ],
+)
+def test_a_chunk_has_one_tool_call_entry_per_index(http, engine, script, fields):
+    """OpenAI and vLLM send one `delta.tool_calls` entry per index per chunk: the call's
+    first entry carries id, type, name and its first arguments text. A named function's
+    first chunk had two entries of index 0 (id/name, then arguments "{")."""
+    engine.scripts["forced named"] = '{"city": "Rome"}'
+    engine.scripts["forced required"] = (
+        '[{"name": "get_time", "parameters": {"tz": "UTC"}}, '
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    )
+    chunks = stream(http, script, **fields)
+    first_pieces = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            indexes = [p["index"] for p in choice["delta"].get("tool_calls") or []]
+            assert len(indexes) == len(set(indexes)), choice["delta"]
+            for piece in choice["delta"].get("tool_calls") or []:
+                first_pieces.setdefault(piece["index"], piece)
+    assert first_pieces and all(
+        set(p) == {"index", "id", "type", "function"} and p["type"] == "function"
+        and p["function"]["name"] for p in first_pieces.values())  # fmt: skip
+    if script == "forced named":
+        [piece] = first_pieces.values()
+        assert piece["function"]["name"] == "get_weather"
+        assert piece["function"]["arguments"].startswith("{")
+    assert simple(join(chunks)) == simple(chat(http, script, **fields)["message"])
+
+
 def test_multi_turn_messages_reach_the_engine(http, engine):
     body = {
         "messages": [
@@ -297,6 +333,14 @@ def test_langchain_bind_tools_auto(servers):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "'nope'"),
         ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+        # An empty tools array is invalid whatever the tool_choice (OpenAI's 400 on
+        # `tools: []`); it was answered as plain text.
+        ({"tools": [], "tool_choice": "required"}, "tools", "length >= 1"),
+        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools", "length >= 1"),
+        ({"tools": [], "tool_choice": "auto"}, "tools", "length >= 1"),
+        ({"tools": [], "tool_choice": "none"}, "tools", "length >= 1"),
+        ({"tools": []}, "tools", "length >= 1"),
         ({"tools": [{"type": "function"}]}, "tools[0]", "missing required field `function`"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
           "tool_calls": [{"id": "c", "type": "function", "function": {

@@ -21,6 +21,7 @@ from flowengine.entrypoints.openai.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
+from flowengine.entrypoints.openai.tool_parsers.base import add_piece
 from flowengine.entrypoints.openai.tool_parsers.request import ToolChoice
 from flowengine.reasoning import ThinkReasoningParser, get_reasoning_parser
 
@@ -104,7 +105,8 @@ class ChoiceDelta:
     def extend(self, other: ChoiceDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
-        self.tool_calls.extend(other.tool_calls)
+        for piece in other.tool_calls:
+            add_piece(self.tool_calls, piece)
 
     def delta_json(self) -> dict[str, Any]:
         """OpenAI's (and vLLM's, for `reasoning_content`) `delta` object."""
@@ -160,7 +162,8 @@ class ChoiceParser:
         if final:
             rest = self.tools.finish()
             out.content += rest.content
-            out.tool_calls.extend(rest.tool_calls)
+            for piece in rest.tool_calls:
+                add_piece(out.tool_calls, piece)
         if not self.choice.parallel_tool_calls:  # OpenAI: at most one call
             out.tool_calls = [d for d in out.tool_calls if d.index == 0]
         self.num_tool_calls = max(

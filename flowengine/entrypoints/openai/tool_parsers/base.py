@@ -55,6 +55,19 @@ class ToolCallDelta:
         return body
 
 
+def add_piece(pieces: list[ToolCallDelta], piece: ToolCallDelta) -> None:
+    """Add `piece` to the pieces of one chunk, merged into the entry of its index when
+    there is one: OpenAI and vLLM send one `delta.tool_calls` entry per index per
+    chunk (the call's first one with id, type, name and its first arguments text)."""
+    for have in pieces:
+        if have.index == piece.index:
+            have.id = have.id if have.id is not None else piece.id
+            have.name = have.name if have.name is not None else piece.name
+            have.arguments += piece.arguments
+            return
+    pieces.append(piece)
+
+
 @dataclass
 class ParsedDelta:
     """What a parser releases for one text delta: content text and tool-call pieces."""
@@ -67,7 +80,8 @@ class ParsedDelta:
 
     def extend(self, other: ParsedDelta) -> None:
         self.content += other.content
-        self.tool_calls.extend(other.tool_calls)
+        for piece in other.tool_calls:
+            add_piece(self.tool_calls, piece)
 
 
 @dataclass

@@ -5,7 +5,9 @@ Rules are OpenAI's and vLLM's (vllm/entrypoints/openai/protocol.py,
 `check_tool_usage` and `_get_json_schema_from_tool`):
 - no `tool_choice` with tools means "auto", without tools "none";
 - `tool_choice` other than "none" needs `tools`; a named function must be one of them;
-- "required" with an empty tools list is "none";
+- an empty tools list is OpenAI's 400 ("[] is too short - 'tools'"), whatever the
+  tool_choice: the chat request struct refuses it (protocol.py, min_length=1); the
+  Responses route passes one for `tools: []` (valid there) with tool_choice none;
 - "auto" needs the server's `--enable-auto-tool-choice` and `--tool-call-parser`;
 - a tool's `parameters` must be a JSON Schema of an object (OpenAI's rule), checked
   against the JSON Schema meta-schema.
@@ -82,8 +84,11 @@ def resolve_tool_choice(
         return ToolChoice("none", tools=checked, parallel_tool_calls=parallel)
     if checked is None:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
-    if tool_choice == "required" and not checked:
-        return ToolChoice("none", tools=None, parallel_tool_calls=parallel)  # OpenAI's rule
+    if not checked:  # NOTE: only the chat route's struct refuses `tools: []` itself
+        raise bad_request(
+            "tools is an empty array; send at least one tool, or leave tools out",
+            "tools",
+        )
     if tool_choice == "auto":
         if not auto_enabled:
             raise bad_request(

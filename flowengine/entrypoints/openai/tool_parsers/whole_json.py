@@ -14,7 +14,12 @@ Output that breaks before a call's name is content (see base.py).
 
 from __future__ import annotations
 
-from flowengine.entrypoints.openai.tool_parsers.base import ParsedDelta, ToolCallDelta, ToolParser
+from flowengine.entrypoints.openai.tool_parsers.base import (
+    ParsedDelta,
+    ToolCallDelta,
+    ToolParser,
+    add_piece,
+)
 from flowengine.entrypoints.openai.tool_parsers.json_calls import JsonCallScanner
 
 
@@ -122,8 +127,8 @@ class NamedToolParser(ToolParser):
             self._started = True
             out.tool_calls.append(self.new_call(self.function_name))
         stripped = text.rstrip()
-        if stripped:
-            out.tool_calls.append(self._args(self._held + stripped))
+        if stripped:  # the call's first arguments join its id/name entry
+            add_piece(out.tool_calls, self._args(self._held + stripped))
             self._held = text[len(stripped):]
         else:
             self._held += text
