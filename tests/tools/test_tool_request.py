@@ -96,20 +96,20 @@ def test_bad_tools_name_the_field(fields, auto, param, text):
 
 
 @pytest.mark.parametrize(
-    "tool_choice", ["required", "auto", {"type": "function", "function": {"name": "f"}}]
+    "tool_choice", ["required", {"type": "function", "function": {"name": "f"}}]
 )
-def test_empty_tools_are_refused(tool_choice):
-    """`tools: []` is OpenAI's 400 (it was "none" for required: plain text). The chat
-    struct refuses it at decode; resolve_tool_choice refuses it for any other caller
-    unless tool_choice is none (the Responses route's `tools: []`)."""
-    with pytest.raises(msgspec.ValidationError, match=r"length >= 1 - at `\$.tools`"):
-        _req(tools=[], tool_choice=tool_choice)
-    choice = _req(tools=[TIME], tool_choice=tool_choice).tool_choice  # decoded
+def test_empty_tools_refused_where_a_tool_call_is_required(tool_choice):
+    """`tools: []` with "required" or a named function is a 400 naming tools (it was
+    "none" for required: plain text); with none, auto or no tool_choice it is no tools
+    (vLLM accepts it)."""
+    choice = _req(tools=[], tool_choice=tool_choice).tool_choice  # decoded
     with pytest.raises(APIError) as info:
         resolve_tool_choice([], choice, None, auto_enabled=True)
     assert (info.value.status, info.value.param) == (400, "tools")
-    assert resolve_tool_choice([], "none", None, auto_enabled=True).mode == "none"
-    assert resolve_tool_choice([], None, None, auto_enabled=True).mode == "none"
+    assert "asks for a tool call" in info.value.message
+    for lenient in ("none", "auto", None):
+        resolved = resolve_tool_choice([], lenient, None, auto_enabled=True)
+        assert resolved.mode == "none" and not resolved.tools
 
 
 def test_named_schema_is_the_functions_parameters():

@@ -333,14 +333,11 @@ def test_langchain_bind_tools_auto(servers):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice", "'nope'"),
         ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
-        # An empty tools array is invalid whatever the tool_choice (OpenAI's 400 on
-        # `tools: []`); it was answered as plain text.
-        ({"tools": [], "tool_choice": "required"}, "tools", "length >= 1"),
+        # An empty tools array cannot satisfy "required" or a named function; it was
+        # answered as plain text.
+        ({"tools": [], "tool_choice": "required"}, "tools", "asks for a tool call"),
         ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-         "tools", "length >= 1"),
-        ({"tools": [], "tool_choice": "auto"}, "tools", "length >= 1"),
-        ({"tools": [], "tool_choice": "none"}, "tools", "length >= 1"),
-        ({"tools": []}, "tools", "length >= 1"),
+         "tools", "asks for a tool call"),
         ({"tools": [{"type": "function"}]}, "tools[0]", "missing required field `function`"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
           "tool_calls": [{"id": "c", "type": "function", "function": {

@@ -287,8 +287,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # Tool calling (OpenAI's fields): tools reach the chat template; tool_choice none,
     # auto (parsed by --tool-call-parser), required or a named function (both enforced
     # by a JSON schema); parallel_tool_calls false allows one call. An empty `tools`
-    # array is a 400 whatever the tool_choice, as OpenAI's ("[] is too short - 'tools'").
-    tools: Annotated[list[ChatCompletionTool], msgspec.Meta(min_length=1)] | None = None
+    # array is no tools (as vLLM accepts it), a 400 with "required" or a named function.
+    tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None

@@ -5,9 +5,9 @@ Rules are OpenAI's and vLLM's (vllm/entrypoints/openai/protocol.py,
 `check_tool_usage` and `_get_json_schema_from_tool`):
 - no `tool_choice` with tools means "auto", without tools "none";
 - `tool_choice` other than "none" needs `tools`; a named function must be one of them;
-- an empty tools list is OpenAI's 400 ("[] is too short - 'tools'"), whatever the
-  tool_choice: the chat request struct refuses it (protocol.py, min_length=1); the
-  Responses route passes one for `tools: []` (valid there) with tool_choice none;
+- an empty tools list is no tools with tool_choice none or auto (vLLM accepts it; OpenAI
+  refuses `tools: []` outright), and a 400 naming `tools` with "required" or a named
+  function, which need a tool to call (it used to be "none": plain text);
 - "auto" needs the server's `--enable-auto-tool-choice` and `--tool-call-parser`;
 - a tool's `parameters` must be a JSON Schema of an object (OpenAI's rule), checked
   against the JSON Schema meta-schema.
@@ -84,9 +84,12 @@ def resolve_tool_choice(
         return ToolChoice("none", tools=checked, parallel_tool_calls=parallel)
     if checked is None:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
-    if not checked:  # NOTE: only the chat route's struct refuses `tools: []` itself
+    if not checked:
+        if tool_choice == "auto":
+            return ToolChoice("none", tools=None, parallel_tool_calls=parallel)
         raise bad_request(
-            "tools is an empty array; send at least one tool, or leave tools out",
+            "tools is an empty array, but tool_choice asks for a tool call; send at "
+            "least one tool",
             "tools",
         )
     if tool_choice == "auto":
