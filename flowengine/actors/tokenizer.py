@@ -118,8 +118,9 @@ class TokenizerActor:
         """Tokenize and validate `job`, register it with the Detokenizer and send its
         `NewRequest`s to the engine. Returns the `ProcessedPrompt`.
 
-        Raises RequestValidationError for bad input (nothing registered or sent), any
-        other exception of the input processor (logged by type only, no prompt text),
+        Raises RequestValidationError for bad input (nothing registered or sent; a plain
+        ValueError of the input processor becomes one), any other exception of the input
+        processor (logged by type only, no prompt text),
         EngineDeadError when the engine's channel is closed. Cancelled while sending:
         what was registered is forgotten and the children already sent are aborted.
         """
@@ -135,11 +136,18 @@ class TokenizerActor:
                 await anyio.lowlevel.checkpoint_if_cancelled()
             else:
                 processed = self._process(job)
+        except RequestValidationError:
+            raise
+        except ValueError as exc:
+            # NOTE: this stage validates the request: a plain ValueError here comes from
+            # a check of its input (pooling dimensions, a field's range, ...) that does
+            # not raise the dedicated type; the client gets it as its fault (400), as
+            # before RequestValidationError existed.
+            raise RequestValidationError(str(exc), getattr(exc, "param", None)) from exc
         except Exception as exc:
-            if not isinstance(exc, RequestValidationError):
-                # Not a validation error: worth a log line (type only, no prompt text).
-                logger.warning("request %s failed in the tokenizer: %s",
-                               job.request_id, type(exc).__name__)
+            # Not a validation error: worth a log line (type only, no prompt text).
+            logger.warning("request %s failed in the tokenizer: %s",
+                           job.request_id, type(exc).__name__)
             raise
         finally:
             self.busy_s += time.perf_counter() - start

@@ -101,9 +101,10 @@ def test_beam_search_feeds_the_latency_metrics():
     for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds"):
         assert _count(after, name) - _count(before, name) == 1 + 2 * 2, name
 
-def test_max_tokens_over_the_context_is_lowered_as_for_sampling():
-    # max_model_len 12, prompt "abc" (3 byte tokens): 9 tokens of room per beam, as a
-    # sampled request with the same max_tokens gets; neither is refused.
+def test_max_tokens_over_the_context_is_lowered_for_beams():
+    # max_model_len 12, prompt "abc" (3 byte tokens): 9 tokens of room per beam. A
+    # sampled request with the same max_tokens is refused since df5fae2 (vLLM's 400 for
+    # a cap that does not fit); the beam route keeps lowering it to the room left.
     engine = FakeEngine(max_model_len=12)
     with LiveServer(engine) as live, httpx.Client(base_url=live.base_url, timeout=60) as http:
         for max_tokens in (10**12, 9, None):
@@ -114,6 +115,9 @@ def test_max_tokens_over_the_context_is_lowered_as_for_sampling():
             assert [c["finish_reason"] for c in choices] == ["length", "length"]
             assert resp.json()["usage"]["completion_tokens"] == 2 * 9
         sampled = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 10**12})
+        assert sampled.status_code == 400, sampled.text
+        assert sampled.json()["error"]["param"] == "max_tokens"
+        sampled = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 9})
         assert sampled.json()["usage"]["completion_tokens"] == 9
 
 
