@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -44,6 +48,18 @@ class _QueueLimitedEngine:
         return self._outputs(request_id)
 
 
+def _press_ctrl_c_after(started: threading.Event) -> None:
+    """SIGINT to this process from a thread, once `started` is set and 0.2 s more have
+    passed (the caller waits in generate() by then)."""
+
+    def press() -> None:
+        started.wait(5)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=press).start()
+
+
 @pytest.mark.parametrize("method", ["generate", "embed"])
 def test_batch_larger_than_the_queue_waits_for_room_instead_of_failing(method):
     """vLLM's LLM takes any number of prompts; the multiproc LLM (the CUDA default)
@@ -70,10 +86,7 @@ def test_interrupting_a_batch_aborts_its_requests(recwarn):
     the engine, unseen, delaying the next batch. The jobs still waiting for room in
     the queue are dropped quietly (not one never-awaited coroutine warning each)."""
     import gc
-    import os
-    import signal
     import threading
-    import time
 
     started = threading.Event()
     ended: list[str] = []
@@ -90,12 +103,7 @@ def test_interrupting_a_batch_aborts_its_requests(recwarn):
     background = BackgroundEngine(EndlessEngine())
     try:
 
-        def press_ctrl_c() -> None:
-            started.wait(5)
-            time.sleep(0.2)  # the caller waits in generate() by now
-            os.kill(os.getpid(), signal.SIGINT)
-
-        threading.Thread(target=press_ctrl_c).start()
+        _press_ctrl_c_after(started)
         with pytest.raises(KeyboardInterrupt):
             background.generate([([1], None, f"r{i}", 0) for i in range(5)], lambda: None)
         background.call(asyncio.sleep(0.1))
@@ -140,10 +148,7 @@ def test_ctrl_c_in_llm_generate_is_a_plain_keyboard_interrupt_and_the_llm_stays_
     and the next generate works. It used to show the frames where the signal landed
     (BackgroundEngine.call, concurrent.futures, threading's lock)."""
     import itertools
-    import os
-    import signal
     import threading
-    import time
     import traceback
     from types import SimpleNamespace
 
@@ -170,12 +175,7 @@ def test_ctrl_c_in_llm_generate_is_a_plain_keyboard_interrupt_and_the_llm_stays_
     llm._background = BackgroundEngine(SlowFirstBatchEngine())
     try:
 
-        def press_ctrl_c() -> None:
-            started.wait(5)
-            time.sleep(0.2)  # the caller waits in generate() by now
-            os.kill(os.getpid(), signal.SIGINT)
-
-        threading.Thread(target=press_ctrl_c).start()
+        _press_ctrl_c_after(started)
         with pytest.raises(KeyboardInterrupt) as info:
             llm.generate(["a"], SamplingParams(), use_tqdm=False)
         frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
