@@ -58,13 +58,10 @@ def llama3_rope_factors(config: object) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_tiny_llama_gguf(model: torch.nn.Module, path: str) -> None:
-    """Write `model` (a transformers LlamaForCausalLM, vocab VOCAB_SIZE, untied) to `path`.
-
-    token_embd is stored as Q8_0 and output as F16; `model`'s copies of those weights
-    are replaced by their dequantized values.
-    """
-    cfg = model.config
+def llama_gguf_writer(path: str, cfg: object) -> GGUFWriter:
+    """A GGUFWriter for `path` holding a Llama config's metadata (as llama.cpp's
+    converter writes it) and the byte-level vocabulary of VOCAB_SIZE tokens; the caller
+    adds the tensors and writes the file."""
     writer = GGUFWriter(path, "llama")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -85,6 +82,17 @@ def write_tiny_llama_gguf(model: torch.nn.Module, path: str) -> None:
     writer.add_bos_token_id(257)
     writer.add_eos_token_id(258)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return writer
+
+
+def write_tiny_llama_gguf(model: torch.nn.Module, path: str) -> None:
+    """Write `model` (a transformers LlamaForCausalLM, vocab VOCAB_SIZE, untied) to `path`.
+
+    token_embd is stored as Q8_0 and output as F16; `model`'s copies of those weights
+    are replaced by their dequantized values.
+    """
+    cfg = model.config
+    writer = llama_gguf_writer(path, cfg)
 
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     with torch.no_grad():

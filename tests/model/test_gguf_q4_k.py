@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from tokenizers.pre_tokenizers import ByteLevel
+from tiny_gguf import VOCAB_SIZE, llama_cpp_permute, llama_gguf_writer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowengine.model.layers.quant_linear import (
@@ -84,17 +84,11 @@ _PROJ = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def _permute(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's LlamaModel.permute on the row axis (works on raw block rows too)."""
-    return (rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:])
-            .swapaxes(1, 2).reshape(rows.shape))
-
-
 def _write_q4_k_llama(path: str) -> LlamaForCausalLM:
     """A 2-layer Llama (hidden 256, MLP 512: whole Q4_K super-blocks) written as GGUF
     with every projection Q4_K; returns the transformers model holding the repacked
     (Q4_1) values of those weights, float32."""
-    cfg = LlamaConfig(vocab_size=259, hidden_size=256, intermediate_size=512,
+    cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=512, rope_theta=10000.0, bos_token_id=257,
                       eos_token_id=258)
@@ -106,25 +100,7 @@ def _write_q4_k_llama(path: str) -> LlamaForCausalLM:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.5 * torch.randn_like(param))
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(sorted(ByteLevel.alphabet()) + ["he", "<s>", "</s>"])
-    writer.add_token_types([1] * 257 + [3, 3])
-    writer.add_token_merges(["h e"])
-    writer.add_bos_token_id(257)
-    writer.add_eos_token_id(258)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    writer = llama_gguf_writer(path, cfg)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     writer.add_tensor("output.weight", state["lm_head.weight"])
@@ -141,9 +117,9 @@ def _write_q4_k_llama(path: str) -> LlamaForCausalLM:
                 raw = _random_q4_k(rows, cols, rng, scale=0.004)
                 weight.copy_(torch.from_numpy(_q4_1_values(raw, rows, cols)))
                 if gg == "attn_q":
-                    raw = _permute(raw, cfg.num_attention_heads)
+                    raw = llama_cpp_permute(raw, cfg.num_attention_heads)
                 elif gg == "attn_k":
-                    raw = _permute(raw, cfg.num_key_value_heads)
+                    raw = llama_cpp_permute(raw, cfg.num_key_value_heads)
                 writer.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(raw),
                                   raw_dtype=Q4_K)
     writer.write_header_to_file()
